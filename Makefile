@@ -1,0 +1,28 @@
+# Every target works on a fresh machine: it creates a local virtualenv (.venv) and installs the package
+# into it, editable, the first time, and again whenever pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m nanoeuler train small --data shakespeare.txt
+
+check: $(STAMP)
+	$(PY) -m nanoeuler check
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+from nanoeuler.cli import main
+
+main()

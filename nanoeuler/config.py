@@ -1,0 +1,127 @@
+"""Model configuration: the three presets, the parameter layout and the initialisation.
+
+Everything that has to agree between the engines, the checkpoint and the exporters lives here: the
+tensor names and shapes of DESIGN.md, in the order they sit in the one flat parameter buffer.
+"""
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    hidden: int = 384
+    vocab_size: int = 512
+    context: int = 128
+    mtp_heads: int = 2          # K: head k predicts the token 1+k positions ahead
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden", "vocab_size", "context", "mtp_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_heads
+
+    def to_json(self):
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        d = json.loads(text)
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+
+def _hidden(dim):
+    # Llama's SwiGLU width: 8/3 of dim (same parameter count as a 4x GELU MLP), rounded up to 64.
+    return 64 * math.ceil(8 * dim / 3 / 64)
+
+
+PRESETS = {
+    # name: dim, layers, q heads, kv heads, context, vocab, K
+    "small": Config(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden=_hidden(128),
+                    vocab_size=512, context=128, mtp_heads=2),
+    "big": Config(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, hidden=_hidden(384),
+                  vocab_size=4096, context=256, mtp_heads=2),
+    "base": Config(dim=768, n_layers=16, n_heads=12, n_kv_heads=4, hidden=_hidden(768),
+                   vocab_size=4096, context=512, mtp_heads=4),
+}
+
+
+def param_shapes(cfg):
+    """(name, shape) for every tensor, in flat-buffer order."""
+    hd = cfg.head_dim
+    shapes = [("tok_emb", (cfg.vocab_size, cfg.dim))]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        shapes += [
+            (p + "attn_norm", (cfg.dim,)),
+            (p + "wq", (cfg.n_heads * hd, cfg.dim)),
+            (p + "wk", (cfg.n_kv_heads * hd, cfg.dim)),
+            (p + "wv", (cfg.n_kv_heads * hd, cfg.dim)),
+            (p + "wo", (cfg.dim, cfg.n_heads * hd)),
+            (p + "ffn_norm", (cfg.dim,)),
+            (p + "w_gate", (cfg.hidden, cfg.dim)),
+            (p + "w_up", (cfg.hidden, cfg.dim)),
+            (p + "w_down", (cfg.dim, cfg.hidden)),
+        ]
+    shapes.append(("final_norm", (cfg.dim,)))
+    shapes += [(f"heads.{k}", (cfg.vocab_size, cfg.dim)) for k in range(cfg.mtp_heads)]
+    return shapes
+
+
+def param_layout(cfg):
+    """{name: (offset, shape)} into the flat buffer, and the total element count."""
+    layout, offset = {}, 0
+    for name, shape in param_shapes(cfg):
+        layout[name] = (offset, shape)
+        offset += math.prod(shape)
+    return layout, offset
+
+
+def param_count(cfg):
+    return param_layout(cfg)[1]
+
+
+def views(flat, cfg):
+    """Named views (no copies) into a flat buffer laid out by param_layout; works for numpy and cupy."""
+    layout, total = param_layout(cfg)
+    assert flat.size == total, (flat.size, total)
+    return {name: flat[off:off + math.prod(shape)].reshape(shape) for name, (off, shape) in layout.items()}
+
+
+def is_matrix(name):
+    """Weight decay applies to matrices only, never to the norm gains."""
+    return not name.endswith("norm")
+
+
+def init_params(cfg, seed=0, dtype=np.float32):
+    """Normal(0, 0.02) weights; the projections that write into the residual stream (wo, w_down) scaled by
+    1/sqrt(2 * n_layers) so the residual variance does not grow with depth (GPT-2); norm gains at 1."""
+    rng = np.random.default_rng(seed)
+    flat = np.empty(param_count(cfg), dtype=dtype)
+    v = views(flat, cfg)
+    out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
+    for name, shape in param_shapes(cfg):
+        if name.endswith("norm"):
+            v[name][...] = 1.0
+        else:
+            std = 0.02 * (out_scale if name.endswith(("wo", "w_down")) else 1.0)
+            v[name][...] = rng.normal(0.0, std, size=shape)
+    return flat

@@ -1,0 +1,311 @@
+"""The CPU engine's layers: numba forward/backward pairs, the reference every GPU kernel is checked against.
+
+One source serves float32 (training) and float64 (the gradient check): numba compiles each function once per
+dtype it is called with, and every temporary takes the dtype of its inputs. Row-wise work runs in parallel
+with `prange`; the large matrix products go to NumPy's BLAS.
+
+Conventions (as in llm.c): activation gradients overwrite, parameter gradients accumulate, except where a
+docstring says an input gradient accumulates (the residual stream's). Shapes in comments: B batch, T time,
+N = B*T rows, C model dim, H query heads, G kv heads, D head dim, F ffn hidden width, K heads, V vocab.
+The attention and rope layers work on the fused QKV activation `(B, T, H + 2G, D)`: q heads, then k heads,
+then v heads, which is what one matmul against the adjacent wq|wk|wv rows of the flat buffer produces.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+jit = dict(cache=True, nogil=True)
+pjit = dict(cache=True, nogil=True, parallel=True)
+
+
+# ---------------------------------------------------------------------------------------------- matmul
+def matmul_forward(out, x, w, accumulate=False):
+    """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
+    if accumulate:
+        out += x @ w.T
+    else:
+        np.matmul(x, w.T, out=out)
+
+
+def matmul_backward(dx, dw, dout, x, w, accumulate_dx=False):
+    """dx (N, I) = dout @ w (or += when accumulate_dx); dw (O, I) += dout.T @ x."""
+    if accumulate_dx:
+        dx += dout @ w
+    else:
+        np.matmul(dout, w, out=dx)
+    dw += dout.T @ x
+
+
+# ------------------------------------------------------------------------------------------- embedding
+@njit(**pjit)
+def embedding_forward(out, tokens, emb):
+    """out (N, C) = emb (V, C)[tokens (N,)]"""
+    for n in prange(tokens.shape[0]):
+        out[n, :] = emb[tokens[n], :]
+
+
+@njit(**jit)
+def embedding_backward(demb, dout, tokens):
+    """demb (V, C) += scatter of dout (N, C) by token; serial because tokens repeat."""
+    for n in range(tokens.shape[0]):
+        t = tokens[n]
+        for c in range(dout.shape[1]):
+            demb[t, c] += dout[n, c]
+
+
+# --------------------------------------------------------------------------------------------- rmsnorm
+@njit(**pjit)
+def rmsnorm_forward(out, rstd, x, w, eps):
+    """out (N, C) = x / sqrt(mean(x^2) + eps) * w;  rstd (N,) kept for the backward pass."""
+    N, C = x.shape
+    for n in prange(N):
+        ss = 0.0
+        for c in range(C):
+            ss += x[n, c] * x[n, c]
+        r = 1.0 / math.sqrt(ss / C + eps)
+        rstd[n] = r
+        for c in range(C):
+            out[n, c] = x[n, c] * r * w[c]
+
+
+@njit(**jit)
+def rmsnorm_backward(dx, dw, dout, x, w, rstd):
+    """dx (N, C) += d/dx (accumulates into the residual gradient); dw (C,) += sum_n dout * x * rstd.
+
+    With xhat = x * r:  dx = r * (g - xhat * mean(g * xhat)),  g = dout * w.
+    """
+    N, C = x.shape
+    dw_rows = np.empty((N, C), dtype=dw.dtype)
+    _rmsnorm_backward_rows(dx, dw_rows, dout, x, w, rstd)
+    for n in range(N):  # serial reduction over rows keeps dw deterministic
+        for c in range(C):
+            dw[c] += dw_rows[n, c]
+
+
+@njit(**pjit)
+def _rmsnorm_backward_rows(dx, dw_rows, dout, x, w, rstd):
+    N, C = x.shape
+    for n in prange(N):
+        r = rstd[n]
+        dot = 0.0
+        for c in range(C):
+            dot += dout[n, c] * w[c] * x[n, c] * r
+        dot /= C
+        for c in range(C):
+            xhat = x[n, c] * r
+            dx[n, c] += r * (dout[n, c] * w[c] - xhat * dot)
+            dw_rows[n, c] = dout[n, c] * xhat
+
+
+# ------------------------------------------------------------------------------------------------ rope
+def rope_tables(head_dim, max_pos, theta, dtype):
+    """cos, sin (max_pos, D/2): angle = pos * theta^(-2i/D), the rotate-half (Hugging Face Llama) pairing."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+@njit(**pjit)
+def rope_forward(qkv, cos, sin, n_rot_heads, pos0):
+    """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos0 + t.
+
+    Element i pairs with i + D/2:  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+    """
+    B, T, _, D = qkv.shape
+    half = D // 2
+    for bt in prange(B * T):
+        b, t = bt // T, bt % T
+        p = pos0 + t
+        for h in range(n_rot_heads):
+            for i in range(half):
+                x1 = qkv[b, t, h, i]
+                x2 = qkv[b, t, h, i + half]
+                qkv[b, t, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
+                qkv[b, t, h, i + half] = x2 * cos[p, i] + x1 * sin[p, i]
+
+
+@njit(**pjit)
+def rope_backward(dqkv, cos, sin, n_rot_heads, pos0):
+    """In place: the transpose of the rotation, (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin)."""
+    B, T, _, D = dqkv.shape
+    half = D // 2
+    for bt in prange(B * T):
+        b, t = bt // T, bt % T
+        p = pos0 + t
+        for h in range(n_rot_heads):
+            for i in range(half):
+                d1 = dqkv[b, t, h, i]
+                d2 = dqkv[b, t, h, i + half]
+                dqkv[b, t, h, i] = d1 * cos[p, i] + d2 * sin[p, i]
+                dqkv[b, t, h, i + half] = d2 * cos[p, i] - d1 * sin[p, i]
+
+
+# ------------------------------------------------------------------------------------------- attention
+@njit(**pjit)
+def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
+    """Causal grouped-query attention.
+
+    qkv (B, Tk, H+2G, D) holds keys/values for positions 0..Tk-1; the queries are its rows q_start..Tk-1
+    (q_start = 0 in training, the cache position when decoding). out (B, Tq, H, D), lse (B, H, Tq) the
+    per-row logsumexp of the scaled scores, the only thing the backward pass needs besides out.
+    Query head h reads kv head h // (H/G).
+    """
+    B, Tk, _, D = qkv.shape
+    Tq = Tk - q_start
+    group = n_heads // n_kv_heads
+    scale = 1.0 / math.sqrt(D)
+    for bh in prange(B * n_heads):
+        b, h = bh // n_heads, bh % n_heads
+        kh = n_heads + h // group
+        vh = n_heads + n_kv_heads + h // group
+        scores = np.empty(Tk, dtype=qkv.dtype)
+        acc = np.empty(D, dtype=qkv.dtype)
+        for i in range(Tq):
+            qi = q_start + i
+            m = -np.inf
+            for j in range(qi + 1):
+                s = 0.0
+                for d in range(D):
+                    s += qkv[b, qi, h, d] * qkv[b, j, kh, d]
+                s *= scale
+                scores[j] = s
+                if s > m:
+                    m = s
+            total = 0.0
+            acc[:] = 0.0
+            for j in range(qi + 1):
+                p = math.exp(scores[j] - m)
+                total += p
+                for d in range(D):
+                    acc[d] += p * qkv[b, j, vh, d]
+            for d in range(D):
+                out[b, i, h, d] = acc[d] / total
+            lse[b, h, i] = m + math.log(total)
+
+
+@njit(**pjit)
+def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
+    """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0).
+
+    FlashAttention's recurrence: p_ij = exp(s_ij - lse_i), dp_ij = dout_i . v_j, delta_i = dout_i . out_i,
+    ds_ij = p_ij (dp_ij - delta_i). Parallel over (batch, kv head) so the query heads sharing a kv head
+    accumulate their dk, dv without races.
+    """
+    B, T, _, D = qkv.shape
+    group = n_heads // n_kv_heads
+    scale = 1.0 / math.sqrt(D)
+    for bg in prange(B * n_kv_heads):
+        b, g = bg // n_kv_heads, bg % n_kv_heads
+        kh = n_heads + g
+        vh = n_heads + n_kv_heads + g
+        dqkv[b, :, kh, :] = 0.0
+        dqkv[b, :, vh, :] = 0.0
+        for h in range(g * group, (g + 1) * group):
+            dqkv[b, :, h, :] = 0.0
+            for i in range(T):
+                delta = 0.0
+                for d in range(D):
+                    delta += dout[b, i, h, d] * out[b, i, h, d]
+                for j in range(i + 1):
+                    s = 0.0
+                    dp = 0.0
+                    for d in range(D):
+                        s += qkv[b, i, h, d] * qkv[b, j, kh, d]
+                        dp += dout[b, i, h, d] * qkv[b, j, vh, d]
+                    p = math.exp(s * scale - lse[b, h, i])
+                    ds = p * (dp - delta) * scale
+                    for d in range(D):
+                        dqkv[b, i, h, d] += ds * qkv[b, j, kh, d]
+                        dqkv[b, j, kh, d] += ds * qkv[b, i, h, d]
+                        dqkv[b, j, vh, d] += p * dout[b, i, h, d]
+
+
+# ---------------------------------------------------------------------------------------------- swiglu
+@njit(**pjit)
+def swiglu_forward(out, gate_up):
+    """out (N, F) = silu(gate) * up, gate = gate_up[:, :F], up = gate_up[:, F:] (adjacent w_gate|w_up)."""
+    N, F = out.shape
+    for n in prange(N):
+        for f in range(F):
+            g = gate_up[n, f]
+            out[n, f] = g / (1.0 + math.exp(-g)) * gate_up[n, F + f]
+
+
+@njit(**pjit)
+def swiglu_backward(dgate_up, dout, gate_up):
+    """dgate_up (N, 2F) overwritten: d gate = dout * up * silu'(gate), d up = dout * silu(gate)."""
+    N, F = dout.shape
+    for n in prange(N):
+        for f in range(F):
+            g = gate_up[n, f]
+            sig = 1.0 / (1.0 + math.exp(-g))
+            dgate_up[n, f] = dout[n, f] * gate_up[n, F + f] * sig * (1.0 + g * (1.0 - sig))
+            dgate_up[n, F + f] = dout[n, f] * g * sig
+
+
+# --------------------------------------------------------------------------------------- cross-entropy
+@njit(**pjit)
+def crossentropy_forward(losses, logits, targets):
+    """losses (K, N) = -log softmax(logits (N, K*V) head k's slice)[targets (K, N)]; 0 where target is -1."""
+    K, N = targets.shape
+    V = logits.shape[1] // K
+    for n in prange(N):
+        for k in range(K):
+            t = targets[k, n]
+            if t < 0:
+                losses[k, n] = 0.0
+                continue
+            row = logits[n, k * V:(k + 1) * V]
+            m = row.max()
+            total = 0.0
+            for v in range(V):
+                total += math.exp(row[v] - m)
+            losses[k, n] = m + math.log(total) - row[t]
+
+
+@njit(**pjit)
+def crossentropy_forward_backward(losses, logits, targets, dscale):
+    """As crossentropy_forward, then logits (N, K*V) is overwritten in place with d loss / d logits:
+    (softmax - onehot) * dscale[k], and 0 on rows whose target is -1. Fusing the two means the
+    probabilities are computed once and never stored beside the logits."""
+    K, N = targets.shape
+    V = logits.shape[1] // K
+    for n in prange(N):
+        for k in range(K):
+            t = targets[k, n]
+            row = logits[n, k * V:(k + 1) * V]
+            if t < 0:
+                losses[k, n] = 0.0
+                row[:] = 0.0
+                continue
+            m = row.max()
+            total = 0.0
+            for v in range(V):
+                total += math.exp(row[v] - m)
+            lse = m + math.log(total)
+            losses[k, n] = lse - row[t]
+            s = dscale[k]
+            for v in range(V):
+                row[v] = math.exp(row[v] - lse) * s
+            row[t] -= s
+
+
+# ---------------------------------------------------------------------------------------------- adamw
+@njit(**pjit)
+def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
+    """One AdamW step over the flat buffers, gradients first multiplied by grad_scale (the clip factor).
+    Decoupled weight decay, applied only where decay_mask is 1 (matrices, not norm gains)."""
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    for i in prange(params.shape[0]):
+        g = grads[i] * grad_scale
+        m[i] = beta1 * m[i] + (1.0 - beta1) * g
+        v[i] = beta2 * v[i] + (1.0 - beta2) * g * g
+        update = (m[i] / bc1) / (math.sqrt(v[i] / bc2) + eps)
+        params[i] -= lr * (update + weight_decay * decay_mask[i] * params[i])
+
+
+def sum_squares(x):
+    """sum(x^2) of a flat buffer, in float64 (for the global gradient norm)."""
+    return float(np.dot(x, x))

@@ -1,0 +1,271 @@
+"""The model, composed once for both engines.
+
+`Engine` runs the forward pass, the hand-written backward pass, the AdamW step and KV-cache decoding by
+calling a *layer module* (`nanoeuler.cpu.layers`, numba; or `nanoeuler.gpu.layers`, CUDA kernels + cuBLAS)
+that has the same functions with the same signatures, over arrays of that module's array library
+(NumPy or CuPy). So the CPU and GPU engines differ only in their layers, and everything above them
+(training, sampling, checkpoints) is written once against this class.
+
+    from nanoeuler.model import make_engine
+    eng = make_engine(cfg, device="cpu")          # float32; dtype=np.float64 for the gradient check
+    loss, loss0 = eng.forward_backward(inputs, targets)
+    eng.step(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
+
+Parameters, gradients and the two AdamW moments are each one flat buffer (layout: config.param_layout).
+Because wq|wk|wv, w_gate|w_up and heads.0..K-1 sit next to each other in that buffer, each group is
+one fused matrix here: one matmul instead of three, two or K.
+"""
+import math
+
+import numpy as np
+
+from nanoeuler.config import init_params, is_matrix, param_layout, views
+
+
+class KVCache:
+    """Per-layer fused qkv rows (L, B, context, H+2G, D) for positions 0..pos-1, already rotated."""
+
+    def __init__(self, xp, cfg, batch, dtype):
+        heads = cfg.n_heads + 2 * cfg.n_kv_heads
+        self.qkv = xp.empty((cfg.n_layers, batch, cfg.context, heads, cfg.head_dim), dtype=dtype)
+        self.pos = 0
+
+
+class Engine:
+    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0):
+        self.cfg, self.L, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
+        layout, total = param_layout(cfg)
+        self.params = xp.asarray(init_params(cfg, seed, self.dtype))
+        self.grads = xp.zeros(total, dtype=self.dtype)
+        self.opt_m = xp.zeros(total, dtype=self.dtype)
+        self.opt_v = xp.zeros(total, dtype=self.dtype)
+        self.opt_step = 0  # AdamW steps taken (bias correction); saved in checkpoints for resume
+        mask = np.zeros(total, dtype=self.dtype)
+        for name, (off, shape) in layout.items():
+            if is_matrix(name):
+                mask[off:off + math.prod(shape)] = 1
+        self.decay_mask = xp.asarray(mask)
+        self.p, self.g = self._fused_views(self.params), self._fused_views(self.grads)
+        cos, sin = layers.rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype)
+        self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
+        self._acts, self._acts_shape = None, None
+
+    def _fused_views(self, flat):
+        """Named views plus the fused groups: layers.{i}.wqkv, layers.{i}.w_gate_up and heads."""
+        cfg, v = self.cfg, views(flat, self.cfg)
+        layout, _ = param_layout(cfg)
+
+        def span(first, last, rows):
+            start = layout[first][0]
+            end = layout[last][0] + math.prod(layout[last][1])
+            return flat[start:end].reshape(rows, cfg.dim)
+
+        hd = cfg.head_dim
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            v[p + "wqkv"] = span(p + "wq", p + "wv", (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
+            v[p + "w_gate_up"] = span(p + "w_gate", p + "w_up", 2 * cfg.hidden)
+        v["heads"] = span("heads.0", f"heads.{cfg.mtp_heads - 1}", cfg.mtp_heads * cfg.vocab_size)
+        return v
+
+    # -------------------------------------------------------------------------------- state in and out
+    def load_params(self, flat):
+        self.params[...] = self.xp.asarray(np.asarray(flat, dtype=self.dtype))
+
+    def params_numpy(self):
+        return self._to_numpy(self.params).astype(np.float32)
+
+    def opt_state_numpy(self):
+        return self._to_numpy(self.opt_m).astype(np.float32), self._to_numpy(self.opt_v).astype(np.float32)
+
+    def load_opt_state(self, m, v):
+        self.opt_m[...] = self.xp.asarray(np.asarray(m, dtype=self.dtype))
+        self.opt_v[...] = self.xp.asarray(np.asarray(v, dtype=self.dtype))
+
+    def _to_numpy(self, a):
+        return a.get() if hasattr(a, "get") else np.array(a)
+
+    # ------------------------------------------------------------------------------------ activations
+    def _activations(self, B, T):
+        """Buffers for everything the backward pass reads, allocated once per (B, T)."""
+        if self._acts_shape == (B, T):
+            return self._acts
+        cfg, xp, dt = self.cfg, self.xp, self.dtype
+        N, C, L, D = B * T, cfg.dim, cfg.n_layers, cfg.head_dim
+        H, G, F, KV = cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.mtp_heads * cfg.vocab_size
+        e = lambda *shape: xp.empty(shape, dtype=dt)
+        a = dict(
+            resid=e(L + 1, N, C), resid_mid=e(L, N, C),          # residual stream before each sublayer
+            xn1=e(L, N, C), rstd1=e(L, N), xn2=e(L, N, C), rstd2=e(L, N),
+            qkv=e(L, B, T, H + 2 * G, D), att=e(L, B, T, H, D), lse=e(L, B, H, T),
+            gate_up=e(L, N, 2 * F), sw=e(L, N, F),
+            hf=e(N, C), rstdf=e(N), logits=e(N, KV), losses=e(cfg.mtp_heads, N),
+            # backward scratch
+            dresid=e(N, C), dxn=e(N, C), dqkv=e(B, T, H + 2 * G, D), datt=e(B, T, H, D),
+            dgate_up=e(N, 2 * F), dsw=e(N, F), dhf=e(N, C),
+        )
+        self._acts, self._acts_shape = a, (B, T)
+        return a
+
+    # ---------------------------------------------------------------------------------------- forward
+    def _forward(self, tokens, a, B, T):
+        """tokens (B, T) -> a['hf'] (N, C), the final-normed hidden state; fills every activation."""
+        cfg, L, p = self.cfg, self.L, self.p
+        H, G = cfg.n_heads, cfg.n_kv_heads
+        N = B * T
+        L.embedding_forward(a["resid"][0], tokens.reshape(N), p["tok_emb"])
+        for i in range(cfg.n_layers):
+            w = f"layers.{i}."
+            resid, resid_mid = a["resid"][i], a["resid_mid"][i]
+            qkv, att = a["qkv"][i], a["att"][i]
+            # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
+            L.rmsnorm_forward(a["xn1"][i], a["rstd1"][i], resid, p[w + "attn_norm"], cfg.norm_eps)
+            L.matmul_forward(qkv.reshape(N, -1), a["xn1"][i], p[w + "wqkv"])
+            L.rope_forward(qkv, self.cos, self.sin, H + G, 0)
+            L.attention_forward(att, a["lse"][i], qkv, H, G, 0)
+            resid_mid[...] = resid
+            L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
+            # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
+            L.rmsnorm_forward(a["xn2"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"], cfg.norm_eps)
+            L.matmul_forward(a["gate_up"][i], a["xn2"][i], p[w + "w_gate_up"])
+            L.swiglu_forward(a["sw"][i], a["gate_up"][i])
+            a["resid"][i + 1][...] = resid_mid
+            L.matmul_forward(a["resid"][i + 1], a["sw"][i], p[w + "w_down"], accumulate=True)
+        L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
+
+    def _losses(self, a, targets, backward):
+        """All K heads' logits (N, K*V) in one matmul, then the fused softmax cross-entropy."""
+        cfg, xp = self.cfg, self.xp
+        K = cfg.mtp_heads
+        targets = targets.reshape(K, -1)
+        self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
+        counts = self._to_numpy((targets >= 0).sum(axis=1)).astype(np.float64)
+        if backward:
+            dscale = xp.asarray((1.0 / (K * np.maximum(counts, 1))).astype(self.dtype))
+            self.L.crossentropy_forward_backward(a["losses"], a["logits"], targets, dscale)
+        else:
+            self.L.crossentropy_forward(a["losses"], a["logits"], targets)
+        per_head = self._to_numpy(a["losses"].sum(axis=1)).astype(np.float64) / np.maximum(counts, 1)
+        return float(per_head.mean()), float(per_head[0])
+
+    def _prepare(self, inputs, targets):
+        K = self.cfg.mtp_heads
+        inputs = self.xp.asarray(np.asarray(inputs, dtype=np.int32))
+        targets = self.xp.asarray(np.asarray(targets, dtype=np.int32))
+        B, T = inputs.shape
+        if T > self.cfg.context or targets.shape != (K, B, T):
+            raise ValueError(f"inputs {inputs.shape} / targets {targets.shape} do not fit the model")
+        return inputs, targets, B, T
+
+    def forward_loss(self, inputs, targets):
+        """(loss, loss0) without gradients: loss is the mean over the K heads, loss0 head 0's."""
+        inputs, targets, B, T = self._prepare(inputs, targets)
+        a = self._activations(B, T)
+        self._forward(inputs, a, B, T)
+        return self._losses(a, targets, backward=False)
+
+    def logits(self, inputs):
+        """Head-0 logits (B, T, V) of a full forward pass, as float32 NumPy."""
+        inputs = self.xp.asarray(np.asarray(inputs, dtype=np.int32))
+        B, T = inputs.shape
+        a = self._activations(B, T)
+        self._forward(inputs, a, B, T)
+        self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
+        V = self.cfg.vocab_size
+        return self._to_numpy(a["logits"][:, :V]).astype(np.float32).reshape(B, T, V)
+
+    # --------------------------------------------------------------------------------------- backward
+    def forward_backward(self, inputs, targets):
+        """Loss and gradients (overwritten in self.grads) for one batch; returns (loss, loss0)."""
+        cfg, L, p, g = self.cfg, self.L, self.p, self.g
+        inputs, targets, B, T = self._prepare(inputs, targets)
+        a = self._activations(B, T)
+        N, H, G = B * T, cfg.n_heads, cfg.n_kv_heads
+        self._forward(inputs, a, B, T)
+        loss = self._losses(a, targets, backward=True)  # a['logits'] now holds d loss / d logits
+        self.grads.fill(0)
+        dresid, dxn = a["dresid"], a["dxn"]
+        # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf
+        L.matmul_backward(a["dhf"], g["heads"], a["logits"], a["hf"], p["heads"])
+        dresid.fill(0)
+        L.rmsnorm_backward(dresid, g["final_norm"], a["dhf"], a["resid"][cfg.n_layers], p["final_norm"],
+                           a["rstdf"])
+        for i in reversed(range(cfg.n_layers)):
+            w = f"layers.{i}."
+            # feed-forward block; dresid is d(resid[i+1]) and, through the skip, d(resid_mid)
+            L.matmul_backward(a["dsw"], g[w + "w_down"], dresid, a["sw"][i], p[w + "w_down"])
+            L.swiglu_backward(a["dgate_up"], a["dsw"], a["gate_up"][i])
+            L.matmul_backward(dxn, g[w + "w_gate_up"], a["dgate_up"], a["xn2"][i], p[w + "w_gate_up"])
+            L.rmsnorm_backward(dresid, g[w + "ffn_norm"], dxn, a["resid_mid"][i], p[w + "ffn_norm"],
+                               a["rstd2"][i])
+            # attention block; dresid is now d(resid_mid) and, through the skip, d(resid[i])
+            L.matmul_backward(a["datt"].reshape(N, -1), g[w + "wo"], dresid, a["att"][i].reshape(N, -1),
+                              p[w + "wo"])
+            L.attention_backward(a["dqkv"], a["datt"], a["att"][i], a["lse"][i], a["qkv"][i], H, G)
+            L.rope_backward(a["dqkv"], self.cos, self.sin, H + G, 0)
+            L.matmul_backward(dxn, g[w + "wqkv"], a["dqkv"].reshape(N, -1), a["xn1"][i], p[w + "wqkv"])
+            L.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, a["resid"][i], p[w + "attn_norm"],
+                               a["rstd1"][i])
+        L.embedding_backward(g["tok_emb"], dresid, inputs.reshape(N))
+        return loss
+
+    # ------------------------------------------------------------------------------------------ AdamW
+    def step(self, lr, weight_decay, grad_clip, beta1=0.9, beta2=0.95, eps=1e-8):
+        """Clip the global gradient norm to grad_clip (0: no clipping), then one AdamW step.
+        Returns the norm before clipping."""
+        norm = math.sqrt(self.L.sum_squares(self.grads))
+        scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
+        self.opt_step += 1
+        self.L.adamw_update(self.params, self.grads, self.opt_m, self.opt_v, self.decay_mask, lr, beta1,
+                            beta2, eps, weight_decay, scale, self.opt_step)
+        return norm
+
+    # ------------------------------------------------------------------------------------- generation
+    def new_cache(self, batch=1):
+        return KVCache(self.xp, self.cfg, batch, self.dtype)
+
+    def decode(self, cache, tokens):
+        """Append tokens (B, n) at cache.pos; return head-0 logits (B, V) of the last one (float32 NumPy)."""
+        cfg, L, p, xp = self.cfg, self.L, self.p, self.xp
+        tokens = xp.asarray(np.asarray(tokens, dtype=np.int32))
+        B, n = tokens.shape
+        pos, H, G, N = cache.pos, cfg.n_heads, cfg.n_kv_heads, B * n
+        if pos + n > cfg.context:
+            raise ValueError(f"the KV cache holds {cfg.context} positions; {pos} + {n} do not fit")
+        e = lambda *shape: xp.empty(shape, dtype=self.dtype)
+        x, xn, rstd = e(N, cfg.dim), e(N, cfg.dim), e(N)
+        qkv, att, lse = e(B, n, H + 2 * G, cfg.head_dim), e(B, n, H, cfg.head_dim), e(B, H, n)
+        gate_up, sw = e(N, 2 * cfg.hidden), e(N, cfg.hidden)
+        L.embedding_forward(x, tokens.reshape(N), p["tok_emb"])
+        for i in range(cfg.n_layers):
+            w = f"layers.{i}."
+            L.rmsnorm_forward(xn, rstd, x, p[w + "attn_norm"], cfg.norm_eps)
+            L.matmul_forward(qkv.reshape(N, -1), xn, p[w + "wqkv"])
+            L.rope_forward(qkv, self.cos, self.sin, H + G, pos)
+            cache.qkv[i, :, pos:pos + n] = qkv
+            L.attention_forward(att, lse, cache.qkv[i, :, :pos + n], H, G, pos)
+            L.matmul_forward(x, att.reshape(N, -1), p[w + "wo"], accumulate=True)
+            L.rmsnorm_forward(xn, rstd, x, p[w + "ffn_norm"], cfg.norm_eps)
+            L.matmul_forward(gate_up, xn, p[w + "w_gate_up"])
+            L.swiglu_forward(sw, gate_up)
+            L.matmul_forward(x, sw, p[w + "w_down"], accumulate=True)
+        cache.pos += n
+        last = xp.ascontiguousarray(x.reshape(B, n, -1)[:, -1])
+        hf, rstd_last, logits = e(B, cfg.dim), e(B), e(B, cfg.vocab_size)
+        L.rmsnorm_forward(hf, rstd_last, last, p["final_norm"], cfg.norm_eps)
+        L.matmul_forward(logits, hf, p["heads.0"])
+        return self._to_numpy(logits).astype(np.float32)
+
+
+def make_engine(cfg, device="cpu", dtype=np.float32, seed=0):
+    """An Engine on the CPU (numba) or the GPU (CUDA kernels); device 'gpu' needs CUDA and cupy."""
+    if device == "cpu":
+        from nanoeuler.cpu import layers
+        return Engine(cfg, layers, np, dtype, seed)
+    if device == "gpu":
+        if np.dtype(dtype) != np.float32:
+            raise ValueError("the GPU engine trains in float32 only")
+        import cupy
+        from nanoeuler.gpu import layers
+        return Engine(cfg, layers, cupy, dtype, seed)
+    raise ValueError(f"unknown device {device!r}")
