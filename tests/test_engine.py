@@ -1,0 +1,274 @@
+"""The CPU engine against finite differences (float64): each layer on its own, then the whole model."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from nanoeuler.check import CHECK_CONFIG, gradient_check, random_problem, relative_error
+from nanoeuler.config import PRESETS, Config, param_count, param_layout
+from nanoeuler.cpu import layers as L
+from nanoeuler.model import make_engine
+
+rng = np.random.default_rng(1234)
+
+
+def numeric_grad(f, x, h=1e-4):
+    """Central differences of the scalar f() with respect to every entry of x (modified in place)."""
+    g = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + h
+        up = f()
+        flat[i] = old - h
+        down = f()
+        flat[i] = old
+        gflat[i] = (up - down) / (2 * h)
+    return g
+
+
+def assert_close(analytic, numeric, tol=1e-7):
+    err = np.linalg.norm(analytic - numeric) / max(np.linalg.norm(numeric), 1e-300)
+    assert err < tol, err
+
+
+def test_matmul_backward():
+    x, w = rng.normal(size=(5, 7)), rng.normal(size=(3, 7))
+    R = rng.normal(size=(5, 3))
+    out = np.empty((5, 3))
+
+    def f():
+        L.matmul_forward(out, x, w)
+        return float((out * R).sum())
+
+    dx, dw = np.empty_like(x), np.full_like(w, 0.5)  # weight gradients accumulate onto what is there
+    L.matmul_backward(dx, dw, R, x, w)
+    assert_close(dx, numeric_grad(f, x))
+    assert_close(dw - 0.5, numeric_grad(f, w))
+
+
+def test_embedding_backward():
+    emb = rng.normal(size=(11, 6))
+    tokens = np.array([3, 1, 3, 10, 0, 3], dtype=np.int32)
+    R = rng.normal(size=(6, 6))
+    out = np.empty((6, 6))
+
+    def f():
+        L.embedding_forward(out, tokens, emb)
+        return float((out * R).sum())
+
+    demb = np.zeros_like(emb)
+    L.embedding_backward(demb, R, tokens)
+    assert_close(demb, numeric_grad(f, emb))
+
+
+def test_rmsnorm_backward():
+    N, C = 6, 13
+    x, w = rng.normal(size=(N, C)), rng.normal(1, 0.3, size=C)
+    R = rng.normal(size=(N, C))
+    out, rstd = np.empty((N, C)), np.empty(N)
+
+    def f():
+        L.rmsnorm_forward(out, rstd, x, w, 1e-5)
+        return float((out * R).sum())
+
+    f()
+    ref = x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    assert np.allclose(out, ref)
+    dx, dw = np.ones((N, C)), np.zeros(C)  # the input gradient accumulates into the residual's
+    L.rmsnorm_backward(dx, dw, R, x, w, rstd)
+    assert_close(dx - 1, numeric_grad(f, x))
+    assert_close(dw, numeric_grad(f, w))
+
+
+def test_rope_matches_rotate_half_and_backward():
+    B, T, heads, D = 2, 5, 3, 8
+    cos, sin = L.rope_tables(D, 16, 10000.0, np.float64)
+    x = rng.normal(size=(B, T, heads, D))
+    y = x.copy()
+    L.rope_forward(y, cos, sin, 2, 3)  # rotate the first 2 heads, positions 3..7
+    # Hugging Face Llama: q * cos + rotate_half(q) * sin, with cos/sin repeated over both halves
+    pos = np.arange(3, 3 + T)
+    ang = pos[:, None] * 10000.0 ** (-np.arange(0, D, 2) / D)[None, :]
+    c, s = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
+    rot = np.concatenate([-x[..., D // 2:], x[..., :D // 2]], -1)
+    ref = x * c[None, :, None, :] + rot * s[None, :, None, :]
+    assert np.allclose(y[:, :, :2], ref[:, :, :2])
+    assert np.array_equal(y[:, :, 2], x[:, :, 2])
+    R = rng.normal(size=x.shape)
+
+    def f():
+        z = x.copy()
+        L.rope_forward(z, cos, sin, 2, 3)
+        return float((z * R).sum())
+
+    d = R.copy()
+    L.rope_backward(d, cos, sin, 2, 3)
+    assert_close(d, numeric_grad(f, x))
+
+
+def naive_attention(qkv, H, G, q_start=0):
+    B, Tk, _, D = qkv.shape
+    q, k, v = qkv[:, q_start:, :H], qkv[:, :, H:H + G], qkv[:, :, H + G:]
+    k, v = np.repeat(k, H // G, axis=2), np.repeat(v, H // G, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(D)
+    qi = np.arange(q_start, Tk)[:, None]
+    s = np.where(np.arange(Tk)[None, :] <= qi, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhij,bjhd->bihd", p, v)
+
+
+@pytest.mark.parametrize("H,G", [(4, 2), (4, 1), (4, 4)])
+def test_attention_forward_backward(H, G):
+    B, T, D = 2, 7, 6
+    qkv = rng.normal(size=(B, T, H + 2 * G, D))
+    out, lse = np.empty((B, T, H, D)), np.empty((B, H, T))
+    L.attention_forward(out, lse, qkv, H, G, 0)
+    assert np.allclose(out, naive_attention(qkv, H, G))
+    R = rng.normal(size=out.shape)
+
+    def f():
+        L.attention_forward(out, lse, qkv, H, G, 0)
+        return float((out * R).sum())
+
+    dqkv = np.full_like(qkv, np.nan)  # every entry must be written
+    f()
+    L.attention_backward(dqkv, R, out.copy(), lse.copy(), qkv, H, G)
+    assert_close(dqkv, numeric_grad(f, qkv))
+
+
+def test_attention_query_offset_matches_full():
+    B, T, H, G, D = 1, 9, 4, 2, 8
+    qkv = rng.normal(size=(B, T, H + 2 * G, D))
+    full, lse = np.empty((B, T, H, D)), np.empty((B, H, T))
+    L.attention_forward(full, lse, qkv, H, G, 0)
+    tail, lse_tail = np.empty((B, 3, H, D)), np.empty((B, H, 3))
+    L.attention_forward(tail, lse_tail, qkv, H, G, T - 3)
+    assert np.allclose(tail, full[:, -3:])
+    assert np.allclose(lse_tail, lse[:, :, -3:])
+
+
+def test_swiglu_backward():
+    N, F = 5, 9
+    gu = rng.normal(size=(N, 2 * F)) * 2
+    R = rng.normal(size=(N, F))
+    out = np.empty((N, F))
+
+    def f():
+        L.swiglu_forward(out, gu)
+        return float((out * R).sum())
+
+    f()
+    g, u = gu[:, :F], gu[:, F:]
+    assert np.allclose(out, g / (1 + np.exp(-g)) * u)
+    d = np.empty_like(gu)
+    L.swiglu_backward(d, R, gu)
+    assert_close(d, numeric_grad(f, gu))
+
+
+def test_crossentropy_forward_backward():
+    K, N, V = 3, 6, 10
+    logits = rng.normal(size=(N, K * V)) * 3
+    targets = rng.integers(0, V, (K, N)).astype(np.int32)
+    targets[0, 2] = targets[2, 5] = -1
+    dscale = rng.uniform(0.5, 2, K)
+    losses = np.empty((K, N))
+
+    def f():
+        L.crossentropy_forward(losses, logits, targets)
+        return float((losses.sum(axis=1) * dscale).sum())
+
+    f()
+    for k in range(K):
+        z = logits[:, k * V:(k + 1) * V]
+        ref = np.log(np.exp(z).sum(1)) - z[np.arange(N), np.maximum(targets[k], 0)]
+        assert np.allclose(losses[k], np.where(targets[k] >= 0, ref, 0.0))
+    d = logits.copy()
+    L.crossentropy_forward_backward(np.empty((K, N)), d, targets, dscale)
+    assert_close(d, numeric_grad(f, logits))
+    assert not d[2, :V].any() and not d[5, 2 * V:].any()
+
+
+def test_whole_model_gradient_check():
+    errors = gradient_check(samples=3, seed=7, report=lambda line: None)
+    assert len(errors) == len(param_layout(CHECK_CONFIG)[0])
+    assert max(errors.values()) < 1e-6, errors
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 4])
+def test_gqa_extremes_gradient_check(n_kv_heads):
+    cfg = dataclasses.replace(CHECK_CONFIG, n_layers=2, n_kv_heads=n_kv_heads)
+    errors = gradient_check(samples=3, seed=3, cfg=cfg, report=lambda line: None)
+    assert max(errors.values()) < 1e-6, errors
+
+
+def test_gradient_check_detects_a_wrong_backward(monkeypatch):
+    """The check must be able to fail: break SwiGLU's backward slightly and it has to notice."""
+    broken = L.swiglu_backward
+
+    def wrong(dgate_up, dout, gate_up):
+        broken(dgate_up, dout, gate_up)
+        dgate_up *= 1.001
+
+    monkeypatch.setattr(L, "swiglu_backward", wrong)
+    errors = gradient_check(samples=2, seed=5, report=lambda line: None)
+    assert errors["layers.0.w_gate"] > 1e-4 and errors["final_norm"] < 1e-6
+
+
+def engine_with_problem(cfg=CHECK_CONFIG, dtype=np.float64, seed=11):
+    eng = make_engine(cfg, dtype=dtype)
+    flat, inputs, targets = random_problem(cfg, np.random.default_rng(seed))
+    eng.load_params(flat)
+    return eng, inputs, targets
+
+
+def test_masked_position_changes_no_gradient():
+    eng, inputs, targets = engine_with_problem()
+    T = inputs.shape[1]
+    targets[:, :, -1] = -1  # the last position is masked in every head
+    eng.forward_backward(inputs, targets)
+    base = eng.grads.copy()
+    # ... so the token there, and the value of its logits, cannot matter
+    changed = inputs.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % CHECK_CONFIG.vocab_size
+    eng.forward_backward(changed, targets)
+    assert np.allclose(eng.grads, base, rtol=0, atol=1e-14)
+    # and the causal model on the sequence without it gives the same loss and gradients
+    loss = eng.forward_backward(inputs, targets)
+    short = eng.forward_backward(inputs[:, :T - 1], targets[:, :, :T - 1])
+    assert np.allclose(loss, short, rtol=1e-13)
+    assert np.allclose(eng.grads, base, rtol=0, atol=1e-14)
+
+
+def test_float32_matches_float64_loss():
+    eng64, inputs, targets = engine_with_problem()
+    eng32, _, _ = engine_with_problem(dtype=np.float32)
+    loss64 = eng64.forward_backward(inputs, targets)
+    loss32 = eng32.forward_backward(inputs, targets)
+    assert np.allclose(loss32, loss64, rtol=1e-5)
+    assert relative_error(eng32.grads.astype(np.float64), eng64.grads).mean() < 1e-3
+    assert np.linalg.norm(eng32.grads - eng64.grads) / np.linalg.norm(eng64.grads) < 1e-4
+
+
+def test_adamw_step_matches_formula():
+    cfg = CHECK_CONFIG
+    eng, inputs, targets = engine_with_problem()
+    eng.forward_backward(inputs, targets)
+    p0, g = eng.params.copy(), eng.grads.copy()
+    norm = eng.step(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
+    assert np.isclose(norm, np.linalg.norm(g))
+    g = g * min(1.0, 0.5 / (norm + 1e-6))
+    m, v = 0.1 * g, 0.05 * g * g
+    update = (m / 0.1) / (np.sqrt(v / 0.05) + 1e-8)
+    decay = np.array([0.0 if n.endswith("norm") else 1.0 for n, (o, s) in param_layout(cfg)[0].items()
+                      for _ in range(int(np.prod(s)))])
+    assert np.allclose(eng.params, p0 - 1e-2 * (update + 0.1 * decay * p0))
+
+
+def test_presets_parameter_counts():
+    assert param_count(PRESETS["small"]) == 984_192
+    assert param_count(PRESETS["big"]) == 14_160_768
+    assert param_count(PRESETS["base"]) == 116_417_280
+    with pytest.raises(ValueError):
+        Config(dim=30, n_heads=4)
