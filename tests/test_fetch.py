@@ -1,0 +1,325 @@
+"""The corpus fetchers, run as users run them (`sh data/get_*.sh`) against HTTP servers on 127.0.0.1.
+
+A threaded server started by each test serves fixture books, parquet shards written with pyarrow and Alpaca
+JSON, logs every request (path, Range header, bytes sent) and injects faults: a 503 that clears, a connection
+dropped mid-file, a 404. A socket that listens but never answers and a closed port stand for a dead server and
+for being offline. All three source variables always point at 127.0.0.1, so nothing here reaches the network.
+"""
+import http.server
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from nanoeuler.fetch import gutenberg_text, parse_size
+
+REPO = Path(__file__).resolve().parent.parent
+LICENCE = "LICENCE-SENTINEL: the Project Gutenberg License"
+
+
+class Server:
+    """Serves `files` (path -> bytes) with Range support; `faults[path]` is a list of one-shot faults."""
+
+    def __init__(self):
+        self.files, self.faults, self.log = {}, {}, []
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                server.handle(self)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def handle(self, h):
+        with self.lock:
+            fault = self.faults.get(h.path, []).pop(0) if self.faults.get(h.path) else None
+            entry = {"path": h.path, "range": h.headers.get("Range"), "sent": 0}
+            self.log.append(entry)
+        body = self.files.get(h.path)
+        if fault == "503" or body is None:
+            status = 503 if fault == "503" else 404
+            h.send_response(status)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        start = 0
+        m = re.fullmatch(r"bytes=(\d+)-", h.headers.get("Range") or "")
+        if m:
+            start = int(m.group(1))
+            h.send_response(206)
+            h.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        else:
+            h.send_response(200)
+        h.send_header("Content-Length", str(len(body) - start))
+        h.end_headers()
+        payload = body[start:]
+        if fault == "drop":  # promise the whole file, send 40% of it, hang up
+            payload = payload[: len(payload) * 2 // 5]
+        h.wfile.write(payload)
+        entry["sent"] = len(payload)
+        if fault == "drop":
+            h.wfile.flush()
+            h.connection.shutdown(socket.SHUT_RDWR)
+
+    def requests(self, path=None):
+        with self.lock:
+            return [e for e in self.log if path is None or e["path"] == path]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def dead_url():
+    """A server that accepts connections (the kernel does, from the backlog) and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+
+def closed_port_url():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def run(script, *args, env=None, cwd=REPO, timeout=60):
+    full = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    nowhere = closed_port_url()  # sources a test does not set go nowhere, never to the internet
+    full.update(
+        PYTHON=sys.executable, NO_PROXY="127.0.0.1,localhost",
+        NANOEULER_GUTENBERG_MIRROR=nowhere, NANOEULER_WEB_SHARDS=f"{nowhere}/x.parquet",
+        NANOEULER_ALPACA_URL=f"{nowhere}/alpaca.json",
+        NANOEULER_FETCH_TIMEOUT="5", NANOEULER_FETCH_RETRIES="3", NANOEULER_FETCH_BACKOFF="0.01",
+    )
+    full.update(env or {})
+    return subprocess.run(["sh", str(REPO / "data" / script), *map(str, args)], env=full, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("nanoeuler: error: "), proc.stderr
+    for needle in needles:
+        assert needle in last, last
+
+
+def book(title, body, markers=True):
+    """A Project Gutenberg style file: licence header, START line, body, END line, licence footer (CRLF)."""
+    lines = [f"The Project Gutenberg eBook of {title}", LICENCE, ""]
+    if markers:
+        lines.append(f"*** START OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***")
+    lines += ["", body, "", f"End of the Project Gutenberg EBook of {title}"]
+    if markers:
+        lines.append(f"*** END OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***")
+    lines += [LICENCE, "Section 5. General Information About Project Gutenberg"]
+    return "\r\n".join(lines).encode()
+
+
+def write_books(tmp_path, server, books):
+    """books: [(id, title, bytes or None for a 404)] -> path of the TSV list."""
+    for book_id, _, data in books:
+        if data is not None:
+            server.files[f"/cache/epub/{book_id}/pg{book_id}.txt"] = data
+    tsv = tmp_path / "books.tsv"
+    tsv.write_text("# id\ttitle\n" + "".join(f"{i}\t{t}\tSomeone\n" for i, t, _ in books))
+    return tsv
+
+
+def test_gutenberg_keeps_marked_books_skips_the_rest_and_reruns_without_requests(tmp_path, server):
+    tsv = write_books(tmp_path, server, [
+        (11, "Alpha", book("Alpha", "Alpha body.\r\nSecond line of alpha.")),
+        (22, "Beta", book("Beta", "Beta body, served after a 503.")),
+        (33, "Gamma", book("Gamma", "Gamma has no markers.", markers=False)),
+        (44, "Delta", None),
+    ])
+    server.faults["/cache/epub/22/pg22.txt"] = ["503"]
+    out, cache = tmp_path / "gutenberg.txt", tmp_path / "cache"
+    args = ("--list", tsv, "--out", out, "--cache-dir", cache)
+    env = {"NANOEULER_GUTENBERG_MIRROR": server.url + "/"}
+
+    proc = run("get_gutenberg.sh", *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert text == "Alpha body.\nSecond line of alpha.\n\nBeta body, served after a 503.\n\n"
+    assert "pg33 (Gamma by Someone): no *** START OF" in proc.stderr
+    assert "pg44 (Delta by Someone): HTTP 404" in proc.stderr
+    assert len(server.requests("/cache/epub/22/pg22.txt")) == 2  # the 503, then the book
+    assert sorted(os.listdir(tmp_path)) == ["books.tsv", "cache", "gutenberg.txt"]  # no temporary left
+
+    server.log.clear()
+    proc = run("get_gutenberg.sh", *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == text
+    # Finished books come from the cache; only the two unusable ones are asked for again.
+    assert sorted(e["path"] for e in server.requests()) == ["/cache/epub/33/pg33.txt", "/cache/epub/44/pg44.txt"]
+
+
+def test_gutenberg_text_markers():
+    assert gutenberg_text(book("A", "x")) == b"x"
+    older = b"head\n*** START OF THIS PROJECT GUTENBERG EBOOK A ***\nbody\n*** END OF THIS PROJECT GUTENBERG EBOOK A ***\nlicence"
+    assert gutenberg_text(older) == b"body"
+    assert gutenberg_text(b"*** START OF THE PROJECT GUTENBERG EBOOK A ***\nbody, then the licence") is None
+    assert gutenberg_text(b"*** START OF X ***\n\n*** END OF X ***") is None
+    assert gutenberg_text(b"*** START OF X ***\nbad \xff byte\n*** END OF X ***") == "bad \ufffd byte".encode()
+
+
+@pytest.mark.parametrize("failure", ["never answers", "connection refused", "always 503"])
+def test_failing_server_gives_bounded_one_line_error_and_keeps_old_output(tmp_path, server, dead_url, failure):
+    tsv = write_books(tmp_path, server, [(1, "One", book("One", "one"))])
+    if failure == "always 503":
+        server.faults["/cache/epub/1/pg1.txt"] = ["503"] * 10
+    mirror = {"never answers": dead_url, "connection refused": closed_port_url(), "always 503": server.url}[failure]
+    out = tmp_path / "gutenberg.txt"
+    out.write_bytes(b"previous corpus")
+    t0 = time.monotonic()
+    proc = run("get_gutenberg.sh", "--list", tsv, "--out", out, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_GUTENBERG_MIRROR": mirror, "NANOEULER_FETCH_TIMEOUT": "0.5",
+                    "NANOEULER_FETCH_RETRIES": "2"})
+    assert time.monotonic() - t0 < 20
+    expected = {"never answers": "sent nothing for 0.5 s", "connection refused": "Connection refused",
+                "always 503": "HTTP 503"}[failure]
+    assert_one_line_error(proc, "cannot download", expected, "gave up after 2 failed attempts")
+    assert out.read_bytes() == b"previous corpus"
+    assert sorted(os.listdir(tmp_path)) == ["books.tsv", "cache", "gutenberg.txt"]
+
+
+def shard(path, texts):
+    table = pa.table({"text": texts, "id": [f"doc{i}" for i in range(len(texts))],
+                      "score": [3.5] * len(texts)})
+    pq.write_table(table, path, row_group_size=40)  # several row groups: several record batches
+    return path.read_bytes()
+
+
+def docs(prefix, n, size):
+    # Random hex keeps the parquet file about as large as its text, so a 40% cut lands mid-file.
+    return [f"{prefix} {i} " + os.urandom(size // 2).hex() for i in range(n)]
+
+
+def test_web_resumes_dropped_shard_and_writes_what_there_is_when_shards_run_out(tmp_path, server):
+    first, second = docs("first", 150, 2000), docs("second", 60, 2000)
+    server.files["/a/000.parquet"] = shard(tmp_path / "a.parquet", first[:70] + [None] + first[70:])
+    server.files["/b/000.parquet"] = shard(tmp_path / "b.parquet", second)
+    server.faults["/a/000.parquet"] = ["drop"]
+    out, cache = tmp_path / "web.txt", tmp_path / "cache"
+    env = {"NANOEULER_WEB_SHARDS": f" {server.url}/a/000.parquet\n{server.url}/b/000.parquet ",
+           "NANOEULER_WEB_BYTES": "1GB"}
+
+    proc = run("get_web.sh", "--out", out, "--cache-dir", cache, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == "".join(t + "\n\n" for t in first + second)  # nulls skipped, file order kept
+    assert "ran out" in proc.stderr and "dropped mid-transfer" in proc.stderr
+    size = len(server.files["/a/000.parquet"])
+    plain, resumed = server.requests("/a/000.parquet")
+    assert plain["range"] is None and 0 < plain["sent"] < size
+    # Continued from what reached the disk (urllib3 discards the last short read of a broken body), not from 0.
+    start = int(re.fullmatch(r"bytes=(\d+)-", resumed["range"]).group(1))
+    assert 0 < start <= plain["sent"] and resumed["sent"] == size - start
+
+    server.log.clear()
+    proc = run("get_web.sh", "--out", out, "--cache-dir", cache, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert server.requests() == []
+    assert out.read_text() == "".join(t + "\n\n" for t in first + second)
+
+
+def test_web_stops_at_max_bytes_without_fetching_later_shards(tmp_path, server):
+    texts = docs("doc", 100, 1000)
+    server.files["/s1.parquet"] = shard(tmp_path / "s1.parquet", texts)
+    server.files["/s2.parquet"] = shard(tmp_path / "s2.parquet", docs("later", 10, 100))
+    out = tmp_path / "web.txt"
+    proc = run("get_web.sh", "--max-bytes", "20kB", "--out", out, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_WEB_SHARDS": f"{server.url}/s1.parquet {server.url}/s2.parquet"})
+    assert proc.returncode == 0, proc.stderr
+    expected = ""
+    for t in texts:  # whole documents, up to the first one that reaches the target
+        if len(expected) >= 20_000:
+            break
+        expected += t + "\n\n"
+    assert out.read_text() == expected
+    assert [e["path"] for e in server.requests()] == ["/s1.parquet"]
+    assert "ran out" not in proc.stderr
+
+
+def test_web_unreadable_shard_is_an_error_and_leaves_the_cache_clean(tmp_path, server):
+    server.files["/bad.parquet"] = b"<html>Too many requests</html>"
+    out, cache = tmp_path / "web.txt", tmp_path / "cache"
+    proc = run("get_web.sh", "--out", out, "--cache-dir", cache,
+               env={"NANOEULER_WEB_SHARDS": f"{server.url}/bad.parquet"})
+    assert_one_line_error(proc, "bad.parquet", "removed it from the cache")
+    assert not out.exists() and os.listdir(cache / "web") == []
+    assert_one_line_error(run("get_web.sh", "--out", out, "--cache-dir", cache,
+                              env={"NANOEULER_WEB_SHARDS": f"{server.url}/missing.parquet"}), "HTTP 404")
+
+
+ALPACA = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"},
+          {"instruction": "Translate to French.", "input": "cat", "output": "chat"}]
+
+
+def test_alpaca_from_another_directory_and_rerun(tmp_path, server):
+    server.files["/alpaca_data.json"] = json.dumps(ALPACA).encode()
+    out = tmp_path / "alpaca.json"
+    args = ("--out", out, "--cache-dir", tmp_path / "cache")
+    env = {"NANOEULER_ALPACA_URL": f"{server.url}/alpaca_data.json"}
+    proc = run("get_alpaca.sh", *args, env=env, cwd=tmp_path)  # the script finds the repo by itself
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text()) == ALPACA and "2 examples" in proc.stderr
+    server.log.clear()
+    assert run("get_alpaca.sh", *args, env=env).returncode == 0
+    assert server.requests() == []
+
+
+@pytest.mark.parametrize("payload,complaint", [
+    (json.dumps([ALPACA[0], {"instruction": "x", "input": ""}]), "example 1 has no string 'output'"),
+    (json.dumps({"data": ALPACA}), "expected a non-empty JSON list"),
+    ("<html>rate limited</html>", "not JSON"),
+])
+def test_alpaca_invalid_data_replaces_nothing(tmp_path, server, payload, complaint):
+    server.files["/alpaca_data.json"] = payload.encode()
+    out = tmp_path / "alpaca.json"
+    out.write_text("previous")
+    args = ("--out", out, "--cache-dir", tmp_path / "cache")
+    env = {"NANOEULER_ALPACA_URL": f"{server.url}/alpaca_data.json"}
+    assert_one_line_error(run("get_alpaca.sh", *args, env=env), complaint, "left as it was")
+    assert out.read_text() == "previous"
+    run("get_alpaca.sh", *args, env=env)
+    assert len(server.requests()) == 2  # the bad download was not kept as if it were finished
+
+
+def test_bad_settings_are_one_line_errors(tmp_path):
+    assert_one_line_error(run("get_web.sh", "--out", tmp_path / "w.txt", env={"NANOEULER_WEB_BYTES": "lots"}),
+                          "NANOEULER_WEB_BYTES")
+    assert_one_line_error(run("get_alpaca.sh", "--out", tmp_path / "a.json",
+                              env={"NANOEULER_FETCH_TIMEOUT": "-1"}), "NANOEULER_FETCH_TIMEOUT")
+    assert_one_line_error(run("get_gutenberg.sh", "--list", tmp_path / "none.tsv"), "none.tsv not found")
+    assert parse_size("1GB") == 10**9 and parse_size("2MiB") == 2 << 20 and parse_size("1500") == 1500
