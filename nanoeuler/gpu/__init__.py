@@ -1,0 +1,35 @@
+"""The GPU engine: CUDA kernels (kernels/*.cu, compiled at run time through CuPy/NVRTC) and cuBLAS, behind the
+same layer functions as the CPU engine (layers.py; nanoeuler.model.Engine drives either).
+
+Nothing here imports cupy at import time, so the CPU path never loads it; `available()` probes inside a try.
+"""
+
+# TF32 dense tensor-core peak (FLOP/s) of the GPUs we know, for MFU; by substring of the device name.
+_TF32_PEAK = {"H200": 494.7e12, "H100 PCIe": 378e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12,
+              "RTX 4090": 82.6e12, "RTX 4080": 48.7e12, "RTX 4070": 29.1e12, "RTX 3090": 35.6e12}
+
+
+def available():
+    """True when cupy imports and sees a CUDA GPU of compute capability 8.0 or newer (the attention kernels
+    use the TF32 tensor-core instructions that Ampere introduced). Never raises."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return False
+        return int(cupy.cuda.Device(0).compute_capability) >= 80
+    except Exception:  # no cupy, no driver, no device: all mean "no GPU"
+        return False
+
+
+def device_name():
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+
+
+def peak_tf32_flops():
+    """The current GPU's dense TF32 peak in FLOP/s, or None when we do not know the card."""
+    name = device_name()
+    for key, peak in _TF32_PEAK.items():
+        if key in name:
+            return peak
+    return None

@@ -1,0 +1,37 @@
+// The optimizer over the flat parameter buffer: AdamW in one launch, and the sum of squares behind the
+// global gradient-norm clip. Arithmetic in double, as the CPU engine does it (its scalars are float64), so
+// the two engines take the same step to float32 rounding.
+#include "common.cuh"
+
+// g = grads * grad_scale (the clip factor); m, v moments; bias corrections bc1 = 1 - beta1^t, bc2 likewise;
+// decoupled weight decay where decay_mask is 1.
+extern "C" __global__ void adamw_update(float* __restrict__ params, const float* __restrict__ grads,
+                                        float* __restrict__ m, float* __restrict__ v,
+                                        const float* __restrict__ decay_mask, long long n, double lr,
+                                        double beta1, double beta2, double eps, double weight_decay,
+                                        double grad_scale, double bc1, double bc2) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const double g = grads[i] * grad_scale;
+        const float mi = (float)(beta1 * m[i] + (1.0 - beta1) * g);
+        const float vi = (float)(beta2 * v[i] + (1.0 - beta2) * g * g);
+        m[i] = mi;
+        v[i] = vi;
+        const double update = (mi / bc1) / (sqrt(vi / bc2) + eps);
+        const float p = params[i];
+        params[i] = (float)(p - lr * (update + weight_decay * decay_mask[i] * p));
+    }
+}
+
+// partial[block] = sum of x^2 over a grid-stride share of x; the caller adds the partials.
+extern "C" __global__ void sum_squares(double* __restrict__ partial, const float* __restrict__ x, long long n) {
+    __shared__ double scratch[32];
+    double acc = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const double xi = x[i];
+        acc += xi * xi;
+    }
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
