@@ -459,8 +459,9 @@ def fetch_web(out, shards, max_bytes, cache_dir, net):
 # ---------------------------------------------------------------------------------------------------- alpaca
 
 
-def validate_alpaca(path):
-    """Number of examples in an Alpaca file: a non-empty JSON list of {instruction, input, output} strings."""
+def read_alpaca(path):
+    """The examples of an Alpaca file, checked to be a non-empty JSON list of {instruction, input, output}
+    strings (`nanoeuler sft` reads its data through this too)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -474,7 +475,7 @@ def validate_alpaca(path):
         for key in ("instruction", "input", "output"):
             if not isinstance(item.get(key), str):
                 raise UserError(f"example {i} has no string {key!r}")
-    return len(data)
+    return data
 
 
 def fetch_alpaca(out, url, cache_dir, net):
@@ -484,7 +485,7 @@ def fetch_alpaca(out, url, cache_dir, net):
     except HTTPStatusError as e:
         raise UserError(f"cannot download {url}: {e}") from None
     try:
-        n = validate_alpaca(path)
+        n = len(read_alpaca(path))
     except UserError as e:
         os.remove(path)  # a bad download must not satisfy the next run
         raise UserError(f"{url} is not Alpaca data: {e}; {out} left as it was") from None

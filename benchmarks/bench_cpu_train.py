@@ -1,0 +1,152 @@
+"""CPU training speed: nanoeuler's numba engine against PyTorch on the same model, batch and threads.
+
+    pip install -e '.[bench]'              # PyTorch (CPU)
+    python benchmarks/bench_cpu_train.py   # small preset, batch 16 x 128, all cores
+
+Both sides run a full training step (forward, backward, gradient clipping, AdamW) of the `small` preset
+from the same initial weights on the same batches; the first losses are printed side by side to show that
+they compute the same model. PyTorch runs eagerly in float32 with scaled_dot_product_attention. The two
+are timed in alternating rounds, so a change in machine load hits both alike; the best round of each counts.
+Each timed round runs in a fresh process of its own (`--only`), as a user would run either one: in one
+process, the thread pools of the other library (PyTorch's OpenMP, numba's workers) would stay around
+and compete for the same cores.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nanoeuler.config import PRESETS, init_params, is_matrix, param_count, views
+from nanoeuler.model import make_engine
+
+
+class TorchModel(torch.nn.Module):
+    """The DESIGN.md model in PyTorch, parameters named and shaped as ours."""
+
+    def __init__(self, cfg, flat):
+        super().__init__()
+        self.cfg = cfg
+        self.names = list(views(flat, cfg))
+        self.p = torch.nn.ParameterList([torch.nn.Parameter(torch.tensor(v.copy()))
+                                         for v in views(flat, cfg).values()])
+        hd = cfg.head_dim
+        inv = cfg.rope_theta ** (-torch.arange(0, hd // 2, dtype=torch.float64) * 2 / hd)
+        ang = torch.arange(cfg.context, dtype=torch.float64)[:, None] * inv[None]
+        self.register_buffer("cos", torch.cat([ang.cos(), ang.cos()], -1).float())
+        self.register_buffer("sin", torch.cat([ang.sin(), ang.sin()], -1).float())
+
+    def w(self, name):
+        return self.p[self.names.index(name)]
+
+    def rope(self, x):  # x (B, heads, T, D), rotate-half
+        T, half = x.shape[2], x.shape[3] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * self.cos[:T] + rot * self.sin[:T]
+
+    def forward(self, inputs, targets):
+        cfg = self.cfg
+        B, T = inputs.shape
+        H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        norm = lambda x, w: F.rms_norm(x, (cfg.dim,), w, cfg.norm_eps)
+        x = F.embedding(inputs, self.w("tok_emb"))
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            h = norm(x, self.w(p + "attn_norm"))
+            q = F.linear(h, self.w(p + "wq")).view(B, T, H, D).transpose(1, 2)
+            k = F.linear(h, self.w(p + "wk")).view(B, T, G, D).transpose(1, 2)
+            v = F.linear(h, self.w(p + "wv")).view(B, T, G, D).transpose(1, 2)
+            att = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True, enable_gqa=True)
+            x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), self.w(p + "wo"))
+            h = norm(x, self.w(p + "ffn_norm"))
+            x = x + F.linear(F.silu(F.linear(h, self.w(p + "w_gate"))) * F.linear(h, self.w(p + "w_up")),
+                             self.w(p + "w_down"))
+        h = norm(x, self.w("final_norm"))
+        losses = [F.cross_entropy(F.linear(h, self.w(f"heads.{k}")).flatten(0, 1), targets[k].flatten(),
+                                  ignore_index=-1) for k in range(cfg.mtp_heads)]
+        return sum(losses) / len(losses), losses[0]
+
+
+def batches(cfg, B, n, seed=0):
+    rng = np.random.default_rng(seed)
+    T, K = cfg.context, cfg.mtp_heads
+    for _ in range(n):
+        win = rng.integers(0, cfg.vocab_size, (B, T + K))
+        yield win[:, :T].astype(np.int32), np.stack([win[:, 1 + k:1 + k + T] for k in range(K)]).astype(np.int32)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))  # cores we may run on
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=["nanoeuler", "pytorch"], help=argparse.SUPPRESS)  # one timed round
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import numba
+    numba.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    cfg, B = PRESETS[args.preset], args.batch_size
+    flat = init_params(cfg, seed=0)
+    lr, wd, clip = 1e-3, 0.1, 1.0
+
+    eng = make_engine(cfg)
+    eng.load_params(flat)
+    model = TorchModel(cfg, flat)
+    groups = [{"params": [p for n, p in zip(model.names, model.p) if is_matrix(n)], "weight_decay": wd},
+              {"params": [p for n, p in zip(model.names, model.p) if not is_matrix(n)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+    def ours(inputs, targets):
+        loss = eng.forward_backward(inputs, targets)[0]
+        eng.step(lr, wd, clip)
+        return loss
+
+    def theirs(inputs, targets):
+        loss = model(torch.from_numpy(inputs).long(), torch.from_numpy(targets).long())[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        return loss.item()
+
+    if args.only:
+        fn = ours if args.only == "nanoeuler" else theirs
+        fn(*next(iter(batches(cfg, B, 1, seed=1))))  # warm-up: compilation, thread pools, allocations
+        data = list(batches(cfg, B, args.steps, seed=100 + args.round))
+        t = time.perf_counter()
+        for inputs, targets in data:
+            fn(inputs, targets)
+        print(json.dumps(args.steps * B * cfg.context / (time.perf_counter() - t)))
+        return
+    print(f"{args.preset}: {param_count(cfg) / 1e6:.2f}M parameters, batch {B} x {cfg.context}, "
+          f"{args.threads} threads, torch {torch.__version__}, numba {numba.__version__}")
+    t0 = time.perf_counter()
+    first = [(ours(*b), theirs(*b)) for b in batches(cfg, B, 3, seed=1)]
+    print(f"warm-up (includes numba compilation unless cached): {time.perf_counter() - t0:.1f} s")
+    for i, (a, b) in enumerate(first):
+        print(f"  step {i + 1} loss: nanoeuler {a:.6f}  pytorch {b:.6f}")
+    assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in first), "the two models disagree"
+
+    best = {"nanoeuler": 0.0, "pytorch": 0.0}
+    for r in range(args.rounds):
+        for name in best:
+            cmd = [sys.executable, __file__, "--only", name, "--preset", args.preset, "--batch-size", str(B),
+                   "--threads", str(args.threads), "--steps", str(args.steps), "--round", str(r)]
+            tps = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            best[name] = max(best[name], tps)
+            print(f"  round {r + 1} {name:9s}: {tps:9,.0f} tokens/s")
+    print(f"nanoeuler {best['nanoeuler']:,.0f} tokens/s, pytorch {best['pytorch']:,.0f} tokens/s, "
+          f"ratio {best['nanoeuler'] / best['pytorch']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

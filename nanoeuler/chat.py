@@ -1,0 +1,94 @@
+"""Interactive REPL: `nanoeuler chat [--ckpt F]`.
+
+    nanoeuler chat --ckpt nanoeuler.bin
+    > ROMEO:
+    (the model continues the text, streamed, until a blank line or --max-new-tokens)
+
+With a pretrained (base) checkpoint the session is one growing text: each line you type is appended to it
+and the model continues it, so it answers in the voice of its corpus. The text is kept (up to the model's
+context) until `/reset`. With a chat checkpoint (`nanoeuler sft`, `chat` = 1 in its metadata) each line is
+one instruction, wrapped in the Alpaca template the model was fine-tuned on (sft.render_prompt), and the
+reply runs until the model emits `</s>` (or --max-new-tokens); each instruction stands on its own, as every
+fine-tuning example did. `/quit` or Ctrl-D leaves; Ctrl-C stops a reply that runs on. Line editing and
+history (up arrow, also across sessions in ~/.nanoeuler_history) come from readline where Python has it.
+"""
+import os
+import sys
+
+import numpy as np
+
+from nanoeuler.sample import TextStream, generate, load_model
+from nanoeuler.sft import render_prompt
+
+HELP = "/reset clears the text so far, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"
+HISTORY = os.path.expanduser("~/.nanoeuler_history")
+
+
+def _readline():
+    """Enable line editing and persistent history if this Python has readline."""
+    try:
+        import readline
+    except ImportError:
+        return None
+    try:
+        readline.read_history_file(HISTORY)
+    except OSError:
+        pass  # first session, or no home directory
+    readline.set_history_length(1000)
+    return readline
+
+
+def main(args):
+    eng, tok, ck = load_model(args.ckpt, args.device)
+    rl = _readline()
+    rng = np.random.default_rng(args.seed)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
+    kind = "a chat model: each line is an instruction" if ck.chat else "a base model: it continues your text"
+    print(f"nanoeuler chat: {args.ckpt} (step {ck.step}), {kind}. {HELP}.")
+    text = []  # token ids of the whole session, prompt lines and replies
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                print()
+                break
+            except KeyboardInterrupt:
+                print()
+                continue
+            command = line.strip()
+            if command == "/quit":
+                break
+            if command == "/reset":
+                text = []
+                print("(cleared)")
+                continue
+            if command.startswith("/"):
+                print(f"unknown command {command}: {HELP}")
+                continue
+            text = tok.encode(render_prompt(line)) if ck.chat else text + tok.encode(line + "\n")
+            reply, stream = [], TextStream(tok)
+            try:
+                for token in generate(eng, text, args.max_new_tokens, args.temperature, args.top_k,
+                                      args.top_p, rng, stop_ids=(tok.eos_id,)):
+                    if token == tok.eos_id:
+                        break
+                    reply.append(token)
+                    stream.write([token])
+                    # a blank line ends a base model's passage; a chat model ends its reply with </s>
+                    if not ck.chat and tok.decode(reply[-4:]).endswith(b"\n\n"):
+                        break
+            except KeyboardInterrupt:
+                pass
+            stream.close()
+            if not tok.decode(reply).endswith(b"\n"):
+                print()
+            text = (text + reply)[-eng.cfg.context:]
+    finally:
+        if rl is not None:
+            try:
+                rl.write_history_file(HISTORY)
+            except OSError:
+                pass
+    return 0

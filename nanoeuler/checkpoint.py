@@ -1,0 +1,209 @@
+"""Checkpoints: one safetensors file holding the weights, the config, the tokenizer and the resume state.
+
+Layout (DESIGN.md): the tensors under their model names (`tok_emb`, `layers.0.wq`, ...), optionally the
+AdamW moments under `opt.m.<name>` / `opt.v.<name>`, and string metadata: `format` = "nanoeuler",
+`config` (JSON), `tokenizer` (JSON), `step`, `chat` ("0"/"1"), and `train` (JSON: whatever the training
+loop needs to continue exactly: hyperparameters, data position, RNG state). `safetensors.numpy.load_file`
+opens it, and so does any other safetensors reader.
+
+Writes are atomic: the file is written under a temporary name in the same directory, fsynced, renamed over
+the old one and the directory fsynced, so a crash or Ctrl-C at any moment leaves either the old checkpoint
+or the new one, never a mixture. Reads validate the file before trusting it and turn every way it can be
+bad (missing, truncated, corrupt, tensors disagreeing with the config) into a one-line UserError.
+"""
+import dataclasses
+import json
+import math
+import os
+import struct
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save as serialize
+
+from nanoeuler.config import Config, param_layout, param_shapes, views
+from nanoeuler.errors import UserError
+
+FORMAT = "nanoeuler"
+MAX_HEADER = 100 * 2**20  # a real header is a few KB of names plus the tokenizer JSON
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    cfg: Config
+    params: np.ndarray            # flat float32, config.param_layout order
+    tokenizer_json: str
+    step: int
+    chat: bool = False
+    opt: tuple = None             # (m, v) flat float32, or None when the file has no optimizer state
+    train_state: dict = None      # the training loop's resume state, or None
+
+    def tokenizer(self):
+        from nanoeuler.tokenizer import Tokenizer
+        try:
+            tok = Tokenizer.from_json(self.tokenizer_json)
+        except Exception as e:
+            raise UserError(f"checkpoint has a corrupt tokenizer ({type(e).__name__}: {e})") from None
+        if tok.vocab_size > self.cfg.vocab_size:
+            raise UserError(f"checkpoint tokenizer has {tok.vocab_size} tokens but the model only "
+                            f"{self.cfg.vocab_size}")
+        return tok
+
+
+def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, chat=False):
+    """Atomically write a checkpoint. params (and opt's m, v) are flat float32 host arrays."""
+    tensors = dict(views(np.ascontiguousarray(params, dtype=np.float32), cfg))
+    if opt is not None:
+        for prefix, flat in zip(("opt.m.", "opt.v."), opt):
+            for name, view in views(np.ascontiguousarray(flat, dtype=np.float32), cfg).items():
+                tensors[prefix + name] = view
+    metadata = {"format": FORMAT, "config": cfg.to_json(), "tokenizer": tokenizer_json,
+                "step": str(int(step)), "chat": "1" if chat else "0"}
+    if train_state is not None:
+        metadata["train"] = json.dumps(train_state, sort_keys=True)
+    data = serialize(tensors, metadata=metadata)
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write(path, write, mode="wb"):
+    """Call write(f) on a temporary file opened with `mode`, then fsync it and rename it over `path`.
+
+    On any failure (including KeyboardInterrupt) the temporary file is removed and `path` is untouched."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+
+
+def check_writable(path):
+    """Fail early (before hours of training) if `path` cannot be written: create and remove a temp file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise UserError(f"cannot write {path}: it is a directory")
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb"):
+            pass
+        os.remove(tmp)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _header(path):
+    """Parse and sanity-check the safetensors header without reading any tensor data."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise UserError(f"checkpoint {path} not found")
+    if os.path.isdir(path):
+        raise UserError(f"checkpoint {path} is a directory, not a file")
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise UserError(f"checkpoint {path} is truncated or not a checkpoint ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise UserError(f"checkpoint {path} is truncated or corrupt (header of {n} bytes in a "
+                                f"{size}-byte file)")
+            raw = f.read(n)
+    except OSError as e:
+        raise UserError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw)
+        assert isinstance(header, dict)
+    except (ValueError, AssertionError):
+        raise UserError(f"checkpoint {path} is corrupt (unreadable header)") from None
+    meta = header.pop("__metadata__", None) or {}
+    if meta.get("format") != FORMAT:
+        raise UserError(f"{path} is not a nanoeuler checkpoint (no format=nanoeuler in its metadata)")
+    data_size = size - 8 - n
+    for name, info in header.items():
+        try:
+            start, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"checkpoint {path} is corrupt (bad entry for tensor {name})") from None
+        if end > data_size:
+            raise UserError(f"checkpoint {path} is truncated (tensor {name} ends at byte {end} of a "
+                            f"{data_size}-byte data section)")
+        if info.get("dtype") != "F32" or end - start != 4 * math.prod(shape):
+            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is not float32 of shape {shape})")
+    return meta, header
+
+
+def read_metadata(path):
+    """The checkpoint's `__metadata__` (string values), validated as a nanoeuler checkpoint; reads only the
+    header, so it is cheap even for a large model."""
+    return _header(path)[0]
+
+
+def _config(path, meta):
+    for key in ("config", "tokenizer", "step"):
+        if key not in meta:
+            raise UserError(f"checkpoint {path} is corrupt (no {key!r} in its metadata)")
+    try:
+        cfg = Config.from_json(meta["config"])
+        step = int(meta["step"])
+    except (ValueError, TypeError) as e:
+        raise UserError(f"checkpoint {path} is corrupt (bad config or step: {e})") from None
+    return cfg, step
+
+
+def load(path, with_opt=False):
+    """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent)."""
+    path = os.fspath(path)
+    meta, header = _header(path)
+    cfg, step = _config(path, meta)
+    prefixes = [""] + (["opt.m.", "opt.v."] if with_opt else [])
+    expected = {prefix + name: shape for prefix in prefixes for name, shape in param_shapes(cfg)}
+    for name, shape in expected.items():
+        if name not in header:
+            if name.startswith("opt."):
+                raise UserError(f"checkpoint {path} has no optimizer state to resume from")
+            raise UserError(f"checkpoint {path} has no tensor {name}, which its config requires")
+        if tuple(header[name]["shape"]) != tuple(shape):
+            raise UserError(f"checkpoint {path}: tensor {name} has shape {tuple(header[name]['shape'])} "
+                            f"but its config says {tuple(shape)}")
+    known = {prefix + name for prefix in ("", "opt.m.", "opt.v.") for name, _ in param_shapes(cfg)}
+    extra = sorted(set(header) - known)
+    if extra:
+        raise UserError(f"checkpoint {path}: tensor {extra[0]} does not belong to its config")
+
+    total = param_layout(cfg)[1]
+    flats = {prefix: np.empty(total, dtype=np.float32) for prefix in prefixes}
+    try:
+        with safe_open(path, framework="numpy") as f:
+            for prefix, flat in flats.items():
+                for name, view in views(flat, cfg).items():
+                    view[...] = f.get_tensor(prefix + name)
+    except Exception as e:  # the header was fine, so this is damage inside the file
+        raise UserError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e})") from None
+    if not np.isfinite(flats[""]).all():
+        raise UserError(f"checkpoint {path} holds non-finite weights")
+    try:
+        train_state = json.loads(meta["train"]) if "train" in meta else None
+    except ValueError:
+        raise UserError(f"checkpoint {path} is corrupt (unreadable training state)") from None
+    return Checkpoint(cfg=cfg, params=flats[""], tokenizer_json=meta["tokenizer"], step=step,
+                      chat=meta.get("chat") == "1",
+                      opt=(flats["opt.m."], flats["opt.v."]) if with_opt else None,
+                      train_state=train_state)

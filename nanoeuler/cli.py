@@ -1,0 +1,204 @@
+"""The `nanoeuler` command line: one subcommand per stage of the pipeline.
+
+    nanoeuler check [--gpu]                 gradient check of the hand-written backward passes
+    nanoeuler train [small|big|base] ...    pretrain (CPU or GPU engine)
+    nanoeuler infer "PROMPT" ...            sample from a checkpoint
+    nanoeuler sft ...                       supervised fine-tuning on Alpaca
+    nanoeuler chat ...                      interactive REPL
+    nanoeuler tokenizer train|encode|decode
+    nanoeuler export --hf DIR               a Hugging Face LlamaForCausalLM folder
+
+Each subcommand's work lives in its own module, imported only when it runs, so `nanoeuler tokenizer`
+never pays for numba compilation and the CPU path never imports cupy. Bad input raises UserError, which
+is printed here as one line on stderr with a non-zero exit and no traceback.
+"""
+import argparse
+import os
+import sys
+
+from nanoeuler.errors import UserError
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _nonneg_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _nonneg_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = _nonneg_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def _probability(text):
+    value = _nonneg_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags get the same one-line error as every other bad input (the usage is one -h away);
+    subparsers inherit this class."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+        sys.exit(2)
+
+
+def _device_flag(p):
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="engine: auto takes the GPU when there is one (train small: the CPU)")
+
+
+def _sampling_flags(p):
+    p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
+    p.add_argument("--max-new-tokens", type=_nonneg_int, default=200)
+    p.add_argument("--temperature", type=_nonneg_float, default=0.8, help="0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=_nonneg_int, default=0, help="sample among the K likeliest (0: all)")
+    p.add_argument("--top-p", type=_probability, default=0.95, help="nucleus sampling mass (default 0.95)")
+    p.add_argument("--seed", type=_nonneg_int, default=None, help="for reproducible samples")
+    _device_flag(p)
+
+
+def build_parser():
+    parser = _Parser(prog="nanoeuler", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check", help="verify every backward pass against finite differences")
+    p.add_argument("--gpu", action="store_true", help="check the GPU kernels against the CPU engine")
+    p.add_argument("--seed", type=_nonneg_int, default=0)
+    p.add_argument("--samples", type=_positive_int, default=8, help="entries sampled per tensor")
+
+    p = sub.add_parser("train", help="pretrain a model on a text corpus")
+    p.add_argument("preset", nargs="?", choices=("small", "big", "base"), default=None,
+                   help="model size (default small; on --resume, the checkpoint's)")
+    _device_flag(p)
+    p.add_argument("--data", help="text corpus (default: shakespeare.txt; base: data/pretrain.txt)")
+    p.add_argument("--out", default="nanoeuler.bin", help="checkpoint to write (default nanoeuler.bin)")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
+    p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
+    p.add_argument("--tokenizer", help="tokenizer.json to use (default: learn one on the corpus)")
+    p.add_argument("--steps", type=_positive_int, help="total optimizer steps")
+    p.add_argument("--batch-size", type=_positive_int)
+    p.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    p.add_argument("--seed", type=_nonneg_int, help="initialisation and data order")
+    p.add_argument("--eval-every", type=_positive_int)
+    p.add_argument("--sample-every", type=_positive_int)
+    p.add_argument("--ckpt-every", type=_positive_int)
+
+    p = sub.add_parser("infer", help="continue a prompt with a trained model")
+    p.add_argument("prompt", help="text to continue (may be empty)")
+    _sampling_flags(p)
+
+    p = sub.add_parser("sft", help="fine-tune a pretrained model on instruction data (Alpaca)")
+    _device_flag(p)
+    p.add_argument("--data", help="Alpaca-style JSON list of {instruction, input, output} (default "
+                   "data/alpaca.json)")
+    p.add_argument("--ckpt", default="nanoeuler.bin", help="pretrained checkpoint (default nanoeuler.bin)")
+    p.add_argument("--out", default="nanoeuler_chat.bin", help="chat checkpoint to write (default "
+                   "nanoeuler_chat.bin)")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
+    p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
+    p.add_argument("--steps", type=_positive_int, help="total optimizer steps (default 1500)")
+    p.add_argument("--batch-size", type=_positive_int, help="examples per batch (default 32)")
+    p.add_argument("--lr", type=_positive_float, help="peak learning rate (default 1e-4)")
+    p.add_argument("--seed", type=_nonneg_int, help="example order and samples")
+    p.add_argument("--eval-every", type=_positive_int)
+    p.add_argument("--sample-every", type=_positive_int)
+    p.add_argument("--ckpt-every", type=_positive_int)
+    p.add_argument("--val-examples", type=_positive_int,
+                   help="examples held out for the validation loss (default a twentieth, at most 500)")
+    p.add_argument("--long", choices=("truncate", "skip"),
+                   help="examples longer than context + K tokens: cut to the window (default) or skip them")
+    p.add_argument("--show", type=_positive_int, metavar="N",
+                   help="print the first N examples as trained, supervised tokens marked, and exit")
+
+    p = sub.add_parser("chat", help="interactive session with a trained model")
+    _sampling_flags(p)
+
+    p = sub.add_parser("tokenizer", help="byte-level BPE: train one, encode, decode")
+    tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = tok.add_parser("train", help="learn a tokenizer on a text file; writes a Hugging Face tokenizer.json")
+    t.add_argument("file", help="text corpus")
+    t.add_argument("--vocab-size", type=_positive_int, default=4096, help="tokens in all (default 4096)")
+    t.add_argument("--out", default="tokenizer.json", help="output (default tokenizer.json)")
+    t.add_argument("--sample-mb", type=_positive_int, default=128,
+                   help="a larger corpus is sampled down to this many MiB (default 128)")
+    for action, what in (("encode", "print the token ids of TEXT, --file or stdin"),
+                         ("decode", "write the bytes of token ids (arguments or stdin) to stdout")):
+        t = tok.add_parser(action, help=what)
+        source = t.add_mutually_exclusive_group()
+        source.add_argument("--ckpt", help="take the tokenizer from this checkpoint (default nanoeuler.bin)")
+        source.add_argument("--tokenizer", help="take the tokenizer from this tokenizer.json")
+        if action == "encode":
+            t.add_argument("text", nargs="?", help="text to encode")
+            t.add_argument("--file", help="encode this file's bytes instead")
+            t.add_argument("--allow-special", action="store_true", help="turn special tokens like </s> into their ids")
+        else:
+            t.add_argument("ids", nargs="*", help="token ids")
+
+    p = sub.add_parser("export", help="write a Hugging Face LlamaForCausalLM folder")
+    p.add_argument("--hf", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
+
+    return parser, sub
+
+
+def main(argv=None):
+    parser, sub = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "check":
+            from nanoeuler.check import main as run
+        elif args.command == "train":
+            from nanoeuler.train import main as run
+        elif args.command == "infer":
+            from nanoeuler.sample import main as run
+        elif args.command == "sft":
+            from nanoeuler.sft import main as run
+        elif args.command == "chat":
+            from nanoeuler.chat import main as run
+        elif args.command == "export":
+            from nanoeuler.export import main as run
+        elif args.command == "tokenizer":
+            from nanoeuler.tokenizer import main as run
+        else:  # pragma: no cover - argparse rejects unknown commands
+            parser.error(f"unknown command {args.command}")
+        status = run(args)
+    except UserError as e:
+        print(f"nanoeuler: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\nnanoeuler: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:  # `nanoeuler ... | head`: the reader left; stop quietly, as a Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the final flush cannot fail
+        sys.exit(141)
+    sys.exit(status or 0)

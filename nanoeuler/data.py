@@ -1,0 +1,172 @@
+"""Training data: a text corpus tokenized once into a cached token file, split, and cut into batches.
+
+    corpus = open_corpus("shakespeare.txt", tok)     # builds or reuses shakespeare.txt.tok
+    source = RandomWindows(corpus.train, batch=16, context=128, K=2, seed=0)
+    inputs, targets = source.next()                  # int32 (B, T) and (K, B, T)
+
+The cache is a 128-byte header (magic, version, token count, the corpus file's size and mtime, the
+tokenizer's sha256) followed by the tokens as little-endian uint16. Any mismatch with the corpus or the
+tokenizer rebuilds it, so a stale cache is never used. It is memory-mapped, so a corpus of many GB costs no
+RAM. The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
+covers it), so bits per byte are measured on text the model never trained on.
+
+A batch source is any object with `next() -> (inputs, targets)`, `state()` and `load_state(state)`; the
+training loop saves `state()` in every checkpoint and restores it on --resume, which is what makes a resumed
+run draw exactly the batches the uninterrupted run would have drawn.
+"""
+import hashlib
+import os
+import struct
+import tempfile
+
+import numpy as np
+
+from nanoeuler.checkpoint import atomic_write
+from nanoeuler.errors import UserError
+
+MAGIC = b"NEUTOKS\x00"
+VERSION = 1
+HEADER = struct.Struct("<8sI4xQQq64s")   # magic, version, n_tokens, source size, source mtime_ns, tok sha256
+HEADER_BYTES = 128
+VAL_FRACTION = 0.1
+
+
+def cache_path(corpus_path):
+    """`<corpus>.tok` next to the corpus, or in the temp dir when the corpus's directory is read-only."""
+    corpus_path = os.path.abspath(corpus_path)
+    if os.access(os.path.dirname(corpus_path), os.W_OK):
+        return corpus_path + ".tok"
+    digest = hashlib.sha256(corpus_path.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"nanoeuler-{os.path.basename(corpus_path)}-{digest}.tok")
+
+
+def _expected_header(corpus_path, tok, n_tokens):
+    st = os.stat(corpus_path)
+    return HEADER.pack(MAGIC, VERSION, n_tokens, st.st_size, st.st_mtime_ns, tok.sha256().encode())
+
+
+def _read_cache(path, corpus_path, tok):
+    """The cached tokens as a read-only memmap, or None if the cache is missing or stale."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER.size)
+        n_tokens = HEADER.unpack(head)[2]
+        if head != _expected_header(corpus_path, tok, n_tokens):
+            return None
+        if os.path.getsize(path) != HEADER_BYTES + 2 * n_tokens:
+            return None
+    except (OSError, struct.error):
+        return None
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
+
+
+def _build_cache(path, corpus_path, tok, progress):
+    def write(f):
+        f.write(bytes(HEADER_BYTES))  # the header needs the token count: written once it is known
+        n_tokens = tok.encode_file(corpus_path, f, progress=progress)
+        f.seek(0)
+        f.write(_expected_header(corpus_path, tok, n_tokens))
+    atomic_write(path, write)
+
+
+class Corpus:
+    """A tokenized corpus: `tokens` (memmap uint16), its `train` and `val` splits (views), and `byte_len`,
+    the number of bytes each token id decodes to (for bits per byte)."""
+
+    def __init__(self, tokens, byte_len, n_bytes):
+        self.tokens, self.byte_len = tokens, byte_len
+        # walk back from the end until a tenth of the corpus's bytes is covered; reads only the val split
+        want, got, split, chunk = VAL_FRACTION * n_bytes, 0, len(tokens), 1 << 20
+        while split > 0 and got < want:
+            lo = max(0, split - chunk)
+            lens = byte_len[tokens[lo:split]]
+            rev = np.cumsum(lens[::-1])
+            if got + rev[-1] < want:
+                got, split = got + int(rev[-1]), lo
+            else:
+                split -= int(np.searchsorted(rev, want - got)) + 1
+                break
+        self.train, self.val = tokens[:split], tokens[split:]
+
+
+def check_corpus(path):
+    if not os.path.exists(path):
+        raise UserError(f"corpus {path} not found")
+    if not os.path.isfile(path):
+        raise UserError(f"corpus {path} is not a file")
+    if os.path.getsize(path) == 0:
+        raise UserError(f"corpus {path} is empty")
+
+
+def open_corpus(path, tok, progress=True):
+    path = os.fspath(path)
+    check_corpus(path)
+    if tok.vocab_size > 2**16:
+        raise UserError(f"a vocabulary of {tok.vocab_size} does not fit the uint16 token cache")
+    cache = cache_path(path)
+    tokens = _read_cache(cache, path, tok)
+    if tokens is None:
+        _build_cache(cache, path, tok, progress)
+        tokens = _read_cache(cache, path, tok)
+        assert tokens is not None, "token cache unreadable right after writing it"
+    byte_len = np.array([len(tok.decode([i])) for i in range(tok.vocab_size)], dtype=np.int64)
+    return Corpus(tokens, byte_len, os.path.getsize(path))
+
+
+def windows_to_batch(win, context, K):
+    """Windows (B, context + K) -> inputs (B, T) and targets (K, B, T): targets[k] is 1+k tokens ahead."""
+    inputs = np.ascontiguousarray(win[:, :context], dtype=np.int32)
+    targets = np.stack([win[:, 1 + k:1 + k + context] for k in range(K)]).astype(np.int32)
+    return inputs, targets
+
+
+class RandomWindows:
+    """Pretraining batches: `batch` windows of context + K tokens at uniformly random offsets."""
+
+    def __init__(self, tokens, batch, context, K, seed):
+        self.tokens, self.batch, self.context, self.K = tokens, batch, context, K
+        self.span = context + K
+        if len(tokens) < self.span:
+            raise UserError(f"the training split has {len(tokens)} tokens, fewer than one window of "
+                            f"{self.span}; use a larger corpus")
+        self.rng = np.random.default_rng(seed)
+
+    def next(self):
+        starts = self.rng.integers(0, len(self.tokens) - self.span + 1, size=self.batch)
+        win = self.tokens[starts[:, None] + np.arange(self.span)]
+        return windows_to_batch(win, self.context, self.K)
+
+    def state(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state(self, state):
+        self.rng.bit_generator.state = state["rng"]
+
+
+def eval_batches(tokens, byte_len, batch, context, K, limit=None):
+    """Validation batches covering `tokens` with consecutive windows (each token is a head-0 target once).
+
+    Returns a list of (inputs, targets, n_bytes), where n_bytes counts the bytes of the valid head-0
+    targets (for bits per byte). Targets past the end are -1, and the last batch is padded with rows of -1
+    targets, so every batch has the same shape (the engine keeps its buffers). With `limit`, only that many
+    batches, spread evenly over the split (a cheaper estimate for the periodic evaluations)."""
+    n = len(tokens)
+    if n < 2:
+        raise UserError(f"the validation split has {n} tokens; use a larger corpus")
+    starts = np.arange(0, n - 1, context)
+    n_batches = -(-len(starts) // batch)
+    picks = range(n_batches)
+    if limit is not None and limit < n_batches:
+        picks = np.linspace(0, n_batches - 1, limit).round().astype(int)
+    out = []
+    for b in picks:
+        s = starts[b * batch:(b + 1) * batch]
+        win = np.full((batch, context + K), -1, dtype=np.int64)
+        for row, start in enumerate(s):
+            piece = tokens[start:start + context + K]
+            win[row, :len(piece)] = piece
+        inputs, targets = windows_to_batch(win, context, K)
+        inputs[inputs < 0] = 0  # padding positions past the end: their targets are -1 anyway
+        valid = targets[0][targets[0] >= 0]
+        out.append((inputs, targets, int(byte_len[valid].sum())))
+    return out

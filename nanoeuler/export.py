@@ -1,0 +1,85 @@
+"""Export to Hugging Face: `nanoeuler export --hf DIR [--ckpt F]`.
+
+    nanoeuler export --hf hf_model --ckpt nanoeuler.bin
+    # then, with transformers installed:
+    #   LlamaForCausalLM.from_pretrained("hf_model"); PreTrainedTokenizerFast(tokenizer_file="hf_model/tokenizer.json")
+
+The model is a Llama as far as `transformers` is concerned: the same RMSNorm (eps 1e-5), the same
+rotate-half RoPE (so q/k rows need no permutation, unlike exports of Meta's interleaved checkpoints),
+grouped-query attention, SwiGLU and no biases. Head 0 (next-token prediction) becomes `lm_head`; the other
+multi-token-prediction heads are training aids and are left out. The embedding and lm_head stay untied.
+Files: config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+special_tokens_map.json; each is written atomically.
+"""
+import json
+import os
+
+import numpy as np
+from safetensors.numpy import save as serialize
+
+from nanoeuler import checkpoint
+from nanoeuler.config import views
+from nanoeuler.errors import UserError
+
+LAYER_NAMES = {  # ours -> Hugging Face Llama, within layer i
+    "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+    "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
+}
+
+
+def hf_tensors(cfg, params):
+    """Our flat parameter buffer -> {Hugging Face name: array}."""
+    v = views(params, cfg)
+    out = {"model.embed_tokens.weight": v["tok_emb"], "model.norm.weight": v["final_norm"],
+           "lm_head.weight": v["heads.0"]}
+    for i in range(cfg.n_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            out[f"model.layers.{i}.{theirs}.weight"] = v[f"layers.{i}.{ours}"]
+    return {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in out.items()}
+
+
+def hf_config(cfg, tok):
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32",
+        "bos_token_id": None, "eos_token_id": tok.eos_id, "pad_token_id": None,
+    }
+
+
+def main(args):
+    ck = checkpoint.load(args.ckpt)
+    tok = ck.tokenizer()
+    out = args.hf
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--hf {out} exists and is not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out}: {e.strerror or e}") from None
+    checkpoint.check_writable(os.path.join(out, "config.json"))
+
+    def write_json(name, obj):
+        checkpoint.atomic_write(os.path.join(out, name), lambda f: json.dump(obj, f, indent=2), mode="w")
+
+    tensors = hf_tensors(ck.cfg, ck.params)
+    data = serialize(tensors, metadata={"format": "pt"})
+    checkpoint.atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(data))
+    write_json("config.json", hf_config(ck.cfg, tok))
+    write_json("generation_config.json", {"eos_token_id": tok.eos_id, "max_length": ck.cfg.context})
+    tok.save_hf(os.path.join(out, "tokenizer.json"))
+    eos = next(name for name, i in tok.special_tokens.items() if i == tok.eos_id)
+    write_json("tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": ck.cfg.context,
+        "eos_token": eos, "clean_up_tokenization_spaces": False, "add_bos_token": False,
+        "add_eos_token": False})
+    write_json("special_tokens_map.json", {"eos_token": eos})
+    print(f"exported {args.ckpt} (step {ck.step}) to {out}/: LlamaForCausalLM, "
+          f"{sum(a.size for a in tensors.values()) / 1e6:.2f}M parameters "
+          f"(head 0 as lm_head), tokenizer.json with {tok.vocab_size} tokens")
+    return 0

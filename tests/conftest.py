@@ -1,0 +1,55 @@
+"""Shared fixtures: a tiny corpus, tokenizer, config and checkpoint, so the training, sampling, export and
+CLI tests run in seconds (dim 32, 2 layers, context 32)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanoeuler import checkpoint
+from nanoeuler.config import Config, init_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(vocab_size):
+    return Config(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=64, vocab_size=vocab_size, context=32,
+                  mtp_heads=2)
+
+
+def run_cli(*args, cwd=None, **kw):
+    """Run `python -m nanoeuler ARGS` in a subprocess; returns the CompletedProcess (text)."""
+    return subprocess.run([sys.executable, "-m", "nanoeuler", *map(str, args)], cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """The first ~120 KB of shakespeare.txt, plus bytes that are not UTF-8."""
+    with open(os.path.join(ROOT, "shakespeare.txt"), "rb") as f:
+        text = f.read(120_000)
+    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
+    path.write_bytes(text + b"\n\xff\xfe odd bytes \x00 and caf\xc3\xa9\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(corpus):
+    from nanoeuler.tokenizer import Tokenizer
+    return Tokenizer.train(corpus, 300, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save_hf(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tokenizer, tmp_path_factory):
+    """A checkpoint of an untrained tiny model (random weights: fine for plumbing and exactness tests)."""
+    cfg = tiny_config(tokenizer.vocab_size)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny.bin"
+    checkpoint.save(path, cfg, init_params(cfg, seed=3), tokenizer.to_json(), step=0)
+    return path

@@ -1,0 +1,142 @@
+"""Generation: the KV cache against the full forward pass, the samplers, long prompts, streaming, `infer`."""
+import io
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_cli, tiny_config
+from nanoeuler.config import init_params, param_shapes, views
+from nanoeuler.model import make_engine
+from nanoeuler.sample import TextStream, generate, pick
+
+
+@pytest.fixture(scope="module")
+def eng():
+    """A tiny model with weights large enough that logits differ clearly from position to position."""
+    cfg = tiny_config(300)
+    e = make_engine(cfg)
+    flat = init_params(cfg, seed=1)
+    rng = np.random.default_rng(2)
+    for name, view in views(flat, cfg).items():
+        if not name.endswith("norm"):
+            view[...] = rng.normal(0, 0.3, view.shape)
+    e.load_params(flat)
+    return e
+
+
+def _ids(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 300, n).astype(np.int32)
+
+
+def _rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_kv_cache_decode_matches_full_forward(eng):
+    T = eng.cfg.context
+    ids = _ids(T)
+    full = eng.logits(ids[None])[0]  # (T, V)
+    cache = eng.new_cache(1)
+    got = [eng.decode(cache, ids[None, :5])[0]]  # a prefill of 5, then one token at a time
+    for t in range(5, T):
+        got.append(eng.decode(cache, ids[None, t:t + 1])[0])
+    assert cache.pos == T
+    for t, logits in zip(range(4, T), got):
+        assert _rel(logits, full[t]) < 1e-5, t
+    assert np.abs(full[4] - full[20]).max() > 0.1  # the comparison is not trivially between equal rows
+
+
+def test_kv_cache_batches_and_chunks(eng):
+    ids = np.stack([_ids(20, 1), _ids(20, 2)])
+    full = eng.logits(ids)
+    cache = eng.new_cache(2)
+    eng.decode(cache, ids[:, :7])
+    out = eng.decode(cache, ids[:, 7:20])  # a chunk of 13 after a prefill of 7
+    assert _rel(out, full[:, 19]) < 1e-5
+
+
+def test_greedy_and_filters():
+    rng = np.random.default_rng(0)
+    logits = np.array([0.0, 3.0, 1.0, 2.9, -5.0], dtype=np.float32)
+    assert pick(logits, 0, 0, 1.0, rng) == 1
+    assert pick(logits, 1.0, 1, 1.0, rng) == 1        # top-1 is greedy
+    assert pick(logits, 1.0, 0, 1e-6, rng) == 1       # the smallest nucleus is the top token
+    draws = {pick(logits, 1.0, 2, 1.0, rng) for _ in range(200)}
+    assert draws == {1, 3}                             # top-k keeps exactly k tokens
+    # p = (.024, .479, .065, .433, .0002): tokens 1 and 3 hold .911, token 2 brings it to .976
+    assert {pick(logits, 1.0, 0, 0.9, rng) for _ in range(400)} == {1, 3}
+    assert {pick(logits, 1.0, 0, 0.95, rng) for _ in range(400)} == {1, 2, 3}
+    # a high temperature flattens the distribution, a low one sharpens it
+    cold = [pick(logits, 0.01, 0, 1.0, rng) for _ in range(200)]  # e^-10 odds for token 3
+    hot = [pick(logits, 100.0, 0, 1.0, rng) for _ in range(2000)]
+    assert cold.count(1) == 200 and 0.1 < hot.count(4) / 2000 < 0.3
+
+
+def test_seed_reproduces_samples(eng):
+    a = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(7)))
+    b = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(7)))
+    c = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(8)))
+    assert a == b and a != c and len(a) == 30
+
+
+def test_prompt_longer_than_context_keeps_its_last_tokens(eng):
+    T = eng.cfg.context
+    long = _ids(3 * T + 5)
+    a = list(generate(eng, long, 10, temperature=0))
+    b = list(generate(eng, long[-T:], 10, temperature=0))
+    assert a == b
+
+
+def test_generation_slides_past_the_context(eng):
+    T = eng.cfg.context
+    out = list(generate(eng, _ids(T - 2), 3 * T, temperature=0))
+    assert len(out) == 3 * T
+    # up to the first slide, the cached path is exactly the greedy continuation of a full forward pass
+    seq = list(_ids(T - 2))
+    for expected in out[:2]:
+        assert int(np.argmax(eng.logits(np.array([seq]))[0, -1])) == expected
+        seq.append(expected)
+
+
+def test_stop_token_ends_generation(eng):
+    first = next(generate(eng, _ids(4), 5, temperature=0))
+    assert list(generate(eng, _ids(4), 50, temperature=0, stop_ids=(first,))) == [first]
+
+
+def test_stream_prints_characters_split_across_tokens(tokenizer):
+    out = io.StringIO()
+    stream = TextStream(tokenizer, out)
+    text = "café ☃ 😀 done"
+    for i in tokenizer.encode(text):
+        stream.write([i])
+    stream.close()
+    assert out.getvalue() == text
+    out = io.StringIO()
+    stream = TextStream(tokenizer, out)
+    stream.write(tokenizer.encode(b"a\xffb"))
+    stream.close()
+    assert out.getvalue() == "a\ufffdb"
+
+
+def test_infer_cli(tiny_ckpt):
+    greedy = ["--ckpt", tiny_ckpt, "--temperature", "0", "--max-new-tokens", "12", "--device", "cpu"]
+    a = run_cli("infer", "ROMEO:", *greedy)
+    b = run_cli("infer", "ROMEO:", *greedy)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.startswith("ROMEO:")
+    # argv cannot hold NUL; \udcff is how Python passes the lone (non-UTF-8) byte 0xff through argv
+    for prompt in ["", "\x07 odd \u00e9\u2603\U0001f600 \udcff bytes", "word " * 200]:
+        r = run_cli("infer", prompt, "--ckpt", tiny_ckpt, "--max-new-tokens", "5", "--seed", "1", "--top-k", "5")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "the model sees its last 32" in r.stderr
+
+
+def test_chat_repl(tiny_ckpt, tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path))  # the history file goes to this HOME
+    r = run_cli("chat", "--ckpt", tiny_ckpt, "--max-new-tokens", "6", "--seed", "0", "--device", "cpu",
+                input="ROMEO:\n/reset\n/nope\nmore\n", env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "(cleared)" in r.stdout and "unknown command /nope" in r.stdout  # Ctrl-D (end of input) quits
+    r = run_cli("chat", "--ckpt", tiny_ckpt, input="/quit\nnever read\n", env=env)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith(">")

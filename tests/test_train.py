@@ -1,0 +1,189 @@
+"""The training loop and its data: exact resume, Ctrl-C, the metrics log, the schedule, the token cache."""
+import json
+import math
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from conftest import run_cli, tiny_config
+from nanoeuler import checkpoint, train
+from nanoeuler.cli import build_parser
+from nanoeuler.config import PRESETS
+from nanoeuler.data import RandomWindows, eval_batches, open_corpus
+
+HYPER = train.Hyper(steps=12, batch_size=4, lr=3e-3, warmup=3, eval_every=4, sample_every=6, ckpt_every=5,
+                    eval_batches=2, sample_tokens=8)
+
+
+@pytest.fixture
+def tiny_preset(monkeypatch, tokenizer):
+    monkeypatch.setitem(PRESETS, "small", tiny_config(tokenizer.vocab_size))
+    monkeypatch.setitem(train.PRESET_HYPER, "small", HYPER)
+
+
+def _train(*argv):
+    parser, _ = build_parser()
+    return train.main(parser.parse_args(["train", *map(str, argv)]))
+
+
+def _log(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _interrupt_at(monkeypatch, step):
+    """Deliver a real SIGINT while the loop draws the batch of `step` (1-based)."""
+    calls = {"n": 0}
+    real_next = RandomWindows.next
+
+    def next_then_interrupt(self):
+        calls["n"] += 1
+        if calls["n"] == step:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_next(self)
+    monkeypatch.setattr(RandomWindows, "next", next_then_interrupt)
+
+
+def test_resume_after_interrupt_is_bit_identical(tiny_preset, corpus, tokenizer_file, tmp_path, monkeypatch):
+    common = ["--data", corpus, "--tokenizer", tokenizer_file, "--device", "cpu"]
+    assert _train(*common, "--out", tmp_path / "a.bin") == 0
+    full = _log(tmp_path / "a.jsonl")
+    assert [r["step"] for r in full] == list(range(1, 13))
+
+    # Ctrl-C during step 7 (after the checkpoint of step 5): the loop finishes step 7, saves and stops
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 7)
+        assert _train(*common, "--out", tmp_path / "b.bin") == 130
+    assert checkpoint.load(tmp_path / "b.bin").step == 7
+    assert _train("--resume", "--out", tmp_path / "b.bin", "--device", "cpu") == 0
+    resumed = _log(tmp_path / "b.jsonl")
+
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    for a, b in zip(full, resumed):
+        for key in ("loss", "loss_all_heads", "lr", "grad_norm", "val_loss", "val_bpb"):
+            assert a.get(key) == b.get(key), (a["step"], key)  # exactly equal floats, not approximately
+    ca, cb = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
+    np.testing.assert_array_equal(ca.params, cb.params)
+    np.testing.assert_array_equal(ca.opt[0], cb.opt[0])
+    np.testing.assert_array_equal(ca.opt[1], cb.opt[1])
+    assert ca.train_state == cb.train_state
+
+
+def test_resume_rewinds_the_log_to_the_checkpoint(tiny_preset, corpus, tokenizer_file, tmp_path):
+    """A crash after the checkpoint of step 10 leaves log lines for steps 11.. that are run again."""
+    common = ["--data", corpus, "--tokenizer", tokenizer_file, "--device", "cpu", "--out", tmp_path / "a.bin"]
+    assert _train(*common, "--steps", 10) == 0
+    with open(tmp_path / "a.jsonl", "a") as f:
+        f.write(json.dumps({"step": 11, "loss": 1.0}) + "\n" + '{"step": 12, "lo')  # cut mid-line
+    assert _train("--resume", "--out", tmp_path / "a.bin", "--steps", 12, "--device", "cpu") == 0
+    log = _log(tmp_path / "a.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert log[10]["loss"] != 1.0
+
+
+def test_metrics_log_and_loss_curve(tiny_preset, corpus, tokenizer, tokenizer_file, tmp_path, capsys):
+    assert _train("--data", corpus, "--tokenizer", tokenizer_file, "--device", "cpu", "--out",
+                  tmp_path / "m.bin", "--log", tmp_path / "logs.jsonl") == 0
+    log = _log(tmp_path / "logs.jsonl")
+    for r in log:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= set(r)
+        assert ("val_loss" in r) == (r["step"] % HYPER.eval_every == 0 or r["step"] == HYPER.steps)
+    # the final evaluation covers the whole validation split: bpb = loss / ln 2 * tokens / bytes
+    val = open_corpus(corpus, tokenizer, progress=False).val
+    ratio = (len(val) - 1) / len(tokenizer.decode(val[1:]))
+    assert log[-1]["val_bpb"] == pytest.approx(log[-1]["val_loss"] / math.log(2) * ratio, rel=1e-9)
+    assert (tmp_path / "logs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "sample at step 6" in out and "val loss" in out
+
+
+def test_bits_per_byte_covers_the_validation_split_once(corpus, tokenizer):
+    data = open_corpus(corpus, tokenizer, progress=False)
+    batches = eval_batches(data.val, data.byte_len, 4, 32, 2)
+    head0 = np.concatenate([t[0][t[0] >= 0] for _, t, _ in batches])
+    np.testing.assert_array_equal(head0, data.val[1:])  # every token but the first, once, in order
+    assert sum(b for *_, b in batches) == data.byte_len[data.val[1:]].sum()
+    assert all(i.shape == (4, 32) and t.shape == (2, 4, 32) for i, t, _ in batches)
+    # the split is the last tenth of the file's bytes, and train + val decode to the file exactly
+    raw = corpus.read_bytes()
+    val_bytes = tokenizer.decode(data.val)
+    assert tokenizer.decode(data.train) + val_bytes == raw
+    assert 0.1 <= len(val_bytes) / len(raw) < 0.1 + 64 / len(raw)
+
+
+def test_evaluate_weights_batches_by_their_targets():
+    class Stub:  # loss0 = the mean of the valid targets themselves
+        def forward_loss(self, inputs, targets):
+            return 0.0, float(targets[0][targets[0] >= 0].mean())
+    t1 = np.array([[[1, 1, -1]]]), np.array([[[4, -1, -1]]])
+    batches = [(None, t1[0], 2), (None, t1[1], 6)]
+    loss, bpb = train.evaluate(Stub(), batches)
+    assert loss == pytest.approx((1 + 1 + 4) / 3)
+    assert bpb == pytest.approx((1 + 1 + 4) / math.log(2) / 8)
+
+
+def test_token_cache_is_rebuilt_when_stale(corpus, tokenizer, tmp_path):
+    from nanoeuler.tokenizer import Tokenizer
+    path = tmp_path / "c.txt"
+    path.write_bytes(corpus.read_bytes()[:20000])
+    first = np.array(open_corpus(path, tokenizer, progress=False).tokens)
+    cache = str(path) + ".tok"
+    assert open(cache, "rb").read(8) == b"NEUTOKS\x00"
+    other = Tokenizer.train(path, 280, progress=False)
+    np.testing.assert_array_equal(open_corpus(path, other, progress=False).tokens, other.encode(path.read_bytes()))
+    np.testing.assert_array_equal(open_corpus(path, tokenizer, progress=False).tokens, first)
+    time.sleep(0.01)
+    path.write_bytes(b"changed " + path.read_bytes())  # same tokenizer, new text
+    np.testing.assert_array_equal(open_corpus(path, tokenizer, progress=False).tokens,
+                                  tokenizer.encode(path.read_bytes()))
+
+
+def test_random_windows_resume_from_state(tokenizer, corpus):
+    tokens = np.arange(1000) % 300
+    a = RandomWindows(tokens, 3, 8, 2, seed=5)
+    for _ in range(4):
+        a.next()
+    b = RandomWindows(tokens, 3, 8, 2, seed=99)
+    b.load_state(json.loads(json.dumps(a.state())))
+    for _ in range(3):
+        ia, ta = a.next()
+        ib, tb = b.next()
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(ta, tb)
+    np.testing.assert_array_equal(ta[1][:, :-1], ta[0][:, 1:])  # head k's target is 1+k ahead
+    np.testing.assert_array_equal(ia[:, 1:], ta[0][:, :-1])
+
+
+def test_learning_rate_schedule():
+    hp = train.Hyper(steps=100, batch_size=1, lr=1.0, warmup=10, eval_every=1, sample_every=1, ckpt_every=1)
+    lrs = [train.lr_at(hp, s) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(x >= y for x, y in zip(lrs[9:], lrs[10:]))
+    assert train.lr_at(hp, 100) == pytest.approx(hp.min_lr_ratio)
+    assert lrs[55] == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-2)
+
+
+def test_ctrl_c_from_the_terminal_saves_and_exits_cleanly(corpus, tmp_path):
+    """A real `nanoeuler train` process gets SIGINT mid-run: it saves a loadable checkpoint, exits 130,
+    and prints no traceback."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler", "train", "small", "--data", str(corpus),
+                             "--batch-size", "2", "--steps", "100000", "--device", "cpu", "--out",
+                             str(tmp_path / "s.bin")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "s.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    step = checkpoint.load(tmp_path / "s.bin", with_opt=True).step
+    assert step >= 3 and "continue with --resume" in out
