@@ -107,6 +107,11 @@ def test_bits_per_byte_covers_the_validation_split_once(corpus, tokenizer):
     np.testing.assert_array_equal(head0, data.val[1:])  # every token but the first, once, in order
     assert sum(b for *_, b in batches) == data.byte_len[data.val[1:]].sum()
     assert all(i.shape == (4, 32) and t.shape == (2, 4, 32) for i, t, _ in batches)
+    # the periodic estimate: `limit` batches of single windows spread from the first to the last
+    quick = eval_batches(data.val, data.byte_len, 4, 32, 2, limit=3)
+    firsts = np.concatenate([i[:, 0] for i, _, _ in quick])
+    assert len(quick) == 3 and firsts[0] == data.val[0] and len(set(firsts.tolist())) > 8
+    assert firsts[-1] == data.val[(len(data.val) - 2) // 32 * 32]
     # the split is the last tenth of the file's bytes, and train + val decode to the file exactly
     raw = corpus.read_bytes()
     val_bytes = tokenizer.decode(data.val)
