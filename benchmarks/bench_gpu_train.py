@@ -17,11 +17,7 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import PRESETS, init_params, param_count, views
-
-
-def flops_per_token(cfg):
-    return 6 * (param_count(cfg) - cfg.vocab_size * cfg.dim) + 6 * cfg.n_layers * cfg.dim * cfg.context
+from nanoeuler.config import PRESETS, flops_per_token, init_params, param_count, views
 
 
 def batch(cfg, B, seed):

@@ -99,6 +99,12 @@ def param_count(cfg):
     return param_layout(cfg)[1]
 
 
+def flops_per_token(cfg):
+    """Training FLOPs per token (forward + backward): 6 per non-embedding parameter plus causal attention's
+    6 * layers * dim * context (PaLM's accounting); the numerator of MFU."""
+    return 6 * (param_count(cfg) - cfg.vocab_size * cfg.dim) + 6 * cfg.n_layers * cfg.dim * cfg.context
+
+
 def views(flat, cfg):
     """Named views (no copies) into a flat buffer laid out by param_layout; works for numpy and cupy."""
     layout, total = param_layout(cfg)

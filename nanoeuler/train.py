@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nanoeuler import checkpoint
-from nanoeuler.config import PRESETS, param_count
+from nanoeuler.config import PRESETS, flops_per_token, param_count
 from nanoeuler.errors import UserError
 from nanoeuler.sample import sample_text
 
@@ -160,6 +160,14 @@ class MetricsLog:
         self.file.close()
 
 
+def _peak_flops(eng):
+    """The GPU's dense TF32 peak in FLOP/s, or None on the CPU or an unknown card."""
+    if eng.xp is np:
+        return None
+    from nanoeuler.gpu import peak_tf32_flops
+    return peak_tf32_flops()
+
+
 def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, train_state=None,
         chat=False, sample_prompt="\n", title="nanoeuler"):
     """Train eng from start_step to hp.steps on batches from `source`, evaluating on the eval batches
@@ -175,6 +183,7 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
         checkpoint.save(out, eng.cfg, eng.params_numpy(), tok.to_json(), step, opt=(m, v),
                         train_state=state, chat=chat)
 
+    peak = _peak_flops(eng)  # MFU is reported on the GPU, whose peak we know
     bar = tqdm(total=hp.steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1)
     step, tps_avg, status = start_step, None, 0
     try:
@@ -194,6 +203,8 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
                 # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
                 record = dict(step=step, loss=loss0, loss_all_heads=loss, lr=float(f"{lr:.6g}"),
                               grad_norm=round(grad_norm, 6), tokens_per_s=round(tps, 1))
+                if peak:
+                    record.update(mfu=round(tps * flops_per_token(eng.cfg) / peak, 4))
                 last = step == hp.steps
                 if last or step % hp.eval_every == 0:
                     val_loss, val_bpb = evaluate(eng, val_full if last else val_quick)
@@ -201,7 +212,8 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
                     tqdm.write(f"step {step}: train loss {loss0:.4f}, val loss {val_loss:.4f}, "
                                f"val {val_bpb:.4f} bits/byte" + (" (final, held-out split)" if last else ""))
                 log.write(record)
-                bar.set_postfix_str(f"loss {loss0:.3f}, {tps_avg:,.0f} tok/s", refresh=False)
+                mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / peak:.1%}" if peak else ""
+                bar.set_postfix_str(f"loss {loss0:.3f}, {tps_avg:,.0f} tok/s{mfu}", refresh=False)
                 bar.update(1)
                 if step % hp.sample_every == 0 or last:
                     text = sample_text(eng, tok, sample_prompt, hp.sample_tokens, seed=hp.seed + step)
