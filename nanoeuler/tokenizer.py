@@ -19,13 +19,13 @@ import json
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
 from importlib import resources
 
 import numpy as np
 
+from nanoeuler.checkpoint import atomic_write
 from nanoeuler.errors import UserError
 
 UNICODE_VERSION = "16.0.0"  # of unicode_classes.txt, and of the `tokenizers` library's regex engine
@@ -78,27 +78,6 @@ def _as_bytes(text):
     if isinstance(text, (bytes, bytearray, memoryview)):
         return bytes(text)
     raise TypeError(f"expected str or bytes, got {type(text).__name__}")
-
-
-def _write_atomic(path, write):
-    """Call write(file) on a temporary file next to path, fsync it, then rename it over path."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise UserError(f"cannot write {path}: {e.strerror}") from None
-        raise
 
 
 def _open_input(path):
@@ -238,7 +217,7 @@ class Tokenizer:
 
         if isinstance(out, (str, bytes, os.PathLike)):
             result = []
-            _write_atomic(out, lambda dst: result.append(run(dst)))
+            atomic_write(out, lambda dst: result.append(run(dst)))
             return result[0]
         return run(out)
 
@@ -313,7 +292,7 @@ class Tokenizer:
 
     def save_hf(self, path):
         """Write a Hugging Face tokenizer.json (byte-level BPE) that gives exactly our ids."""
-        _write_atomic(path, lambda f: f.write(json.dumps(self._hf_dict(), ensure_ascii=False).encode()))
+        atomic_write(path, lambda f: f.write(json.dumps(self._hf_dict(), ensure_ascii=False).encode()))
 
     def _hf_dict(self):
         b2u = bytes_to_unicode()
