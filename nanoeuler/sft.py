@@ -35,7 +35,7 @@ from nanoeuler import checkpoint
 from nanoeuler.config import PRESETS, param_count
 from nanoeuler.data import windows_to_batch
 from nanoeuler.errors import UserError
-from nanoeuler.train import Hyper, _hyper, fit
+from nanoeuler.train import Hyper, fit, hyper_with_flags, load_for_resume
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -240,25 +240,21 @@ def main(args):
     out = args.out
     log_path = args.log or os.path.splitext(out)[0] + ".jsonl"
     if args.resume:
-        if not os.path.exists(out):
-            raise UserError(f"--resume: nothing to resume, {out} not found (--out names the checkpoint)")
-        ck = checkpoint.load(out, with_opt=True)
+        ck = load_for_resume(out, "sft", "nanoeuler sft")
         state = ck.train_state
-        if not state or state.get("kind") != "sft":
-            raise UserError(f"--resume: {out} was not written by `nanoeuler sft`; nothing to resume")
         for flag, key in (("long", "long"), ("val_examples", "val_examples")):
             given = getattr(args, flag)
             if given is not None and given != state[key]:
                 raise UserError(f"--resume: {out} was trained with --{flag.replace('_', '-')} {state[key]}; "
                                 f"the held-out split and the examples cannot change mid-run")
-        hp = _hyper(Hyper(**state["hyper"]), args)
+        hp = hyper_with_flags(Hyper(**state["hyper"]), args)
         if ck.step >= hp.steps:
             raise UserError(f"--resume: {out} has finished its {hp.steps} steps; pass --steps N to train longer")
         data_path, long, n_val, base = args.data or state["data"], state["long"], state["val_examples"], \
             state["base"]
     else:
         ck = checkpoint.load(args.ckpt)
-        hp = _hyper(SFT_HYPER, args)
+        hp = hyper_with_flags(SFT_HYPER, args)
         data_path, long, n_val, base = args.data or DEFAULT_DATA, args.long or "truncate", args.val_examples, \
             args.ckpt
     cfg, tok = ck.cfg, ck.tokenizer()

@@ -233,7 +233,7 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
 
 
 # ------------------------------------------------------------------------------------------ the command
-def _hyper(base, args):
+def hyper_with_flags(base, args):
     """Preset (or resumed) hyperparameters with the flags the user gave on top."""
     overrides = {field: getattr(args, field) for field in ("steps", "batch_size", "lr", "seed", "eval_every",
                                                            "sample_every", "ckpt_every")
@@ -242,6 +242,17 @@ def _hyper(base, args):
     if hp.warmup >= hp.steps:
         hp = dataclasses.replace(hp, warmup=max(1, hp.steps // 10))
     return hp
+
+
+def load_for_resume(out, kind, command):
+    """The checkpoint at `out` with its optimizer state, which `command` (of training `kind`) must have
+    written; a one-line error otherwise."""
+    if not os.path.exists(out):
+        raise UserError(f"--resume: nothing to resume, {out} not found (--out names the checkpoint)")
+    ck = checkpoint.load(out, with_opt=True)
+    if not ck.train_state or ck.train_state.get("kind") != kind:
+        raise UserError(f"--resume: {out} was not written by `{command}`; nothing to resume")
+    return ck
 
 
 def main(args):
@@ -253,22 +264,18 @@ def main(args):
     log_path = args.log or os.path.splitext(out)[0] + ".jsonl"
     ck = None
     if args.resume:
-        if not os.path.exists(out):
-            raise UserError(f"--resume: nothing to resume, {out} not found (--out names the checkpoint)")
-        ck = checkpoint.load(out, with_opt=True)
+        ck = load_for_resume(out, "pretrain", "nanoeuler train")
         state = ck.train_state
-        if not state or state.get("kind") != "pretrain":
-            raise UserError(f"--resume: {out} was not written by `nanoeuler train`; nothing to resume")
         preset = state["preset"]
         if args.preset not in (None, preset):
             raise UserError(f"--resume: {out} is a {preset} model, not {args.preset}")
-        hp = _hyper(Hyper(**state["hyper"]), args)
+        hp = hyper_with_flags(Hyper(**state["hyper"]), args)
         if ck.step >= hp.steps:
             raise UserError(f"--resume: {out} has finished its {hp.steps} steps; pass --steps N to train longer")
         data = args.data or state["data"]
     else:
         preset = args.preset or "small"
-        hp = _hyper(PRESET_HYPER[preset], args)
+        hp = hyper_with_flags(PRESET_HYPER[preset], args)
         data = args.data or DEFAULT_DATA[preset]
     device = resolve(args.device, prefer_gpu=preset != "small")
     checkpoint.check_writable(out)
