@@ -304,7 +304,8 @@ def main(args):
                  train_state=dict(kind="sft", data=os.path.abspath(data_path), base=os.path.abspath(base),
                                   long=long, val_examples=n_val, examples=counts),
                  chat=True, sample_prompt=render_prompt(first["instruction"], first["input"]),
-                 title="nanoeuler sft")
+                 title="nanoeuler sft",
+                 log_first=dict(examples_truncated=counts["truncated"], examples_skipped=counts["skipped"]))
     if status == 0:
         print(f"done in {time.perf_counter() - t0:.0f} s: saved {out} (a chat model: `nanoeuler chat --ckpt "
               f"{out}`), log {log_path}")

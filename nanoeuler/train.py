@@ -169,10 +169,11 @@ def _peak_flops(eng):
 
 
 def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, train_state=None,
-        chat=False, sample_prompt="\n", title="nanoeuler"):
+        chat=False, sample_prompt="\n", title="nanoeuler", log_first=None):
     """Train eng from start_step to hp.steps on batches from `source`, evaluating on the eval batches
     val_quick (periodically) and val_full (at the end). Checkpoints go to `out` with `train_state`
     (plus the source's state, the optimizer step and the hyperparameters) for --resume.
+    log_first (a dict) is added to the first metrics record this run writes, e.g. SFT's example counts.
     Returns 0 when done, 130 when stopped by Ctrl-C (after saving)."""
     log = MetricsLog(log_path, resume_step=start_step if start_step else None)
 
@@ -211,6 +212,9 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
                     record.update(val_loss=val_loss, val_bpb=val_bpb)
                     tqdm.write(f"step {step}: train loss {loss0:.4f}, val loss {val_loss:.4f}, "
                                f"val {val_bpb:.4f} bits/byte" + (" (final, held-out split)" if last else ""))
+                if log_first:
+                    record.update(log_first)
+                    log_first = None
                 log.write(record)
                 mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / peak:.1%}" if peak else ""
                 bar.set_postfix_str(f"loss {loss0:.3f}, {tps_avg:,.0f} tok/s{mfu}", refresh=False)

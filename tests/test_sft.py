@@ -200,6 +200,7 @@ def test_pipeline_chat_model_answers_in_the_template_and_stops(pipeline):
     assert chat.train_state["examples"] == {"train": 36, "val": 4, "truncated": 0, "skipped": 0}
     log = [json.loads(line) for line in open(pipeline["dir"] / "chat.jsonl")]
     assert log[-1]["loss"] < 0.5 * log[0]["loss"] and "val_loss" in log[-1]
+    assert log[0]["examples_truncated"] == 0 and log[0]["examples_skipped"] == 0  # counted in the log
 
     tok = chat.tokenizer()
     eng = make_engine(chat.cfg)
