@@ -11,6 +11,8 @@ Each timed round runs in a fresh process of its own (`--only`), as a user would 
 process, the thread pools of the other library (PyTorch's OpenMP, numba's workers) would stay around
 and compete for the same cores.
 """
+import nanoeuler  # first: it sets how numba's and OpenBLAS's thread pools behave before they load
+
 import argparse
 import json
 import math

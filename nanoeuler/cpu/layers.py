@@ -19,8 +19,8 @@ from numba.extending import intrinsic, overload
 
 # Reassociation lets LLVM vectorise the sums; no flag that assumes away infinities or NaNs.
 FAST = {"reassoc", "contract", "arcp", "nsz"}
-jit = dict(cache=True, nogil=True, fastmath=FAST)
-pjit = dict(cache=True, nogil=True, parallel=True, fastmath=FAST)
+jit = dict(cache=True, nogil=True, fastmath=FAST, error_model="numpy")
+pjit = dict(cache=True, nogil=True, parallel=True, fastmath=FAST, error_model="numpy")
 ONE = np.float32(1.0)  # exact in both dtypes; a float64 1.0 would promote float32 arithmetic to float64
 
 
@@ -184,30 +184,89 @@ def rope_backward(dqkv, cos, sin, n_rot_heads, pos0):
 
 
 # ------------------------------------------------------------------------------------------- attention
+# Attention runs per (batch, kv head) in a *key-major* layout: a score matrix s (Tk, M) has a row per key j
+# and a column per query c of the group, c = t * group + r for query position t and query head r of the
+# kv head's group. Column c sees keys j <= q_start + t, so row j is live from column (j - q_start) * group
+# to the end: every inner loop runs over a contiguous stretch of columns, long enough to vectorise, and
+# starting it at a multiple of ALIGN (with M padded to one) leaves no scalar tail. The few columns between
+# the rounded-down start and the true one are masked: -inf before the softmax, 0 after it.
+ALIGN = 16
+ZERO = np.float32(0.0)  # an accumulator that starts as float32 stays float32 (a 0.0 would make it float64)
+
+
 @njit(**jit)
-def _gather_head(dst, qkv, b, head, row0, scale):
-    """dst (T, D) = qkv[b, row0:row0+T, head, :] * scale, a contiguous copy the inner loops can vectorise."""
+def _live_columns(j, q_start, group):
+    """(first column that sees key j, the same rounded down to ALIGN)"""
+    start = max(j - q_start, 0) * group
+    return start, start - start % ALIGN
+
+
+@njit(**jit)
+def _gather_queries_t(dst, src, b, head0, group, row0, scale):
+    """dst (D, M) column t*group + r = src[b, row0 + t, head0 + r, :] * scale; zero in the padding."""
+    D, M = dst.shape
+    n = (src.shape[1] - row0) * group
+    for c in range(n):
+        t, r = c // group, c % group
+        for d in range(D):
+            dst[d, c] = src[b, row0 + t, head0 + r, d] * scale
+    for d in range(D):
+        for c in range(n, M):
+            dst[d, c] = 0
+
+
+@njit(**jit)
+def _gather_keys(dst, src, b, head):
+    """dst (Tk, D) = src[b, :, head, :], contiguous."""
     for t in range(dst.shape[0]):
         for d in range(dst.shape[1]):
-            dst[t, d] = qkv[b, row0 + t, head, d] * scale
+            dst[t, d] = src[b, t, head, d]
 
 
 @njit(**jit)
-def _gather_head_t(dst, qkv, b, head):
-    """dst (D, T) = qkv[b, :, head, :].T, so that a query's scores are one contiguous loop over keys."""
-    for t in range(dst.shape[1]):
-        for d in range(dst.shape[0]):
-            dst[d, t] = qkv[b, t, head, d]
+def _rows_times(s, a, bt, q_start, group):
+    """s[j, c] = sum_d a[j, d] * bt[d, c] on row j's live columns: (Tk, D) @ (D, M) -> (Tk, M)."""
+    Tk, D = a.shape
+    M = bt.shape[1]
+    for j in range(Tk):
+        _, c0 = _live_columns(j, q_start, group)
+        sj = s[j, c0:]  # 1-D views: indices that start at 0 let LLVM drop the negative-index fix-ups
+        for c in range(M - c0):
+            sj[c] = 0
+        for d in range(D):
+            x, bd = a[j, d], bt[d, c0:]
+            for c in range(M - c0):
+                sj[c] += x * bd[c]
 
 
 @njit(**jit)
-def _scores(s, q, kt, n):
-    """s[:n] = kt[:, :n].T @ q  -- one query's scaled scores against keys 0..n-1."""
-    s[:n] = 0.0
-    for d in range(kt.shape[0]):
-        qd = q[d]
-        for j in range(n):
-            s[j] += qd * kt[d, j]
+def _columns_times(outt, a, s, q_start, group):
+    """outt[d, c] += sum_j a[j, d] * s[j, c]: (Tk, D).T @ (Tk, M) -> (D, M); s is 0 off the live columns."""
+    Tk, D = a.shape
+    M = s.shape[1]
+    for j in range(Tk):
+        _, c0 = _live_columns(j, q_start, group)
+        sj = s[j, c0:]
+        for d in range(D):
+            x, od = a[j, d], outt[d, c0:]
+            for c in range(M - c0):
+                od[c] += x * sj[c]
+
+
+@njit(**jit)
+def _rows_dot(out, s, bt, group):
+    """out[j, d] = sum_c s[j, c] * bt[d, c]: (Tk, M) @ (D, M).T -> (Tk, D) (training layout, q_start 0)."""
+    Tk, D = out.shape
+    M = s.shape[1]
+    for j in range(Tk):
+        _, c0 = _live_columns(j, 0, group)
+        sj = s[j, c0:]
+        for d in range(D):
+            bd = bt[d, c0:]
+            acc = ZERO
+            for c in range(M - c0):
+                acc += sj[c] * bd[c]
+            out[j, d] = acc
 
 
 @njit(**pjit)
@@ -222,34 +281,43 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
     B, Tk, _, D = qkv.shape
     Tq = Tk - q_start
     group = n_heads // n_kv_heads
-    one = qkv[0, 0, 0, 0] * 0 + 1  # 1 in the input's dtype, so float32 stays float32
-    scale = one / math.sqrt(D)
-    for bh in prange(B * n_heads):
-        b, h = bh // n_heads, bh % n_heads
-        q = np.empty((Tq, D), dtype=qkv.dtype)
-        kt = np.empty((D, Tk), dtype=qkv.dtype)
+    M = -(-Tq * group // ALIGN) * ALIGN
+    scale = ONE / math.sqrt(D)
+    for bg in prange(B * n_kv_heads):
+        b, g = bg // n_kv_heads, bg % n_kv_heads
+        qt = np.empty((D, M), dtype=qkv.dtype)
+        k = np.empty((Tk, D), dtype=qkv.dtype)
         v = np.empty((Tk, D), dtype=qkv.dtype)
-        _gather_head(q, qkv, b, h, q_start, scale)
-        _gather_head_t(kt, qkv, b, n_heads + h // group)
-        _gather_head(v, qkv, b, n_heads + n_kv_heads + h // group, 0, one)
-        s = np.empty(Tk, dtype=qkv.dtype)
-        acc = np.empty(D, dtype=qkv.dtype)
-        for i in range(Tq):
-            n = q_start + i + 1
-            _scores(s, q[i], kt, n)
-            m = s[:n].max()
-            total = 0.0
-            for j in range(n):
-                s[j] = exp(s[j] - m)
-                total += s[j]
-            acc[:] = 0.0
-            for j in range(n):
-                pj = s[j]
-                for d in range(D):
-                    acc[d] += pj * v[j, d]
+        _gather_queries_t(qt, qkv, b, g * group, group, q_start, scale)
+        _gather_keys(k, qkv, b, n_heads + g)
+        _gather_keys(v, qkv, b, n_heads + n_kv_heads + g)
+        s = np.empty((Tk, M), dtype=qkv.dtype)
+        _rows_times(s, k, qt, q_start, group)
+        m = np.full(M, -np.inf, dtype=qkv.dtype)  # column-wise softmax: max, then exp and sum
+        for j in range(Tk):
+            c1, c0 = _live_columns(j, q_start, group)
+            sj, mj = s[j, c0:], m[c0:]
+            for c in range(c1 - c0):
+                sj[c] = -np.inf
+            for c in range(M - c0):
+                mj[c] = max(mj[c], sj[c])
+        total = np.zeros(M, dtype=qkv.dtype)
+        for j in range(Tk):
+            c1, c0 = _live_columns(j, q_start, group)
+            sj, mj, tj = s[j, c0:], m[c0:], total[c0:]
+            for c in range(M - c0):
+                sj[c] = exp(sj[c] - mj[c])
+                tj[c] += sj[c]
+            for c in range(c1 - c0):
+                sj[c] = 0
+        ot = np.zeros((D, M), dtype=qkv.dtype)
+        _columns_times(ot, v, s, q_start, group)
+        for c in range(Tq * group):
+            t, h = c // group, g * group + c % group
+            inv = ONE / total[c]
             for d in range(D):
-                out[b, i, h, d] = acc[d] / total
-            lse[b, h, i] = m + math.log(total)
+                out[b, t, h, d] = ot[d, c] * inv
+            lse[b, h, t] = m[c] + math.log(total[c])
 
 
 @njit(**pjit)
@@ -257,54 +325,55 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
     """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0).
 
     FlashAttention's recurrence: p_ij = exp(s_ij - lse_i), dp_ij = dout_i . v_j, delta_i = dout_i . out_i,
-    ds_ij = p_ij (dp_ij - delta_i). Parallel over (batch, kv head) so the query heads sharing a kv head
-    accumulate their dk, dv without races.
+    ds_ij = p_ij (dp_ij - delta_i). Parallel over (batch, kv head), which owns its k, v and its group's q.
     """
     B, T, _, D = qkv.shape
     group = n_heads // n_kv_heads
-    one = qkv[0, 0, 0, 0] * 0 + 1
-    scale = one / math.sqrt(D)
+    M = -(-T * group // ALIGN) * ALIGN
+    scale = ONE / math.sqrt(D)
     for bg in prange(B * n_kv_heads):
         b, g = bg // n_kv_heads, bg % n_kv_heads
         kh, vh = n_heads + g, n_heads + n_kv_heads + g
+        qt = np.empty((D, M), dtype=qkv.dtype)
+        dot = np.empty((D, M), dtype=qkv.dtype)
         k = np.empty((T, D), dtype=qkv.dtype)
-        kt = np.empty((D, T), dtype=qkv.dtype)
-        vt = np.empty((D, T), dtype=qkv.dtype)
-        _gather_head(k, qkv, b, kh, 0, one)
-        _gather_head_t(kt, qkv, b, kh)
-        _gather_head_t(vt, qkv, b, vh)
-        dk = np.zeros((T, D), dtype=qkv.dtype)
-        dv = np.zeros((T, D), dtype=qkv.dtype)
-        q = np.empty((T, D), dtype=qkv.dtype)
-        do = np.empty((T, D), dtype=qkv.dtype)
-        s = np.empty(T, dtype=qkv.dtype)
-        dp = np.empty(T, dtype=qkv.dtype)
-        dq = np.empty(D, dtype=qkv.dtype)
-        for h in range(g * group, (g + 1) * group):
-            _gather_head(q, qkv, b, h, 0, scale)
-            for t in range(T):
-                for d in range(D):
-                    do[t, d] = dout[b, t, h, d]
-            for i in range(T):
-                n = i + 1
-                delta = 0.0
-                for d in range(D):
-                    delta += do[i, d] * out[b, i, h, d]
-                _scores(s, q[i], kt, n)
-                _scores(dp, do[i], vt, n)
-                li = lse[b, h, i]
-                for j in range(n):  # s becomes p, dp becomes ds: contiguous loops that vectorise
-                    s[j] = exp(s[j] - li)
-                    dp[j] = s[j] * (dp[j] - delta)
-                dq[:] = 0.0
-                for j in range(n):
-                    ds, p = dp[j], s[j]
-                    for d in range(D):
-                        dq[d] += ds * k[j, d]
-                        dk[j, d] += ds * q[i, d]   # q is pre-scaled, so this is scale * ds * q
-                        dv[j, d] += p * do[i, d]
-                for d in range(D):
-                    dqkv[b, i, h, d] = dq[d] * scale
+        v = np.empty((T, D), dtype=qkv.dtype)
+        _gather_queries_t(qt, qkv, b, g * group, group, 0, scale)
+        _gather_queries_t(dot, dout, b, g * group, group, 0, ONE)
+        _gather_keys(k, qkv, b, kh)
+        _gather_keys(v, qkv, b, vh)
+        lse_c = np.zeros(M, dtype=qkv.dtype)
+        delta = np.zeros(M, dtype=qkv.dtype)
+        for c in range(T * group):
+            t, h = c // group, g * group + c % group
+            lse_c[c] = lse[b, h, t]
+            acc = ZERO
+            for d in range(D):
+                acc += dout[b, t, h, d] * out[b, t, h, d]
+            delta[c] = acc
+        p = np.empty((T, M), dtype=qkv.dtype)
+        ds = np.empty((T, M), dtype=qkv.dtype)
+        _rows_times(p, k, qt, 0, group)   # the scores again, then p
+        _rows_times(ds, v, dot, 0, group)  # dp, then ds
+        for j in range(T):
+            c1, c0 = _live_columns(j, 0, group)
+            pj, dsj, lj, dj = p[j, c0:], ds[j, c0:], lse_c[c0:], delta[c0:]
+            for c in range(M - c0):
+                pj[c] = exp(pj[c] - lj[c])
+                dsj[c] = pj[c] * (dsj[c] - dj[c])
+            for c in range(c1 - c0):
+                pj[c] = 0
+                dsj[c] = 0
+        dk = np.empty((T, D), dtype=qkv.dtype)
+        dv = np.empty((T, D), dtype=qkv.dtype)
+        _rows_dot(dv, p, dot, group)
+        _rows_dot(dk, ds, qt, group)  # q is pre-scaled, so this is scale * ds @ q
+        dqt = np.zeros((D, M), dtype=qkv.dtype)
+        _columns_times(dqt, k, ds, 0, group)
+        for c in range(T * group):
+            t, h = c // group, g * group + c % group
+            for d in range(D):
+                dqkv[b, t, h, d] = dqt[d, c] * scale
         for t in range(T):
             for d in range(D):
                 dqkv[b, t, kh, d] = dk[t, d]
