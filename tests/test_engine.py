@@ -138,6 +138,25 @@ def test_attention_forward_backward(H, G):
     assert_close(dqkv, numeric_grad(f, qkv))
 
 
+@pytest.mark.parametrize("T,H,G,D", [(37, 6, 2, 32), (128, 4, 2, 32), (20, 3, 1, 10)])
+def test_attention_float32_matches_float64(T, H, G, D):
+    """The float32 path (vectorised loops, blocks of 4 keys/dims with tails) against the float64 one,
+    which the finite-difference test above checks; outputs poisoned with NaN so every entry must be written."""
+    B = 2
+    qkv = rng.normal(size=(B, T, H + 2 * G, D))
+    dout = rng.normal(size=(B, T, H, D))
+    results = {}
+    for dt in (np.float64, np.float32):
+        out, lse = np.full((B, T, H, D), np.nan, dt), np.full((B, H, T), np.nan, dt)
+        L.attention_forward(out, lse, qkv.astype(dt), H, G, 0)
+        dqkv = np.full(qkv.shape, np.nan, dt)
+        L.attention_backward(dqkv, dout.astype(dt), out, lse, qkv.astype(dt), H, G)
+        results[dt] = (out, lse, dqkv)
+    assert np.allclose(results[np.float64][0], naive_attention(qkv, H, G))
+    for ref, got in zip(results[np.float64], results[np.float32]):
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+
+
 def test_attention_query_offset_matches_full():
     B, T, H, G, D = 1, 9, 4, 2, 8
     qkv = rng.normal(size=(B, T, H + 2 * G, D))

@@ -223,48 +223,78 @@ def _gather_keys(dst, src, b, head):
             dst[t, d] = src[b, t, head, d]
 
 
+@njit(inline="always", **jit)
+def _axpy4(y, a0, x0, a1, x1, a2, x2, a3, x3):
+    """y += a0 x0 + a1 x1 + a2 x2 + a3 x3: four products per load and store of y."""
+    for c in range(y.shape[0]):
+        y[c] += a0 * x0[c] + a1 * x1[c] + a2 * x2[c] + a3 * x3[c]
+
+
+@njit(inline="always", **jit)
+def _axpy(y, a, x):
+    for c in range(y.shape[0]):
+        y[c] += a * x[c]
+
+
 @njit(**jit)
 def _rows_times(s, a, bt, q_start, group):
     """s[j, c] = sum_d a[j, d] * bt[d, c] on row j's live columns: (Tk, D) @ (D, M) -> (Tk, M)."""
     Tk, D = a.shape
-    M = bt.shape[1]
     for j in range(Tk):
         _, c0 = _live_columns(j, q_start, group)
         sj = s[j, c0:]  # 1-D views: indices that start at 0 let LLVM drop the negative-index fix-ups
-        for c in range(M - c0):
-            sj[c] = 0
-        for d in range(D):
-            x, bd = a[j, d], bt[d, c0:]
-            for c in range(M - c0):
-                sj[c] += x * bd[c]
+        sj[:] = 0
+        d = 0
+        while d + 4 <= D:
+            _axpy4(sj, a[j, d], bt[d, c0:], a[j, d + 1], bt[d + 1, c0:], a[j, d + 2], bt[d + 2, c0:],
+                   a[j, d + 3], bt[d + 3, c0:])
+            d += 4
+        for d in range(d, D):
+            _axpy(sj, a[j, d], bt[d, c0:])
 
 
 @njit(**jit)
 def _columns_times(outt, a, s, q_start, group):
-    """outt[d, c] += sum_j a[j, d] * s[j, c]: (Tk, D).T @ (Tk, M) -> (D, M); s is 0 off the live columns."""
+    """outt[d, c] += sum_j a[j, d] * s[j, c]: (Tk, D).T @ (Tk, M) -> (D, M). s must be 0 wherever column c
+    does not see key j, left of the live columns included: four keys share one pass from the first's start."""
     Tk, D = a.shape
-    M = s.shape[1]
-    for j in range(Tk):
+    j = 0
+    while j + 4 <= Tk:
         _, c0 = _live_columns(j, q_start, group)
-        sj = s[j, c0:]
         for d in range(D):
-            x, od = a[j, d], outt[d, c0:]
-            for c in range(M - c0):
-                od[c] += x * sj[c]
+            _axpy4(outt[d, c0:], a[j, d], s[j, c0:], a[j + 1, d], s[j + 1, c0:], a[j + 2, d], s[j + 2, c0:],
+                   a[j + 3, d], s[j + 3, c0:])
+        j += 4
+    for j in range(j, Tk):
+        _, c0 = _live_columns(j, q_start, group)
+        for d in range(D):
+            _axpy(outt[d, c0:], a[j, d], s[j, c0:])
 
 
 @njit(**jit)
 def _rows_dot(out, s, bt, group):
-    """out[j, d] = sum_c s[j, c] * bt[d, c]: (Tk, M) @ (D, M).T -> (Tk, D) (training layout, q_start 0)."""
+    """out[j, d] = sum_c s[j, c] * bt[d, c]: (Tk, M) @ (D, M).T -> (Tk, D) (training layout, q_start 0).
+    Four dot products per pass over s[j]."""
     Tk, D = out.shape
-    M = s.shape[1]
     for j in range(Tk):
         _, c0 = _live_columns(j, 0, group)
         sj = s[j, c0:]
-        for d in range(D):
+        d = 0
+        while d + 4 <= D:
+            b0, b1, b2, b3 = bt[d, c0:], bt[d + 1, c0:], bt[d + 2, c0:], bt[d + 3, c0:]
+            acc0 = acc1 = acc2 = acc3 = ZERO
+            for c in range(sj.shape[0]):
+                x = sj[c]
+                acc0 += x * b0[c]
+                acc1 += x * b1[c]
+                acc2 += x * b2[c]
+                acc3 += x * b3[c]
+            out[j, d], out[j, d + 1], out[j, d + 2], out[j, d + 3] = acc0, acc1, acc2, acc3
+            d += 4
+        for d in range(d, D):
             bd = bt[d, c0:]
             acc = ZERO
-            for c in range(M - c0):
+            for c in range(sj.shape[0]):
                 acc += sj[c] * bd[c]
             out[j, d] = acc
 
@@ -291,7 +321,7 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
         _gather_queries_t(qt, qkv, b, g * group, group, q_start, scale)
         _gather_keys(k, qkv, b, n_heads + g)
         _gather_keys(v, qkv, b, n_heads + n_kv_heads + g)
-        s = np.empty((Tk, M), dtype=qkv.dtype)
+        s = np.zeros((Tk, M), dtype=qkv.dtype)  # _columns_times reads the zeros left of a row's start
         _rows_times(s, k, qt, q_start, group)
         m = np.full(M, -np.inf, dtype=qkv.dtype)  # column-wise softmax: max, then exp and sum
         for j in range(Tk):
@@ -352,7 +382,7 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
                 acc += dout[b, t, h, d] * out[b, t, h, d]
             delta[c] = acc
         p = np.empty((T, M), dtype=qkv.dtype)
-        ds = np.empty((T, M), dtype=qkv.dtype)
+        ds = np.zeros((T, M), dtype=qkv.dtype)
         _rows_times(p, k, qt, 0, group)   # the scores again, then p
         _rows_times(ds, v, dot, 0, group)  # dp, then ds
         for j in range(T):
@@ -404,20 +434,39 @@ def swiglu_backward(dgate_up, dout, gate_up):
 
 
 # --------------------------------------------------------------------------------------- cross-entropy
+@njit(inline="always", **jit)
+def _max(x, lanes):
+    """max of a 1-D array x, through an elementwise max into ALIGN lanes (scratch), then over the lanes:
+    LLVM vectorises a max *reduction* only where it may assume that there are no NaNs."""
+    lanes[:] = x[0]
+    n = x.shape[0] - x.shape[0] % ALIGN
+    for c0 in range(0, n, ALIGN):
+        block = x[c0:c0 + ALIGN]
+        for c in range(ALIGN):
+            lanes[c] = max(lanes[c], block[c])
+    m = lanes[0]
+    for c in range(1, ALIGN):
+        m = max(m, lanes[c])
+    for c in range(n, x.shape[0]):
+        m = max(m, x[c])
+    return m
+
+
 @njit(**pjit)
 def crossentropy_forward(losses, logits, targets):
     """losses (K, N) = -log softmax(logits (N, K*V) head k's slice)[targets (K, N)]; 0 where target is -1."""
     K, N = targets.shape
     V = logits.shape[1] // K
     for n in prange(N):
+        lanes = np.empty(ALIGN, dtype=logits.dtype)
         for k in range(K):
             t = targets[k, n]
             if t < 0:
                 losses[k, n] = 0.0
                 continue
             row = logits[n, k * V:(k + 1) * V]
-            m = row.max()
-            total = 0.0
+            m = _max(row, lanes)
+            total = ZERO
             for v in range(V):
                 total += exp(row[v] - m)
             losses[k, n] = m + math.log(total) - row[t]
@@ -431,6 +480,7 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
     K, N = targets.shape
     V = logits.shape[1] // K
     for n in prange(N):
+        lanes = np.empty(ALIGN, dtype=logits.dtype)
         for k in range(K):
             t = targets[k, n]
             row = logits[n, k * V:(k + 1) * V]
@@ -438,9 +488,9 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
                 losses[k, n] = 0.0
                 row[:] = 0.0
                 continue
-            m = row.max()
+            m = _max(row, lanes)
             target_logit = row[t]
-            total = 0.0
+            total = ZERO
             for v in range(V):
                 row[v] = exp(row[v] - m)
                 total += row[v]
@@ -448,8 +498,7 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
             s = dscale[k] / total
             for v in range(V):
                 row[v] *= s
-            s = dscale[k]
-            row[t] -= s
+            row[t] -= dscale[k]
 
 
 # ---------------------------------------------------------------------------------------------- adamw
