@@ -54,9 +54,11 @@ def _hidden(dim):
 
 
 PRESETS = {
-    # name: dim, layers, q heads, kv heads, context, vocab, K
+    # name: dim, layers, q heads, kv heads, context, vocab, K. small predicts the next token only (K = 1):
+    # trained for the same 4.9M tokens on 2 CPU cores, K = 2 ended at 2.108 validation bits/byte and K = 1
+    # at 2.083, 3% faster; big and base keep the multi-token prediction heads.
     "small": Config(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden=_hidden(128),
-                    vocab_size=512, context=128, mtp_heads=2),
+                    vocab_size=512, context=128, mtp_heads=1),
     "big": Config(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, hidden=_hidden(384),
                   vocab_size=4096, context=256, mtp_heads=2),
     "base": Config(dim=768, n_layers=16, n_heads=12, n_kv_heads=4, hidden=_hidden(768),

@@ -22,6 +22,8 @@ FAST = {"reassoc", "contract", "arcp", "nsz"}
 jit = dict(cache=True, nogil=True, fastmath=FAST, error_model="numpy")
 pjit = dict(cache=True, nogil=True, parallel=True, fastmath=FAST, error_model="numpy")
 ONE = np.float32(1.0)  # exact in both dtypes; a float64 1.0 would promote float32 arithmetic to float64
+ZERO = np.float32(0.0)  # an accumulator that starts as float32 stays float32 (a 0.0 would make it float64)
+ROWS = 64  # rows per chunk of a parallel sum over rows (fixed: results must not depend on the thread count)
 
 
 # ------------------------------------------------------------------------------------------------- exp
@@ -102,7 +104,7 @@ def rmsnorm_forward(out, rstd, x, w, eps):
     """out (N, C) = x / sqrt(mean(x^2) + eps) * w;  rstd (N,) kept for the backward pass."""
     N, C = x.shape
     for n in prange(N):
-        ss = 0.0
+        ss = ZERO
         for c in range(C):
             ss += x[n, c] * x[n, c]
         r = 1.0 / math.sqrt(ss / C + eps)
@@ -111,33 +113,32 @@ def rmsnorm_forward(out, rstd, x, w, eps):
             out[n, c] = x[n, c] * r * w[c]
 
 
-@njit(**jit)
+@njit(**pjit)
 def rmsnorm_backward(dx, dw, dout, x, w, rstd):
     """dx (N, C) += d/dx (accumulates into the residual gradient); dw (C,) += sum_n dout * x * rstd.
 
     With xhat = x * r:  dx = r * (g - xhat * mean(g * xhat)),  g = dout * w.
+    dw is summed per chunk of ROWS rows in parallel, then over the chunks: a fixed order, so the result
+    does not depend on the number of threads.
     """
     N, C = x.shape
-    dw_rows = np.empty((N, C), dtype=dw.dtype)
-    _rmsnorm_backward_rows(dx, dw_rows, dout, x, w, rstd)
-    for n in range(N):  # serial reduction over rows keeps dw deterministic
+    n_chunks = -(-N // ROWS)
+    partial = np.zeros((n_chunks, C), dtype=dw.dtype)
+    for chunk in prange(n_chunks):
+        dw_chunk = partial[chunk]
+        for n in range(chunk * ROWS, min(N, (chunk + 1) * ROWS)):
+            r = rstd[n]
+            dot = ZERO
+            for c in range(C):
+                dot += dout[n, c] * w[c] * x[n, c] * r
+            dot /= C
+            for c in range(C):
+                xhat = x[n, c] * r
+                dx[n, c] += r * (dout[n, c] * w[c] - xhat * dot)
+                dw_chunk[c] += dout[n, c] * xhat
+    for chunk in range(n_chunks):
         for c in range(C):
-            dw[c] += dw_rows[n, c]
-
-
-@njit(**pjit)
-def _rmsnorm_backward_rows(dx, dw_rows, dout, x, w, rstd):
-    N, C = x.shape
-    for n in prange(N):
-        r = rstd[n]
-        dot = 0.0
-        for c in range(C):
-            dot += dout[n, c] * w[c] * x[n, c] * r
-        dot /= C
-        for c in range(C):
-            xhat = x[n, c] * r
-            dx[n, c] += r * (dout[n, c] * w[c] - xhat * dot)
-            dw_rows[n, c] = dout[n, c] * xhat
+            dw[c] += partial[chunk, c]
 
 
 # ------------------------------------------------------------------------------------------------ rope
@@ -191,7 +192,6 @@ def rope_backward(dqkv, cos, sin, n_rot_heads, pos0):
 # starting it at a multiple of ALIGN (with M padded to one) leaves no scalar tail. The few columns between
 # the rounded-down start and the true one are masked: -inf before the softmax, 0 after it.
 ALIGN = 16
-ZERO = np.float32(0.0)  # an accumulator that starts as float32 stays float32 (a 0.0 would make it float64)
 
 
 @njit(**jit)
