@@ -6,7 +6,9 @@
 Both sides run a full training step (forward, backward, gradient clipping, AdamW) of the `small` preset
 from the same initial weights on the same batches; the first losses are printed side by side to show that
 they compute the same model. PyTorch runs eagerly in float32 with scaled_dot_product_attention. The two
-are timed in alternating rounds, so a change in machine load hits both alike; the best round of each counts.
+are timed in alternating rounds, so a change in machine load hits both alike. Reported: the best round of
+each, and the median over rounds of the ratio within a round (on a shared machine whose speed drifts, the
+steadier of the two).
 Each timed round runs in a fresh process of its own (`--only`), as a user would run either one: in one
 process, the thread pools of the other library (PyTorch's OpenMP, numba's workers) would stay around
 and compete for the same cores.
@@ -89,7 +91,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))  # cores we may run on
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", choices=["nanoeuler", "pytorch"], help=argparse.SUPPRESS)  # one timed round
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -139,15 +141,19 @@ def main():
     assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in first), "the two models disagree"
 
     best = {"nanoeuler": 0.0, "pytorch": 0.0}
+    ratios = []
     for r in range(args.rounds):
+        tps_round = {}
         for name in best:
             cmd = [sys.executable, __file__, "--only", name, "--preset", args.preset, "--batch-size", str(B),
                    "--threads", str(args.threads), "--steps", str(args.steps), "--round", str(r)]
             tps = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             best[name] = max(best[name], tps)
+            tps_round[name] = tps
             print(f"  round {r + 1} {name:9s}: {tps:9,.0f} tokens/s")
-    print(f"nanoeuler {best['nanoeuler']:,.0f} tokens/s, pytorch {best['pytorch']:,.0f} tokens/s, "
-          f"ratio {best['nanoeuler'] / best['pytorch']:.2f}x")
+        ratios.append(tps_round["nanoeuler"] / tps_round["pytorch"])
+    print(f"nanoeuler {best['nanoeuler']:,.0f} tokens/s, pytorch {best['pytorch']:,.0f} tokens/s (best rounds): "
+          f"ratio {best['nanoeuler'] / best['pytorch']:.2f}x; median ratio within a round {np.median(ratios):.2f}x")
 
 
 if __name__ == "__main__":

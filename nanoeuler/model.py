@@ -123,14 +123,14 @@ class Engine:
             L.matmul_forward(qkv.reshape(N, -1), a["xn1"][i], p[w + "wqkv"])
             L.rope_forward(qkv, self.cos, self.sin, H + G, 0)
             L.attention_forward(att, a["lse"][i], qkv, H, G, 0)
-            resid_mid[...] = resid
-            L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
+            L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"])
+            resid_mid += resid  # (cheaper on the CPU than a copy and an accumulating matmul)
             # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
             L.rmsnorm_forward(a["xn2"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"], cfg.norm_eps)
             L.matmul_forward(a["gate_up"][i], a["xn2"][i], p[w + "w_gate_up"])
             L.swiglu_forward(a["sw"][i], a["gate_up"][i])
-            a["resid"][i + 1][...] = resid_mid
-            L.matmul_forward(a["resid"][i + 1], a["sw"][i], p[w + "w_down"], accumulate=True)
+            L.matmul_forward(a["resid"][i + 1], a["sw"][i], p[w + "w_down"])
+            a["resid"][i + 1] += resid_mid
         L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
 
     def _losses(self, a, targets, backward):

@@ -56,7 +56,7 @@ class Hyper:
 # found loss per token flat across batch 8-32 and lr 2e-3..6e-3 (1e-2 worse), and flat in beta2 and weight
 # decay; what lowers the validation loss in the time is tokens/s. big and base are for one GPU.
 PRESET_HYPER = {
-    "small": Hyper(steps=1700, batch_size=32, lr=4e-3, warmup=100, eval_every=125, sample_every=500,
+    "small": Hyper(steps=1900, batch_size=32, lr=4e-3, warmup=100, eval_every=125, sample_every=500,
                    ckpt_every=250, eval_batches=4),
     "big": Hyper(steps=5000, batch_size=32, lr=1e-3, warmup=200, eval_every=250, sample_every=1000,
                  ckpt_every=500),
