@@ -35,7 +35,7 @@ from nanoeuler import checkpoint
 from nanoeuler.config import PRESETS, param_count
 from nanoeuler.data import windows_to_batch
 from nanoeuler.errors import UserError
-from nanoeuler.train import Hyper, fit, hyper_with_flags, load_for_resume
+from nanoeuler.train import Hyper, fit, hyper_with_flags, load_for_resume, schedule_text
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -293,7 +293,7 @@ def main(args):
           + (" (no GPU: this will be slow)" if slow else ""))
     start = ck.step if args.resume else 0
     print(f"fine-tuning: steps {start + 1}..{hp.steps} of {hp.batch_size} examples, loss on the responses "
-          f"only, peak lr {hp.lr:g}, warmup {hp.warmup}, cosine to {hp.lr * hp.min_lr_ratio:g}; log {log_path}"
+          f"only, peak lr {hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
           + (f"; resuming {out}" if args.resume else ""))
     if not args.resume and os.path.exists(out):
         print(f"note: {out} exists and will be replaced at the first checkpoint (--resume continues it)")

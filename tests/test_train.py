@@ -171,6 +171,15 @@ def test_learning_rate_schedule():
     assert lrs[55] == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-2)
 
 
+def test_learning_rate_holds_its_peak_before_a_late_decay():
+    hp = train.Hyper(steps=100, batch_size=1, lr=1.0, warmup=10, eval_every=1, sample_every=1, ckpt_every=1,
+                     min_lr_ratio=0.0, decay_frac=0.4)
+    lrs = [train.lr_at(hp, s) for s in range(101)]
+    assert lrs[9:61] == [1.0] * 52                      # the peak until the last 40% of the steps
+    assert lrs[80] == pytest.approx(0.5)                # halfway down the cosine
+    assert all(x > y for x, y in zip(lrs[60:], lrs[61:])) and lrs[100] == 0.0
+
+
 def test_ctrl_c_from_the_terminal_saves_and_exits_cleanly(corpus, tmp_path):
     """A real `nanoeuler train` process gets SIGINT mid-run: it saves a loadable checkpoint, exits 130,
     and prints no traceback."""
