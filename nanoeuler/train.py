@@ -58,7 +58,7 @@ class Hyper:
 # initialisation; what moved it was holding the peak lr and decaying to 0 over the last 40% of the steps
 # (-0.02 bits/byte against cosine to a tenth from the start), and tokens/s. big and base are for one GPU.
 PRESET_HYPER = {
-    "small": Hyper(steps=3000, batch_size=32, lr=4e-3, warmup=100, eval_every=125, sample_every=500,
+    "small": Hyper(steps=3300, batch_size=32, lr=4e-3, warmup=100, eval_every=125, sample_every=500,
                    ckpt_every=250, eval_batches=4, min_lr_ratio=0.0, decay_frac=0.4),
     "big": Hyper(steps=5000, batch_size=32, lr=1e-3, warmup=200, eval_every=250, sample_every=1000,
                  ckpt_every=500),
