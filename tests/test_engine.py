@@ -286,7 +286,7 @@ def test_adamw_step_matches_formula():
 
 
 def test_presets_parameter_counts():
-    assert param_count(PRESETS["small"]) == 918_656
+    assert param_count(PRESETS["small"]) == 1_115_264
     assert param_count(PRESETS["big"]) == 14_160_768
     assert param_count(PRESETS["base"]) == 116_417_280
     with pytest.raises(ValueError):
