@@ -5,9 +5,9 @@
     nanoeuler train small --resume                        # continue nanoeuler.bin exactly where it stopped
 
 The loop: AdamW (the engine's; decoupled weight decay on matrices only), linear warmup then cosine decay
-(after a stretch at the peak, for small), global gradient-norm clipping, a validation loss and bits per byte on the
-held-out last tenth of the corpus every `eval_every` steps, a sample every `sample_every` steps, an atomic
-checkpoint every `ckpt_every` steps and at the end. Ctrl-C finishes the current step, saves and exits;
+(for small, after a stretch at the peak), global gradient-norm clipping, a validation loss and bits per
+byte on the held-out last tenth of the corpus every `eval_every` steps, a sample every `sample_every` steps,
+an atomic checkpoint every `ckpt_every` steps and at the end. Ctrl-C finishes the current step, saves and exits;
 `--resume` restores the weights, the AdamW moments and step count, the schedule and the data sampler's RNG,
 so the resumed run computes bit for bit the losses the uninterrupted run would have.
 
