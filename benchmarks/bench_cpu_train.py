@@ -5,10 +5,10 @@
 
 Both sides run a full training step (forward, backward, gradient clipping, AdamW) of the `small` preset
 from the same initial weights on the same batches; the first losses are printed side by side to show that
-they compute the same model. PyTorch runs eagerly in float32 with scaled_dot_product_attention. The two
-are timed in alternating rounds, so a change in machine load hits both alike. Reported: the best round of
-each, and the median over rounds of the ratio within a round (on a shared machine whose speed drifts, the
-steadier of the two).
+they compute the same model. PyTorch runs eagerly in float32 with scaled_dot_product_attention (the model
+of docs/design.md, in benchmarks/reference.py). The two are timed in alternating rounds, so a change in
+machine load hits both alike. Reported: the best round of each, and the median over rounds of the ratio
+within a round (on a shared machine whose speed drifts, the steadier of the two).
 Each timed round runs in a fresh process of its own (`--only`), as a user would run either one: in one
 process, the thread pools of the other library (PyTorch's OpenMP, numba's workers) would stay around
 and compete for the same cores.
@@ -25,64 +25,10 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from nanoeuler.config import PRESETS, init_params, is_matrix, param_count, views
+from nanoeuler.config import PRESETS, init_params, param_count
 from nanoeuler.model import make_engine
-
-
-class TorchModel(torch.nn.Module):
-    """The DESIGN.md model in PyTorch, parameters named and shaped as ours."""
-
-    def __init__(self, cfg, flat):
-        super().__init__()
-        self.cfg = cfg
-        self.names = list(views(flat, cfg))
-        self.p = torch.nn.ParameterList([torch.nn.Parameter(torch.tensor(v.copy()))
-                                         for v in views(flat, cfg).values()])
-        hd = cfg.head_dim
-        inv = cfg.rope_theta ** (-torch.arange(0, hd // 2, dtype=torch.float64) * 2 / hd)
-        ang = torch.arange(cfg.context, dtype=torch.float64)[:, None] * inv[None]
-        self.register_buffer("cos", torch.cat([ang.cos(), ang.cos()], -1).float())
-        self.register_buffer("sin", torch.cat([ang.sin(), ang.sin()], -1).float())
-
-    def w(self, name):
-        return self.p[self.names.index(name)]
-
-    def rope(self, x):  # x (B, heads, T, D), rotate-half
-        T, half = x.shape[2], x.shape[3] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-        return x * self.cos[:T] + rot * self.sin[:T]
-
-    def forward(self, inputs, targets):
-        cfg = self.cfg
-        B, T = inputs.shape
-        H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        norm = lambda x, w: F.rms_norm(x, (cfg.dim,), w, cfg.norm_eps)
-        x = F.embedding(inputs, self.w("tok_emb"))
-        for i in range(cfg.n_layers):
-            p = f"layers.{i}."
-            h = norm(x, self.w(p + "attn_norm"))
-            q = F.linear(h, self.w(p + "wq")).view(B, T, H, D).transpose(1, 2)
-            k = F.linear(h, self.w(p + "wk")).view(B, T, G, D).transpose(1, 2)
-            v = F.linear(h, self.w(p + "wv")).view(B, T, G, D).transpose(1, 2)
-            att = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), self.w(p + "wo"))
-            h = norm(x, self.w(p + "ffn_norm"))
-            x = x + F.linear(F.silu(F.linear(h, self.w(p + "w_gate"))) * F.linear(h, self.w(p + "w_up")),
-                             self.w(p + "w_down"))
-        h = norm(x, self.w("final_norm"))
-        losses = [F.cross_entropy(F.linear(h, self.w(f"heads.{k}")).flatten(0, 1), targets[k].flatten(),
-                                  ignore_index=-1) for k in range(cfg.mtp_heads)]
-        return sum(losses) / len(losses), losses[0]
-
-
-def batches(cfg, B, n, seed=0):
-    rng = np.random.default_rng(seed)
-    T, K = cfg.context, cfg.mtp_heads
-    for _ in range(n):
-        win = rng.integers(0, cfg.vocab_size, (B, T + K))
-        yield win[:, :T].astype(np.int32), np.stack([win[:, 1 + k:1 + k + T] for k in range(K)]).astype(np.int32)
+from reference import Reference, batches
 
 
 def main():
@@ -104,10 +50,8 @@ def main():
 
     eng = make_engine(cfg)
     eng.load_params(flat)
-    model = TorchModel(cfg, flat)
-    groups = [{"params": [p for n, p in zip(model.names, model.p) if is_matrix(n)], "weight_decay": wd},
-              {"params": [p for n, p in zip(model.names, model.p) if not is_matrix(n)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    model = Reference(cfg, flat)
+    opt = torch.optim.AdamW(model.param_groups(wd), lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
     def ours(inputs, targets):
         loss = eng.forward_backward(inputs, targets)[0]
@@ -124,8 +68,8 @@ def main():
 
     if args.only:
         fn = ours if args.only == "nanoeuler" else theirs
-        fn(*next(iter(batches(cfg, B, 1, seed=1))))  # warm-up: compilation, thread pools, allocations
-        data = list(batches(cfg, B, args.steps, seed=100 + args.round))
+        fn(*next(batches(cfg, B, seed=1)))  # warm-up: compilation, thread pools, allocations
+        data = list(batches(cfg, B, seed=100 + args.round, steps=args.steps))
         t = time.perf_counter()
         for inputs, targets in data:
             fn(inputs, targets)
@@ -134,7 +78,7 @@ def main():
     print(f"{args.preset}: {param_count(cfg) / 1e6:.2f}M parameters, batch {B} x {cfg.context}, "
           f"{args.threads} threads, torch {torch.__version__}, numba {numba.__version__}")
     t0 = time.perf_counter()
-    first = [(ours(*b), theirs(*b)) for b in batches(cfg, B, 3, seed=1)]
+    first = [(ours(*b), theirs(*b)) for b in batches(cfg, B, seed=1, steps=3)]
     print(f"warm-up (includes numba compilation unless cached): {time.perf_counter() - t0:.1f} s")
     for i, (a, b) in enumerate(first):
         print(f"  step {i + 1} loss: nanoeuler {a:.6f}  pytorch {b:.6f}")

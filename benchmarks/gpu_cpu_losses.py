@@ -15,16 +15,7 @@ import numpy as np
 
 from nanoeuler.config import PRESETS
 from nanoeuler.model import make_engine
-
-
-def batches(path, cfg, B, seed):
-    data = np.fromfile(path, dtype=np.uint8).astype(np.int32)
-    rng = np.random.default_rng(seed)
-    T, K = cfg.context, cfg.mtp_heads
-    while True:
-        starts = rng.integers(0, len(data) - T - K, B)
-        win = np.stack([data[s:s + T + K] for s in starts])
-        yield win[:, :T], np.stack([win[:, 1 + k:1 + k + T] for k in range(K)])
+from reference import batches
 
 
 def main():
@@ -45,7 +36,8 @@ def main():
           f"AdamW, clip 1.0; head-0 loss (nats/token)")
     print(f"{'step':>5} {'gpu loss':>10}" + ("" if args.gpu_only else f" {'cpu loss':>10} {'rel diff':>9}"))
     t0, worst = time.time(), 0.0
-    for step, (inputs, targets) in zip(range(1, args.steps + 1), batches(args.data, cfg, args.batch_size, 0)):
+    data = np.fromfile(args.data, dtype=np.uint8)
+    for step, (inputs, targets) in enumerate(batches(cfg, args.batch_size, seed=0, steps=args.steps, tokens=data), 1):
         losses = {}
         for name, eng in engines.items():
             losses[name] = eng.forward_backward(inputs, targets)[1]

@@ -1,10 +1,12 @@
 """nanoeuler: a GPT-2-class language model written from scratch (see README.md)."""
 import os
+import sys
 
 
-def _configure_cpu_runtime():
-    """Settings that numba and OpenBLAS read once, when they load: so they are made here, before nanoeuler
-    imports either (an explicit setting by the user wins).
+def configure_cpu_runtime():
+    """Settings that OpenBLAS and numba read from the environment when they load (an explicit setting by the
+    user wins). The command line calls this first thing in cli.main(), before any of its modules imports
+    NumPy or numba; it is idempotent.
 
     - The CPU engine runs its own loops on numba's thread pool and its large matmuls on OpenBLAS's, on the
       same cores, one after the other: each pool must get out of the other's way when its work is done.
@@ -14,6 +16,12 @@ def _configure_cpu_runtime():
     - On CPUs with AVX-512, LLVM still vectorises with 256-bit registers unless told otherwise (a tuning
       for older chips that slowed down in 512-bit code). The CPU engine's loops are arithmetic-bound
       (exp, softmax, attention's products); 512-bit ones made a training step of `small` 1.3x faster.
+
+    When it takes effect: OPENBLAS_THREAD_TIMEOUT is read once, when NumPy loads OpenBLAS, so it only counts
+    if NumPy was not imported yet; nothing can change it later. numba's settings count as long as numba has
+    neither started its thread pool nor compiled or loaded a kernel: if numba is already imported, its
+    configuration is reloaded here from the environment. Both are speed settings only; results do not
+    depend on them.
     """
     os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
@@ -23,8 +31,15 @@ def _configure_cpu_runtime():
         features = llvm.get_host_cpu_features().flatten()
         if "+avx512f" in features.split(","):
             os.environ["NUMBA_CPU_FEATURES"] = features + ",-prefer-256-bit"
+    if "numba" in sys.modules:  # numba read its environment when it loaded: have it read it again
+        from numba.core import config
+        config.reload_config()
 
 
-_configure_cpu_runtime()
+# Also on import, for Python code that uses nanoeuler as a library (the benchmarks, the tests): it takes
+# effect in full only where `import nanoeuler` comes before NumPy (benchmarks/bench_cpu_train.py imports it
+# first for this reason), and it keeps numba's compiled-kernel cache to one variant (the CPU features are
+# part of its key) between the command line and library use. The command line does not rely on this call.
+configure_cpu_runtime()
 
 __version__ = "0.1.0"

@@ -1,15 +1,15 @@
 """Checkpoints: one safetensors file holding the weights, the config, the tokenizer and the resume state.
 
-Layout (DESIGN.md): the tensors under their model names (`tok_emb`, `layers.0.wq`, ...), optionally the
-AdamW moments under `opt.m.<name>` / `opt.v.<name>`, and string metadata: `format` = "nanoeuler",
-`config` (JSON), `tokenizer` (JSON), `step`, `chat` ("0"/"1"), and `train` (JSON: whatever the training
-loop needs to continue exactly: hyperparameters, data position, RNG state). `safetensors.numpy.load_file`
-opens it, and so does any other safetensors reader.
+Layout (docs/design.md, "Checkpoint format"): the tensors under their model names (`tok_emb`, `layers.0.wq`,
+...), optionally the AdamW moments under `opt.m.<name>` / `opt.v.<name>`, and string metadata: `format` =
+"nanoeuler", `config` (JSON), `tokenizer` (JSON), `step`, `chat` ("0"/"1"), and `train` (JSON: whatever the
+training loop needs to continue exactly: hyperparameters, data position, RNG state).
+`safetensors.numpy.load_file` opens it, and so does any other safetensors reader.
 
-Writes are atomic: the file is written under a temporary name in the same directory, fsynced, renamed over
-the old one and the directory fsynced, so a crash or Ctrl-C at any moment leaves either the old checkpoint
-or the new one, never a mixture. Reads validate the file before trusting it and turn every way it can be
-bad (missing, truncated, corrupt, tensors disagreeing with the config) into a one-line UserError.
+Writes are atomic (nanoeuler/files.py): the file is written under a temporary name in the same directory,
+fsynced, renamed over the old one and the directory fsynced, so a crash or Ctrl-C at any moment leaves either
+the old checkpoint or the new one, never a mixture. Reads validate the file before trusting it and turn every
+way it can be bad (missing, truncated, corrupt, tensors disagreeing with the config) into a one-line UserError.
 """
 import dataclasses
 import json
@@ -23,6 +23,8 @@ from safetensors.numpy import save as serialize
 
 from nanoeuler.config import Config, param_layout, param_shapes, views
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_write
+from nanoeuler.tokenizer import Tokenizer
 
 FORMAT = "nanoeuler"
 MAX_HEADER = 100 * 2**20  # a real header is a few KB of names plus the tokenizer JSON
@@ -39,15 +41,20 @@ class Checkpoint:
     train_state: dict = None      # the training loop's resume state, or None
 
     def tokenizer(self):
-        from nanoeuler.tokenizer import Tokenizer
-        try:
-            tok = Tokenizer.from_json(self.tokenizer_json)
-        except Exception as e:
-            raise UserError(f"checkpoint has a corrupt tokenizer ({type(e).__name__}: {e})") from None
-        if tok.vocab_size > self.cfg.vocab_size:
-            raise UserError(f"checkpoint tokenizer has {tok.vocab_size} tokens but the model only "
-                            f"{self.cfg.vocab_size}")
-        return tok
+        return _tokenizer(self.tokenizer_json, self.cfg)
+
+
+def _tokenizer(tokenizer_json, cfg, path=None):
+    """The Tokenizer of a checkpoint's metadata, checked to fit its model; a one-line UserError if not."""
+    where = f"checkpoint {path}" if path else "checkpoint"
+    try:
+        tok = Tokenizer.from_json(tokenizer_json)
+    except Exception as e:
+        raise UserError(f"{where} has a corrupt tokenizer ({type(e).__name__}: {e})") from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(f"the tokenizer of {where} has {tok.vocab_size} tokens but its model only "
+                        f"{cfg.vocab_size}")
+    return tok
 
 
 def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, chat=False):
@@ -63,48 +70,6 @@ def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, ch
         metadata["train"] = json.dumps(train_state, sort_keys=True)
     data = serialize(tensors, metadata=metadata)
     atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_write(path, write, mode="wb"):
-    """Call write(f) on a temporary file opened with `mode`, then fsync it and rename it over `path`.
-
-    On any failure (including KeyboardInterrupt) the temporary file is removed and `path` is untouched."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the rename itself durable
-    finally:
-        os.close(fd)
-
-
-def check_writable(path):
-    """Fail early (before hours of training) if `path` cannot be written: create and remove a temp file."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise UserError(f"cannot write {path}: it is a directory")
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb"):
-            pass
-        os.remove(tmp)
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def _header(path):
@@ -154,6 +119,14 @@ def read_metadata(path):
     """The checkpoint's `__metadata__` (string values), validated as a nanoeuler checkpoint; reads only the
     header, so it is cheap even for a large model."""
     return _header(path)[0]
+
+
+def read_tokenizer(path):
+    """The checkpoint's tokenizer, from its header alone (cheap even for a large model)."""
+    path = os.fspath(path)
+    meta = read_metadata(path)
+    cfg, _ = _config(path, meta)
+    return _tokenizer(meta["tokenizer"], cfg, path)
 
 
 def _config(path, meta):

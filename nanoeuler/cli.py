@@ -9,13 +9,19 @@
     nanoeuler export --hf DIR               a Hugging Face LlamaForCausalLM folder
 
 Each subcommand's work lives in its own module, imported only when it runs, so `nanoeuler tokenizer`
-never pays for numba compilation and the CPU path never imports cupy. Bad input raises UserError, which
-is printed here as one line on stderr with a non-zero exit and no traceback.
+never pays for numba compilation and the CPU path never imports cupy; `nanoeuler tokenizer`'s own glue
+(reading a tokenizer from a file or a checkpoint) is here, so that tokenizer.py needs nothing of
+checkpoint.py. Bad input raises UserError, which is printed here as one line on stderr with a non-zero exit
+and no traceback.
+
+This module imports neither NumPy nor numba at its top, and main() calls configure_cpu_runtime() before
+importing any subcommand: some of those settings are read only when OpenBLAS (through NumPy) or numba load.
 """
 import argparse
 import os
 import sys
 
+from nanoeuler import configure_cpu_runtime
 from nanoeuler.errors import UserError
 
 
@@ -72,6 +78,14 @@ def _device_flag(p):
                    help="engine: auto takes the GPU when there is one (train small: the CPU)")
 
 
+def _training_flags(p):
+    p.add_argument("--precision", choices=("bf16", "tf32", "fp32"),
+                   help="GPU arithmetic: bf16 (default on the GPU; float32 master weights), tf32 or fp32; the CPU "
+                        "computes in fp32")
+    p.add_argument("--grad-accum", type=_positive_int,
+                   help="forward/backward passes of --batch-size per optimizer step (less memory, same result)")
+
+
 def _sampling_flags(p):
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
     p.add_argument("--max-new-tokens", type=_nonneg_int, default=200)
@@ -92,9 +106,10 @@ def build_parser():
     p.add_argument("--samples", type=_positive_int, default=8, help="entries sampled per tensor")
 
     p = sub.add_parser("train", help="pretrain a model on a text corpus")
-    p.add_argument("preset", nargs="?", choices=("small", "big", "base"), default=None,
+    p.add_argument("preset", nargs="?", choices=("small", "big", "base", "large"), default=None,
                    help="model size (default small; on --resume, the checkpoint's)")
     _device_flag(p)
+    _training_flags(p)
     p.add_argument("--data", help="text corpus (default: shakespeare.txt; base: data/pretrain.txt)")
     p.add_argument("--out", default="nanoeuler.bin", help="checkpoint to write (default nanoeuler.bin)")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
@@ -114,6 +129,7 @@ def build_parser():
 
     p = sub.add_parser("sft", help="fine-tune a pretrained model on instruction data (Alpaca)")
     _device_flag(p)
+    _training_flags(p)
     p.add_argument("--data", help="Alpaca-style JSON list of {instruction, input, output} (default "
                    "data/alpaca.json)")
     p.add_argument("--ckpt", default="nanoeuler.bin", help="pretrained checkpoint (default nanoeuler.bin)")
@@ -166,7 +182,53 @@ def build_parser():
     return parser, sub
 
 
+def _tokenizer_for(args):
+    from nanoeuler.tokenizer import Tokenizer
+
+    if args.tokenizer:
+        return Tokenizer.load(args.tokenizer)
+    from nanoeuler.checkpoint import read_tokenizer
+    return read_tokenizer(args.ckpt or "nanoeuler.bin")
+
+
+def tokenizer_command(args):
+    """`nanoeuler tokenizer train|encode|decode`."""
+    from nanoeuler.tokenizer import Tokenizer
+
+    if args.action == "train":
+        tok = Tokenizer.train(args.file, args.vocab_size, max_bytes=args.sample_mb << 20)
+        tok.save_hf(args.out)
+        print(f"wrote {args.out} (vocab {tok.vocab_size}, eos {tok.eos_id})", file=sys.stderr)
+    elif args.action == "encode":
+        if args.text is not None and args.file is not None:
+            raise UserError("give TEXT or --file, not both")
+        tok = _tokenizer_for(args)
+        if args.text is not None:
+            data = args.text.encode("utf-8", "surrogateescape")  # the argument's bytes, as the shell gave them
+        elif args.file is not None:
+            try:
+                with open(args.file, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise UserError(f"cannot read {args.file}: {e.strerror or e}") from None
+        else:
+            data = sys.stdin.buffer.read()
+        print(" ".join(map(str, tok.encode(data, allow_special=args.allow_special))))
+    else:
+        tok = _tokenizer_for(args)
+        words = " ".join(args.ids).split() if args.ids else sys.stdin.read().split()
+        try:
+            ids = [int(w) for w in words]
+        except ValueError:
+            raise UserError("token ids must be integers") from None
+        sys.stdout.buffer.write(tok.decode(ids))
+        sys.stdout.buffer.flush()
+    return 0
+
+
 def main(argv=None):
+    # Before any subcommand imports NumPy or numba (see nanoeuler/__init__.py for what and why).
+    configure_cpu_runtime()
     parser, sub = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -183,7 +245,7 @@ def main(argv=None):
         elif args.command == "export":
             from nanoeuler.export import main as run
         elif args.command == "tokenizer":
-            from nanoeuler.tokenizer import main as run
+            run = tokenizer_command
         else:  # pragma: no cover - argparse rejects unknown commands
             parser.error(f"unknown command {args.command}")
         status = run(args)

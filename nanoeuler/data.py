@@ -4,7 +4,8 @@
     source = RandomWindows(corpus.train, batch=16, context=128, K=2, seed=0)
     inputs, targets = source.next()                  # int32 (B, T) and (K, B, T)
 
-The cache is a 128-byte header (magic, version, token count, the corpus file's size and mtime, the
+The cache is a token file, the one format of nanoeuler/tokenizer.py (written by Tokenizer.encode_file, read
+by read_token_file): a 128-byte header (magic, version, token count, the corpus file's size and mtime, the
 tokenizer's sha256) followed by the tokens as little-endian uint16. Any mismatch with the corpus or the
 tokenizer rebuilds it, so a stale cache is never used. It is memory-mapped, so a corpus of many GB costs no
 RAM. The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
@@ -16,18 +17,13 @@ run draw exactly the batches the uninterrupted run would have drawn.
 """
 import hashlib
 import os
-import struct
 import tempfile
 
 import numpy as np
 
-from nanoeuler.checkpoint import atomic_write
 from nanoeuler.errors import UserError
+from nanoeuler.tokenizer import read_token_file
 
-MAGIC = b"NEUTOKS\x00"
-VERSION = 1
-HEADER = struct.Struct("<8sI4xQQq64s")   # magic, version, n_tokens, source size, source mtime_ns, tok sha256
-HEADER_BYTES = 128
 VAL_FRACTION = 0.1
 
 
@@ -40,33 +36,12 @@ def cache_path(corpus_path):
     return os.path.join(tempfile.gettempdir(), f"nanoeuler-{os.path.basename(corpus_path)}-{digest}.tok")
 
 
-def _expected_header(corpus_path, tok, n_tokens):
-    st = os.stat(corpus_path)
-    return HEADER.pack(MAGIC, VERSION, n_tokens, st.st_size, st.st_mtime_ns, tok.sha256().encode())
-
-
 def _read_cache(path, corpus_path, tok):
-    """The cached tokens as a read-only memmap, or None if the cache is missing or stale."""
+    """The cached tokens as a read-only memmap, or None if the cache is missing, damaged or stale."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(HEADER.size)
-        n_tokens = HEADER.unpack(head)[2]
-        if head != _expected_header(corpus_path, tok, n_tokens):
-            return None
-        if os.path.getsize(path) != HEADER_BYTES + 2 * n_tokens:
-            return None
-    except (OSError, struct.error):
+        return read_token_file(path, source=corpus_path, tok=tok)
+    except UserError:
         return None
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
-
-
-def _build_cache(path, corpus_path, tok, progress):
-    def write(f):
-        f.write(bytes(HEADER_BYTES))  # the header needs the token count: written once it is known
-        n_tokens = tok.encode_file(corpus_path, f, progress=progress)
-        f.seek(0)
-        f.write(_expected_header(corpus_path, tok, n_tokens))
-    atomic_write(path, write)
 
 
 class Corpus:
@@ -106,9 +81,8 @@ def open_corpus(path, tok, progress=True):
     cache = cache_path(path)
     tokens = _read_cache(cache, path, tok)
     if tokens is None:
-        _build_cache(cache, path, tok, progress)
-        tokens = _read_cache(cache, path, tok)
-        assert tokens is not None, "token cache unreadable right after writing it"
+        tok.encode_file(path, cache, progress=progress)
+        tokens = read_token_file(cache, source=path, tok=tok)  # an error here: the corpus changed meanwhile
     byte_len = np.array([len(tok.decode([i])) for i in range(tok.vocab_size)], dtype=np.int64)
     return Corpus(tokens, byte_len, os.path.getsize(path))
 

@@ -1,14 +1,30 @@
-"""Which engine to run on: `--device auto|cpu|gpu` resolved against what this machine has.
+"""Which engine to run on: `--device auto|cpu|gpu` resolved against the model and what this machine has.
+
+The one rule for `auto`, used by `train` and `sft` alike: a model of at most CPU_MAX_PARAMS parameters runs
+on the CPU engine (the `small` preset: its batches are too small to keep a GPU busy, and the CPU engine is
+the reference), a larger one on the GPU when there is one (`big`, `base`), else on the CPU, slowly.
+Inference (`infer`, `chat`) takes the GPU whenever there is one.
 
 The probe is nanoeuler.gpu.available(), which imports cupy only inside a try, so the CPU path works (and
 never loads cupy) on a machine without CUDA.
 """
+from nanoeuler.config import param_count
 from nanoeuler.errors import UserError
 from nanoeuler.gpu import available as gpu_available
 
+# small has 1.1M parameters (2.0M with a 4096-token vocabulary), big 14.2M: the line falls between them.
+CPU_MAX_PARAMS = 4_000_000
 
-def resolve(device, prefer_gpu=True):
-    """'cpu' or 'gpu' for a --device value; auto takes the GPU when there is one and prefer_gpu is set."""
+
+def wants_gpu(cfg):
+    """True when --device auto should take the GPU for training this model (when there is one), and the
+    CPU engine is the slow choice for it."""
+    return param_count(cfg) > CPU_MAX_PARAMS
+
+
+def resolve(device, cfg=None):
+    """'cpu' or 'gpu' for a --device value. auto: the GPU when there is one, unless cfg (the model to
+    train) is small enough for the CPU (wants_gpu)."""
     if device == "cpu":
         return "cpu"
     if device == "gpu":
@@ -16,4 +32,4 @@ def resolve(device, prefer_gpu=True):
             raise UserError("--device gpu: no CUDA GPU found (needs an NVIDIA GPU of compute capability 8.0+ "
                             "and `pip install nanoeuler[gpu]`); use --device cpu")
         return "gpu"
-    return "gpu" if prefer_gpu and gpu_available() else "cpu"
+    return "gpu" if (cfg is None or wants_gpu(cfg)) and gpu_available() else "cpu"

@@ -20,6 +20,7 @@ from safetensors.numpy import save as serialize
 from nanoeuler import checkpoint
 from nanoeuler.config import views
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_write, check_writable
 
 LAYER_NAMES = {  # ours -> Hugging Face Llama, within layer i
     "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
@@ -62,14 +63,14 @@ def main(args):
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create {out}: {e.strerror or e}") from None
-    checkpoint.check_writable(os.path.join(out, "config.json"))
+    check_writable(os.path.join(out, "config.json"))
 
     def write_json(name, obj):
-        checkpoint.atomic_write(os.path.join(out, name), lambda f: json.dump(obj, f, indent=2), mode="w")
+        atomic_write(os.path.join(out, name), lambda f: json.dump(obj, f, indent=2), mode="w")
 
     tensors = hf_tensors(ck.cfg, ck.params)
     data = serialize(tensors, metadata={"format": "pt"})
-    checkpoint.atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(data))
+    atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(data))
     write_json("config.json", hf_config(ck.cfg, tok))
     write_json("generation_config.json", {"eos_token_id": tok.eos_id, "max_length": ck.cfg.context})
     tok.save_hf(os.path.join(out, "tokenizer.json"))

@@ -18,7 +18,6 @@ NANOEULER_FETCH_TIMEOUT (seconds without a byte before giving up on an attempt),
 (attempts per file), NANOEULER_FETCH_BACKOFF (first wait between attempts; it doubles, capped at a minute).
 """
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -33,6 +32,7 @@ import requests
 from tqdm import tqdm
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_output
 
 GUTENBERG_MIRROR = "https://www.gutenberg.org"
 GUTENBERG_BOOK_URL = "{mirror}/cache/epub/{id}/pg{id}.txt"
@@ -122,39 +122,12 @@ def human(n):
 # ---------------------------------------------------------------------------------------------------- files
 
 
-@contextlib.contextmanager
-def atomic_output(path):
-    """Write `path` through a temporary sibling that is fsynced and renamed only if the block succeeds.
-
-    The temporary name keeps the extension (web.txt -> web.tmp.txt) so the corpus ignore rules cover it too.
-    """
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    root, ext = os.path.splitext(path)
-    tmp = f"{root}.tmp{ext}"
-    f = open(tmp, "wb")
-    try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, path)
-    except BaseException:
-        f.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path):
-    # Makes the rename itself durable; not every platform lets a directory be opened.
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def output_file(path):
+    """atomic_output (nanoeuler/files.py) for a corpus file, creating its directory first: the block writes
+    a temporary sibling (web.txt -> web.tmp<pid>.txt, so the corpus ignore rules cover it too) that is
+    renamed over `path` only if the block succeeds."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return atomic_output(path)
 
 
 def cache_name(url):
@@ -344,7 +317,7 @@ def fetch_gutenberg(out, book_list, cache_dir, mirror, net):
     book_dir = os.path.join(cache_dir, "gutenberg")
     session = new_session()
     skipped, written, kept = [], 0, 0
-    with atomic_output(out) as f, \
+    with output_file(out) as f, \
             tqdm(total=len(books), unit="book", desc="gutenberg", file=sys.stderr, dynamic_ncols=True) as bar:
         for book_id, title in books:
             raw_path = os.path.join(book_dir, f"pg{book_id}.txt")
@@ -424,7 +397,7 @@ def fetch_web(out, shards, max_bytes, cache_dir, net):
     shard_dir = os.path.join(cache_dir, "web")
     session = new_session()
     written = docs = 0
-    with atomic_output(out) as f:
+    with output_file(out) as f:
         for i, url in enumerate(shards, 1):
             if written >= max_bytes:
                 break
@@ -489,7 +462,7 @@ def fetch_alpaca(out, url, cache_dir, net):
     except UserError as e:
         os.remove(path)  # a bad download must not satisfy the next run
         raise UserError(f"{url} is not Alpaca data: {e}; {out} left as it was") from None
-    with atomic_output(out) as f, open(path, "rb") as src:
+    with output_file(out) as f, open(path, "rb") as src:
         shutil.copyfileobj(src, f)
     print(f"wrote {out}: {n} examples, {human(os.path.getsize(out))}", file=sys.stderr)
 

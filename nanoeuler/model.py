@@ -14,12 +14,24 @@ that has the same functions with the same signatures, over arrays of that module
 Parameters, gradients and the two AdamW moments are each one flat buffer (layout: config.param_layout).
 Because wq|wk|wv, w_gate|w_up and heads.0..K-1 sit next to each other in that buffer, each group is
 one fused matrix here: one matmul instead of three, two or K.
+
+Mixed precision (the GPU's "bf16"): the flat buffers above stay float32 (the master weights, what
+checkpoints hold), and the layers read `weights`, a bf16 copy that AdamW rewrites in its pass; activations
+are bf16, parameter gradients float32. Elsewhere `weights` is `params` itself.
 """
 import math
 
 import numpy as np
 
-from nanoeuler.config import init_params, is_matrix, param_layout, views
+from nanoeuler.config import init_params, is_matrix, param_layout, rope_tables, views
+from nanoeuler.errors import UserError
+
+
+def to_float32(a, xp):
+    """a as float32 (bf16 activations are uint16: the top half of a float32's bits)."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
 
 
 class KVCache:
@@ -32,10 +44,13 @@ class KVCache:
 
 
 class Engine:
-    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0):
+    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, precision="fp32"):
         self.cfg, self.L, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
+        self.precision = precision
+        self.act = np.dtype(layers.activation_dtype(precision, self.dtype))  # activations' element type
         layout, total = param_layout(cfg)
         self.params = xp.asarray(init_params(cfg, seed, self.dtype))
+        self.weights = self.params if self.act == self.dtype else xp.empty(total, dtype=self.act)
         self.grads = xp.zeros(total, dtype=self.dtype)
         self.opt_m = xp.zeros(total, dtype=self.dtype)
         self.opt_v = xp.zeros(total, dtype=self.dtype)
@@ -45,10 +60,19 @@ class Engine:
             if is_matrix(name):
                 mask[off:off + math.prod(shape)] = 1
         self.decay_mask = xp.asarray(mask)
-        self.p, self.g = self._fused_views(self.params), self._fused_views(self.grads)
-        cos, sin = layers.rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype)
+        self.p, self.g = self._fused_views(self.weights), self._fused_views(self.grads)
+        self._sync_weights()
+        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self._acts, self._acts_shape = None, None
+
+    def _sync_weights(self):
+        if self.weights is not self.params:
+            self.L.cast_params(self.weights, self.params)
+
+    def _mode(self):
+        """The layer module's precision for the block (the GPU's tf32 / fp32 switch); nothing on the CPU."""
+        return self.L.precision(self.precision)
 
     def _fused_views(self, flat):
         """Named views plus the fused groups: layers.{i}.wqkv, layers.{i}.w_gate_up and heads."""
@@ -71,6 +95,7 @@ class Engine:
     # -------------------------------------------------------------------------------- state in and out
     def load_params(self, flat):
         self.params[...] = self.xp.asarray(np.asarray(flat, dtype=self.dtype))
+        self._sync_weights()
 
     def params_numpy(self):
         return self._to_numpy(self.params).astype(np.float32)
@@ -90,16 +115,17 @@ class Engine:
         """Buffers for everything the backward pass reads, allocated once per (B, T)."""
         if self._acts_shape == (B, T):
             return self._acts
-        cfg, xp, dt = self.cfg, self.xp, self.dtype
+        cfg, xp = self.cfg, self.xp
         N, C, L, D = B * T, cfg.dim, cfg.n_layers, cfg.head_dim
         H, G, F, KV = cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.mtp_heads * cfg.vocab_size
-        e = lambda *shape: xp.empty(shape, dtype=dt)
+        e = lambda *shape: xp.empty(shape, dtype=self.act)      # activations
+        f = lambda *shape: xp.empty(shape, dtype=self.dtype)    # statistics and losses, never bf16
         a = dict(
             resid=e(L + 1, N, C), resid_mid=e(L, N, C),          # residual stream before each sublayer
-            xn1=e(L, N, C), rstd1=e(L, N), xn2=e(L, N, C), rstd2=e(L, N),
-            qkv=e(L, B, T, H + 2 * G, D), att=e(L, B, T, H, D), lse=e(L, B, H, T),
+            xn1=e(L, N, C), rstd1=f(L, N), xn2=e(L, N, C), rstd2=f(L, N),
+            qkv=e(L, B, T, H + 2 * G, D), att=e(L, B, T, H, D), lse=f(L, B, H, T),
             gate_up=e(L, N, 2 * F), sw=e(L, N, F),
-            hf=e(N, C), rstdf=e(N), logits=e(N, KV), losses=e(cfg.mtp_heads, N),
+            hf=e(N, C), rstdf=f(N), logits=e(N, KV), losses=f(cfg.mtp_heads, N),
             # backward scratch
             dresid=e(N, C), dxn=e(N, C), dqkv=e(B, T, H + 2 * G, D), datt=e(B, T, H, D),
             dgate_up=e(N, 2 * F), dsw=e(N, F), dhf=e(N, C),
@@ -123,23 +149,26 @@ class Engine:
             L.matmul_forward(qkv.reshape(N, -1), a["xn1"][i], p[w + "wqkv"])
             L.rope_forward(qkv, self.cos, self.sin, H + G, 0)
             L.attention_forward(att, a["lse"][i], qkv, H, G, 0)
-            L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"])
-            resid_mid += resid  # (cheaper on the CPU than a copy and an accumulating matmul)
+            resid_mid[...] = resid  # the skip connection, then the block's output added by the matmul
+            L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
             # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
             L.rmsnorm_forward(a["xn2"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"], cfg.norm_eps)
             L.matmul_forward(a["gate_up"][i], a["xn2"][i], p[w + "w_gate_up"])
             L.swiglu_forward(a["sw"][i], a["gate_up"][i])
-            L.matmul_forward(a["resid"][i + 1], a["sw"][i], p[w + "w_down"])
-            a["resid"][i + 1] += resid_mid
+            a["resid"][i + 1][...] = resid_mid
+            L.matmul_forward(a["resid"][i + 1], a["sw"][i], p[w + "w_down"], accumulate=True)
         L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
 
-    def _losses(self, a, targets, backward):
-        """All K heads' logits (N, K*V) in one matmul, then the fused softmax cross-entropy."""
+    def _losses(self, a, targets, backward, counts=None):
+        """All K heads' logits (N, K*V) in one matmul, then the fused softmax cross-entropy. Each head's loss
+        is its sum over supervised targets divided by counts[k], by default this batch's number of them."""
         cfg, xp = self.cfg, self.xp
         K = cfg.mtp_heads
         targets = targets.reshape(K, -1)
         self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
-        counts = self._to_numpy((targets >= 0).sum(axis=1)).astype(np.float64)
+        if counts is None:
+            counts = self._to_numpy((targets >= 0).sum(axis=1))
+        counts = np.asarray(counts, dtype=np.float64)
         if backward:
             dscale = xp.asarray((1.0 / (K * np.maximum(counts, 1))).astype(self.dtype))
             self.L.crossentropy_forward_backward(a["losses"], a["logits"], targets, dscale)
@@ -148,42 +177,58 @@ class Engine:
         per_head = self._to_numpy(a["losses"].sum(axis=1)).astype(np.float64) / np.maximum(counts, 1)
         return float(per_head.mean()), float(per_head[0])
 
+    def _tokens(self, inputs):
+        """inputs as a (B, T) int32 array of the engine's library; refuses what does not fit the context (the
+        RoPE tables and the kernels stop there)."""
+        inputs = np.asarray(inputs)
+        if inputs.ndim != 2 or not 1 <= inputs.shape[1] <= self.cfg.context:
+            raise ValueError(f"inputs of shape {inputs.shape} do not fit the model: (batch, 1..{self.cfg.context})")
+        return self.xp.asarray(inputs.astype(np.int32, copy=False))
+
     def _prepare(self, inputs, targets):
-        K = self.cfg.mtp_heads
-        inputs = self.xp.asarray(np.asarray(inputs, dtype=np.int32))
+        inputs = self._tokens(inputs)
         targets = self.xp.asarray(np.asarray(targets, dtype=np.int32))
         B, T = inputs.shape
-        if T > self.cfg.context or targets.shape != (K, B, T):
-            raise ValueError(f"inputs {inputs.shape} / targets {targets.shape} do not fit the model")
+        if targets.shape != (self.cfg.mtp_heads, B, T):
+            raise ValueError(f"targets {targets.shape} do not match inputs {inputs.shape} and K heads")
         return inputs, targets, B, T
 
     def forward_loss(self, inputs, targets):
         """(loss, loss0) without gradients: loss is the mean over the K heads, loss0 head 0's."""
         inputs, targets, B, T = self._prepare(inputs, targets)
         a = self._activations(B, T)
-        self._forward(inputs, a, B, T)
-        return self._losses(a, targets, backward=False)
+        with self._mode():
+            self._forward(inputs, a, B, T)
+            return self._losses(a, targets, backward=False)
 
     def logits(self, inputs):
         """Head-0 logits (B, T, V) of a full forward pass, as float32 NumPy."""
-        inputs = self.xp.asarray(np.asarray(inputs, dtype=np.int32))
+        inputs = self._tokens(inputs)
         B, T = inputs.shape
         a = self._activations(B, T)
-        self._forward(inputs, a, B, T)
-        self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
+        with self._mode():
+            self._forward(inputs, a, B, T)
+            self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
         V = self.cfg.vocab_size
-        return self._to_numpy(a["logits"][:, :V]).astype(np.float32).reshape(B, T, V)
+        return self._to_numpy(to_float32(a["logits"][:, :V], self.xp)).reshape(B, T, V)
 
     # --------------------------------------------------------------------------------------- backward
-    def forward_backward(self, inputs, targets):
-        """Loss and gradients (overwritten in self.grads) for one batch; returns (loss, loss0)."""
+    def forward_backward(self, inputs, targets, accumulate=False, counts=None):
+        """Loss and gradients for one batch; returns (loss, loss0). The gradients overwrite self.grads, or add
+        to them with accumulate (gradient accumulation over micro-batches: pass counts, the supervised targets
+        per head over all of them, and the returned losses add up to the large batch's)."""
+        with self._mode():
+            return self._forward_backward(inputs, targets, accumulate, counts)
+
+    def _forward_backward(self, inputs, targets, accumulate, counts):
         cfg, L, p, g = self.cfg, self.L, self.p, self.g
         inputs, targets, B, T = self._prepare(inputs, targets)
         a = self._activations(B, T)
         N, H, G = B * T, cfg.n_heads, cfg.n_kv_heads
         self._forward(inputs, a, B, T)
-        loss = self._losses(a, targets, backward=True)  # a['logits'] now holds d loss / d logits
-        self.grads.fill(0)
+        loss = self._losses(a, targets, backward=True, counts=counts)  # a['logits'] now holds d loss / d logits
+        if not accumulate:
+            self.grads.fill(0)
         dresid, dxn = a["dresid"], a["dxn"]
         # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf
         L.matmul_backward(a["dhf"], g["heads"], a["logits"], a["hf"], p["heads"])
@@ -216,25 +261,31 @@ class Engine:
         norm = math.sqrt(self.L.sum_squares(self.grads))
         scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
         self.opt_step += 1
+        copy = None if self.weights is self.params else self.weights
         self.L.adamw_update(self.params, self.grads, self.opt_m, self.opt_v, self.decay_mask, lr, beta1,
-                            beta2, eps, weight_decay, scale, self.opt_step)
+                            beta2, eps, weight_decay, scale, self.opt_step, compute_copy=copy)
         return norm
 
     # ------------------------------------------------------------------------------------- generation
     def new_cache(self, batch=1):
-        return KVCache(self.xp, self.cfg, batch, self.dtype)
+        return KVCache(self.xp, self.cfg, batch, self.act)
 
     def decode(self, cache, tokens):
         """Append tokens (B, n) at cache.pos; return head-0 logits (B, V) of the last one (float32 NumPy)."""
+        with self._mode():
+            return self._decode(cache, tokens)
+
+    def _decode(self, cache, tokens):
         cfg, L, p, xp = self.cfg, self.L, self.p, self.xp
         tokens = xp.asarray(np.asarray(tokens, dtype=np.int32))
         B, n = tokens.shape
         pos, H, G, N = cache.pos, cfg.n_heads, cfg.n_kv_heads, B * n
         if pos + n > cfg.context:
             raise ValueError(f"the KV cache holds {cfg.context} positions; {pos} + {n} do not fit")
-        e = lambda *shape: xp.empty(shape, dtype=self.dtype)
-        x, xn, rstd = e(N, cfg.dim), e(N, cfg.dim), e(N)
-        qkv, att, lse = e(B, n, H + 2 * G, cfg.head_dim), e(B, n, H, cfg.head_dim), e(B, H, n)
+        e = lambda *shape: xp.empty(shape, dtype=self.act)
+        f = lambda *shape: xp.empty(shape, dtype=self.dtype)
+        x, xn, rstd = e(N, cfg.dim), e(N, cfg.dim), f(N)
+        qkv, att, lse = e(B, n, H + 2 * G, cfg.head_dim), e(B, n, H, cfg.head_dim), f(B, H, n)
         gate_up, sw = e(N, 2 * cfg.hidden), e(N, cfg.hidden)
         L.embedding_forward(x, tokens.reshape(N), p["tok_emb"])
         for i in range(cfg.n_layers):
@@ -251,21 +302,30 @@ class Engine:
             L.matmul_forward(x, sw, p[w + "w_down"], accumulate=True)
         cache.pos += n
         last = xp.ascontiguousarray(x.reshape(B, n, -1)[:, -1])
-        hf, rstd_last, logits = e(B, cfg.dim), e(B), e(B, cfg.vocab_size)
+        hf, rstd_last, logits = e(B, cfg.dim), f(B), f(B, cfg.vocab_size)
         L.rmsnorm_forward(hf, rstd_last, last, p["final_norm"], cfg.norm_eps)
         L.matmul_forward(logits, hf, p["heads.0"])
         return self._to_numpy(logits).astype(np.float32)
 
 
-def make_engine(cfg, device="cpu", dtype=np.float32, seed=0):
-    """An Engine on the CPU (numba) or the GPU (CUDA kernels); device 'gpu' needs CUDA and cupy."""
+DEFAULT_PRECISION = {"cpu": "fp32", "gpu": "bf16"}
+
+
+def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None):
+    """An Engine on the CPU (numba) or the GPU (CUDA kernels; needs CUDA and cupy). precision: "fp32" (the
+    CPU's only one), "tf32" or "bf16" (the GPU's default); None takes the device's default."""
+    precision = precision or DEFAULT_PRECISION[device]
     if device == "cpu":
+        if precision != "fp32":
+            raise UserError(f"--precision {precision}: the CPU engine computes in fp32 only")
         from nanoeuler.cpu import layers
-        return Engine(cfg, layers, np, dtype, seed)
+        return Engine(cfg, layers, np, dtype, seed, precision)
     if device == "gpu":
-        if np.dtype(dtype) != np.float32:
-            raise ValueError("the GPU engine trains in float32 only")
         import cupy
         from nanoeuler.gpu import layers
-        return Engine(cfg, layers, cupy, dtype, seed)
+        try:
+            layers.check_config(cfg)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        return Engine(cfg, layers, cupy, dtype, seed, precision)
     raise ValueError(f"unknown device {device!r}")

@@ -32,10 +32,11 @@ import numpy as np
 from tqdm import tqdm
 
 from nanoeuler import checkpoint
-from nanoeuler.config import PRESETS, param_count
+from nanoeuler.config import param_count
 from nanoeuler.data import windows_to_batch
 from nanoeuler.errors import UserError
-from nanoeuler.train import Hyper, fit, hyper_with_flags, load_for_resume, schedule_text
+from nanoeuler.files import check_writable
+from nanoeuler.train import Hyper, batch_text, engine_precision, fit, hyper_with_flags, load_for_resume, schedule_text
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -234,7 +235,7 @@ def show(args):
 def main(args):
     if args.show is not None:
         return show(args)
-    from nanoeuler.device import resolve
+    from nanoeuler.device import resolve, wants_gpu
     from nanoeuler.model import make_engine
 
     out = args.out
@@ -258,9 +259,9 @@ def main(args):
         data_path, long, n_val, base = args.data or DEFAULT_DATA, args.long or "truncate", args.val_examples, \
             args.ckpt
     cfg, tok = ck.cfg, ck.tokenizer()
-    device = resolve(args.device, prefer_gpu=param_count(cfg) > param_count(PRESETS["small"]))
+    device = resolve(args.device, cfg)
     for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
-        checkpoint.check_writable(path)
+        check_writable(path)
 
     data = read_data(data_path)
     train_idx, val_idx = split(len(data), n_val)
@@ -271,28 +272,29 @@ def main(args):
           f"held out; {counts['truncated']:,} truncated and {counts['skipped']:,} skipped (longer than "
           f"{cfg.context} + {cfg.mtp_heads} tokens, --long {long}); {int(np.median(lengths))} tokens per "
           f"training example (median), {int(lengths.max())} at most")
-    source = ExampleBatches(train, hp.batch_size, cfg.context, cfg.mtp_heads, hp.seed)
+    source = ExampleBatches(train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed)
     byte_len = response_byte_len(tok)
     val_full = eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
                             limit=hp.final_eval_batches)
     val_quick = eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=hp.eval_batches)
 
-    eng = make_engine(cfg, device=device, seed=hp.seed)
+    eng = make_engine(cfg, device=device, seed=hp.seed,
+                      precision=engine_precision(args, device, ck if args.resume else None))
     eng.load_params(ck.params)
     if args.resume:
         eng.load_opt_state(*ck.opt)
         eng.opt_step = ck.train_state["opt_step"]
         source.load_state(ck.train_state["source"])
-    slow = device == "cpu" and param_count(cfg) > param_count(PRESETS["small"])
+    slow = device == "cpu" and wants_gpu(cfg)
     if args.resume:
         origin = f"{out} (step {ck.step}, fine-tuned from {base})"
     else:
         origin = f"{base} (step {ck.step}{', already a chat model' if ck.chat else ''})"
     print(f"model: {origin}, {param_count(cfg) / 1e6:.2f}M parameters, context {cfg.context}, "
-          f"{device.upper()} engine"
+          f"{device.upper()} engine in {eng.precision}"
           + (" (no GPU: this will be slow)" if slow else ""))
     start = ck.step if args.resume else 0
-    print(f"fine-tuning: steps {start + 1}..{hp.steps} of {hp.batch_size} examples, loss on the responses "
+    print(f"fine-tuning: steps {start + 1}..{hp.steps} of {batch_text(hp)} examples, loss on the responses "
           f"only, peak lr {hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
           + (f"; resuming {out}" if args.resume else ""))
     if not args.resume and os.path.exists(out):
@@ -302,6 +304,7 @@ def main(args):
     t0 = time.perf_counter()
     status = fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=start,
                  train_state=dict(kind="sft", data=os.path.abspath(data_path), base=os.path.abspath(base),
+                                  precision=eng.precision,
                                   long=long, val_examples=n_val, examples=counts),
                  chat=True, sample_prompt=render_prompt(first["instruction"], first["input"]),
                  title="nanoeuler sft",

@@ -2,7 +2,8 @@
 
     tok = Tokenizer.train("shakespeare.txt", 4096)   # learn merges (on a sample if the file is huge)
     ids = tok.encode("Hello world")                  # list of ints; tok.decode(ids) gives the exact bytes
-    tok.encode_file("corpus.txt", "corpus.tok")      # streaming, uint16 tokens, any size of corpus
+    tok.encode_file("corpus.txt", "corpus.tok")      # streaming, a token file, any size of corpus
+    tokens = read_token_file("corpus.tok")           # its uint16 tokens, memory-mapped
     tok.save_hf("tokenizer.json")                    # the `tokenizers` library loads it and gives our ids
 
 Ids: 0..255 are the bytes, then one id per new token made by the merges, in merge order, then the special
@@ -10,7 +11,12 @@ tokens (`</s>` first). Text is cut into GPT-2 pretokens (letter runs, digit runs
 taking a single leading space; whitespace runs; the contractions 's 't 're 've 'm 'll 'd) and merges
 never cross a pretoken boundary. Any byte sequence round-trips: bytes that are not valid UTF-8 are
 punctuation-class characters of their own. The compiled parts live in nanoeuler/bpe_kernels.py.
-Command line: `nanoeuler tokenizer train|encode|decode` (main() below).
+
+Token files (`.tok`, the one format: what encode_file writes and what training reads, as its cached
+`<corpus>.tok`): a 128-byte header (magic "NEUTOKS\0", format version, token count, the size and mtime of
+the text file they were made from, the tokenizer's sha256), then the tokens as little-endian uint16.
+read_token_file checks the header, and with `source`/`tok` that the file still matches that text and
+tokenizer. The command line, `nanoeuler tokenizer train|encode|decode`, is in nanoeuler/cli.py.
 """
 import functools
 import hashlib
@@ -18,6 +24,7 @@ import io
 import json
 import os
 import re
+import struct
 import sys
 import threading
 import time
@@ -25,8 +32,8 @@ from importlib import resources
 
 import numpy as np
 
-from nanoeuler.checkpoint import atomic_write
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_write
 
 UNICODE_VERSION = "16.0.0"  # of unicode_classes.txt, and of the `tokenizers` library's regex engine
 MAX_VOCAB = 1 << 16  # token files are uint16
@@ -36,6 +43,11 @@ _LOOKAHEAD = 8
 _CLASSES = {"L": 1, "N": 2, "W": 3}  # bpe_kernels.LETTER, NUMBER, SPACE; the rest is OTHER (0)
 _CHUNK = 8 << 20  # text is tokenized this many bytes at a time
 _CACHE_PIECES, _CACHE_BYTES = 1 << 20, 64 << 20  # bound of the encoder's piece cache
+TOKENS_MAGIC = b"NEUTOKS\x00"
+TOKENS_VERSION = 1
+# magic, version, token count, source file size, source mtime_ns, tokenizer sha256 (hex); padded to 128 bytes
+TOKENS_HEADER = struct.Struct("<8sI4xQQq64s")
+TOKENS_HEADER_BYTES = 128
 
 
 @functools.cache
@@ -199,27 +211,29 @@ class Tokenizer:
             raise UserError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
         return b"".join(map(self._token_bytes.__getitem__, ids))
 
-    def encode_file(self, in_path, out, progress=True, allow_special=False, chunk_bytes=_CHUNK):
-        """Tokenize the file in_path into little-endian uint16 ids, reading chunk_bytes at a time (the
-        corpus is never held in memory), with the same ids as encode() on the whole text. out: a path
-        (written atomically) or a binary file object (written at its position). Returns the token count."""
+    def encode_file(self, in_path, out_path, progress=True, allow_special=False, chunk_bytes=_CHUNK):
+        """Tokenize the file in_path into the token file out_path (the module docstring's format, written
+        atomically), reading chunk_bytes at a time (the text is never held in memory), with the same ids as
+        encode() on the whole text. Returns the token count; read_token_file(out_path) reads the tokens."""
         _open_input(in_path).close()  # a missing input is an error before anything is written
 
-        def run(dst):
+        def write(dst):
+            dst.write(bytes(TOKENS_HEADER_BYTES))  # the header needs the token count: written once it is known
             n = 0
             with _open_input(in_path) as f, _progress_bar(progress, total=os.fstat(f.fileno()).st_size,
                                                           unit="B", unit_scale=True, desc="tokenize") as bar:
+                source = os.fstat(f.fileno())  # as it was when reading began: a later change makes it stale
                 for ids, n_read in self._encode_stream(f.read, allow_special, chunk_bytes):
                     dst.write(ids.astype("<u2").tobytes())
                     n += len(ids)
                     bar.update(n_read)
-            return n
+            dst.seek(0)
+            dst.write(_tokens_header(n, source, self))
+            count.append(n)
 
-        if isinstance(out, (str, bytes, os.PathLike)):
-            result = []
-            atomic_write(out, lambda dst: result.append(run(dst)))
-            return result[0]
-        return run(out)
+        count = []
+        atomic_write(out_path, write)
+        return count[0]
 
     def _encode_stream(self, read, allow_special, chunk_bytes=_CHUNK):
         """Yield (int32 ids, bytes read) chunk by chunk, read(k) giving the next k bytes of the text; the
@@ -352,6 +366,45 @@ class Tokenizer:
         return tok
 
 
+def _tokens_header(n_tokens, source_stat, tok):
+    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION, n_tokens, source_stat.st_size,
+                              source_stat.st_mtime_ns, tok.sha256().encode())
+
+
+def read_token_file(path, source=None, tok=None):
+    """The tokens of a token file (Tokenizer.encode_file) as a read-only uint16 memmap (a corpus of many GB
+    costs no RAM). With `source` (a path) or `tok`, the file must have been made from that file as it is now
+    (same size and mtime) and with that tokenizer. Every way it can fail is a one-line UserError."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(TOKENS_HEADER.size)
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise UserError(f"token file {path} not found") from None
+    except OSError as e:
+        raise UserError(f"cannot read token file {path}: {e.strerror or e}") from None
+    if len(head) < TOKENS_HEADER.size or head[:8] != TOKENS_MAGIC:
+        raise UserError(f"{path} is not a nanoeuler token file")
+    _, version, n_tokens, src_size, src_mtime, sha = TOKENS_HEADER.unpack(head)
+    if version != TOKENS_VERSION:
+        raise UserError(f"token file {path} has format version {version}; this nanoeuler reads {TOKENS_VERSION}")
+    if size != TOKENS_HEADER_BYTES + 2 * n_tokens:
+        raise UserError(f"token file {path} is truncated or corrupt ({size} bytes for {n_tokens} tokens)")
+    if source is not None:
+        try:
+            st = os.stat(source)
+        except OSError as e:
+            raise UserError(f"cannot read {source}: {e.strerror or e}") from None
+        if (st.st_size, st.st_mtime_ns) != (src_size, src_mtime):
+            raise UserError(f"token file {path} is stale: {source} changed since it was tokenized")
+    if tok is not None and sha != tok.sha256().encode():
+        raise UserError(f"token file {path} was made with a different tokenizer")
+    if n_tokens == 0:  # np.memmap cannot map zero bytes
+        return np.zeros(0, "<u2")
+    return np.memmap(path, dtype="<u2", mode="r", offset=TOKENS_HEADER_BYTES, shape=(n_tokens,))
+
+
 def _split(data):
     """GPT-2 pretokenization of the bytes data: (data as a uint8 array, piece end offsets, piece count).
     The array is a writable copy: the kernels are compiled for one array type, the one they make inside."""
@@ -481,48 +534,3 @@ def _run_with_progress(fn, args, done, total, enabled, desc, start=0):
     if errors:
         raise errors[0]
     return result[0]
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def _tokenizer_for(args):
-    if args.tokenizer:
-        return Tokenizer.load(args.tokenizer)
-    from nanoeuler.checkpoint import read_metadata
-
-    path = args.ckpt or "nanoeuler.bin"
-    meta = read_metadata(path)
-    if "tokenizer" not in meta:
-        raise UserError(f"{path} holds no tokenizer")
-    return Tokenizer.from_json(meta["tokenizer"])
-
-
-def main(args):
-    """`nanoeuler tokenizer train|encode|decode` (parsers in nanoeuler/cli.py)."""
-    if args.action == "train":
-        tok = Tokenizer.train(args.file, args.vocab_size, max_bytes=args.sample_mb << 20)
-        tok.save_hf(args.out)
-        print(f"wrote {args.out} (vocab {tok.vocab_size}, eos {tok.eos_id})", file=sys.stderr)
-    elif args.action == "encode":
-        tok = _tokenizer_for(args)
-        if args.text is not None and args.file is not None:
-            raise UserError("give TEXT or --file, not both")
-        if args.text is not None:
-            data = args.text.encode("utf-8", "surrogateescape")  # the argument's bytes, as the shell gave them
-        elif args.file is not None:
-            with _open_input(args.file) as f:
-                data = f.read()
-        else:
-            data = sys.stdin.buffer.read()
-        print(" ".join(map(str, tok.encode(data, allow_special=args.allow_special))))
-    else:
-        tok = _tokenizer_for(args)
-        words = " ".join(args.ids).split() if args.ids else sys.stdin.read().split()
-        try:
-            ids = [int(w) for w in words]
-        except ValueError:
-            raise UserError("token ids must be integers") from None
-        sys.stdout.buffer.write(tok.decode(ids))
-        sys.stdout.buffer.flush()
-    return 0

@@ -1,7 +1,7 @@
 """Pretraining: `nanoeuler train [small|big|base]`, one loop for the CPU and the GPU engine.
 
-    nanoeuler train small --data shakespeare.txt          # `make train`: ~1M params, CPU, minutes
-    nanoeuler train big                                   # ~10M params, the GPU if there is one
+    nanoeuler train small --data shakespeare.txt          # `make train`: 1.1M params, CPU, minutes
+    nanoeuler train big                                   # 14.2M params, the GPU if there is one
     nanoeuler train small --resume                        # continue nanoeuler.bin exactly where it stopped
 
 The loop: AdamW (the engine's; decoupled weight decay on matrices only), linear warmup then cosine decay
@@ -29,6 +29,7 @@ from tqdm import tqdm
 from nanoeuler import checkpoint
 from nanoeuler.config import PRESETS, flops_per_token, param_count
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_write, check_writable
 from nanoeuler.sample import sample_text
 
 
@@ -51,6 +52,7 @@ class Hyper:
     beta2: float = 0.95
     sample_tokens: int = 120
     seed: int = 0
+    grad_accum: int = 1           # forward/backward passes of batch_size per optimizer step
 
 
 # small is sized for `make train` on 2 CPU cores: about 13 minutes with setup and compilation. Sweeps (README)
@@ -65,8 +67,15 @@ PRESET_HYPER = {
                  ckpt_every=500),
     "base": Hyper(steps=20000, batch_size=16, lr=6e-4, warmup=1000, eval_every=500, sample_every=2000,
                   ckpt_every=1000, eval_batches=16, final_eval_batches=256),
+    # large: base's 16 x 512 tokens per step as 4 passes of 4, which fits a 12 GB card in bf16
+    "large": Hyper(steps=20000, batch_size=4, grad_accum=4, lr=4e-4, warmup=1000, eval_every=500,
+                   sample_every=2000, ckpt_every=1000, eval_batches=64, final_eval_batches=1024),
 }
-DEFAULT_DATA = {"small": "shakespeare.txt", "big": "shakespeare.txt", "base": "data/pretrain.txt"}
+DEFAULT_DATA = {"small": "shakespeare.txt", "big": "shakespeare.txt", "base": "data/pretrain.txt",
+                "large": "data/pretrain.txt"}
+# how to make a default corpus that is not in the repository (the scripts are in data/, docs/data.md)
+DATA_HINT = {"data/pretrain.txt": "build it with `sh data/get_gutenberg.sh && sh data/get_web.sh`, then "
+                                  "`cat data/gutenberg.txt data/web.txt > data/pretrain.txt`; or pass --data FILE"}
 
 
 def lr_at(hp, step):
@@ -131,8 +140,7 @@ class MetricsLog:
                         continue  # a line cut short by a crash
                     if rec.get("step", math.inf) <= resume_step:
                         self.records.append(rec)
-            checkpoint.atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in self.records),
-                                    mode="w")
+            atomic_write(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in self.records), mode="w")
             self.file = open(path, "a")
         else:
             self.file = open(path, "w")
@@ -163,7 +171,7 @@ class MetricsLog:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        checkpoint.atomic_write(self.png, lambda f: fig.savefig(f, format="png"))
+        atomic_write(self.png, lambda f: fig.savefig(f, format="png"))
         plt.close(fig)
 
     def close(self):
@@ -171,11 +179,26 @@ class MetricsLog:
 
 
 def _peak_flops(eng):
-    """The GPU's dense TF32 peak in FLOP/s, or None on the CPU or an unknown card."""
+    """The GPU's dense tensor-core peak in the engine's precision (FLOP/s), or None on the CPU or an unknown
+    card."""
     if eng.xp is np:
         return None
-    from nanoeuler.gpu import peak_tf32_flops
-    return peak_tf32_flops()
+    from nanoeuler.gpu import peak_flops
+    return peak_flops(eng.precision)
+
+
+def accumulate_gradients(eng, inputs, targets, micro_batches):
+    """Loss and gradients of one optimizer batch in `micro_batches` forward/backward passes over its rows.
+    Every pass normalises by the whole batch's supervised targets per head, so the sum of the passes is the
+    large batch's loss and gradient (to rounding), whatever the split."""
+    if micro_batches == 1:
+        return eng.forward_backward(inputs, targets)
+    counts = (np.asarray(targets) >= 0).reshape(targets.shape[0], -1).sum(axis=1)
+    loss = loss0 = 0.0
+    for i, rows in enumerate(np.array_split(np.arange(len(inputs)), micro_batches)):
+        part, part0 = eng.forward_backward(inputs[rows], targets[:, rows], accumulate=i > 0, counts=counts)
+        loss, loss0 = loss + part, loss0 + part0
+    return loss, loss0
 
 
 def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, train_state=None,
@@ -203,7 +226,7 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
                 t0 = time.perf_counter()
                 lr = lr_at(hp, step)
                 inputs, targets = source.next()
-                loss, loss0 = eng.forward_backward(inputs, targets)
+                loss, loss0 = accumulate_gradients(eng, inputs, targets, hp.grad_accum)
                 if not (math.isfinite(loss) and math.isfinite(loss0)):
                     raise UserError(f"training diverged at step {step + 1} (loss {loss}); the last checkpoint "
                                     f"in {out} is kept; try a lower --lr")
@@ -250,12 +273,25 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
 def hyper_with_flags(base, args):
     """Preset (or resumed) hyperparameters with the flags the user gave on top."""
     overrides = {field: getattr(args, field) for field in ("steps", "batch_size", "lr", "seed", "eval_every",
-                                                           "sample_every", "ckpt_every")
+                                                           "sample_every", "ckpt_every", "grad_accum")
                  if getattr(args, field, None) is not None}
     hp = dataclasses.replace(base, **overrides)
     if hp.warmup >= hp.steps:
         hp = dataclasses.replace(hp, warmup=max(1, hp.steps // 10))
     return hp
+
+
+def batch_text(hp):
+    return f"{hp.batch_size}" if hp.grad_accum == 1 else f"({hp.grad_accum} passes of {hp.batch_size})"
+
+
+def engine_precision(args, device, ck):
+    """--precision, else on --resume the precision the run trained in (where this device has it), else the
+    device's default (None: bf16 on the GPU, fp32 on the CPU)."""
+    if args.precision:
+        return args.precision
+    previous = (ck.train_state or {}).get("precision") if ck is not None else None
+    return previous if previous and (device == "gpu" or previous == "fp32") else None
 
 
 def load_for_resume(out, kind, command):
@@ -271,7 +307,7 @@ def load_for_resume(out, kind, command):
 
 def main(args):
     from nanoeuler.data import RandomWindows, check_corpus, eval_batches, open_corpus
-    from nanoeuler.device import resolve
+    from nanoeuler.device import resolve, wants_gpu
     from nanoeuler.tokenizer import Tokenizer
 
     out = args.out
@@ -291,12 +327,14 @@ def main(args):
         preset = args.preset or "small"
         hp = hyper_with_flags(PRESET_HYPER[preset], args)
         data = args.data or DEFAULT_DATA[preset]
-    device = resolve(args.device, prefer_gpu=preset != "small")
-    checkpoint.check_writable(out)
-    checkpoint.check_writable(log_path)
-    checkpoint.check_writable(os.path.splitext(log_path)[0] + ".png")
+    # the preset's own vocabulary for a new run: close enough to the final one for the device rule
+    device = resolve(args.device, ck.cfg if ck is not None else PRESETS[preset])
+    for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
+        check_writable(path)
 
     # the tokenizer: the checkpoint's, a given one, or a new one learned on the corpus
+    if data in DATA_HINT and not os.path.exists(data):
+        raise UserError(f"corpus {data} not found ({DATA_HINT[data]})")
     check_corpus(data)
     if ck is not None:
         tok = ck.tokenizer()
@@ -310,27 +348,28 @@ def main(args):
     size = os.path.getsize(data)
     print(f"data: {data}: {size:,} bytes, {len(corpus.tokens):,} tokens ({size / len(corpus.tokens):.2f} "
           f"bytes/token); train {len(corpus.train):,}, validation {len(corpus.val):,} (the last tenth)")
-    source = RandomWindows(corpus.train, hp.batch_size, cfg.context, cfg.mtp_heads, hp.seed)
+    # one optimizer batch per draw, split into grad_accum passes: B x N draws the windows of B * N x 1
+    source = RandomWindows(corpus.train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed)
     val_full = eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
                             limit=hp.final_eval_batches)
     val_quick = eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
                              limit=hp.eval_batches)
 
     from nanoeuler.model import make_engine
-    eng = make_engine(cfg, device=device, seed=hp.seed)
+    precision = engine_precision(args, device, ck)
+    eng = make_engine(cfg, device=device, seed=hp.seed, precision=precision)
     if ck is not None:
         eng.load_params(ck.params)
         eng.load_opt_state(*ck.opt)
         eng.opt_step = ck.train_state["opt_step"]
         source.load_state(ck.train_state["source"])
-    note = ""
-    if device == "cpu" and preset != "small":
-        note = " (no GPU: this will be slow)"
+    note = " (no GPU: this will be slow)" if device == "cpu" and wants_gpu(cfg) else ""
     print(f"model: {preset}, {param_count(cfg) / 1e6:.2f}M parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
           f"{cfg.n_heads}/{cfg.n_kv_heads} heads, context {cfg.context}, vocab {cfg.vocab_size}, "
-          f"{cfg.mtp_heads} prediction head{'s' * (cfg.mtp_heads != 1)}), {device.upper()} engine{note}")
+          f"{cfg.mtp_heads} prediction head{'s' * (cfg.mtp_heads != 1)}), {device.upper()} engine in "
+          f"{eng.precision}{note}")
     start = ck.step if ck is not None else 0
-    print(f"training: steps {start + 1}..{hp.steps} of {hp.batch_size}x{cfg.context} tokens, peak lr "
+    print(f"training: steps {start + 1}..{hp.steps} of {batch_text(hp)}x{cfg.context} tokens, peak lr "
           f"{hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
           + (f"; resuming {out}" if ck is not None else ""))
     if ck is None and os.path.exists(out):
@@ -338,7 +377,8 @@ def main(args):
     sys.stdout.flush()
     t0 = time.perf_counter()
     status = fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=start,
-                 train_state=dict(kind="pretrain", preset=preset, data=os.path.abspath(data)),
+                 train_state=dict(kind="pretrain", preset=preset, data=os.path.abspath(data),
+                                  precision=eng.precision),
                  title=f"nanoeuler {preset}")
     if status == 0:
         print(f"done in {time.perf_counter() - t0:.0f} s: saved {out}, log {log_path}, loss curve "

@@ -1,4 +1,5 @@
-"""Checkpoints: the safetensors layout of DESIGN.md, validation of bad files, and atomic writes."""
+"""Checkpoints: the safetensors layout of docs/design.md, validation of bad files, and atomic writes (of
+nanoeuler/files.py, which every file nanoeuler writes goes through)."""
 import json
 import os
 import struct
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save as serialize
 
-from nanoeuler import checkpoint
+from nanoeuler import checkpoint, files
 from nanoeuler.config import Config, init_params, param_count, param_shapes
 from nanoeuler.errors import UserError
 
@@ -175,6 +176,39 @@ def test_unwritable_destination(tmp_path):
     with pytest.raises(UserError, match="cannot write"):
         _save(tmp_path / "no" / "such" / "dir.bin")
     with pytest.raises(UserError, match="cannot write"):
-        checkpoint.check_writable(tmp_path / "missing_dir" / "x.bin")
+        files.check_writable(tmp_path / "missing_dir" / "x.bin")
     with pytest.raises(UserError, match="directory"):
-        checkpoint.check_writable(tmp_path)
+        files.check_writable(tmp_path)
+    files.check_writable(tmp_path / "fine.bin")
+    assert os.listdir(tmp_path) == []  # the probe leaves nothing behind
+
+
+def test_atomic_output_keeps_the_extension_and_replaces_only_on_success(tmp_path):
+    path = tmp_path / "web.txt"
+    path.write_bytes(b"old")
+    with files.atomic_output(path) as f:
+        f.write(b"new")
+        temp = os.path.basename(f.name)
+        assert path.read_bytes() == b"old"  # not yet: the block is still writing its temporary
+    assert temp == f"web.tmp{os.getpid()}.txt"  # *.txt ignore rules cover it too
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["web.txt"]
+    # an exception in the block propagates as it is (an OSError stays an OSError), and nothing changes
+    for error in (OSError(28, "No space left on device"), KeyboardInterrupt()):
+        with pytest.raises(type(error)):
+            with files.atomic_output(path, "w") as f:
+                f.write("half")
+                raise error
+        assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["web.txt"]
+
+
+def test_atomic_write_turns_os_errors_into_one_line(tmp_path):
+    def fail(f):
+        f.write(b"part")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(UserError, match=r"cannot write .*x\.json: No space left on device"):
+        files.atomic_write(tmp_path / "x.json", fail)
+    with pytest.raises(UserError, match="cannot write"):
+        files.atomic_write(tmp_path / "no" / "x.json", lambda f: f.write(b"{}"))
+    assert os.listdir(tmp_path) == []
+    files.atomic_write(tmp_path / "x.json", lambda f: f.write("{}"), mode="w")
+    assert (tmp_path / "x.json").read_text() == "{}"

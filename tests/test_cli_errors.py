@@ -1,11 +1,17 @@
-"""Every bad input of DESIGN.md gets one line on stderr, a non-zero exit, no traceback and no damage."""
+"""Every bad input of docs/design.md ("Error handling") gets one line on stderr, a non-zero exit, no traceback
+and no damage; and the command line's process setup (the CPU thread settings, made before NumPy loads)."""
 import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save as serialize
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from nanoeuler import checkpoint
 from nanoeuler.device import gpu_available
 
@@ -64,6 +70,15 @@ def test_missing_corpus(tmp_path):
     assert not (tmp_path / "o.bin").exists()
 
 
+def test_train_base_without_its_corpus_says_how_to_build_it(tmp_path):
+    """`nanoeuler train base` reads data/pretrain.txt, which is not in the repository: the error says how to
+    make it (run where there is no data/pretrain.txt)."""
+    r = run_cli("train", "base", "--out", tmp_path / "o.bin", cwd=tmp_path)
+    _one_line_error(r, "data/pretrain.txt not found", "sh data/get_gutenberg.sh && sh data/get_web.sh",
+                    "cat data/gutenberg.txt data/web.txt > data/pretrain.txt")
+    assert os.listdir(tmp_path) == []
+
+
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     _one_line_error(run_cli("train", "--data", tmp_path / "empty.txt", "--out", tmp_path / "o.bin"), "empty")
@@ -104,3 +119,48 @@ def test_device_gpu_without_a_gpu(command, tiny_ckpt, corpus, tmp_path):
 
 def test_resume_with_nothing_to_resume(tmp_path):
     _one_line_error(run_cli("train", "--resume", "--out", tmp_path / "none.bin"), "nothing to resume")
+
+
+# ------------------------------------------------------------------------------------------ process setup
+
+SPY = textwrap.dedent("""
+    import atexit, json, os, sys
+    KEYS = ("OPENBLAS_THREAD_TIMEOUT", "NUMBA_THREADING_LAYER")
+    seen = {}
+
+    class Spy:  # notes the environment at the moment numpy and numba are first imported
+        def find_spec(self, name, path=None, target=None):
+            if name in ("numpy", "numba") and name not in seen:
+                seen[name] = {k: os.environ.get(k) for k in KEYS}
+
+    sys.meta_path.insert(0, Spy())
+
+    report_path, sys.argv = sys.argv[1], ["nanoeuler"] + sys.argv[2:]
+
+    def report():
+        import numba
+        with open(report_path, "w") as f:
+            json.dump({"seen": seen, "layer": numba.threading_layer()}, f)
+
+    atexit.register(report)
+    from nanoeuler.cli import main  # what the `nanoeuler` script runs
+    main()
+""")
+
+
+@pytest.mark.parametrize("user_timeout", [None, "7"])
+def test_cli_sets_the_thread_settings_before_numpy_loads(tiny_ckpt, tmp_path, user_timeout):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT only when NumPy loads it, and numba its threading layer when
+    its pool starts: the command line sets both before either is imported (a user's own setting wins)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "NUMBA_THREADING_LAYER")}
+    if user_timeout:
+        env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-c", SPY, str(report), "infer", "x", "--ckpt", str(tiny_ckpt),
+                        "--device", "cpu", "--max-new-tokens", "2", "--seed", "1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(report.read_text())
+    expected = {"OPENBLAS_THREAD_TIMEOUT": user_timeout or "4", "NUMBA_THREADING_LAYER": "workqueue"}
+    assert got["seen"] == {"numpy": expected, "numba": expected}
+    assert got["layer"] == "workqueue"  # the pool the CPU engine's kernels ran on

@@ -4,10 +4,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nanoeuler.check import CHECK_CONFIG, gradient_check, random_problem, relative_error
-from nanoeuler.config import PRESETS, Config, param_count, param_layout
+from nanoeuler.check import CHECK_CONFIGS, gradient_check
+from nanoeuler.config import PRESETS, Config, param_count, param_layout, rope_tables
 from nanoeuler.cpu import layers as L
 from nanoeuler.model import make_engine
+from nanoeuler.problems import random_problem, relative_error
 
 rng = np.random.default_rng(1234)
 
@@ -83,7 +84,7 @@ def test_rmsnorm_backward():
 
 def test_rope_matches_rotate_half_and_backward():
     B, T, heads, D = 2, 5, 3, 8
-    cos, sin = L.rope_tables(D, 16, 10000.0, np.float64)
+    cos, sin = rope_tables(D, 16, 10000.0, np.float64)
     x = rng.normal(size=(B, T, heads, D))
     y = x.copy()
     L.rope_forward(y, cos, sin, 2, 3)  # rotate the first 2 heads, positions 3..7
@@ -209,16 +210,22 @@ def test_crossentropy_forward_backward():
     assert not d[2, :V].any() and not d[5, 2 * V:].any()
 
 
-def test_whole_model_gradient_check():
-    errors = gradient_check(samples=3, seed=7, report=lambda line: None)
-    assert len(errors) == len(param_layout(CHECK_CONFIG)[0])
+# the models of `nanoeuler check`: K = 1 (the shipped `small`) and K = 2 (multi-token heads)
+by_heads = pytest.mark.parametrize("cfg", CHECK_CONFIGS, ids=lambda c: f"K{c.mtp_heads}")
+
+
+@by_heads
+def test_whole_model_gradient_check(cfg):
+    errors = gradient_check(cfg, samples=3, seed=7, report=lambda line: None)
+    assert len(errors) == len(param_layout(cfg)[0])
     assert max(errors.values()) < 1e-6, errors
 
 
+@by_heads
 @pytest.mark.parametrize("n_kv_heads", [1, 4])
-def test_gqa_extremes_gradient_check(n_kv_heads):
-    cfg = dataclasses.replace(CHECK_CONFIG, n_layers=2, n_kv_heads=n_kv_heads)
-    errors = gradient_check(samples=3, seed=3, cfg=cfg, report=lambda line: None)
+def test_gqa_extremes_gradient_check(cfg, n_kv_heads):
+    cfg = dataclasses.replace(cfg, n_layers=2, n_kv_heads=n_kv_heads)
+    errors = gradient_check(cfg, samples=3, seed=3, report=lambda line: None)
     assert max(errors.values()) < 1e-6, errors
 
 
@@ -231,26 +238,27 @@ def test_gradient_check_detects_a_wrong_backward(monkeypatch):
         dgate_up *= 1.001
 
     monkeypatch.setattr(L, "swiglu_backward", wrong)
-    errors = gradient_check(samples=2, seed=5, report=lambda line: None)
+    errors = gradient_check(CHECK_CONFIGS[1], samples=2, seed=5, report=lambda line: None)
     assert errors["layers.0.w_gate"] > 1e-4 and errors["final_norm"] < 1e-6
 
 
-def engine_with_problem(cfg=CHECK_CONFIG, dtype=np.float64, seed=11):
+def engine_with_problem(cfg=CHECK_CONFIGS[1], dtype=np.float64, seed=11):
     eng = make_engine(cfg, dtype=dtype)
     flat, inputs, targets = random_problem(cfg, np.random.default_rng(seed))
     eng.load_params(flat)
     return eng, inputs, targets
 
 
-def test_masked_position_changes_no_gradient():
-    eng, inputs, targets = engine_with_problem()
+@by_heads
+def test_masked_position_changes_no_gradient(cfg):
+    eng, inputs, targets = engine_with_problem(cfg)
     T = inputs.shape[1]
     targets[:, :, -1] = -1  # the last position is masked in every head
     eng.forward_backward(inputs, targets)
     base = eng.grads.copy()
     # ... so the token there, and the value of its logits, cannot matter
     changed = inputs.copy()
-    changed[:, -1] = (changed[:, -1] + 1) % CHECK_CONFIG.vocab_size
+    changed[:, -1] = (changed[:, -1] + 1) % cfg.vocab_size
     eng.forward_backward(changed, targets)
     assert np.allclose(eng.grads, base, rtol=0, atol=1e-14)
     # and the causal model on the sequence without it gives the same loss and gradients
@@ -260,9 +268,10 @@ def test_masked_position_changes_no_gradient():
     assert np.allclose(eng.grads, base, rtol=0, atol=1e-14)
 
 
-def test_float32_matches_float64_loss():
-    eng64, inputs, targets = engine_with_problem()
-    eng32, _, _ = engine_with_problem(dtype=np.float32)
+@by_heads
+def test_float32_matches_float64_loss(cfg):
+    eng64, inputs, targets = engine_with_problem(cfg)
+    eng32, _, _ = engine_with_problem(cfg, dtype=np.float32)
     loss64 = eng64.forward_backward(inputs, targets)
     loss32 = eng32.forward_backward(inputs, targets)
     assert np.allclose(loss32, loss64, rtol=1e-5)
@@ -271,8 +280,8 @@ def test_float32_matches_float64_loss():
 
 
 def test_adamw_step_matches_formula():
-    cfg = CHECK_CONFIG
-    eng, inputs, targets = engine_with_problem()
+    cfg = CHECK_CONFIGS[1]
+    eng, inputs, targets = engine_with_problem(cfg)
     eng.forward_backward(inputs, targets)
     p0, g = eng.params.copy(), eng.grads.copy()
     norm = eng.step(lr=1e-2, weight_decay=0.1, grad_clip=0.5)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from nanoeuler.cli import main as cli_main
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer import UNICODE_VERSION, Tokenizer, _split, bytes_to_unicode, class_table
+from nanoeuler.tokenizer import UNICODE_VERSION, Tokenizer, _split, bytes_to_unicode, class_table, read_token_file
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -255,7 +255,7 @@ def test_encode_file_equals_encode(tok, tmp_path, allow_special):
         out = tmp_path / f"out{chunk}.tok"
         n = tok.encode_file(src, out, progress=False, allow_special=allow_special, chunk_bytes=chunk)
         assert n == len(expected)
-        assert np.fromfile(out, dtype="<u2").tolist() == expected
+        assert read_token_file(out, source=src, tok=tok).tolist() == expected
 
 
 @settings(max_examples=60, deadline=None)
@@ -267,16 +267,65 @@ def test_streaming_never_changes_ids(tok, data, chunk, allow_special):
         with open(src, "wb") as f:
             f.write(data)
         tok.encode_file(src, dst, progress=False, allow_special=allow_special, chunk_bytes=chunk)
-        assert np.fromfile(dst, dtype="<u2").tolist() == tok.encode(data, allow_special=allow_special)
+        assert read_token_file(dst).tolist() == tok.encode(data, allow_special=allow_special)
 
 
-def test_encode_file_into_an_open_file(tok, tmp_path):
+def test_a_token_file_is_the_training_cache_format(tok, tmp_path, monkeypatch):
+    """One `.tok` format: a file written by encode_file is what the training data loader reads (here it
+    takes it as its cache of the corpus: no re-encoding) and round-trips to the text."""
+    from nanoeuler import data
+    text = ("\n".join(SAMPLES) * 3).encode()
+    src = write(tmp_path, "corpus.txt", text)
+    n = tok.encode_file(src, data.cache_path(src), progress=False)
+    raw = open(data.cache_path(src), "rb").read()
+    assert raw[:8] == b"NEUTOKS\x00" and len(raw) == 128 + 2 * n
+    with monkeypatch.context() as m:
+        m.setattr(Tokenizer, "encode_file", lambda *a, **k: pytest.fail("the loader re-encoded the corpus"))
+        corpus = data.open_corpus(src, tok, progress=False)
+    assert corpus.tokens.tolist() == tok.encode(text) and tok.decode(corpus.tokens) == text
+    # and a cache that the loader writes reads back through the same reader
+    other = write(tmp_path, "other.txt", SAMPLES[1])
+    data.open_corpus(other, tok, progress=False)
+    assert read_token_file(data.cache_path(other), source=other, tok=tok).tolist() == tok.encode(SAMPLES[1])
+
+
+def test_imports_go_one_way_checkpoint_to_tokenizer():
+    """checkpoint.py builds Tokenizers; tokenizer.py needs nothing of checkpoint.py (no import cycle, not even
+    inside a function: the CLI glue that reads a checkpoint's tokenizer lives in cli.py)."""
+    import ast
+
+    def imported(module):
+        with open(os.path.join(ROOT, "nanoeuler", f"{module}.py")) as f:
+            tree = ast.parse(f.read())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+        return names
+    assert "nanoeuler.tokenizer" in imported("checkpoint")
+    assert not {n for n in imported("tokenizer") if n.startswith("nanoeuler.checkpoint")}
+
+
+def test_token_file_errors(tok, tmp_path):
     src = write(tmp_path, "in.txt", SAMPLES[1])
-    with open(tmp_path / "out", "wb") as f:
-        f.write(b"HEAD")
-        assert tok.encode_file(src, f, progress=False) == len(tok.encode(SAMPLES[1]))
-    raw = (tmp_path / "out").read_bytes()
-    assert raw[:4] == b"HEAD" and np.frombuffer(raw[4:], "<u2").tolist() == tok.encode(SAMPLES[1])
+    out = tmp_path / "in.tok"
+    tok.encode_file(src, out, progress=False)
+    raw = out.read_bytes()
+    with pytest.raises(UserError, match="not found"):
+        read_token_file(tmp_path / "missing.tok")
+    with pytest.raises(UserError, match="not a nanoeuler token file"):
+        read_token_file(write(tmp_path, "bare.tok", np.arange(10, dtype="<u2").tobytes()))  # bare uint16
+    with pytest.raises(UserError, match="truncated"):
+        read_token_file(write(tmp_path, "cut.tok", raw[:-1]))
+    with pytest.raises(UserError, match="different tokenizer"):
+        read_token_file(out, tok=Tokenizer(tok.merges[:-1]))
+    os.utime(src, ns=(0, 0))
+    with pytest.raises(UserError, match="stale"):
+        read_token_file(out, source=src)
+    assert read_token_file(out).tolist() == tok.encode(SAMPLES[1])  # without a source to check against
 
 
 # --------------------------------------------------------------------------------- serialization

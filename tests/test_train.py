@@ -1,4 +1,6 @@
-"""The training loop and its data: exact resume, Ctrl-C, the metrics log, the schedule, the token cache."""
+"""The training loop and its data: exact resume, Ctrl-C, the metrics log, the schedule, the token cache,
+what each evaluation covers, the gradient norm, and the device rule."""
+import dataclasses
 import json
 import math
 import os
@@ -9,10 +11,11 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, tiny_config
-from nanoeuler import checkpoint, train
+from nanoeuler import checkpoint, device, train
 from nanoeuler.cli import build_parser
-from nanoeuler.config import PRESETS
+from nanoeuler.config import PRESETS, param_count
 from nanoeuler.data import RandomWindows, eval_batches, open_corpus
+from nanoeuler.errors import UserError
 
 HYPER = train.Hyper(steps=12, batch_size=4, lr=3e-3, warmup=3, eval_every=4, sample_every=6, ckpt_every=5,
                     eval_batches=2, sample_tokens=8)
@@ -119,6 +122,29 @@ def test_bits_per_byte_covers_the_validation_split_once(corpus, tokenizer):
     assert 0.1 <= len(val_bytes) / len(raw) < 0.1 + 64 / len(raw)
 
 
+def test_final_evaluation_of_each_preset():
+    """README and docs/training.md: at the end, small and big score the whole validation split; base at most
+    256 batches: 4,096 windows of 512 spread evenly when the split is longer (at batch 16), else all of it."""
+    assert train.PRESET_HYPER["small"].final_eval_batches is None
+    assert train.PRESET_HYPER["big"].final_eval_batches is None
+    hp = train.PRESET_HYPER["base"]
+    assert (hp.final_eval_batches, hp.batch_size, PRESETS["base"].context) == (256, 16, 512)
+    long = np.arange(5000 * 512 + 7)  # token i is i, so a window's first input is where it starts
+    byte_len = np.ones(len(long), np.int64)
+    batches = eval_batches(long, byte_len, hp.batch_size, 512, 4, limit=hp.final_eval_batches)
+    starts = np.concatenate([i[:, 0] for i, _, _ in batches])
+    gaps = np.diff(starts) // 512
+    assert len(batches) == 256 and len(starts) == 4096 and set(gaps.tolist()) == {1, 2}  # 5,001 windows
+    assert starts[0] == 0 and starts[-1] == 5000 * 512 and sum(b for *_, b in batches) == 4095 * 512 + 6
+    short = long[:300 * 512]  # 300 windows: scored whole, every token but the first once
+    batches = eval_batches(short, byte_len, hp.batch_size, 512, 4, limit=hp.final_eval_batches)
+    head0 = np.concatenate([t[0][t[0] >= 0] for _, t, _ in batches])
+    assert len(batches) == 19 and head0.tolist() == short[1:].tolist()
+    # periodic estimates: 4 x 32 = 128 windows (small), 8 x 32 = 256 (big), 16 x 16 = 256 (base)
+    assert [train.PRESET_HYPER[p].eval_batches * train.PRESET_HYPER[p].batch_size
+            for p in ("small", "big", "base")] == [128, 256, 256]
+
+
 def test_evaluate_weights_batches_by_their_targets():
     class Stub:  # loss0 = the mean of the valid targets themselves
         def forward_loss(self, inputs, targets):
@@ -201,3 +227,41 @@ def test_ctrl_c_from_the_terminal_saves_and_exits_cleanly(corpus, tmp_path):
     assert "Traceback" not in err
     step = checkpoint.load(tmp_path / "s.bin", with_opt=True).step
     assert step >= 3 and "continue with --resume" in out
+
+
+def test_gradient_norm_accumulates_in_float64():
+    from nanoeuler.cpu import layers as L
+    x = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)  # not a multiple of a chunk
+    exact = math.fsum((x.astype(np.float64) ** 2).tolist())  # float32 squares are exact in float64
+    assert L.sum_squares(x) == pytest.approx(exact, rel=1e-12)
+    assert L.sum_squares(x.astype(np.float64)) == pytest.approx(exact, rel=1e-12)
+    assert L.sum_squares(x[:0]) == 0.0 and L.sum_squares(np.float32([3, 4])) == 25.0
+
+
+def test_device_rule(monkeypatch):
+    """--device auto: the CPU for models of at most device.CPU_MAX_PARAMS parameters, else the GPU when
+    there is one; the same rule for train and sft."""
+    small_4096 = dataclasses.replace(PRESETS["small"], vocab_size=4096)
+    assert param_count(small_4096) <= device.CPU_MAX_PARAMS < param_count(PRESETS["big"])
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    assert [device.resolve("auto", PRESETS[p]) for p in ("small", "big", "base")] == ["cpu", "gpu", "gpu"]
+    assert device.resolve("auto", small_4096) == "cpu" and device.resolve("auto") == "gpu"  # inference
+    assert device.resolve("cpu", PRESETS["base"]) == "cpu"
+    monkeypatch.setattr(device, "gpu_available", lambda: False)
+    assert device.resolve("auto", PRESETS["base"]) == "cpu"
+    with pytest.raises(UserError, match="no CUDA GPU"):
+        device.resolve("gpu", PRESETS["small"])
+
+
+def test_train_and_sft_resolve_the_device_by_the_model(monkeypatch, corpus, tiny_ckpt, tmp_path):
+    from nanoeuler import sft
+    seen = []
+
+    def spy(dev, cfg=None):
+        seen.append((dev, cfg))
+        raise UserError("stop here")
+    monkeypatch.setattr(device, "resolve", spy)
+    for module, args in ((train, ["train", "big", "--data", corpus]), (sft, ["sft", "--ckpt", tiny_ckpt])):
+        with pytest.raises(UserError, match="stop here"):
+            module.main(build_parser()[0].parse_args([*map(str, args), "--out", str(tmp_path / "o.bin")]))
+    assert seen == [("auto", PRESETS["big"]), ("auto", checkpoint.load(tiny_ckpt).cfg)]

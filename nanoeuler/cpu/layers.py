@@ -10,6 +10,7 @@ N = B*T rows, C model dim, H query heads, G kv heads, D head dim, F ffn hidden w
 The attention and rope layers work on the fused QKV activation `(B, T, H + 2G, D)`: q heads, then k heads,
 then v heads, which is what one matmul against the adjacent wq|wk|wv rows of the flat buffer produces.
 """
+import contextlib
 import math
 
 import numpy as np
@@ -72,12 +73,9 @@ def matmul_forward(out, x, w, accumulate=False):
         np.matmul(x, w.T, out=out)
 
 
-def matmul_backward(dx, dw, dout, x, w, accumulate_dx=False):
-    """dx (N, I) = dout @ w (or += when accumulate_dx); dw (O, I) += dout.T @ x."""
-    if accumulate_dx:
-        dx += dout @ w
-    else:
-        np.matmul(dout, w, out=dx)
+def matmul_backward(dx, dw, dout, x, w):
+    """dx (N, I) = dout @ w; dw (O, I) += dout.T @ x."""
+    np.matmul(dout, w, out=dx)
     dw += dout.T @ x
 
 
@@ -142,13 +140,6 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
 
 
 # ------------------------------------------------------------------------------------------------ rope
-def rope_tables(head_dim, max_pos, theta, dtype):
-    """cos, sin (max_pos, D/2): angle = pos * theta^(-2i/D), the rotate-half (Hugging Face Llama) pairing."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
-
-
 @njit(**pjit)
 def rope_forward(qkv, cos, sin, n_rot_heads, pos0):
     """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos0 + t.
@@ -503,9 +494,7 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
 
 # ---------------------------------------------------------------------------------------------- adamw
 @njit(**pjit)
-def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
-    """One AdamW step over the flat buffers, gradients first multiplied by grad_scale (the clip factor).
-    Decoupled weight decay, applied only where decay_mask is 1 (matrices, not norm gains)."""
+def _adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     for i in prange(params.shape[0]):
@@ -516,6 +505,55 @@ def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_
         params[i] -= lr * (update + weight_decay * decay_mask[i] * params[i])
 
 
+def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step,
+                 compute_copy=None):
+    """One AdamW step over the flat buffers, gradients first multiplied by grad_scale (the clip factor).
+    Decoupled weight decay, applied only where decay_mask is 1 (matrices, not norm gains). compute_copy is
+    the GPU's bf16 copy of the weights; the CPU engine computes on the master weights and has none."""
+    assert compute_copy is None
+    _adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step)
+
+
+SUM_CHUNK = 1 << 14  # elements per partial sum of sum_squares (fixed: the result must not depend on threads)
+
+
+@njit(**jit)
+def _sum_squares_f64(x):
+    s = 0.0  # float64, whatever x's dtype
+    for i in range(x.shape[0]):
+        v = np.float64(x[i])
+        s += v * v
+    return s
+
+
+@njit(**pjit)
+def _sum_squares_partials(partial, x):
+    """partial[c] = sum of x^2 over chunk c of SUM_CHUNK elements, in float64 (a loop over a slice: LLVM
+    vectorises it, which a loop over a computed index range did not, 8x slower)."""
+    for c in prange(partial.shape[0]):
+        partial[c] = _sum_squares_f64(x[c * SUM_CHUNK:(c + 1) * SUM_CHUNK])
+
+
 def sum_squares(x):
-    """sum(x^2) of a flat buffer, in float64 (for the global gradient norm)."""
-    return float(np.dot(x, x))
+    """sum(x^2) of a flat buffer, accumulated in float64 whatever x's dtype: the global gradient norm, which
+    clipping divides by (the GPU engine's kernel sums in double too). A float32 dot product rounds its running
+    sums to 24 bits (relative errors of order 1e-5 on big's 14.2M gradients). The partial sums over fixed
+    chunks make the result independent of the thread count; the pass is memory-bound, as fast as the float32
+    dot on big's gradients, and a fraction of a millisecond on small's."""
+    x = x.reshape(-1)
+    partial = np.empty(-(-x.shape[0] // SUM_CHUNK), np.float64)
+    _sum_squares_partials(partial, x)
+    return float(partial.sum())
+
+
+# ------------------------------------------------------------------------------------------ precision
+def activation_dtype(precision, dtype):
+    """Activations are in the engine's dtype: float32 for training, float64 for the gradient check."""
+    if precision != "fp32":
+        raise ValueError(f"the CPU engine computes in fp32 (or float64), not {precision}")
+    return dtype
+
+
+def precision(name):
+    """The GPU layers switch precision per block of calls; the CPU's is fixed by the arrays' dtype."""
+    return contextlib.nullcontext()

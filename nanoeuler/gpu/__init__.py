@@ -4,9 +4,12 @@ same layer functions as the CPU engine (layers.py; nanoeuler.model.Engine drives
 Nothing here imports cupy at import time, so the CPU path never loads it; `available()` probes inside a try.
 """
 
-# TF32 dense tensor-core peak (FLOP/s) of the GPUs we know, for MFU; by substring of the device name.
-_TF32_PEAK = {"H200": 494.7e12, "H100 PCIe": 378e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12,
-              "RTX 4090": 82.6e12, "RTX 4080": 48.7e12, "RTX 4070": 29.1e12, "RTX 3090": 35.6e12}
+# Dense tensor-core peaks (FLOP/s) of the GPUs we know, for MFU, by substring of the device name (most specific
+# first): TF32, and bf16 with float32 accumulation (what our matmuls use; GeForce cards run that at half
+# their fp16-accumulate rate). fp32 is reported against the TF32 peak, as PyTorch users would.
+_PEAK = {"H200": (494.7e12, 989.4e12), "H100 PCIe": (378e12, 756e12), "H100": (494.7e12, 989.4e12),
+         "A100": (156e12, 312e12), "L40S": (183e12, 362e12), "RTX 4090": (82.6e12, 165.2e12),
+         "RTX 4080": (48.7e12, 97.5e12), "RTX 4070": (29.1e12, 58.3e12), "RTX 3090": (35.6e12, 71e12)}
 
 
 def available():
@@ -26,10 +29,11 @@ def device_name():
     return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 
-def peak_tf32_flops():
-    """The current GPU's dense TF32 peak in FLOP/s, or None when we do not know the card."""
+def peak_flops(precision="bf16"):
+    """The current GPU's dense tensor-core peak in FLOP/s for `precision` (bf16, or TF32 for tf32 and fp32),
+    or None when we do not know the card."""
     name = device_name()
-    for key, peak in _TF32_PEAK.items():
+    for key, (tf32, bf16) in _PEAK.items():
         if key in name:
-            return peak
+            return bf16 if precision == "bf16" else tf32
     return None

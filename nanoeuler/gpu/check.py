@@ -1,13 +1,23 @@
-"""`nanoeuler check --gpu`: every GPU kernel against the CPU layer it replaces, then the whole model.
+"""`nanoeuler check --gpu`: every GPU kernel against the CPU layer it replaces, then the whole model, in each
+precision the GPU engine runs.
 
 Kernels: each GPU layer runs on fresh random inputs, at sizes that are not multiples of the kernels' tiles
 or warps, with its outputs poisoned with NaN beforehand (an element the kernel fails to write shows up as
-NaN); the reference is the CPU layer in float64. Error = ||gpu - cpu|| / ||cpu||. The GPU runs in float32
-accuracy (FP32 cuBLAS, 3xTF32 attention); the TF32 training mode of the matmul and attention is reported
-too, against its own, looser bound.
+NaN); the reference is the CPU layer in float64 on exactly the GPU's inputs (rounded to the precision's
+element type first). Error = ||gpu - cpu|| / ||cpu||. Bounds:
+- fp32 (FP32 cuBLAS, 3xTF32 attention): 1e-5, float32's rounding with room for long sums;
+- tf32 (the matmul and attention products on TF32 tensor cores, 10 mantissa bits): 5e-3;
+- bf16 (bf16 inputs and outputs, float32 accumulation): every output is rounded to bf16 once, a relative
+  error of at most u = 2^-9 per element (about u / sqrt(3) = 1.1e-3 by norm); attention also rounds its
+  probabilities P and dS to bf16 operands, a few more roundings of the same size. The bound, 8u = 2^-6 =
+  1.6e-2, leaves room for those and still catches any real fault (a wrong index or a missed term is an O(1)
+  error).
 
 Model: the GPU engine's gradients for every parameter tensor against the CPU engine's (float64) on the same
-float32-representable parameters and batch (some targets -1), plus the loss and the KV-cache decode logits.
+float32-representable parameters and batch (some targets -1), plus the loss and the KV-cache decode logits,
+in fp32 (bound 1e-5), tf32 and bf16 (each gradient passes through some 50 bf16 roundings on its way back
+through the two layers; as a random walk that is sqrt(50) u = 1.4e-2, and the bound is 2^-4 = 6.3e-2). And
+the backward pass must be deterministic: two runs give bit-identical gradients in every precision.
 
     nanoeuler check --gpu
 """
@@ -16,10 +26,13 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import Config, param_layout
+from nanoeuler.config import Config, param_layout, rope_tables
 
 FP32_TOL = 1e-5   # float32 kernels against the float64 reference
 TF32_TOL = 5e-3   # TF32 tensor-core mode (10-bit mantissa inputs)
+BF16_TOL = 2.0 ** -6   # 8 bf16 unit roundoffs (see the docstring)
+BF16_MODEL_TOL = 2.0 ** -4
+TOLERANCE = {"fp32": FP32_TOL, "tf32": TF32_TOL, "bf16": BF16_TOL}
 # head_dim 32, GQA 4/2, T = 100 (two attention tiles, the second partial), K = 2 heads
 MODEL_CONFIG = Config(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden=352, vocab_size=300, context=100,
                       mtp_heads=2)
@@ -33,21 +46,52 @@ def rel_err(gpu, ref):
     return float(np.linalg.norm(gpu - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
-class _Case:
-    """Random float64 host inputs; `dev` gives float32 device copies, `poisoned` NaN-filled outputs."""
+def bf16_bits(a):
+    """float32 values rounded to the nearest bfloat16 (ties to even), as the uint16 storage bits."""
+    b = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint16)
 
-    def __init__(self, rng):
+
+def bf16_value(bits):
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+class _Case:
+    """Random float64 host inputs for one precision: `act` rounds them to its element type (what the GPU will
+    see, so the CPU reference sees it too), `dev` makes device copies of activations, `dev32` of float32-only
+    arrays (statistics, gradients, tables), `poisoned`/`poisoned32` NaN-filled outputs, `get` reads back."""
+
+    def __init__(self, rng, precision):
         import cupy
-        self.cp, self.rng = cupy, rng
+        self.cp, self.rng, self.precision = cupy, rng, precision
+        self.bf16 = precision == "bf16"
+        self.tol, self.tag = TOLERANCE[precision], f" ({precision})" if precision != "fp32" else ""
 
     def normal(self, *shape, scale=1.0):
         return self.rng.normal(0.0, scale, shape)
 
+    def act(self, a):
+        a = np.asarray(a, dtype=np.float32)
+        return (bf16_value(bf16_bits(a)) if self.bf16 else a).astype(np.float64)
+
     def dev(self, a):
+        a = np.asarray(a, dtype=np.float32)
+        return self.cp.asarray(bf16_bits(a) if self.bf16 else a)
+
+    def dev32(self, a):
         return self.cp.asarray(np.asarray(a, dtype=np.float32))
 
     def poisoned(self, *shape):
+        if self.bf16:
+            return self.cp.full(shape, 0x7FC0, dtype=np.uint16)
+        return self.poisoned32(*shape)
+
+    def poisoned32(self, *shape):
         return self.cp.full(shape, np.nan, dtype=np.float32)
+
+    def get(self, g):
+        g = g.get()
+        return bf16_value(g) if g.dtype == np.uint16 else g
 
 
 def _f32(a):
@@ -55,40 +99,41 @@ def _f32(a):
     return np.asarray(a, dtype=np.float32).astype(np.float64)
 
 
-# Each check returns [(label, error, tolerance)]; L = GPU layers, R = CPU layers.
-def _both_precisions(case):
-    """Run case(tag, tol) at float32 accuracy and in the TF32 training mode."""
-    def check(c, L, R):
-        out = []
-        for enabled, tag, tol in ((False, "", FP32_TOL), (True, " (tf32)", TF32_TOL)):
-            with L.tf32(enabled):
-                out += case(c, L, R, tag, tol)
-        return out
-    check.__name__ = case.__name__
-    return check
+# Each check returns [(label, error, tolerance)]; L = GPU layers, R = CPU layers, c the case of one precision.
+def _precisions(*names):
+    def mark(check):
+        check.precisions = names
+        return check
+    return mark
 
 
-@_both_precisions
-def check_matmul(c, L, R, tag, tol):
+@_precisions("fp32", "tf32", "bf16")
+def check_matmul(c, L, R):
     N, I, O = 77, 45, 51
-    x, w, dout = _f32(c.normal(N, I)), _f32(c.normal(O, I)), _f32(c.normal(N, O))
-    base_out, base_dw = _f32(c.normal(N, O)), _f32(c.normal(O, I))
+    x, w, dout = c.act(c.normal(N, I)), c.act(c.normal(O, I)), c.act(c.normal(N, O))
+    base_out, base_dw = c.act(c.normal(N, O)), _f32(c.normal(O, I))
     ref = base_out.copy()
     R.matmul_forward(ref, x, w, accumulate=True)
     g = c.dev(base_out)
     L.matmul_forward(g, c.dev(x), c.dev(w), accumulate=True)
+    ref32 = np.empty((N, O))
+    R.matmul_forward(ref32, x, w)
+    g32 = c.poisoned32(N, O)  # bf16 operands, float32 output (the decode logits)
+    L.matmul_forward(g32, c.dev(x), c.dev(w))
     rdx, rdw = np.empty((N, I)), base_dw.copy()
     R.matmul_backward(rdx, rdw, dout, x, w)
-    gdx, gdw = c.poisoned(N, I), c.dev(base_dw)
+    gdx, gdw = c.poisoned(N, I), c.dev32(base_dw)
     L.matmul_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w))
-    return [(f"matmul_forward{tag} {N}x{I} @ {O}x{I}.T, +=", rel_err(g.get(), ref), tol),
-            (f"matmul_backward{tag} dx", rel_err(gdx.get(), rdx), tol),
-            (f"matmul_backward{tag} dw (+=)", rel_err(gdw.get(), rdw), tol)]
+    return [(f"matmul_forward{c.tag} {N}x{I} @ {O}x{I}.T, +=", rel_err(c.get(g), ref), c.tol),
+            (f"matmul_forward{c.tag} float32 out", rel_err(c.get(g32), ref32), c.tol),
+            (f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
+            (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
 
 
+@_precisions("fp32", "bf16")
 def check_embedding(c, L, R):
     V, C, N = 53, 37, 129
-    emb, dout = _f32(c.normal(V, C)), _f32(c.normal(N, C))
+    emb, dout = c.act(c.normal(V, C)), c.act(c.normal(N, C))
     tokens = c.rng.integers(0, V, N).astype(np.int32)
     tokens[:9] = 7  # repeated tokens: the backward scatter-add must not lose updates
     ref = np.empty((N, C))
@@ -98,44 +143,47 @@ def check_embedding(c, L, R):
     base = _f32(c.normal(V, C))
     rdemb = base.copy()
     R.embedding_backward(rdemb, dout, tokens)
-    gdemb = c.dev(base)
+    gdemb = c.dev32(base)
     L.embedding_backward(gdemb, c.dev(dout), c.cp.asarray(tokens))
-    return [(f"embedding_forward V={V} C={C} N={N}", rel_err(g.get(), ref), FP32_TOL),
-            ("embedding_backward (+=, repeated tokens)", rel_err(gdemb.get(), rdemb), FP32_TOL)]
+    return [(f"embedding_forward{c.tag} V={V} C={C} N={N}", rel_err(c.get(g), ref), c.tol),
+            (f"embedding_backward{c.tag} (+=, repeated tokens)", rel_err(c.get(gdemb), rdemb), c.tol)]
 
 
+@_precisions("fp32", "bf16")
 def check_rmsnorm(c, L, R):
     N, C = 67, 203
-    x, w, dout = _f32(c.normal(N, C, scale=2.0)), _f32(1 + c.normal(C, scale=0.3)), _f32(c.normal(N, C))
+    x, w, dout = c.act(c.normal(N, C, scale=2.0)), c.act(1 + c.normal(C, scale=0.3)), c.act(c.normal(N, C))
     ref, rrstd = np.empty((N, C)), np.empty(N)
     R.rmsnorm_forward(ref, rrstd, x, w, 1e-5)
-    g, grstd = c.poisoned(N, C), c.poisoned(N)
+    g, grstd = c.poisoned(N, C), c.poisoned32(N)
     L.rmsnorm_forward(g, grstd, c.dev(x), c.dev(w), 1e-5)
-    base_dx, base_dw = _f32(c.normal(N, C)), _f32(c.normal(C))
+    base_dx, base_dw = c.act(c.normal(N, C)), _f32(c.normal(C))
     rdx, rdw = base_dx.copy(), base_dw.copy()
+    rrstd = _f32(rrstd)
     R.rmsnorm_backward(rdx, rdw, dout, x, w, rrstd)
-    gdx, gdw = c.dev(base_dx), c.dev(base_dw)
-    L.rmsnorm_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w), c.dev(rrstd))
-    return [(f"rmsnorm_forward N={N} C={C}", rel_err(g.get(), ref), FP32_TOL),
-            ("rmsnorm_forward rstd", rel_err(grstd.get(), rrstd), FP32_TOL),
-            ("rmsnorm_backward dx (+=)", rel_err(gdx.get(), rdx), FP32_TOL),
-            ("rmsnorm_backward dw (+=)", rel_err(gdw.get(), rdw), FP32_TOL)]
+    gdx, gdw = c.dev(base_dx), c.dev32(base_dw)
+    L.rmsnorm_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w), c.dev32(rrstd))
+    return [(f"rmsnorm_forward{c.tag} N={N} C={C}", rel_err(c.get(g), ref), c.tol),
+            (f"rmsnorm_forward{c.tag} rstd", rel_err(c.get(grstd), rrstd), c.tol),
+            (f"rmsnorm_backward{c.tag} dx (+=)", rel_err(c.get(gdx), rdx), c.tol),
+            (f"rmsnorm_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
 
 
+@_precisions("fp32", "bf16")
 def check_rope(c, L, R):
     B, T, H, G, D, pos0 = 3, 37, 6, 2, 64, 5
-    cos, sin = R.rope_tables(D, 64, 10000.0, np.float64)
+    cos, sin = rope_tables(D, 64, 10000.0, np.float64)
     cos, sin = _f32(cos), _f32(sin)
     out = []
     for name, rfn, gfn in (("rope_forward", R.rope_forward, L.rope_forward),
                            ("rope_backward", R.rope_backward, L.rope_backward)):
-        qkv = _f32(c.normal(B, T, H + 2 * G, D))
+        qkv = c.act(c.normal(B, T, H + 2 * G, D))
         ref = qkv.copy()
         rfn(ref, cos, sin, H + G, pos0)
         g = c.dev(qkv)
-        gfn(g, c.dev(cos), c.dev(sin), H + G, pos0)
-        out.append((f"{name} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} pos0={pos0}",
-                    rel_err(g.get(), ref), FP32_TOL))
+        gfn(g, c.dev32(cos), c.dev32(sin), H + G, pos0)
+        out.append((f"{name}{c.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} pos0={pos0}",
+                    rel_err(c.get(g), ref), c.tol))
     return out
 
 
@@ -144,42 +192,44 @@ def _attention_cases():
     return [(2, 77, 6, 2, 64), (1, 130, 4, 4, 32), (2, 63, 4, 2, 32)]
 
 
-@_both_precisions
-def check_attention(c, L, R, tag, tol):
+@_precisions("fp32", "tf32", "bf16")
+def check_attention(c, L, R):
     out = []
     for B, T, H, G, D in _attention_cases():
         NH = H + 2 * G
-        qkv = _f32(c.normal(B, T, NH, D))
+        qkv = c.act(c.normal(B, T, NH, D))
         ref_o, ref_lse = np.empty((B, T, H, D)), np.empty((B, H, T))
         R.attention_forward(ref_o, ref_lse, qkv, H, G, 0)
-        go, glse = c.poisoned(B, T, H, D), c.poisoned(B, H, T)
+        go, glse = c.poisoned(B, T, H, D), c.poisoned32(B, H, T)
         gqkv = c.dev(qkv)
         L.attention_forward(go, glse, gqkv, H, G, 0)
-        out.append((f"attention_forward{tag} B={B} T={T} H={H} G={G} D={D}", rel_err(go.get(), ref_o), tol))
-        out.append((f"attention_forward{tag} lse", rel_err(glse.get(), ref_lse), tol))
+        out.append((f"attention_forward{c.tag} B={B} T={T} H={H} G={G} D={D}", rel_err(c.get(go), ref_o), c.tol))
+        out.append((f"attention_forward{c.tag} lse", rel_err(c.get(glse), ref_lse), c.tol))
         # the backward pass reads the forward's output and lse: give both engines the GPU's
-        dout, o32, lse32 = _f32(c.normal(B, T, H, D)), _f32(go.get()), _f32(glse.get())
+        dout, o, lse32 = c.act(c.normal(B, T, H, D)), c.get(go).astype(np.float64), c.get(glse).astype(np.float64)
         ref_d = np.empty_like(qkv)
-        R.attention_backward(ref_d, dout, o32, lse32, qkv, H, G)
+        R.attention_backward(ref_d, dout, o, lse32, qkv, H, G)
         gd = c.poisoned(B, T, NH, D)
-        L.attention_backward(gd, c.dev(dout), c.dev(o32), c.dev(lse32), gqkv, H, G)
-        gd = gd.get()
+        L.attention_backward(gd, c.dev(dout), go, glse, gqkv, H, G)
+        gd = c.get(gd)
         for part, sl in (("dq", slice(0, H)), ("dk", slice(H, H + G)), ("dv", slice(H + G, NH))):
-            out.append((f"attention_backward{tag} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]), tol))
+            out.append((f"attention_backward{c.tag} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]), c.tol))
     # decoding: a few new queries at the end of a KV-cache view whose batches sit `ctx` rows apart
     B, ctx, Tk, H, G, D, q_start = 2, 100, 90, 6, 2, 64, 83
-    cache = _f32(c.normal(B, ctx, H + 2 * G, D))
+    cache = c.act(c.normal(B, ctx, H + 2 * G, D))
     ref_o, ref_lse = np.empty((B, Tk - q_start, H, D)), np.empty((B, H, Tk - q_start))
     R.attention_forward(ref_o, ref_lse, np.ascontiguousarray(cache[:, :Tk]), H, G, q_start)
-    go, glse = c.poisoned(B, Tk - q_start, H, D), c.poisoned(B, H, Tk - q_start)
+    go, glse = c.poisoned(B, Tk - q_start, H, D), c.poisoned32(B, H, Tk - q_start)
     L.attention_forward(go, glse, c.dev(cache)[:, :Tk], H, G, q_start)
-    out.append((f"attention_forward{tag} KV-cache view q_start={q_start} Tk={Tk}", rel_err(go.get(), ref_o), tol))
+    out.append((f"attention_forward{c.tag} KV-cache view q_start={q_start} Tk={Tk}", rel_err(c.get(go), ref_o),
+                c.tol))
     return out
 
 
+@_precisions("fp32", "bf16")
 def check_swiglu(c, L, R):
     N, F = 71, 93
-    gu, dout = _f32(c.normal(N, 2 * F, scale=2.0)), _f32(c.normal(N, F))
+    gu, dout = c.act(c.normal(N, 2 * F, scale=2.0)), c.act(c.normal(N, F))
     ref = np.empty((N, F))
     R.swiglu_forward(ref, gu)
     g = c.poisoned(N, F)
@@ -188,34 +238,37 @@ def check_swiglu(c, L, R):
     R.swiglu_backward(rd, dout, gu)
     gd = c.poisoned(N, 2 * F)
     L.swiglu_backward(gd, c.dev(dout), c.dev(gu))
-    return [(f"swiglu_forward N={N} F={F}", rel_err(g.get(), ref), FP32_TOL),
-            ("swiglu_backward", rel_err(gd.get(), rd), FP32_TOL)]
+    return [(f"swiglu_forward{c.tag} N={N} F={F}", rel_err(c.get(g), ref), c.tol),
+            (f"swiglu_backward{c.tag}", rel_err(c.get(gd), rd), c.tol)]
 
 
+@_precisions("fp32", "bf16")
 def check_crossentropy(c, L, R):
     N, K, V = 97, 3, 1031
-    logits = _f32(c.normal(N, K * V, scale=3.0))
+    logits = c.act(c.normal(N, K * V, scale=3.0))
     targets = c.rng.integers(0, V, (K, N)).astype(np.int32)
     targets[:, 5] = -1
     targets[2, 40:50] = -1
     dscale = _f32(c.rng.uniform(0.1, 1.0, K))
     ref_l = np.empty((K, N))
     R.crossentropy_forward(ref_l, logits, targets)
-    gl = c.poisoned(K, N)
+    gl = c.poisoned32(K, N)
     L.crossentropy_forward(gl, c.dev(logits), c.cp.asarray(targets))
     ref_l2, ref_d = np.empty((K, N)), logits.copy()
     R.crossentropy_forward_backward(ref_l2, ref_d, targets, dscale)
-    gl2, gd = c.poisoned(K, N), c.dev(logits)
-    L.crossentropy_forward_backward(gl2, gd, c.cp.asarray(targets), c.dev(dscale))
-    return [(f"crossentropy_forward N={N} K={K} V={V}, -1 targets", rel_err(gl.get(), ref_l), FP32_TOL),
-            ("crossentropy_forward_backward losses", rel_err(gl2.get(), ref_l2), FP32_TOL),
-            ("crossentropy_forward_backward dlogits (in place)", rel_err(gd.get(), ref_d), FP32_TOL)]
+    gl2, gd = c.poisoned32(K, N), c.dev(logits)
+    L.crossentropy_forward_backward(gl2, gd, c.cp.asarray(targets), c.dev32(dscale))
+    return [(f"crossentropy_forward{c.tag} N={N} K={K} V={V}, -1 targets", rel_err(c.get(gl), ref_l), c.tol),
+            (f"crossentropy_forward_backward{c.tag} losses", rel_err(c.get(gl2), ref_l2), c.tol),
+            (f"crossentropy_forward_backward{c.tag} dlogits (in place)", rel_err(c.get(gd), ref_d), c.tol)]
 
 
+@_precisions("fp32", "bf16")
 def check_adamw(c, L, R):
     # Reference: the CPU layer on float32 buffers, as the CPU engine trains (both do the arithmetic in
     # float64 and round the stored p, m, v to float32); a float64 reference would keep digits that float32
-    # parameters cannot hold, next to a step a thousand times smaller than the parameters.
+    # parameters cannot hold, next to a step a thousand times smaller than the parameters. The master
+    # weights are float32 in every precision; bf16 adds the compute copy written in the same pass.
     n = 100_003
     f32 = lambda a: np.asarray(a, dtype=np.float32)
     p, gr = f32(c.normal(n)), f32(c.normal(n))
@@ -224,27 +277,32 @@ def check_adamw(c, L, R):
     args = (3e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, 5)
     rp, rm, rv = p.copy(), m.copy(), v.copy()
     R.adamw_update(rp, gr, rm, rv, mask, *args)
-    gp, gm, gv = c.dev(p), c.dev(m), c.dev(v)
-    L.adamw_update(gp, c.dev(gr), gm, gv, c.dev(mask), *args)
+    gp, gm, gv = c.dev32(p), c.dev32(m), c.dev32(v)
+    copy = c.poisoned(n) if c.bf16 else None
+    L.adamw_update(gp, c.dev32(gr), gm, gv, c.dev32(mask), *args, compute_copy=copy)
     step = lambda new: new.astype(np.float64) - p  # compare the step itself, not the parameters
     gr64 = gr.astype(np.float64)
-    return [(f"adamw_update n={n} (parameter step)", rel_err(step(gp.get()), step(rp)), FP32_TOL),
-            ("adamw_update moments m, v", max(rel_err(gm.get(), rm), rel_err(gv.get(), rv)), FP32_TOL),
-            ("sum_squares", abs(L.sum_squares(c.dev(gr)) - R.sum_squares(gr64)) / R.sum_squares(gr64), FP32_TOL)]
+    if c.bf16:  # the copy must be the updated master weights rounded to nearest: exactly, so error 0
+        return [(f"adamw_update{c.tag} compute copy = bf16(master)",
+                 rel_err(c.get(copy), c.act(gp.get())), c.tol)]
+    return [(f"adamw_update n={n} (parameter step)", rel_err(step(gp.get()), step(rp)), c.tol),
+            ("adamw_update moments m, v", max(rel_err(gm.get(), rm), rel_err(gv.get(), rv)), c.tol),
+            ("sum_squares", abs(L.sum_squares(c.dev32(gr)) - R.sum_squares(gr64)) / R.sum_squares(gr64), c.tol)]
 
 
 KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check_attention, check_swiglu,
                  check_crossentropy, check_adamw]
 
 
-def _engines(seed, cfg):
-    """A CPU engine (float64) and a GPU engine on the same float32-representable random parameters, and a
-    batch with some -1 targets."""
-    from nanoeuler.check import random_problem
+def _engines(seed, cfg, precision):
+    """A CPU engine (float64) and a GPU engine in `precision` on the same float32-representable random
+    parameters, and a batch with some -1 targets."""
     from nanoeuler.model import make_engine
+    from nanoeuler.problems import random_problem
 
     flat, inputs, targets = random_problem(cfg, np.random.default_rng(seed), batch=3, scale=0.05)
-    cpu, gpu = make_engine(cfg, device="cpu", dtype=np.float64), make_engine(cfg, device="gpu")
+    cpu = make_engine(cfg, device="cpu", dtype=np.float64)
+    gpu = make_engine(cfg, device="gpu", precision=precision)
     cpu.load_params(_f32(flat))
     gpu.load_params(_f32(flat))
     return cpu, gpu, inputs, targets
@@ -257,21 +315,19 @@ def _grad_errors(cpu, gpu, cfg):
             for name, (off, shape) in layout.items()}
 
 
-def model_check(seed, report=print, cfg=MODEL_CONFIG):
-    """GPU engine (float32 accuracy) vs CPU engine (float64): {tensor: error}, plus the loss and the KV-cache
-    decode logits."""
-    from nanoeuler.gpu import layers as L
-
-    cpu, gpu, inputs, targets = _engines(seed, cfg)
+def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
+    """GPU engine in `precision` vs CPU engine (float64): {tensor: error}, plus the loss, the KV-cache decode
+    logits and whether a second backward pass gives bit-identical gradients (error 0 or inf)."""
+    cpu, gpu, inputs, targets = _engines(seed, cfg, precision)
     cpu_loss = cpu.forward_backward(inputs, targets)[0]
+    gpu_loss = gpu.forward_backward(inputs, targets)[0]
+    first = gpu.grads.copy()
     logits = []
-    with L.tf32(False):
-        gpu_loss = gpu.forward_backward(inputs, targets)[0]
-        for eng in (cpu, gpu):  # a prompt, then single tokens
-            cache = eng.new_cache(batch=2)
-            steps = [eng.decode(cache, inputs[:2, :37])]
-            steps += [eng.decode(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
-            logits.append(np.stack(steps))
+    for eng in (cpu, gpu):  # a prompt, then single tokens
+        cache = eng.new_cache(batch=2)
+        steps = [eng.decode(cache, inputs[:2, :37])]
+        steps += [eng.decode(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
+        logits.append(np.stack(steps))
     errors = {"loss": abs(gpu_loss - cpu_loss) / abs(cpu_loss)}
     report(f"{'loss':<24} : rel err {errors['loss']:.2e}  (cpu {cpu_loss:.8f}, gpu {gpu_loss:.8f})")
     for name, err in _grad_errors(cpu, gpu, cfg).items():
@@ -279,18 +335,11 @@ def model_check(seed, report=print, cfg=MODEL_CONFIG):
         report(f"{name:<24} : rel err {err:.2e}")
     errors["decode logits"] = rel_err(logits[1], logits[0])
     report(f"{'decode logits (KV cache)':<24} : rel err {errors['decode logits']:.2e}")
+    gpu.forward_backward(inputs, targets)
+    same = bool((gpu.grads == first).all())
+    errors["determinism"] = 0.0 if same else math.inf
+    report(f"{'second backward pass':<24} : {'bit-identical gradients' if same else 'DIFFERENT gradients'}")
     return errors
-
-
-def tf32_model_error(seed, cfg=MODEL_CONFIG):
-    """Largest per-tensor gradient error of the GPU engine in its TF32 training mode (vs float64 CPU)."""
-    from nanoeuler.gpu import layers as L
-
-    cpu, gpu, inputs, targets = _engines(seed, cfg)
-    cpu.forward_backward(inputs, targets)
-    with L.tf32(True):
-        gpu.forward_backward(inputs, targets)
-    return max(_grad_errors(cpu, gpu, cfg).values())
 
 
 def run_gpu_check(seed=0):
@@ -301,27 +350,32 @@ def run_gpu_check(seed=0):
     print(f"GPU check on {device_name()}: kernels vs the CPU layers (float64), outputs poisoned with NaN, "
           f"error = ||gpu - cpu|| / ||cpu||")
     rng = np.random.default_rng(seed)
-    c = _Case(rng)
-    worst_fp32, worst_tf32, ok = 0.0, 0.0, True
-    for check in KERNEL_CHECKS:
-        for label, err, tol in check(c, L, R):
-            print(f"{label:<60} : rel err {err:.2e}")
-            ok &= err < tol
-            if tol == FP32_TOL:
-                worst_fp32 = max(worst_fp32, err)
-            else:
-                worst_tf32 = max(worst_tf32, err)
+    worst, ok = {}, True
+    for precision in ("fp32", "tf32", "bf16"):
+        c = _Case(rng, precision)
+        with L.precision(precision):
+            for check in KERNEL_CHECKS:
+                if precision not in check.precisions:
+                    continue
+                for label, err, tol in check(c, L, R):
+                    print(f"{label:<64} : rel err {err:.2e}")
+                    ok &= err < tol
+                    worst[precision] = max(worst.get(precision, 0.0), err)
     cfg = MODEL_CONFIG
-    print(f"model: GPU engine (FP32 cuBLAS, 3xTF32 attention) vs CPU engine (float64): dim {cfg.dim}, "
-          f"{cfg.n_layers} layers, {cfg.n_heads}/{cfg.n_kv_heads} q/kv heads (head_dim {cfg.head_dim}), "
-          f"K = {cfg.mtp_heads}, B = 3, T = {cfg.context}, some targets -1")
-    errors = model_check(seed)
-    worst_model = max(errors.values())
-    tf32_model = tf32_model_error(seed)
-    print(f"{'gradients in TF32 training mode':<24} : max rel err {tf32_model:.2e} (bound {TF32_TOL:.0e})")
-    worst = max(worst_fp32, worst_model)
-    print(f"max relative error: {worst:.2e}")
-    ok &= worst_model < FP32_TOL and tf32_model < TF32_TOL
-    print(f"{'PASS' if ok else 'FAIL'} (float32 bound {FP32_TOL:.0e}, TF32 bound {TF32_TOL:.0e}; worst TF32 kernel "
-          f"{worst_tf32:.2e}; {time.time() - start:.1f} s)")
+    bounds = {"fp32": FP32_TOL, "tf32": TF32_TOL, "bf16": BF16_MODEL_TOL}
+    model_worst = {}
+    for precision, what in (("fp32", "FP32 cuBLAS, 3xTF32 attention"), ("tf32", "TF32 tensor cores"),
+                            ("bf16", "bf16 activations and weights, float32 master weights and gradients")):
+        print(f"model in {precision} ({what}) vs CPU engine (float64): dim {cfg.dim}, {cfg.n_layers} layers, "
+              f"{cfg.n_heads}/{cfg.n_kv_heads} q/kv heads (head_dim {cfg.head_dim}), K = {cfg.mtp_heads}, B = 3, "
+              f"T = {cfg.context}, some targets -1")
+        report = print if precision != "tf32" else (lambda line: None)
+        errors = model_check(seed, precision, report=report)
+        model_worst[precision] = max(errors.values())
+        if precision == "tf32":
+            print(f"{'all tensors':<24} : max rel err {model_worst[precision]:.2e}")
+        ok &= model_worst[precision] < bounds[precision]
+    print("worst: " + ", ".join(f"{p} kernels {worst[p]:.2e} (bound {TOLERANCE[p]:.1e}), model {model_worst[p]:.2e} "
+                                f"(bound {bounds[p]:.1e})" for p in ("fp32", "tf32", "bf16")))
+    print(f"{'PASS' if ok else 'FAIL'} ({time.time() - start:.1f} s)")
     return 0 if ok else 1

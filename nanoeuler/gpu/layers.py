@@ -2,13 +2,19 @@
 
 Each is a thin launcher: the work happens in a raw CUDA kernel from kernels/*.cu (compiled on first use by
 NVRTC through CuPy and cached by CuPy on disk) or, for every matrix product, in cuBLAS. Shapes and the
-activation layout are those of the CPU layers (see that module's docstring); arrays are float32 and
-C-contiguous except the KV-cache view that attention_forward reads.
+activation layout are those of the CPU layers (see that module's docstring); arrays are C-contiguous except
+the KV-cache view that attention_forward reads.
 
-Precision: training runs the matmuls on the TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32) and attention
-with one TF32 product per tile; inside `with tf32(False):` both run at float32 accuracy (plain FP32 cuBLAS and
-3xTF32 attention), which is what `nanoeuler check --gpu` compares against the
-CPU engine.
+Precision (`precision(name)` selects it for a block of calls; the Engine does this):
+- "fp32": float32 everywhere, plain FP32 cuBLAS and 3xTF32 attention: what `nanoeuler check --gpu` compares
+  against the CPU engine;
+- "tf32": float32 arrays, matmuls on the TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32), one TF32
+  product per attention tile;
+- "bf16": activations and the compute copy of the weights are bfloat16, stored as uint16 arrays (CuPy has
+  no bfloat16 dtype; a bf16 is the top half of a float32). Matmuls take bf16 operands and accumulate in
+  float32 (cuBLAS compute type 32F); parameter gradients, norm statistics, softmax statistics and losses
+  stay float32. Each kernel file is compiled once per element type (-DACT_BF16=1), chosen by the dtype of
+  the arrays it is given.
 """
 import contextlib
 import functools
@@ -19,29 +25,49 @@ import cupy
 import numpy as np
 from cupy.cuda import cublas
 
-from nanoeuler.cpu.layers import rope_tables  # noqa: F401  (host-side tables, the same for both engines)
-
 KERNELS = pathlib.Path(__file__).parent / "kernels"
+BF16 = np.dtype(np.uint16)  # storage type of bfloat16 activations
+F32 = np.dtype(np.float32)
 
 # cuBLAS enum values (cublas_api.h, library_types.h)
 _OP_N, _OP_T = 0, 1
-_R_32F = 0
+_CUDA_TYPE = {F32: 0, BF16: 14}  # CUDA_R_32F, CUDA_R_16BF
 _COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
 _GEMM_DEFAULT = -1
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host scalars for alpha / beta
 
-_precision = {"tf32": True}
+PRECISIONS = ("bf16", "tf32", "fp32")
+_precision = {"name": "tf32"}
 
 
 @contextlib.contextmanager
-def tf32(enabled):
-    """Within the block: TF32 tensor cores for matmuls and attention (enabled, the training default) or
-    float32 accuracy (not enabled, the checks)."""
-    before, _precision["tf32"] = _precision["tf32"], bool(enabled)
+def precision(name):
+    """Within the block, float32 arrays compute in `name` ("tf32" or "fp32"; "bf16" arrays are bf16 anyway)."""
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}")
+    before, _precision["name"] = _precision["name"], name
     try:
         yield
     finally:
-        _precision["tf32"] = before
+        _precision["name"] = before
+
+
+def activation_dtype(name, dtype=np.float32):
+    """The element type of activations and of the weights' compute copy in precision `name`."""
+    if np.dtype(dtype) != F32:
+        raise ValueError("the GPU engine computes in float32 or bfloat16, not float64")
+    return BF16 if name == "bf16" else F32
+
+
+def check_config(cfg):
+    """Refuse, in one line, a model the kernels cannot run."""
+    if cfg.head_dim not in (32, 64):
+        raise ValueError(f"the GPU attention kernels support head_dim 32 or 64, not {cfg.head_dim} "
+                         f"(dim {cfg.dim} / {cfg.n_heads} heads); use --device cpu")
+
+
+def _fast():
+    return _precision["name"] != "fp32"
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,6 +87,11 @@ def _kernel(module, name, defines=(), dynamic_smem=0):
     return k
 
 
+def _act_defines(a):
+    """The compile-time defines for kernels whose activations have a's dtype."""
+    return ("ACT_BF16=1",) if a.dtype == BF16 else ()
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count():
     return cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -78,77 +109,96 @@ def _blocks(n, threads):
     return (int(n) + threads - 1) // threads
 
 
-def _check(*arrays):
+def _check(*arrays, act=None):
+    """Contiguous arrays of one activation dtype (act's), or float32 where act is None."""
+    dtype = F32 if act is None else act.dtype
     for a in arrays:
-        assert a.dtype == np.float32 and a.flags.c_contiguous, (a.dtype, a.shape, a.strides)
+        assert a.dtype == dtype and a.flags.c_contiguous, (a.dtype, dtype, a.shape, a.strides)
 
 
 # ---------------------------------------------------------------------------------------------- matmul
 def _gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate):
-    """Column-major C (m, n) = op(A) op(B) (+ C), on cuBLAS on the current stream."""
+    """Column-major C (m, n) = op(A) op(B) (+ C), on cuBLAS on the current stream. A and B share a dtype
+    (float32 or bf16); C may be either, and the products accumulate in float32."""
     handle = cupy.cuda.device.get_cublas_handle()
-    compute = _COMPUTE_32F_FAST_TF32 if _precision["tf32"] else _COMPUTE_32F
+    ab, c = _CUDA_TYPE[A.dtype], _CUDA_TYPE[C.dtype]
+    compute = _COMPUTE_32F_FAST_TF32 if A.dtype == F32 and _fast() else _COMPUTE_32F
     beta = _ONE if accumulate else _ZERO
-    cublas.gemmEx(handle, transa, transb, m, n, k, _ONE.ctypes.data, A.data.ptr, _R_32F, lda, B.data.ptr, _R_32F,
-                  ldb, beta.ctypes.data, C.data.ptr, _R_32F, ldc, compute, _GEMM_DEFAULT)
+    cublas.gemmEx(handle, transa, transb, m, n, k, _ONE.ctypes.data, A.data.ptr, ab, lda, B.data.ptr, ab,
+                  ldb, beta.ctypes.data, C.data.ptr, c, ldc, compute, _GEMM_DEFAULT)
 
 
 def matmul_forward(out, x, w, accumulate=False):
     """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
-    cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N)."""
-    _check(out, x, w)
+    cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w."""
+    _check(x, w, act=x)
+    assert out.flags.c_contiguous
     (N, I), O = x.shape, w.shape[0]
     _gemm(_OP_T, _OP_N, O, N, I, w, I, x, I, out, O, accumulate)
 
 
-def matmul_backward(dx, dw, dout, x, w, accumulate_dx=False):
-    """dx (N, I) = dout (N, O) @ w (or +=); dw (O, I) += dout.T @ x."""
-    _check(dx, dw, dout, x, w)
+def matmul_backward(dx, dw, dout, x, w):
+    """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations)."""
+    _check(dx, dout, x, w, act=x)
+    _check(dw)
     (N, I), O = x.shape, w.shape[0]
-    _gemm(_OP_N, _OP_N, I, N, O, w, I, dout, O, dx, I, accumulate_dx)
+    _gemm(_OP_N, _OP_N, I, N, O, w, I, dout, O, dx, I, False)
     _gemm(_OP_N, _OP_T, I, O, N, x, I, dout, O, dw, I, True)
 
 
 # ------------------------------------------------------------------------------------------- embedding
 def embedding_forward(out, tokens, emb):
     """out (N, C) = emb (V, C)[tokens (N,)]"""
-    _check(out, emb)
+    _check(out, emb, act=emb)
     N, C = out.shape
     tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
-    _kernel("embedding", "embedding_forward")((_blocks(N * C, 256),), (256,), (out, tokens, emb, _i32(N), _i32(C)))
+    _kernel("embedding", "embedding_forward", _act_defines(emb))((_blocks(N * C, 256),), (256,),
+                                                                 (out, tokens, emb, _i32(N), _i32(C)))
 
 
 def embedding_backward(demb, dout, tokens):
-    """demb (V, C) += dout (N, C) scattered by token"""
-    _check(demb, dout)
+    """demb (V, C) += dout (N, C) scattered by token; each token's rows summed in position order (the sort
+    is a deterministic radix sort), so the result is the same on every run."""
+    _check(demb)
+    _check(dout, act=dout)
     N, C = dout.shape
     tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
-    _kernel("embedding", "embedding_backward")((_blocks(N * C, 256),), (256,), (demb, dout, tokens, _i32(N), _i32(C)))
+    order = cupy.argsort(tokens).astype(np.int32)
+    _kernel("embedding", "embedding_backward", _act_defines(dout))(
+        (N,), (min(256, 32 * _blocks(C, 32)),), (demb, dout, order, tokens[order], _i32(N), _i32(C)))
 
 
 # --------------------------------------------------------------------------------------------- rmsnorm
 def rmsnorm_forward(out, rstd, x, w, eps):
     """out (N, C) = x / sqrt(mean(x^2) + eps) * w; rstd (N,)"""
-    _check(out, rstd, x, w)
+    _check(out, x, w, act=x)
+    _check(rstd)
     N, C = x.shape
-    _kernel("rmsnorm", "rmsnorm_forward")((_blocks(N, 8),), (256,), (out, rstd, x, w, _i32(N), _i32(C), _f32(eps)))
+    _kernel("rmsnorm", "rmsnorm_forward", _act_defines(x))(
+        (_blocks(N, 8),), (256,), (out, rstd, x, w, _i32(N), _i32(C), _f32(eps)))
 
 
 def rmsnorm_backward(dx, dw, dout, x, w, rstd):
-    """dx (N, C) += input gradient (the residual stream's); dw (C,) += weight gradient."""
-    _check(dx, dw, dout, x, w, rstd)
+    """dx (N, C) += input gradient (the residual stream's); dw (C,) += weight gradient (float32), summed
+    over per-block partials in a fixed order: no atomics, the same bits on every run."""
+    _check(dx, dout, x, w, act=x)
+    _check(dw, rstd)
     N, C = x.shape
-    grid = min(_blocks(N, 8), 4 * _sm_count())
-    _kernel("rmsnorm", "rmsnorm_backward")((grid,), (256,), (dx, dw, dout, x, w, rstd, _i32(N), _i32(C)),
-                                           shared_mem=4 * C)
+    grid, smem = min(_blocks(N, 8), 2 * _sm_count()), 4 * 8 * C
+    partial = cupy.empty((grid, C), dtype=np.float32)
+    defines = _act_defines(x)
+    _kernel("rmsnorm", "rmsnorm_backward", defines, smem)(
+        (grid,), (256,), (dx, partial, dout, x, w, rstd, _i32(N), _i32(C)), shared_mem=smem)
+    _kernel("rmsnorm", "rmsnorm_dw_reduce", defines)((_blocks(C, 256),), (256,), (dw, partial, _i32(grid), _i32(C)))
 
 
 # ------------------------------------------------------------------------------------------------ rope
 def _rope(qkv, cos, sin, n_rot_heads, pos0, sign):
-    _check(qkv, cos, sin)
+    _check(qkv, act=qkv)
+    _check(cos, sin)
     B, T, NH, D = qkv.shape
     n = B * T * n_rot_heads * (D // 2)
-    _kernel("rope", "rope_rotate")((_blocks(n, 256),), (256,), (qkv, cos, sin, _i32(B), _i32(T), _i32(NH),
+    _kernel("rope", "rope_rotate", _act_defines(qkv))((_blocks(n, 256),), (256,), (qkv, cos, sin, _i32(B), _i32(T), _i32(NH),
                                                                _i32(n_rot_heads), _i32(D), _i32(pos0), _f32(sign)))
 
 
@@ -166,53 +216,63 @@ def rope_backward(dqkv, cos, sin, n_rot_heads, pos0):
 _TILE = 64
 
 
-def _attention_defines():
-    return () if _precision["tf32"] else ("ATT_PRECISE=1",)
+def _attention_defines(a):
+    """bf16 or float32 operands; float32 operands in precision fp32 take the 3xTF32 (float32-accurate) path."""
+    return _act_defines(a) + (() if _fast() else ("ATT_PRECISE=1",))
 
 
 def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
     """Causal GQA FlashAttention. qkv (B, Tk, H+2G, D) may be a view of the KV cache (rows contiguous, batches
     any distance apart); queries are its rows q_start..Tk-1. out (B, Tq, H, D), lse (B, H, Tq)."""
-    _check(out, lse)
+    _check(out, act=qkv)
+    _check(lse)
     B, Tk, NH, D = qkv.shape
     Tq = Tk - q_start
-    assert out.shape == (B, Tq, n_heads, D) and lse.shape == (B, n_heads, Tq) and D in (32, 64), (out.shape, D)
-    assert qkv.dtype == np.float32 and qkv.strides[1:] == (NH * D * 4, D * 4, 4), qkv.strides
-    k = _kernel("attention", f"attention_forward_d{D}", _attention_defines())
+    assert out.shape == (B, Tq, n_heads, D) and lse.shape == (B, n_heads, Tq), (out.shape, lse.shape)
+    item = qkv.dtype.itemsize
+    assert qkv.strides[1:] == (NH * D * item, D * item, item), qkv.strides
+    k = _kernel("attention", f"attention_forward_d{D}", _attention_defines(qkv))
     k((n_heads, B, _blocks(Tq, _TILE)), (128,),
-      (out, lse, qkv, _i32(Tq), _i32(Tk), _i32(n_heads), _i32(n_kv_heads), np.int64(qkv.strides[0] // 4),
+      (out, lse, qkv, _i32(Tq), _i32(Tk), _i32(n_heads), _i32(n_kv_heads), np.int64(qkv.strides[0] // item),
        _f32(1.0 / math.sqrt(D))))
 
 
+def _attention_backward_smem(D, item):
+    return 4 * (4 * _TILE * (D + 4) + _TILE * (_TILE + 4) + 2 * _TILE)
+
+
 def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
-    """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0)."""
-    _check(dqkv, dout, out, lse, qkv)
+    """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0).
+    dK and dV come from one kernel (a block per kv head and key tile, looping over its query heads), dQ from
+    another (a block per query head and query tile): every element is written once, with no atomics."""
+    _check(dqkv, dout, out, qkv, act=qkv)
+    _check(lse)
     B, T, NH, D = qkv.shape
-    assert D in (32, 64)
+    defines, scale = _attention_defines(qkv), _f32(1.0 / math.sqrt(D))
     delta = cupy.empty((B, n_heads, T), dtype=np.float32)
-    _kernel("attention", "attention_backward_delta", _attention_defines())(
+    _kernel("attention", "attention_backward_delta", defines)(
         (_blocks(B * T * n_heads, 8),), (256,), (delta, dout, out, _i32(B), _i32(T), _i32(n_heads), _i32(D)))
-    dqkv.fill(0)  # every block adds its share
-    smem = 4 * (4 * _TILE * (D + 4) + _TILE * (_TILE + 4) + 2 * _TILE)
-    k = _kernel("attention", f"attention_backward_d{D}", _attention_defines(), smem)
-    k((n_heads, B, _blocks(T, _TILE)), (128,),
-      (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))),
-      shared_mem=smem)
+    args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale)
+    smem = _attention_backward_smem(D, qkv.dtype.itemsize)
+    _kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem)(
+        (n_kv_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem)
+    _kernel("attention", f"attention_backward_dq_d{D}", defines, smem)(
+        (n_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem)
 
 
 # ---------------------------------------------------------------------------------------------- swiglu
 def swiglu_forward(out, gate_up):
     """out (N, F) = silu(gate) * up from gate_up (N, 2F)"""
-    _check(out, gate_up)
+    _check(out, gate_up, act=gate_up)
     N, F = out.shape
-    _kernel("swiglu", "swiglu_forward")((_blocks(N * F, 256),), (256,), (out, gate_up, _i32(N), _i32(F)))
+    _kernel("swiglu", "swiglu_forward", _act_defines(gate_up))((_blocks(N * F, 256),), (256,), (out, gate_up, _i32(N), _i32(F)))
 
 
 def swiglu_backward(dgate_up, dout, gate_up):
     """dgate_up (N, 2F) overwritten"""
-    _check(dgate_up, dout, gate_up)
+    _check(dgate_up, dout, gate_up, act=gate_up)
     N, F = dout.shape
-    _kernel("swiglu", "swiglu_backward")((_blocks(N * F, 256),), (256,), (dgate_up, dout, gate_up, _i32(N), _i32(F)))
+    _kernel("swiglu", "swiglu_backward", _act_defines(gate_up))((_blocks(N * F, 256),), (256,), (dgate_up, dout, gate_up, _i32(N), _i32(F)))
 
 
 # --------------------------------------------------------------------------------------- cross-entropy
@@ -222,34 +282,48 @@ def _ce_threads(V):
 
 def crossentropy_forward(losses, logits, targets):
     """losses (K, N) from logits (N, K*V) and targets (K, N), -1 ignored."""
-    _check(losses, logits)
+    _check(losses)
+    _check(logits, act=logits)
     K, N = targets.shape
     V = logits.shape[1] // K
     targets = cupy.ascontiguousarray(targets, dtype=np.int32)
-    _kernel("crossentropy", "crossentropy_forward")((N, K), (_ce_threads(V),),
+    _kernel("crossentropy", "crossentropy_forward", _act_defines(logits))((N, K), (_ce_threads(V),),
                                                     (losses, logits, targets, _i32(N), _i32(K), _i32(V)))
 
 
 def crossentropy_forward_backward(losses, logits, targets, dscale):
     """As crossentropy_forward, then logits := d loss / d logits = (softmax - onehot) * dscale[k]."""
-    _check(losses, logits, dscale)
+    _check(losses, dscale)
+    _check(logits, act=logits)
     K, N = targets.shape
     V = logits.shape[1] // K
     targets = cupy.ascontiguousarray(targets, dtype=np.int32)
-    _kernel("crossentropy", "crossentropy_forward_backward")(
+    _kernel("crossentropy", "crossentropy_forward_backward", _act_defines(logits))(
         (N, K), (_ce_threads(V),), (losses, logits, targets, dscale, _i32(N), _i32(K), _i32(V)))
 
 
 # ---------------------------------------------------------------------------------------------- adamw
-def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
-    """One AdamW step over the flat buffers in one launch (see the CPU layer for the formula)."""
+def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step,
+                 compute_copy=None):
+    """One AdamW step over the flat buffers in one launch (see the CPU layer for the formula); when given,
+    compute_copy (the bf16 weights the layers read) is rewritten from the updated weights in the same pass."""
     _check(params, grads, m, v, decay_mask)
     n = params.size
     grid = min(_blocks(n, 256), 32 * _sm_count())
-    _kernel("adamw", "adamw_update")(
+    defines = () if compute_copy is None else _act_defines(compute_copy)
+    copy = np.uint64(0) if compute_copy is None else compute_copy
+    _kernel("adamw", "adamw_update", defines)(
         (grid,), (256,), (params, grads, m, v, decay_mask, np.int64(n), np.float64(lr), np.float64(beta1),
                           np.float64(beta2), np.float64(eps), np.float64(weight_decay), np.float64(grad_scale),
-                          np.float64(1.0 - beta1 ** step), np.float64(1.0 - beta2 ** step)))
+                          np.float64(1.0 - beta1 ** step), np.float64(1.0 - beta2 ** step), copy))
+
+
+def cast_params(dst, src):
+    """dst (n,) = src (n,) rounded to dst's dtype: the compute copy of the master weights."""
+    _check(src)
+    assert dst.size == src.size and dst.flags.c_contiguous
+    _kernel("adamw", "cast_params", _act_defines(dst))((min(_blocks(src.size, 256), 32 * _sm_count()),), (256,),
+                                                       (dst, src, np.int64(src.size)))
 
 
 def sum_squares(x):

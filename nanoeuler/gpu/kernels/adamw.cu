@@ -4,12 +4,14 @@
 #include "common.cuh"
 
 // g = grads * grad_scale (the clip factor); m, v moments; bias corrections bc1 = 1 - beta1^t, bc2 likewise;
-// decoupled weight decay where decay_mask is 1.
+// decoupled weight decay where decay_mask is 1. compute_copy (nullable): the weights the layers read, when
+// they are not the master weights themselves (bf16 training), rewritten in the same pass.
 extern "C" __global__ void adamw_update(float* __restrict__ params, const float* __restrict__ grads,
                                         float* __restrict__ m, float* __restrict__ v,
                                         const float* __restrict__ decay_mask, long long n, double lr,
                                         double beta1, double beta2, double eps, double weight_decay,
-                                        double grad_scale, double bc1, double bc2) {
+                                        double grad_scale, double bc1, double bc2,
+                                        act_t* __restrict__ compute_copy) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const double g = grads[i] * grad_scale;
@@ -19,7 +21,9 @@ extern "C" __global__ void adamw_update(float* __restrict__ params, const float*
         v[i] = vi;
         const double update = (mi / bc1) / (sqrt(vi / bc2) + eps);
         const float p = params[i];
-        params[i] = (float)(p - lr * (update + weight_decay * decay_mask[i] * p));
+        const float updated = (float)(p - lr * (update + weight_decay * decay_mask[i] * p));
+        params[i] = updated;
+        if (compute_copy) compute_copy[i] = from_float<act_t>(updated);
     }
 }
 
@@ -34,4 +38,11 @@ extern "C" __global__ void sum_squares(double* __restrict__ partial, const float
     }
     acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// dst (n,) = src (n,) in the element type of the module: the master weights' compute copy after a load.
+extern "C" __global__ void cast_params(act_t* __restrict__ dst, const float* __restrict__ src, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        dst[i] = from_float<act_t>(src[i]);
 }

@@ -1,22 +1,36 @@
 // FlashAttention, forward and backward: causal, grouped-query, head_dim 32 or 64, any sequence length.
 //
 // Tiled with online softmax; the only thing stored besides the output is the per-row logsumexp, never a
-// T x T matrix. The matrix products run on the tensor cores through mma.sync m16n8k8 in TF32. Training uses
-// one TF32 product per tile (the precision of the cuBLAS TF32 matmuls beside it); the checks use the
-// "3xTF32" split (each operand = TF32 high part + TF32 residual, three products), which gives float32
-// accuracy. Layout: the fused activation qkv (B, T, H + 2G, D) with q heads, then k heads, then v heads;
-// query head h reads kv head h / (H / G).
+// T x T matrix. The matrix products run on the tensor cores through mma.sync with float32 accumulators; the
+// softmax statistics (max, sum, lse, delta) are float32 in every build. The module is built once per define
+// set (layers.py), and the kernel names are the same in all of them:
+//   default           float activations, TF32 m16n8k8, one TF32 product per tile (training: the precision of
+//                     the cuBLAS TF32 matmuls beside it);
+//   -DATT_PRECISE=1   the "3xTF32" split (each operand = TF32 high part + TF32 residual, three products), which
+//                     gives float32 accuracy: the checks (with float or bf16 activations);
+//   -DACT_BF16=1      bf16 activations and bf16 m16n8k16 products: q, k, v, dout are bf16 already, P and dS
+//                     are rounded to bf16 as operands (FlashAttention-2's mixed precision).
+// Activations (qkv, out, dout, dqkv) are act_t (common.cuh): float, or bf16 with -DACT_BF16=1; lse and delta
+// are float always. Layout: the fused activation qkv (B, T, H + 2G, D) with q heads, then k heads, then
+// v heads; query head h reads kv head h / (H / G).
 //
 // A block is 4 warps; each warp owns 16 rows of a 64-row tile and loops over 64-wide tiles of the other side.
-// Fragment layout of m16n8k8 (g = lane / 4, t = lane % 4): A rows g, g+8 x cols t, t+4; B rows (k) t, t+4 x
-// col (n) g; C rows g, g+8 x cols 2t, 2t+1. A product P @ V whose P comes out of an accumulator (cols 2t,
-// 2t+1) feeds it straight back as an A operand by numbering the k index so that k = t is column 2t and
-// k = t + 4 is column 2t + 1, and reading V's rows 2t, 2t+1 to match: no shuffles, no trip through memory.
+// The kernels are written once over an "mma policy" (AttTf32, AttBf16 below) that holds the mma primitive and
+// the fragment loaders; g = lane / 4, t = lane % 4.
+//   m16n8k8 TF32 (one value a register): A rows g, g+8 x cols t, t+4; B rows (k) t, t+4 x col (n) g;
+//     C rows g, g+8 x cols 2t, 2t+1. A product P @ V whose P comes out of an accumulator (cols 2t, 2t+1)
+//     feeds it straight back as an A operand by numbering the k index so that k = t is column 2t and
+//     k = t + 4 is column 2t + 1, and reading V's rows 2t, 2t+1 to match.
+//   m16n8k16 bf16 (two values a register, the lower column in the low half): A rows g, g+8 x cols (2t, 2t+1),
+//     (2t+8, 2t+9); B rows (k) (2t, 2t+1), (2t+8, 2t+9) x col g; C as above. Two neighbouring accumulator
+//     tiles (cols 0..7, 8..15) are exactly one A operand once packed in pairs, in the natural k order; V's
+//     rows come transposed out of shared memory through ldmatrix.trans.
+// Either way P and dS go from accumulators to operands without shuffles or a trip through memory.
 #include "common.cuh"
 
 #define ATT_TILE 64
 #define ATT_THREADS 128
-// The module is built once per precision: -DATT_PRECISE=1 for the 3xTF32 kernels of the checks.
+// -DATT_PRECISE=1 for the 3xTF32 kernels of the checks.
 #ifndef ATT_PRECISE
 #define ATT_PRECISE 0
 #endif
@@ -35,75 +49,206 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], unsigned a0, unsigned a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// An operand as the fast kernels keep it: rounded to TF32 once, where it is stored (shared-memory tiles, the
-// query fragments, P and dS), not at each of its uses. The precise kernels keep full float32 operands.
-template <bool PRECISE>
-__device__ __forceinline__ float operand(float x) {
-    return PRECISE ? x : __uint_as_float(to_tf32(x));
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// c (16x8) += a (16x8) @ b (8x8); operands as operand<PRECISE>() made them.
+// Two consecutive output elements (cols 2t, 2t+1 of an accumulator), converted to act_t.
+__device__ __forceinline__ void att_store2(float* p, float a, float b) {
+    *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void att_store2(bf16* p, float a, float b) {
+    *reinterpret_cast<unsigned*>(p) = pack_bf16x2(a, b);
+}
+
+// ------------------------------------------------------------------------------------------ mma policies
+// What a kernel asks of its policy M (all fragments are 32-bit registers: one TF32 value or two bf16):
+//   M::KS                 k extent of one mma: 8 (TF32) or 16 (bf16); a D- or 64-long product takes n / KS
+//   M::elem_t             element of the shared-memory tiles: float (TF32) or bf16 (a raw copy of qkv/dout)
+//   M::operand(x)         a float value as the kernel keeps it for an operand (P, dS, tile elements)
+//   M::a_rows(a, X, ld)   A (16 x KS) = rows 0..15, cols 0..KS-1 of a row-major shared tile at X
+//   M::a_global(a, r0, r1, ok0, ok1)   the same from global act_t rows r0 (row g), r1 (g + 8); 0 where !ok
+//   M::a_acc(a, c, j)     A (16 x KS) = k-slice j of 16 x 64 accumulators c[8][4] (P, dS), k numbered as
+//                         b_rows reads it
+//   M::b_cols(b, X, ld)   B (KS x 8) with B[k][n] = X[n][k]: a tile whose rows are the n index (K in Q K^T)
+//   M::b_rows(b, X, ld)   B (KS x 8) with B[k][n] = X[k][n]: a tile whose rows are the k index (V in P V)
+//   M::mma(c, a, b)       c (16 x 8) += a b
+// Shared tiles are (64, D) with rows padded by 16 bytes (LDS = D + 4 floats, or D + 8 bf16): the row stride
+// is then 4 (mod 32) banks (D + 4 floats, D + 8 = 72 bf16) or 20 (D + 8 = 40 bf16), so the eight rows g of
+// a fragment read land in distinct bank quads and every fragment read below is conflict-free; 16-byte rows
+// also keep ldmatrix's row addresses aligned.
+template <int D, class M>
+struct AttTile {
+    static constexpr int LDS = D + 16 / (int)sizeof(typename M::elem_t);  // row stride, elements
+};
+
+// TF32: an operand is rounded to TF32 once, where it is stored (shared-memory tiles, the query fragments,
+// P and dS), not at each of its uses; the PRECISE kernels keep full float32 operands and split them in mma.
 template <bool PRECISE>
-__device__ __forceinline__ void mma(float (&c)[4], float a0, float a1, float a2, float a3, float b0, float b1) {
-    if (PRECISE) {  // 3xTF32: small terms first, then the main product
-        const unsigned A0 = to_tf32(a0), A1 = to_tf32(a1), A2 = to_tf32(a2), A3 = to_tf32(a3);
-        const unsigned B0 = to_tf32(b0), B1 = to_tf32(b1);
-        mma_tf32(c, to_tf32(a0 - __uint_as_float(A0)), to_tf32(a1 - __uint_as_float(A1)),
-                 to_tf32(a2 - __uint_as_float(A2)), to_tf32(a3 - __uint_as_float(A3)), B0, B1);
-        mma_tf32(c, A0, A1, A2, A3, to_tf32(b0 - __uint_as_float(B0)), to_tf32(b1 - __uint_as_float(B1)));
-        mma_tf32(c, A0, A1, A2, A3, B0, B1);
-    } else {
-        mma_tf32(c, __float_as_uint(a0), __float_as_uint(a1), __float_as_uint(a2), __float_as_uint(a3),
-                 __float_as_uint(b0), __float_as_uint(b1));
+struct AttTf32 {
+    static constexpr int KS = 8;
+    typedef float elem_t;
+    static __device__ __forceinline__ float operand(float x) { return PRECISE ? x : __uint_as_float(to_tf32(x)); }
+    static __device__ __forceinline__ void a_rows(unsigned (&a)[4], const float* X, int ld) {
+        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+        a[0] = __float_as_uint(X[g * ld + t]);
+        a[1] = __float_as_uint(X[(g + 8) * ld + t]);
+        a[2] = __float_as_uint(X[g * ld + t + 4]);
+        a[3] = __float_as_uint(X[(g + 8) * ld + t + 4]);
     }
-}
+    static __device__ __forceinline__ void a_global(unsigned (&a)[4], const act_t* r0, const act_t* r1, bool ok0,
+                                                    bool ok1) {
+        const int t = threadIdx.x & 3;
+        a[0] = __float_as_uint(ok0 ? operand(to_float(r0[t])) : 0.f);
+        a[1] = __float_as_uint(ok1 ? operand(to_float(r1[t])) : 0.f);
+        a[2] = __float_as_uint(ok0 ? operand(to_float(r0[t + 4])) : 0.f);
+        a[3] = __float_as_uint(ok1 ? operand(to_float(r1[t + 4])) : 0.f);
+    }
+    // k = t <-> column 2t, k = t + 4 <-> column 2t + 1 (c[j][1] is row g, column 2t + 1)
+    static __device__ __forceinline__ void a_acc(unsigned (&a)[4], const float (&c)[ATT_TILE / 8][4], int j) {
+        a[0] = __float_as_uint(c[j][0]);
+        a[1] = __float_as_uint(c[j][2]);
+        a[2] = __float_as_uint(c[j][1]);
+        a[3] = __float_as_uint(c[j][3]);
+    }
+    static __device__ __forceinline__ void b_cols(unsigned (&b)[2], const float* X, int ld) {
+        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+        b[0] = __float_as_uint(X[g * ld + t]);
+        b[1] = __float_as_uint(X[g * ld + t + 4]);
+    }
+    static __device__ __forceinline__ void b_rows(unsigned (&b)[2], const float* X, int ld) {  // rows 2t, 2t+1
+        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+        b[0] = __float_as_uint(X[2 * t * ld + g]);
+        b[1] = __float_as_uint(X[(2 * t + 1) * ld + g]);
+    }
+    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+        if (PRECISE) {  // 3xTF32: small terms first, then the main product
+            const float a0 = __uint_as_float(a[0]), a1 = __uint_as_float(a[1]), a2 = __uint_as_float(a[2]),
+                        a3 = __uint_as_float(a[3]), b0 = __uint_as_float(b[0]), b1 = __uint_as_float(b[1]);
+            const unsigned A0 = to_tf32(a0), A1 = to_tf32(a1), A2 = to_tf32(a2), A3 = to_tf32(a3);
+            const unsigned B0 = to_tf32(b0), B1 = to_tf32(b1);
+            mma_tf32(c, to_tf32(a0 - __uint_as_float(A0)), to_tf32(a1 - __uint_as_float(A1)),
+                     to_tf32(a2 - __uint_as_float(A2)), to_tf32(a3 - __uint_as_float(A3)), B0, B1);
+            mma_tf32(c, A0, A1, A2, A3, to_tf32(b0 - __uint_as_float(B0)), to_tf32(b1 - __uint_as_float(B1)));
+            mma_tf32(c, A0, A1, A2, A3, B0, B1);
+        } else {
+            mma_tf32(c, a[0], a[1], a[2], a[3], b[0], b[1]);
+        }
+    }
+};
 
-// Load rows [row0, row0 + 64) of one head of a (rows, NH, D) array into a (64, D + 4) shared tile, zeros past
-// `rows`, as mma operands. The padding of 4 floats makes every fragment read below conflict-free.
-template <int D, bool PRECISE>
-__device__ __forceinline__ void load_tile(float* __restrict__ dst, const float* __restrict__ src, int row0,
-                                          int rows, long long row_stride) {
-    constexpr int LDS = D + 4;
-    for (int i = threadIdx.x; i < ATT_TILE * D / 4; i += ATT_THREADS) {
-        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (row0 + r < rows) v = *reinterpret_cast<const float4*>(src + (row0 + r) * row_stride + c);
-        *reinterpret_cast<float4*>(dst + r * LDS + c) =
-            make_float4(operand<PRECISE>(v.x), operand<PRECISE>(v.y), operand<PRECISE>(v.z), operand<PRECISE>(v.w));
+// bf16: tiles and query fragments are the bf16 bits of qkv / dout as they are (bf16 is its own operand
+// format); P and dS stay float until a_acc packs them, rounding to nearest even.
+struct AttBf16 {
+    static constexpr int KS = 16;
+    typedef bf16 elem_t;
+    static __device__ __forceinline__ float operand(float x) { return x; }
+    static __device__ __forceinline__ unsigned ld2(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+    static __device__ __forceinline__ void a_rows(unsigned (&a)[4], const bf16* X, int ld) {
+        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+        a[0] = ld2(X + g * ld + 2 * t);
+        a[1] = ld2(X + (g + 8) * ld + 2 * t);
+        a[2] = ld2(X + g * ld + 2 * t + 8);
+        a[3] = ld2(X + (g + 8) * ld + 2 * t + 8);
+    }
+    static __device__ __forceinline__ void a_global(unsigned (&a)[4], const bf16* r0, const bf16* r1, bool ok0,
+                                                    bool ok1) {
+        const int t = threadIdx.x & 3;
+        a[0] = ok0 ? ld2(r0 + 2 * t) : 0u;
+        a[1] = ok1 ? ld2(r1 + 2 * t) : 0u;
+        a[2] = ok0 ? ld2(r0 + 2 * t + 8) : 0u;
+        a[3] = ok1 ? ld2(r1 + 2 * t + 8) : 0u;
+    }
+    // accumulator tiles 2j (k 0..7) and 2j + 1 (k 8..15), natural order
+    static __device__ __forceinline__ void a_acc(unsigned (&a)[4], const float (&c)[ATT_TILE / 8][4], int j) {
+        a[0] = pack_bf16x2(c[2 * j][0], c[2 * j][1]);
+        a[1] = pack_bf16x2(c[2 * j][2], c[2 * j][3]);
+        a[2] = pack_bf16x2(c[2 * j + 1][0], c[2 * j + 1][1]);
+        a[3] = pack_bf16x2(c[2 * j + 1][2], c[2 * j + 1][3]);
+    }
+    static __device__ __forceinline__ void b_cols(unsigned (&b)[2], const bf16* X, int ld) {
+        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+        b[0] = ld2(X + g * ld + 2 * t);
+        b[1] = ld2(X + g * ld + 2 * t + 8);
+    }
+    // Two 8 x 8 matrices (k rows 0..7 and 8..15, cols 0..7), transposed on the way: lane l < 16 gives the
+    // address of row l, and each thread receives rows 2t, 2t+1 of column g. volatile: the tile is rewritten
+    // between barriers, so the load must not move or merge across them.
+    static __device__ __forceinline__ void b_rows(unsigned (&b)[2], const bf16* X, int ld) {
+        const bf16* row = X + (threadIdx.x & 15) * ld;
+        unsigned addr;
+        asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                     : "=r"(b[0]), "=r"(b[1])
+                     : "r"(addr));
+    }
+    static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+        mma_bf16(c, a, b);
+    }
+};
+
+#if ACT_BF16 && !ATT_PRECISE
+typedef AttBf16 AttMma;
+#else
+typedef AttTf32<ATT_PRECISE> AttMma;
+#endif
+
+// Load rows [row0, row0 + 64) of one head of a (rows, NH, D) act_t array into a (64, LDS) shared tile, zeros
+// past `rows`, as mma operands: converted to float (and rounded to TF32 in the fast build), or bf16 copied as
+// is, 16 bytes at a time.
+template <int D, class M>
+__device__ __forceinline__ void load_tile(typename M::elem_t* __restrict__ dst, const act_t* __restrict__ src,
+                                          int row0, int rows, long long row_stride) {
+    constexpr int LDS = AttTile<D, M>::LDS;
+    if constexpr (sizeof(typename M::elem_t) == 2) {
+        static_assert(sizeof(act_t) == sizeof(typename M::elem_t), "bf16 tiles need bf16 activations");
+        for (int i = threadIdx.x; i < ATT_TILE * D / 8; i += ATT_THREADS) {
+            const int r = i / (D / 8), c = (i % (D / 8)) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (row0 + r < rows) v = *reinterpret_cast<const uint4*>(src + (row0 + r) * row_stride + c);
+            *reinterpret_cast<uint4*>(dst + r * LDS + c) = v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < ATT_TILE * D / 4; i += ATT_THREADS) {
+            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (row0 + r < rows) v = load4(src + (row0 + r) * row_stride + c);
+            *reinterpret_cast<float4*>(dst + r * LDS + c) =
+                make_float4(M::operand(v.x), M::operand(v.y), M::operand(v.z), M::operand(v.w));
+        }
     }
 }
 
 // ------------------------------------------------------------------------------------------------ forward
 // out (B, Tq, H, D), lse (B, H, Tq) natural-log logsumexp of the scaled scores. qkv (B, Tk, NH, D), rows
-// batch_stride floats apart between batches (a view into the KV cache); the queries are its rows
+// batch_stride elements apart between batches (a view into the KV cache); the queries are its rows
 // q_start = Tk - Tq .. Tk - 1. Grid (H, B, query tiles), the tiles with the most keys first.
-template <int D, bool PRECISE>
-__device__ __forceinline__ void attention_forward_block(float* __restrict__ out, float* __restrict__ lse,
-                                                        const float* __restrict__ qkv, int Tq, int Tk, int H,
+template <int D, class M>
+__device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out, float* __restrict__ lse,
+                                                        const act_t* __restrict__ qkv, int Tq, int Tk, int H,
                                                         int G, long long batch_stride, float scale) {
-    constexpr int LDS = D + 4;
-    __shared__ __align__(16) float Ks[ATT_TILE * LDS];
-    __shared__ __align__(16) float Vs[ATT_TILE * LDS];
+    typedef typename M::elem_t elem_t;
+    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
+    __shared__ __align__(16) elem_t Ks[ATT_TILE * LDS];
+    __shared__ __align__(16) elem_t Vs[ATT_TILE * LDS];
     const int NH = H + 2 * G, q_start = Tk - Tq;
     const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z, kvh = h / (H / G);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float* base = qkv + b * batch_stride;
+    const act_t* base = qkv + b * batch_stride;
     const long long rs = (long long)NH * D;  // row stride
     const int row0 = qt * ATT_TILE + warp * 16 + g, row1 = row0 + 8;  // this thread's query rows
     const int pos0 = q_start + row0, pos1 = q_start + row1;           // and their positions
     const float sl2 = scale * LOG2E;  // scores in log2 units, for exp2
 
-    float qf[D / 8][4];  // the warp's 16 query rows as A fragments
+    unsigned qf[D / KS][4];  // the warp's 16 query rows as A fragments
     {
-        const float* q0 = base + (q_start + row0) * rs + h * D;
-        const float* q1 = q0 + 8 * rs;
+        const act_t* q0 = base + (q_start + row0) * rs + h * D;
+        const act_t* q1 = q0 + 8 * rs;
 #pragma unroll
-        for (int kk = 0; kk < D / 8; ++kk) {
-            qf[kk][0] = row0 < Tq ? operand<PRECISE>(q0[kk * 8 + t]) : 0.f;
-            qf[kk][1] = row1 < Tq ? operand<PRECISE>(q1[kk * 8 + t]) : 0.f;
-            qf[kk][2] = row0 < Tq ? operand<PRECISE>(q0[kk * 8 + t + 4]) : 0.f;
-            qf[kk][3] = row1 < Tq ? operand<PRECISE>(q1[kk * 8 + t + 4]) : 0.f;
-        }
+        for (int kk = 0; kk < D / KS; ++kk) M::a_global(qf[kk], q0 + kk * KS, q1 + kk * KS, row0 < Tq, row1 < Tq);
     }
     float o[D / 8][4];
 #pragma unroll
@@ -116,18 +261,20 @@ __device__ __forceinline__ void attention_forward_block(float* __restrict__ out,
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * ATT_TILE;
         __syncthreads();  // everyone is done with the previous tile
-        load_tile<D, PRECISE>(Ks, base + (H + kvh) * D, k0, Tk, rs);
-        load_tile<D, PRECISE>(Vs, base + (H + G + kvh) * D, k0, Tk, rs);
+        load_tile<D, M>(Ks, base + (H + kvh) * D, k0, Tk, rs);
+        load_tile<D, M>(Vs, base + (H + G + kvh) * D, k0, Tk, rs);
         __syncthreads();
 
         float s[ATT_TILE / 8][4];  // S = Q K^T for 16 rows x 64 keys
 #pragma unroll
         for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-            const float* kr = Ks + (nt * 8 + g) * LDS;
 #pragma unroll
-            for (int kk = 0; kk < D / 8; ++kk)
-                mma<PRECISE>(s[nt], qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], kr[kk * 8 + t], kr[kk * 8 + t + 4]);
+            for (int kk = 0; kk < D / KS; ++kk) {
+                unsigned bk[2];
+                M::b_cols(bk, Ks + nt * 8 * LDS + kk * KS, LDS);
+                M::mma(s[nt], qf[kk], bk);
+            }
         }
         // causal mask and the end of the keys, only on tiles that reach them
         const bool edge = k0 + ATT_TILE - 1 > first_pos || k0 + ATT_TILE > Tk;
@@ -170,19 +317,22 @@ __device__ __forceinline__ void attention_forward_block(float* __restrict__ out,
             s[nt][1] = exp2f(s[nt][1] - ref0);
             s[nt][2] = exp2f(s[nt][2] - ref1);
             s[nt][3] = exp2f(s[nt][3] - ref1);
-            l0 += s[nt][0] + s[nt][1];
+            l0 += s[nt][0] + s[nt][1];  // the sum of the unrounded P; P V uses its operand rounding
             l1 += s[nt][2] + s[nt][3];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = operand<PRECISE>(s[nt][e]);
+            for (int e = 0; e < 4; ++e) s[nt][e] = M::operand(s[nt][e]);
         }
-        // O += P V: P's accumulator fragments are the A operand (k = t <-> key 2t, k = t + 4 <-> key 2t + 1)
+        // O += P V: P's accumulator fragments are the A operand
 #pragma unroll
-        for (int ks = 0; ks < ATT_TILE / 8; ++ks) {
-            const float* v0 = Vs + (ks * 8 + 2 * t) * LDS;
-            const float* v1 = v0 + LDS;
+        for (int ks = 0; ks < ATT_TILE / KS; ++ks) {
+            unsigned pa[4];
+            M::a_acc(pa, s, ks);
 #pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn)
-                mma<PRECISE>(o[dn], s[ks][0], s[ks][2], s[ks][1], s[ks][3], v0[dn * 8 + g], v1[dn * 8 + g]);
+            for (int dn = 0; dn < D / 8; ++dn) {
+                unsigned bv[2];
+                M::b_rows(bv, Vs + ks * KS * LDS + dn * 8, LDS);
+                M::mma(o[dn], pa, bv);
+            }
         }
     }
     l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
@@ -191,80 +341,86 @@ __device__ __forceinline__ void attention_forward_block(float* __restrict__ out,
     l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
     if (row0 < Tq) {
         const float inv = 1.f / l0;
-        float* dst = out + (((long long)b * Tq + row0) * H + h) * D + 2 * t;
+        act_t* dst = out + (((long long)b * Tq + row0) * H + h) * D + 2 * t;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn)
-            *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn][0] * inv, o[dn][1] * inv);
+        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[dn][0] * inv, o[dn][1] * inv);
         if (t == 0) lse[((long long)b * H + h) * Tq + row0] = (m0 + log2f(l0)) * LN2;
     }
     if (row1 < Tq) {
         const float inv = 1.f / l1;
-        float* dst = out + (((long long)b * Tq + row1) * H + h) * D + 2 * t;
+        act_t* dst = out + (((long long)b * Tq + row1) * H + h) * D + 2 * t;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn)
-            *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn][2] * inv, o[dn][3] * inv);
+        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[dn][2] * inv, o[dn][3] * inv);
         if (t == 0) lse[((long long)b * H + h) * Tq + row1] = (m1 + log2f(l1)) * LN2;
     }
 }
 
-#define ATTENTION_FORWARD(NAME, D, PRECISE)                                                                  \
+#define ATTENTION_FORWARD(D)                                                                                 \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
-        NAME(float* out, float* lse, const float* qkv, int Tq, int Tk, int H, int G, long long batch_stride, \
-             float scale) {                                                                                 \
-        attention_forward_block<D, PRECISE>(out, lse, qkv, Tq, Tk, H, G, batch_stride, scale);              \
+        attention_forward_d##D(act_t* out, float* lse, const act_t* qkv, int Tq, int Tk, int H, int G,      \
+                               long long batch_stride, float scale) {                                       \
+        attention_forward_block<D, AttMma>(out, lse, qkv, Tq, Tk, H, G, batch_stride, scale);               \
     }
-ATTENTION_FORWARD(attention_forward_d64, 64, ATT_PRECISE)
-ATTENTION_FORWARD(attention_forward_d32, 32, ATT_PRECISE)
+ATTENTION_FORWARD(64)
+ATTENTION_FORWARD(32)
 
 // ----------------------------------------------------------------------------------------------- backward
+// Deterministic: no atomics. The FlashAttention-2 recurrence, p_ij = exp(s_ij - lse_i), dp_ij = dout_i . v_j,
+// ds_ij = p_ij (dp_ij - delta_i), is evaluated twice, once by blocks that own keys (dK, dV) and once by blocks
+// that own queries (dQ), so that each gradient row is summed in one thread's registers in a fixed order and
+// written once. The recomputation costs two more products per tile (S and dP again), cheaper than atomics
+// and a zeroed dqkv, and the run-to-run results are bitwise identical. Launch order: delta, then the other two
+// in any order (they write disjoint heads of dqkv, every element once: dqkv needs no zeroing).
+
 // delta (B, H, T) = rowsum(dout * out), one warp per (b, t, h) row; the FlashAttention-2 preprocessing step.
-extern "C" __global__ void attention_backward_delta(float* __restrict__ delta, const float* __restrict__ dout,
-                                                    const float* __restrict__ out, int B, int T, int H, int D) {
+extern "C" __global__ void attention_backward_delta(float* __restrict__ delta, const act_t* __restrict__ dout,
+                                                    const act_t* __restrict__ out, int B, int T, int H, int D) {
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= (long long)B * T * H) return;
     float s = 0.f;
-    for (int d = lane; d < D; d += 32) s += dout[row * D + d] * out[row * D + d];
+    for (int d = lane; d < D; d += 32) s += to_float(dout[row * D + d]) * to_float(out[row * D + d]);
     s = warp_sum(s);
     const int h = (int)(row % H);
     const long long bt = row / H;
     if (lane == 0) delta[(bt / T * H + h) * T + bt % T] = s;
 }
 
-// One block per (query head, batch, 64-key tile); grid (H, B, key tiles), the tiles with the most queries
-// first. The block keeps its keys' dK and dV in registers while it walks the query tiles at and after the
-// diagonal (warp w owns keys 16w .. 16w + 15, so S and dP come out transposed, keys x queries); dQ goes
-// straight to global memory with atomic adds, and so do dK, dV at the end, because the group's query heads
-// run in other blocks. dqkv (B, T, NH, D) must be zero on entry; lse natural-log, delta from the kernel above.
-template <int D, bool PRECISE>
-__device__ __forceinline__ void attention_backward_block(float* __restrict__ dqkv, const float* __restrict__ dout,
-                                                         const float* __restrict__ lse,
-                                                         const float* __restrict__ delta,
-                                                         const float* __restrict__ qkv, int T, int H, int G,
-                                                         float scale) {
-    constexpr int LDS = D + 4, LDP = ATT_TILE + 4;
-    extern __shared__ __align__(16) float smem[];
-    float* Ks = smem;                        // (64 keys, D)
-    float* Vs = Ks + ATT_TILE * LDS;         // (64 keys, D)
-    float* Qs = Vs + ATT_TILE * LDS;         // (64 queries, D)
-    float* dOs = Qs + ATT_TILE * LDS;        // (64 queries, D)
-    float* dSs = dOs + ATT_TILE * LDS;       // (64 queries, 64 keys)
-    float* lse_s = dSs + ATT_TILE * LDP;     // (64,) in log2 units; +inf past T so p = 0 there
-    float* delta_s = lse_s + ATT_TILE;       // (64,)
+extern __shared__ __align__(16) unsigned char att_smem[];  // the backward kernels' dynamic shared memory
 
-    const int NH = H + 2 * G;
-    const int h = blockIdx.x, b = blockIdx.y, kt = blockIdx.z, kvh = h / (H / G), k0 = kt * ATT_TILE;
+// dK, dV. One block per (kv head, batch, 64-key tile): grid (G, B, key tiles), 128 threads. Key tile 0 has
+// the most query tiles after it, so blockIdx.z is the key tile as it is (the first blocks scheduled are the
+// longest). The block keeps its keys' dK and dV in registers while it walks the group's H / G query heads
+// and, for each, the query tiles at and after the diagonal; warp w owns keys 16w .. 16w + 15, so S and dP
+// come out transposed (keys x queries) and P^T, dS^T are the A operands of dV += P^T dO, dK += dS^T Q.
+// Writes the k and v heads of dqkv (B, T, NH, D), each row once. lse natural-log, delta from the kernel above.
+template <int D, class M>
+__device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict__ dqkv,
+                                                              const act_t* __restrict__ dout,
+                                                              const float* __restrict__ lse,
+                                                              const float* __restrict__ delta,
+                                                              const act_t* __restrict__ qkv, int T, int H, int G,
+                                                              float scale) {
+    // dynamic smem: 4 * 64 * (E * D + 16) + 2 * 64 * 4 bytes, E = sizeof(elem_t): 4, or 2 in the bf16 build
+    typedef typename M::elem_t elem_t;
+    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
+    elem_t* Ks = reinterpret_cast<elem_t*>(att_smem);  // (64 keys, D)
+    elem_t* Vs = Ks + ATT_TILE * LDS;                  // (64 keys, D)
+    elem_t* Qs = Vs + ATT_TILE * LDS;                  // (64 queries, D)
+    elem_t* dOs = Qs + ATT_TILE * LDS;                 // (64 queries, D)
+    float* lse_s = reinterpret_cast<float*>(dOs + ATT_TILE * LDS);  // (64,) log2 units; +inf past T so p = 0
+    float* delta_s = lse_s + ATT_TILE;                               // (64,)
+
+    const int NH = H + 2 * G, group = H / G;
+    const int kvh = blockIdx.x, b = blockIdx.y, kt = blockIdx.z, k0 = kt * ATT_TILE;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const long long rs = (long long)NH * D;
-    const float* base = qkv + (long long)b * T * rs;
-    float* dbase = dqkv + (long long)b * T * rs;
-    const float* dobase = dout + ((long long)b * T * H + h) * D;
+    const act_t* base = qkv + (long long)b * T * rs;
     const float sl2 = scale * LOG2E;
 
-    load_tile<D, PRECISE>(Ks, base + (H + kvh) * D, k0, T, rs);
-    load_tile<D, PRECISE>(Vs, base + (H + G + kvh) * D, k0, T, rs);
-    const int kr0 = warp * 16 + g, kr1 = kr0 + 8;  // this thread's key rows in the tile
-    const int key0 = k0 + kr0, key1 = k0 + kr1;
+    load_tile<D, M>(Ks, base + (H + kvh) * D, k0, T, rs);
+    load_tile<D, M>(Vs, base + (H + G + kvh) * D, k0, T, rs);
+    const int key0 = k0 + warp * 16 + g, key1 = key0 + 8;  // this thread's keys
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
@@ -272,40 +428,44 @@ __device__ __forceinline__ void attention_backward_block(float* __restrict__ dqk
         dv[dn][0] = dv[dn][1] = dv[dn][2] = dv[dn][3] = 0.f;
     }
 
-    const int n_qt = (T + ATT_TILE - 1) / ATT_TILE;
-    for (int qt = kt; qt < n_qt; ++qt) {
-        const int q0 = qt * ATT_TILE;
-        __syncthreads();  // the previous iteration is done with Qs, dOs, dSs
-        load_tile<D, PRECISE>(Qs, base + h * D, q0, T, rs);
-        load_tile<D, PRECISE>(dOs, dobase, q0, T, (long long)H * D);
+    // one flat loop over the (query head, query tile) pairs: nested loops keep more state live across
+    // iterations, and ptxas then spills at D = 32
+    const int n_q = (T + ATT_TILE - 1) / ATT_TILE - kt;  // query tiles kt .. last
+    for (int it = 0; it < group * n_q; ++it) {
+        const int h = kvh * group + it / n_q, qt = kt + it % n_q, q0 = qt * ATT_TILE;
+        const long long bh = (long long)b * H + h;
+        __syncthreads();  // the previous iteration is done with Qs, dOs, lse_s, delta_s
+        load_tile<D, M>(Qs, base + h * D, q0, T, rs);
+        load_tile<D, M>(dOs, dout + ((long long)b * T * H + h) * D, q0, T, (long long)H * D);
         for (int i = threadIdx.x; i < ATT_TILE; i += ATT_THREADS) {
             const bool ok = q0 + i < T;
-            lse_s[i] = ok ? lse[((long long)b * H + h) * T + q0 + i] * LOG2E : pos_inf();
-            delta_s[i] = ok ? delta[((long long)b * H + h) * T + q0 + i] : 0.f;
+            lse_s[i] = ok ? lse[bh * T + q0 + i] * LOG2E : pos_inf();
+            delta_s[i] = ok ? delta[bh * T + q0 + i] : 0.f;
         }
         __syncthreads();
 
-        // S^T = K Q^T and dP^T = V dO^T, 16 keys x 64 queries per warp
+        // S^T = K Q^T and dP^T = V dO^T, 16 keys x 64 queries per warp; the warp's K, V rows are the A
+        // operands, read once per k step for all eight query column tiles
         float p[ATT_TILE / 8][4], ds[ATT_TILE / 8][4];
-        const float* ka = Ks + kr0 * LDS;
-        const float* kb = ka + 8 * LDS;
-        const float* va = Vs + kr0 * LDS;
-        const float* vb = va + 8 * LDS;
 #pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-            p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = 0.f;
-            ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
-            const float* qr = Qs + (nt * 8 + g) * LDS;
-            const float* dr = dOs + (nt * 8 + g) * LDS;
+        for (int nt = 0; nt < ATT_TILE / 8; ++nt)
+            p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < D / 8; ++kk) {
-                const int c = kk * 8 + t;
-                mma<PRECISE>(p[nt], ka[c], kb[c], ka[c + 4], kb[c + 4], qr[c], qr[c + 4]);
-                mma<PRECISE>(ds[nt], va[c], vb[c], va[c + 4], vb[c + 4], dr[c], dr[c + 4]);
+        for (int kk = 0; kk < D / KS; ++kk) {
+            unsigned ak[4], av[4];
+            M::a_rows(ak, Ks + warp * 16 * LDS + kk * KS, LDS);
+            M::a_rows(av, Vs + warp * 16 * LDS + kk * KS, LDS);
+#pragma unroll
+            for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+                unsigned bq[2], bd[2];
+                M::b_cols(bq, Qs + nt * 8 * LDS + kk * KS, LDS);
+                M::b_cols(bd, dOs + nt * 8 * LDS + kk * KS, LDS);
+                M::mma(p[nt], ak, bq);
+                M::mma(ds[nt], av, bd);
             }
         }
         // P^T = exp(S^T - lse), causal mask on the diagonal tile; dS^T = P^T (dP^T - delta)
-        const bool diag = q0 < k0 + ATT_TILE - 1;
+        const bool diag = qt == kt;
 #pragma unroll
         for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
 #pragma unroll
@@ -313,94 +473,165 @@ __device__ __forceinline__ void attention_backward_block(float* __restrict__ dqk
                 const int q = nt * 8 + 2 * t + (e & 1);
                 float pv = exp2f(p[nt][e] * sl2 - lse_s[q]);
                 if (diag && (e < 2 ? key0 : key1) > q0 + q) pv = 0.f;
-                ds[nt][e] = operand<PRECISE>(pv * (ds[nt][e] - delta_s[q]));
-                p[nt][e] = operand<PRECISE>(pv);
+                ds[nt][e] = M::operand(pv * (ds[nt][e] - delta_s[q]));
+                p[nt][e] = M::operand(pv);
             }
         }
-        // dV += P^T dO and dK += dS^T Q (the query index is the k index: k = t <-> query 2t, t + 4 <-> 2t + 1)
+        // dV += P^T dO and dK += dS^T Q: the query index is the k index
 #pragma unroll
-        for (int ks = 0; ks < ATT_TILE / 8; ++ks) {
-            const float* d0 = dOs + (ks * 8 + 2 * t) * LDS;
-            const float* d1 = d0 + LDS;
-            const float* qa = Qs + (ks * 8 + 2 * t) * LDS;
-            const float* qb = qa + LDS;
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-                mma<PRECISE>(dv[dn], p[ks][0], p[ks][2], p[ks][1], p[ks][3], d0[dn * 8 + g], d1[dn * 8 + g]);
-                mma<PRECISE>(dk[dn], ds[ks][0], ds[ks][2], ds[ks][1], ds[ks][3], qa[dn * 8 + g], qb[dn * 8 + g]);
-            }
-        }
-        // dS (queries x keys) through shared memory, then dQ = dS K for the warp's 16 queries
-#pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-            float* col = dSs + (nt * 8 + 2 * t) * LDP;
-            col[kr0] = ds[nt][0];
-            col[LDP + kr0] = ds[nt][1];
-            col[kr1] = ds[nt][2];
-            col[LDP + kr1] = ds[nt][3];
-        }
-        __syncthreads();
-        float dq[D / 8][4];
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) dq[dn][0] = dq[dn][1] = dq[dn][2] = dq[dn][3] = 0.f;
-        const float* sa = dSs + (warp * 16 + g) * LDP;
-        const float* sb = sa + 8 * LDP;
-#pragma unroll
-        for (int ks = 0; ks < ATT_TILE / 8; ++ks) {
-            const float* k0r = Ks + (ks * 8 + t) * LDS;
-            const float* k1r = k0r + 4 * LDS;
-            const int c = ks * 8 + t;
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn)
-                mma<PRECISE>(dq[dn], sa[c], sb[c], sa[c + 4], sb[c + 4], k0r[dn * 8 + g], k1r[dn * 8 + g]);
-        }
-        const int qa = q0 + warp * 16 + g, qb = qa + 8;
-        if (qa < T) {
-            float* dst = dbase + qa * rs + h * D + 2 * t;
+        for (int ks = 0; ks < ATT_TILE / KS; ++ks) {
+            unsigned pa[4], sa[4];
+            M::a_acc(pa, p, ks);
+            M::a_acc(sa, ds, ks);
 #pragma unroll
             for (int dn = 0; dn < D / 8; ++dn) {
-                atomicAdd(dst + dn * 8, dq[dn][0] * scale);
-                atomicAdd(dst + dn * 8 + 1, dq[dn][1] * scale);
-            }
-        }
-        if (qb < T) {
-            float* dst = dbase + qb * rs + h * D + 2 * t;
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-                atomicAdd(dst + dn * 8, dq[dn][2] * scale);
-                atomicAdd(dst + dn * 8 + 1, dq[dn][3] * scale);
+                unsigned bd[2], bq[2];
+                M::b_rows(bd, dOs + ks * KS * LDS + dn * 8, LDS);
+                M::b_rows(bq, Qs + ks * KS * LDS + dn * 8, LDS);
+                M::mma(dv[dn], pa, bd);
+                M::mma(dk[dn], sa, bq);
             }
         }
     }
+    act_t* dbase = dqkv + (long long)b * T * rs;
     if (key0 < T) {
-        float* dkr = dbase + key0 * rs + (H + kvh) * D + 2 * t;
-        float* dvr = dbase + key0 * rs + (H + G + kvh) * D + 2 * t;
+        act_t* dkr = dbase + key0 * rs + (H + kvh) * D + 2 * t;
+        act_t* dvr = dbase + key0 * rs + (H + G + kvh) * D + 2 * t;
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) {
-            atomicAdd(dkr + dn * 8, dk[dn][0] * scale);
-            atomicAdd(dkr + dn * 8 + 1, dk[dn][1] * scale);
-            atomicAdd(dvr + dn * 8, dv[dn][0]);
-            atomicAdd(dvr + dn * 8 + 1, dv[dn][1]);
+            att_store2(dkr + dn * 8, dk[dn][0] * scale, dk[dn][1] * scale);
+            att_store2(dvr + dn * 8, dv[dn][0], dv[dn][1]);
         }
     }
     if (key1 < T) {
-        float* dkr = dbase + key1 * rs + (H + kvh) * D + 2 * t;
-        float* dvr = dbase + key1 * rs + (H + G + kvh) * D + 2 * t;
+        act_t* dkr = dbase + key1 * rs + (H + kvh) * D + 2 * t;
+        act_t* dvr = dbase + key1 * rs + (H + G + kvh) * D + 2 * t;
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) {
-            atomicAdd(dkr + dn * 8, dk[dn][2] * scale);
-            atomicAdd(dkr + dn * 8 + 1, dk[dn][3] * scale);
-            atomicAdd(dvr + dn * 8, dv[dn][2]);
-            atomicAdd(dvr + dn * 8 + 1, dv[dn][3]);
+            att_store2(dkr + dn * 8, dk[dn][2] * scale, dk[dn][3] * scale);
+            att_store2(dvr + dn * 8, dv[dn][2], dv[dn][3]);
         }
     }
 }
 
-#define ATTENTION_BACKWARD(NAME, D, PRECISE)                                                                 \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
-        NAME(float* dqkv, const float* dout, const float* lse, const float* delta, const float* qkv, int T,  \
-             int H, int G, float scale) {                                                                   \
-        attention_backward_block<D, PRECISE>(dqkv, dout, lse, delta, qkv, T, H, G, scale);                  \
+// dQ. One block per (query head, batch, 64-query tile): grid (H, B, query tiles), 128 threads, the tiles
+// with the most keys first, as in the forward. Warp w owns queries 16w .. 16w + 15, with their lse and delta
+// in registers. The block's Q and dO tiles stay in shared memory for the whole loop (as fragments in
+// registers they would cost 16 D / KS more registers a thread, and the 3xTF32 build would spill); for each
+// key tile 0 .. diagonal: S = Q K^T, dP = dO V^T, P = exp(S - lse) (causal mask on the diagonal),
+// dS = P (dP - delta), and dQ += dS K with dS straight from the accumulators. dQ * scale is written once into
+// the q head of dqkv.
+template <int D, class M>
+__device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ dqkv,
+                                                            const act_t* __restrict__ dout,
+                                                            const float* __restrict__ lse,
+                                                            const float* __restrict__ delta,
+                                                            const act_t* __restrict__ qkv, int T, int H, int G,
+                                                            float scale) {
+    // dynamic smem: 4 * 64 * (E * D + 16) bytes, E = sizeof(elem_t): 4, or 2 in the bf16 build
+    typedef typename M::elem_t elem_t;
+    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
+    elem_t* Qs = reinterpret_cast<elem_t*>(att_smem);  // (64 queries, D)
+    elem_t* dOs = Qs + ATT_TILE * LDS;                 // (64 queries, D)
+    elem_t* Ks = dOs + ATT_TILE * LDS;                 // (64 keys, D)
+    elem_t* Vs = Ks + ATT_TILE * LDS;                  // (64 keys, D)
+
+    const int NH = H + 2 * G;
+    const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z, kvh = h / (H / G);
+    const int q0 = qt * ATT_TILE;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const long long rs = (long long)NH * D;
+    const act_t* base = qkv + (long long)b * T * rs;
+    const float sl2 = scale * LOG2E;
+    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;  // this thread's queries
+
+    load_tile<D, M>(Qs, base + h * D, q0, T, rs);
+    load_tile<D, M>(dOs, dout + ((long long)b * T * H + h) * D, q0, T, (long long)H * D);
+    // lse in log2 units, +inf past T so p = 0 there
+    const float* lse_h = lse + ((long long)b * H + h) * T;
+    const float* delta_h = delta + ((long long)b * H + h) * T;
+    const float lse0 = row0 < T ? lse_h[row0] * LOG2E : pos_inf(), lse1 = row1 < T ? lse_h[row1] * LOG2E : pos_inf();
+    const float dl0 = row0 < T ? delta_h[row0] : 0.f, dl1 = row1 < T ? delta_h[row1] : 0.f;
+    float dq[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) dq[dn][0] = dq[dn][1] = dq[dn][2] = dq[dn][3] = 0.f;
+
+    for (int kt = 0; kt <= qt; ++kt) {
+        const int k0 = kt * ATT_TILE;
+        __syncthreads();  // everyone is done with the previous tile (the first pass: Qs, dOs are in place)
+        load_tile<D, M>(Ks, base + (H + kvh) * D, k0, T, rs);
+        load_tile<D, M>(Vs, base + (H + G + kvh) * D, k0, T, rs);
+        __syncthreads();
+
+        // S = Q K^T and dP = dO V^T, 16 queries x 64 keys per warp; the warp's Q, dO rows are the A operands,
+        // read once per k step for all eight key column tiles
+        float s[ATT_TILE / 8][4], ds[ATT_TILE / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < ATT_TILE / 8; ++nt)
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / KS; ++kk) {
+            unsigned aq[4], ad[4];
+            M::a_rows(aq, Qs + warp * 16 * LDS + kk * KS, LDS);
+            M::a_rows(ad, dOs + warp * 16 * LDS + kk * KS, LDS);
+#pragma unroll
+            for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+                unsigned bk[2], bv[2];
+                M::b_cols(bk, Ks + nt * 8 * LDS + kk * KS, LDS);
+                M::b_cols(bv, Vs + nt * 8 * LDS + kk * KS, LDS);
+                M::mma(s[nt], aq, bk);
+                M::mma(ds[nt], ad, bv);
+            }
+        }
+        // P = exp(S - lse), causal mask on the diagonal tile (keys past T are past every query there);
+        // dS = P (dP - delta)
+        const bool diag = kt == qt;
+#pragma unroll
+        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + nt * 8 + 2 * t + (e & 1);
+                float pv = exp2f(s[nt][e] * sl2 - (e < 2 ? lse0 : lse1));
+                if (diag && key > (e < 2 ? row0 : row1)) pv = 0.f;
+                ds[nt][e] = M::operand(pv * (ds[nt][e] - (e < 2 ? dl0 : dl1)));
+            }
+        }
+        // dQ += dS K: the key index is the k index, K's rows read as b_rows numbers them
+#pragma unroll
+        for (int ks = 0; ks < ATT_TILE / KS; ++ks) {
+            unsigned sa[4];
+            M::a_acc(sa, ds, ks);
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+                unsigned bk[2];
+                M::b_rows(bk, Ks + ks * KS * LDS + dn * 8, LDS);
+                M::mma(dq[dn], sa, bk);
+            }
+        }
     }
-ATTENTION_BACKWARD(attention_backward_d64, 64, ATT_PRECISE)
-ATTENTION_BACKWARD(attention_backward_d32, 32, ATT_PRECISE)
+    act_t* dbase = dqkv + (long long)b * T * rs;
+    if (row0 < T) {
+        act_t* dst = dbase + row0 * rs + h * D + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, dq[dn][0] * scale, dq[dn][1] * scale);
+    }
+    if (row1 < T) {
+        act_t* dst = dbase + row1 * rs + h * D + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, dq[dn][2] * scale, dq[dn][3] * scale);
+    }
+}
+
+#define ATTENTION_BACKWARD(D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
+        attention_backward_dkdv_d##D(act_t* dqkv, const act_t* dout, const float* lse, const float* delta,  \
+                                     const act_t* qkv, int T, int H, int G, float scale) {                  \
+        attention_backward_dkdv_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale);              \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
+        attention_backward_dq_d##D(act_t* dqkv, const act_t* dout, const float* lse, const float* delta,    \
+                                   const act_t* qkv, int T, int H, int G, float scale) {                    \
+        attention_backward_dq_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale);                \
+    }
+ATTENTION_BACKWARD(64)
+ATTENTION_BACKWARD(32)

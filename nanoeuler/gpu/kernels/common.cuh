@@ -45,3 +45,51 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     v = lane < (int)(blockDim.x >> 5) ? scratch[lane] : neg_inf();
     return warp_max(v);
 }
+
+// ------------------------------------------------------------------------------------- element types
+// Activations (and the compute copy of the weights) are `act_t`: float, or bf16 when the module is compiled
+// with -DACT_BF16=1 (layers.py builds each kernel file once per element type). Math is always float: load
+// with to_float, store with from_float. Parameter gradients, norm statistics and losses stay float.
+struct __align__(2) bf16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float((unsigned)x.bits << 16); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float x) {  // round to nearest even, as cuBLAS does
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+
+// Four consecutive elements (16-byte aligned for float, 8-byte for bf16) as a float4, and back.
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const bf16* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+}
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {  // lo at the lower address
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ void store4(bf16* p, float4 v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+}
+
+#ifndef ACT_BF16
+#define ACT_BF16 0
+#endif
+#if ACT_BF16
+typedef bf16 act_t;
+#else
+typedef float act_t;
+#endif

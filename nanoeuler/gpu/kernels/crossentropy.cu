@@ -1,26 +1,26 @@
 // Softmax cross-entropy over the K prediction heads' fused logits (N, K*V), one block per (row n, head k).
 // The backward variant overwrites the logits with d loss / d logits in the same launch, so the
-// probabilities are computed once and never stored next to the logits.
+// probabilities are computed once and never stored next to the logits. Logits may be bf16; the math is float.
 #include "common.cuh"
 
 template <bool BACKWARD>
-__device__ __forceinline__ void crossentropy_row(float* __restrict__ losses, float* __restrict__ logits,
+__device__ __forceinline__ void crossentropy_row(float* __restrict__ losses, act_t* __restrict__ logits,
                                                  const int* __restrict__ targets,
                                                  const float* __restrict__ dscale, int N, int K, int V) {
     __shared__ float scratch[32];
     const int n = blockIdx.x, k = blockIdx.y;
-    float* row = logits + ((long long)n * K + k) * V;
+    act_t* row = logits + ((long long)n * K + k) * V;
     const int t = targets[(long long)k * N + n];
     if (t < 0) {  // ignored position: no loss and, for every head, no gradient
         if (BACKWARD)
-            for (int v = threadIdx.x; v < V; v += blockDim.x) row[v] = 0.f;
+            for (int v = threadIdx.x; v < V; v += blockDim.x) row[v] = from_float<act_t>(0.f);
         if (threadIdx.x == 0) losses[(long long)k * N + n] = 0.f;
         return;
     }
-    const float target_logit = row[t];  // read before any thread overwrites the row
+    const float target_logit = to_float(row[t]);  // read before any thread overwrites the row
     float m = neg_inf(), s = 0.f;       // this thread's running max and sum of exp(x - m)
     for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        const float x = row[v];
+        const float x = to_float(row[v]);
         if (x > m) {
             s = s * expf(m - x) + 1.f;
             m = x;
@@ -35,18 +35,18 @@ __device__ __forceinline__ void crossentropy_row(float* __restrict__ losses, flo
     if (BACKWARD) {
         const float sc = dscale[k];
         for (int v = threadIdx.x; v < V; v += blockDim.x)
-            row[v] = expf(row[v] - lse) * sc - (v == t ? sc : 0.f);
+            row[v] = from_float<act_t>(expf(to_float(row[v]) - lse) * sc - (v == t ? sc : 0.f));
     }
 }
 
 // losses (K, N); targets (K, N), -1 = ignored.
-extern "C" __global__ void crossentropy_forward(float* losses, float* logits, const int* targets, int N, int K,
+extern "C" __global__ void crossentropy_forward(float* losses, act_t* logits, const int* targets, int N, int K,
                                                 int V) {
     crossentropy_row<false>(losses, logits, targets, nullptr, N, K, V);
 }
 
 // as crossentropy_forward, then logits := (softmax - onehot) * dscale[k].
-extern "C" __global__ void crossentropy_forward_backward(float* losses, float* logits, const int* targets,
+extern "C" __global__ void crossentropy_forward_backward(float* losses, act_t* logits, const int* targets,
                                                          const float* dscale, int N, int K, int V) {
     crossentropy_row<true>(losses, logits, targets, dscale, N, K, V);
 }

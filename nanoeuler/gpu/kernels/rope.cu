@@ -3,7 +3,7 @@
 // the same kernel with the sine negated (sign = -1).
 #include "common.cuh"
 
-extern "C" __global__ void rope_rotate(float* __restrict__ qkv, const float* __restrict__ cos_t,
+extern "C" __global__ void rope_rotate(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
                                        const float* __restrict__ sin_t, int B, int T, int NH, int n_rot,
                                        int D, int pos0, float sign) {
     const int half = D >> 1;
@@ -15,8 +15,8 @@ extern "C" __global__ void rope_rotate(float* __restrict__ qkv, const float* __r
     const long long bt = rest / n_rot;
     const int p = pos0 + (int)(bt % T);
     const float c = cos_t[(long long)p * half + j], s = sign * sin_t[(long long)p * half + j];
-    float* row = qkv + (bt * NH + h) * D;
-    const float x1 = row[j], x2 = row[j + half];
-    row[j] = x1 * c - x2 * s;
-    row[j + half] = x2 * c + x1 * s;
+    act_t* row = qkv + (bt * NH + h) * D;
+    const float x1 = to_float(row[j]), x2 = to_float(row[j + half]);
+    row[j] = from_float<act_t>(x1 * c - x2 * s);
+    row[j + half] = from_float<act_t>(x2 * c + x1 * s);
 }

@@ -2,23 +2,24 @@
 #include "common.cuh"
 
 // out (N, F) = silu(gate) * up
-extern "C" __global__ void swiglu_forward(float* __restrict__ out, const float* __restrict__ gate_up,
+extern "C" __global__ void swiglu_forward(act_t* __restrict__ out, const act_t* __restrict__ gate_up,
                                           int N, int F) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * F) return;
     const long long n = i / F, f = i % F;
-    const float g = gate_up[n * 2 * F + f], u = gate_up[n * 2 * F + F + f];
-    out[i] = g / (1.f + expf(-g)) * u;
+    const float g = to_float(gate_up[n * 2 * F + f]), u = to_float(gate_up[n * 2 * F + F + f]);
+    out[i] = from_float<act_t>(g / (1.f + expf(-g)) * u);
 }
 
 // dgate_up (N, 2F) overwritten: d gate = dout * up * silu'(gate), d up = dout * silu(gate).
-extern "C" __global__ void swiglu_backward(float* __restrict__ dgate_up, const float* __restrict__ dout,
-                                           const float* __restrict__ gate_up, int N, int F) {
+extern "C" __global__ void swiglu_backward(act_t* __restrict__ dgate_up, const act_t* __restrict__ dout,
+                                           const act_t* __restrict__ gate_up, int N, int F) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * F) return;
     const long long n = i / F, f = i % F;
-    const float g = gate_up[n * 2 * F + f], u = gate_up[n * 2 * F + F + f];
+    const float g = to_float(gate_up[n * 2 * F + f]), u = to_float(gate_up[n * 2 * F + F + f]);
     const float sig = 1.f / (1.f + expf(-g));
-    dgate_up[n * 2 * F + f] = dout[i] * u * sig * (1.f + g * (1.f - sig));
-    dgate_up[n * 2 * F + F + f] = dout[i] * g * sig;
+    const float d = to_float(dout[i]);
+    dgate_up[n * 2 * F + f] = from_float<act_t>(d * u * sig * (1.f + g * (1.f - sig)));
+    dgate_up[n * 2 * F + F + f] = from_float<act_t>(d * g * sig);
 }

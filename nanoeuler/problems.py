@@ -1,0 +1,37 @@
+"""Random test problems shared by the gradient checks (`nanoeuler check`, `nanoeuler check --gpu`) and the
+tests: well-conditioned parameters, a batch with masked targets, and the error metric.
+
+A module of its own, below both checks, so that neither check imports the other.
+"""
+import math
+
+import numpy as np
+
+from nanoeuler.config import param_layout
+
+
+def random_problem(cfg, rng, batch=2, scale=0.15):
+    """(flat float64 parameters, inputs (batch, T) int32, targets (K, batch, T) int32), T = cfg.context.
+
+    Parameters are normal(0, scale), norm gains 1 + normal(0, 0.2): larger than the training init, so every
+    layer has gradients well above rounding noise and softmax and SiLU leave their linear regimes. The
+    targets are the sequence shifted by 1 + k for head k, with some set to -1: one position of the first
+    sequence in every head, and a run of 4 positions of the last sequence in the last head."""
+    layout, total = param_layout(cfg)
+    flat = rng.normal(0.0, scale, total)
+    for name, (off, shape) in layout.items():
+        if name.endswith("norm"):
+            flat[off:off + math.prod(shape)] = 1.0 + rng.normal(0.0, 0.2, math.prod(shape))
+    T, K = cfg.context, cfg.mtp_heads
+    seq = rng.integers(0, cfg.vocab_size, (batch, T + K))
+    inputs = seq[:, :T].astype(np.int32)
+    targets = np.stack([seq[:, 1 + k:1 + k + T] for k in range(K)]).astype(np.int32)
+    targets[:, 0, T // 3] = -1                  # a masked position in every head
+    targets[K - 1, batch - 1, T // 2:T // 2 + 4] = -1  # and a masked run in the last head
+    return flat, inputs, targets
+
+
+def relative_error(a, b):
+    """Entrywise |a - b| / max(|a|, |b|), defined as 0 where both are 0."""
+    denom = np.maximum(np.abs(a), np.abs(b))
+    return np.where(denom > 0, np.abs(a - b) / np.where(denom > 0, denom, 1.0), 0.0)
