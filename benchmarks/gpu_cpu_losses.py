@@ -1,6 +1,6 @@
 """The first training steps of a preset on the CPU engine and on the GPU engine, from the same initial
 weights, on the same batches, with the same AdamW steps: the two loss columns agree to TF32 tolerance (the
-GPU engine trains with TF32 matmuls and attention; the CPU engine in float32).
+GPU engine trains here with TF32 matmuls and attention, `--precision tf32`; the CPU engine in float32).
 
 Batches are random windows of a text file's bytes used directly as token ids (every preset's vocabulary
 has the 256 byte tokens first), so no tokenizer is needed.
@@ -27,13 +27,15 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--every", type=int, default=1, help="print every N steps")
     ap.add_argument("--gpu-only", action="store_true", help="skip the CPU engine (long runs)")
+    ap.add_argument("--precision", default="tf32", choices=("bf16", "tf32", "fp32"),
+                    help="the GPU engine's (default tf32; the CPU engine computes in float32)")
     args = ap.parse_args()
     cfg = PRESETS[args.preset]
-    engines = {"gpu": make_engine(cfg, device="gpu", seed=0)}
+    engines = {"gpu": make_engine(cfg, device="gpu", seed=0, precision=args.precision)}
     if not args.gpu_only:
         engines["cpu"] = make_engine(cfg, device="cpu", seed=0)
-    print(f"{args.preset}: batch {args.batch_size} x {cfg.context} of {args.data} bytes, lr {args.lr}, "
-          f"AdamW, clip 1.0; head-0 loss (nats/token)")
+    print(f"{args.preset}: batch {args.batch_size} x {cfg.context} of {args.data} bytes, GPU {args.precision}, "
+          f"lr {args.lr}, AdamW, clip 1.0; head-0 loss (nats/token)")
     print(f"{'step':>5} {'gpu loss':>10}" + ("" if args.gpu_only else f" {'cpu loss':>10} {'rel diff':>9}"))
     t0, worst = time.time(), 0.0
     data = np.fromfile(args.data, dtype=np.uint8)

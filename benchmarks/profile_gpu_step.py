@@ -80,7 +80,9 @@ def main():
         total[name] += cupy.cuda.get_elapsed_time(start, end) / args.steps
         calls[name] += 1
     timed = sum(total.values())
-    print(f"{args.preset}, {args.batch_size} x {cfg.context}, {args.precision}: step {plain:.2f} ms "
+    peak = cupy.get_default_memory_pool().total_bytes() / 2 ** 30
+    print(f"{args.preset}, {args.batch_size} x {cfg.context}, {args.precision}: step {plain:.2f} ms, "
+          f"{args.batch_size * cfg.context / plain * 1e3:,.0f} tokens/s, {peak:.2f} GiB in CuPy's pool "
           f"(layer calls {timed:.2f} ms, the rest is host work and gaps)")
     print(f"{'layer function':<32} {'ms/step':>8} {'share':>6} {'calls':>6}")
     for name, ms in total.most_common():

@@ -8,8 +8,12 @@ rotate-half convention (theta `cfg.rope_theta`, 10000), as Hugging Face's `Llama
 grouped-query causal attention through `F.scaled_dot_product_attention` with scale 1/sqrt(head_dim);
 SwiGLU; a final RMSNorm and K prediction heads, head k predicting the token 1+k positions ahead. The loss
 is the mean over the heads of their cross-entropies, a target of -1 counting for nothing. As in our
-engines, wq|wk|wv, w_gate|w_up and heads.0..K-1 are each one fused matrix (one matmul instead of three,
-two or K), and weight decay goes to the matrices only (`param_groups`, as `config.is_matrix`).
+engines, wq|wk|wv, w_gate|w_up and heads.0..K-1 are each one parameter, a fused matrix, and weight decay
+goes to the matrices only (`param_groups`, as `config.is_matrix`). By default each fused matrix is one
+matmul whose output is split (the faster form on a GPU); `split_matmuls=True` runs a matmul per part on
+slices of it instead, as separate `Linear` layers would (the faster form on a CPU at `small`'s size, where
+the backward pass of the split outputs, a concatenation of large activation gradients, costs more than
+the fused matmul saves).
 
 Any floating dtype works: `Reference(..., dtype=torch.bfloat16)` or `.to(dtype)`, or float32 weights
 under `torch.autocast(device_type, dtype=torch.bfloat16)`. The rotary tables follow the activations' dtype,
@@ -68,10 +72,10 @@ def _fused_names(cfg):
 class Reference(torch.nn.Module):
     """nanoeuler's model in PyTorch; forward(inputs (B, T), targets (K, B, T)) -> (loss, head-0 loss)."""
 
-    def __init__(self, cfg, flat, device="cpu", dtype=torch.float32, gqa="native"):
+    def __init__(self, cfg, flat, device="cpu", dtype=torch.float32, gqa="native", split_matmuls=False):
         super().__init__()
         assert gqa in ("native", "repeat"), gqa
-        self.cfg, self.gqa = cfg, gqa
+        self.cfg, self.gqa, self.split_matmuls = cfg, gqa, split_matmuls
         named = views(np.asarray(flat), cfg)
         self.fused = _fused_names(cfg)
         self.p = torch.nn.ParameterDict({
@@ -122,6 +126,13 @@ class Reference(torch.nn.Module):
                 out[n] = piece.numpy().reshape(layout[n][1])
         return out
 
+    def project(self, x, name, sizes):
+        """x @ w.T for the fused matrix `name`, as one output per part (their sizes along the last axis)."""
+        w = self.w(name)
+        if self.split_matmuls:
+            return [F.linear(x, part) for part in w.split(sizes)]
+        return F.linear(x, w).split(sizes, dim=-1)
+
     def rope(self, x):
         """x (B, T, heads, D), positions 0..T-1, rotate-half."""
         T, half = x.shape[1], x.shape[-1] // 2
@@ -137,14 +148,14 @@ class Reference(torch.nn.Module):
         x = F.embedding(inputs, self.w("tok_emb"))
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            qkv = F.linear(norm(x, p + "attn_norm"), self.w(p + "wqkv")).view(B, T, H + 2 * G, D)
-            qk = self.rope(qkv[:, :, :H + G])
-            q, k, v = (t.transpose(1, 2) for t in (qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + G:]))
+            q, k, v = self.project(norm(x, p + "attn_norm"), p + "wqkv", (H * D, G * D, G * D))
+            q, k, v = self.rope(q.view(B, T, H, D)), self.rope(k.view(B, T, G, D)), v.view(B, T, G, D)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
             if self.gqa == "repeat":
                 k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa == "native")
             x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), self.w(p + "wo"))
-            gate, up = F.linear(norm(x, p + "ffn_norm"), self.w(p + "w_gate_up")).chunk(2, dim=-1)
+            gate, up = self.project(norm(x, p + "ffn_norm"), p + "w_gate_up", (cfg.hidden, cfg.hidden))
             x = x + F.linear(F.silu(gate) * up, self.w(p + "w_down"))
         return norm(x, "final_norm")
 
@@ -154,9 +165,9 @@ class Reference(torch.nn.Module):
 
     def forward(self, inputs, targets):
         """(mean over the K heads of their cross-entropies, head 0's): the training loss and the reported."""
-        V = self.cfg.vocab_size
-        logits = F.linear(self.hidden(inputs), self.w("heads"))  # (B, T, K*V): all heads in one matmul
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> float32; else as is
-        losses = [F.cross_entropy(logits[..., k * V:(k + 1) * V].reshape(-1, V), targets[k].reshape(-1),
-                                  ignore_index=-1) for k in range(self.cfg.mtp_heads)]
+        V, K = self.cfg.vocab_size, self.cfg.mtp_heads
+        logits = self.project(self.hidden(inputs), "heads", (V,) * K)  # K times (B, T, V)
+        dtype = torch.promote_types(logits[0].dtype, torch.float32)  # bf16 -> float32; else as is
+        losses = [F.cross_entropy(z.to(dtype).reshape(-1, V), targets[k].reshape(-1), ignore_index=-1)
+                  for k, z in enumerate(logits)]
         return torch.stack(losses).mean(), losses[0]

@@ -239,6 +239,8 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
                               grad_norm=round(grad_norm, 6), tokens_per_s=round(tps, 1))
                 if peak:
                     record.update(mfu=round(tps * flops_per_token(eng.cfg) / peak, 4))
+                if eng.device_memory() is not None:
+                    record.update(gpu_mem_gib=round(eng.device_memory() / 2 ** 30, 3))
                 last = step == hp.steps
                 if last or step % hp.eval_every == 0:
                     val_loss, val_bpb = evaluate(eng, val_full if last else val_quick)

@@ -1,11 +1,14 @@
-"""The CPU engine against finite differences (float64): each layer on its own, then the whole model."""
+"""The CPU engine against finite differences (float64): each layer on its own, then the whole model; and
+against PyTorch autograd (benchmarks/reference.py), where PyTorch is installed."""
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nanoeuler.check import CHECK_CONFIGS, gradient_check
-from nanoeuler.config import PRESETS, Config, param_count, param_layout, rope_tables
+from nanoeuler.config import PRESETS, Config, param_count, param_layout, rope_tables, views
 from nanoeuler.cpu import layers as L
 from nanoeuler.model import make_engine
 from nanoeuler.problems import random_problem, relative_error
@@ -300,3 +303,25 @@ def test_presets_parameter_counts():
     assert param_count(PRESETS["base"]) == 116_417_280
     with pytest.raises(ValueError):
         Config(dim=30, n_heads=4)
+
+
+@by_heads
+def test_engine_matches_pytorch_reference(cfg):
+    """The CPU engine (float64) against autograd: the PyTorch model that the benchmarks time ours against
+    (benchmarks/reference.py) gives the same losses and gradients. Skipped without PyTorch ('.[bench]')."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from reference import Reference
+    finally:
+        sys.path.pop(0)
+    eng, inputs, targets = engine_with_problem(cfg)
+    loss, loss0 = eng.forward_backward(inputs, targets)
+    for gqa, split in (("native", False), ("repeat", True)):
+        model = Reference(cfg, eng.params, dtype=torch.float64, gqa=gqa, split_matmuls=split)
+        ref, ref0 = model(torch.from_numpy(inputs).long(), torch.from_numpy(targets).long())
+        ref.backward()
+        assert np.isclose(ref.item(), loss, rtol=1e-12) and np.isclose(ref0.item(), loss0, rtol=1e-12)
+        ours = views(eng.grads, cfg)
+        for name, grad in model.named_tensors(grad=True).items():
+            assert np.linalg.norm(grad - ours[name]) <= 1e-12 * np.linalg.norm(ours[name]), name

@@ -151,39 +151,41 @@ def check_embedding(c, L, R):
 
 @_precisions("fp32", "bf16")
 def check_rmsnorm(c, L, R):
-    N, C = 67, 203
-    x, w, dout = c.act(c.normal(N, C, scale=2.0)), c.act(1 + c.normal(C, scale=0.3)), c.act(c.normal(N, C))
-    ref, rrstd = np.empty((N, C)), np.empty(N)
-    R.rmsnorm_forward(ref, rrstd, x, w, 1e-5)
-    g, grstd = c.poisoned(N, C), c.poisoned32(N)
-    L.rmsnorm_forward(g, grstd, c.dev(x), c.dev(w), 1e-5)
-    base_dx, base_dw = c.act(c.normal(N, C)), _f32(c.normal(C))
-    rdx, rdw = base_dx.copy(), base_dw.copy()
-    rrstd = _f32(rrstd)
-    R.rmsnorm_backward(rdx, rdw, dout, x, w, rrstd)
-    gdx, gdw = c.dev(base_dx), c.dev32(base_dw)
-    L.rmsnorm_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w), c.dev32(rrstd))
-    return [(f"rmsnorm_forward{c.tag} N={N} C={C}", rel_err(c.get(g), ref), c.tol),
-            (f"rmsnorm_forward{c.tag} rstd", rel_err(c.get(grstd), rrstd), c.tol),
-            (f"rmsnorm_backward{c.tag} dx (+=)", rel_err(c.get(gdx), rdx), c.tol),
-            (f"rmsnorm_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
+    out = []
+    for N, C in ((67, 203), (45, 196)):  # a row length off the 4-wide vector path, and one on it
+        x, w, dout = c.act(c.normal(N, C, scale=2.0)), c.act(1 + c.normal(C, scale=0.3)), c.act(c.normal(N, C))
+        ref, rrstd = np.empty((N, C)), np.empty(N)
+        R.rmsnorm_forward(ref, rrstd, x, w, 1e-5)
+        g, grstd = c.poisoned(N, C), c.poisoned32(N)
+        L.rmsnorm_forward(g, grstd, c.dev(x), c.dev(w), 1e-5)
+        base_dx, base_dw = c.act(c.normal(N, C)), _f32(c.normal(C))
+        rdx, rdw = base_dx.copy(), base_dw.copy()
+        rrstd = _f32(rrstd)
+        R.rmsnorm_backward(rdx, rdw, dout, x, w, rrstd)
+        gdx, gdw = c.dev(base_dx), c.dev32(base_dw)
+        L.rmsnorm_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w), c.dev32(rrstd))
+        out += [(f"rmsnorm_forward{c.tag} N={N} C={C}", rel_err(c.get(g), ref), c.tol),
+                (f"rmsnorm_forward{c.tag} rstd", rel_err(c.get(grstd), rrstd), c.tol),
+                (f"rmsnorm_backward{c.tag} dx (+=)", rel_err(c.get(gdx), rdx), c.tol),
+                (f"rmsnorm_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
+    return out
 
 
 @_precisions("fp32", "bf16")
 def check_rope(c, L, R):
-    B, T, H, G, D, pos0 = 3, 37, 6, 2, 64, 5
-    cos, sin = rope_tables(D, 64, 10000.0, np.float64)
-    cos, sin = _f32(cos), _f32(sin)
     out = []
-    for name, rfn, gfn in (("rope_forward", R.rope_forward, L.rope_forward),
-                           ("rope_backward", R.rope_backward, L.rope_backward)):
-        qkv = c.act(c.normal(B, T, H + 2 * G, D))
-        ref = qkv.copy()
-        rfn(ref, cos, sin, H + G, pos0)
-        g = c.dev(qkv)
-        gfn(g, c.dev32(cos), c.dev32(sin), H + G, pos0)
-        out.append((f"{name}{c.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} pos0={pos0}",
-                    rel_err(c.get(g), ref), c.tol))
+    for B, T, H, G, D, pos0 in ((3, 37, 6, 2, 64, 5), (2, 11, 3, 1, 36, 40)):  # 4 pairs a thread; 1 (D/2 odd)
+        cos, sin = rope_tables(D, 64, 10000.0, np.float64)
+        cos, sin = _f32(cos), _f32(sin)
+        for name, rfn, gfn in (("rope_forward", R.rope_forward, L.rope_forward),
+                               ("rope_backward", R.rope_backward, L.rope_backward)):
+            qkv = c.act(c.normal(B, T, H + 2 * G, D))
+            ref = qkv.copy()
+            rfn(ref, cos, sin, H + G, pos0)
+            g = c.dev(qkv)
+            gfn(g, c.dev32(cos), c.dev32(sin), H + G, pos0)
+            out.append((f"{name}{c.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} pos0={pos0}",
+                        rel_err(c.get(g), ref), c.tol))
     return out
 
 
@@ -228,18 +230,20 @@ def check_attention(c, L, R):
 
 @_precisions("fp32", "bf16")
 def check_swiglu(c, L, R):
-    N, F = 71, 93
-    gu, dout = c.act(c.normal(N, 2 * F, scale=2.0)), c.act(c.normal(N, F))
-    ref = np.empty((N, F))
-    R.swiglu_forward(ref, gu)
-    g = c.poisoned(N, F)
-    L.swiglu_forward(g, c.dev(gu))
-    rd = np.empty((N, 2 * F))
-    R.swiglu_backward(rd, dout, gu)
-    gd = c.poisoned(N, 2 * F)
-    L.swiglu_backward(gd, c.dev(dout), c.dev(gu))
-    return [(f"swiglu_forward{c.tag} N={N} F={F}", rel_err(c.get(g), ref), c.tol),
-            (f"swiglu_backward{c.tag}", rel_err(c.get(gd), rd), c.tol)]
+    out = []
+    for N, F in ((71, 93), (37, 92)):  # off and on the 4-wide vector path
+        gu, dout = c.act(c.normal(N, 2 * F, scale=2.0)), c.act(c.normal(N, F))
+        ref = np.empty((N, F))
+        R.swiglu_forward(ref, gu)
+        g = c.poisoned(N, F)
+        L.swiglu_forward(g, c.dev(gu))
+        rd = np.empty((N, 2 * F))
+        R.swiglu_backward(rd, dout, gu)
+        gd = c.poisoned(N, 2 * F)
+        L.swiglu_backward(gd, c.dev(dout), c.dev(gu))
+        out += [(f"swiglu_forward{c.tag} N={N} F={F}", rel_err(c.get(g), ref), c.tol),
+                (f"swiglu_backward{c.tag}", rel_err(c.get(gd), rd), c.tol)]
+    return out
 
 
 @_precisions("fp32", "bf16")

@@ -105,6 +105,11 @@ def _f32(x):
     return np.float32(x)
 
 
+def _vec(n):
+    """Elements per thread of the kernels that take 4 at once when the row length allows (common.cuh)."""
+    return 4 if n % 4 == 0 else 1
+
+
 def _blocks(n, threads):
     return (int(n) + threads - 1) // threads
 
@@ -189,7 +194,7 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
     defines = _act_defines(x)
     _kernel("rmsnorm", "rmsnorm_backward", defines, smem)(
         (grid,), (256,), (dx, partial, dout, x, w, rstd, _i32(N), _i32(C)), shared_mem=smem)
-    _kernel("rmsnorm", "rmsnorm_dw_reduce", defines)((_blocks(C, 256),), (256,), (dw, partial, _i32(grid), _i32(C)))
+    _kernel("rmsnorm", "rmsnorm_dw_reduce", defines)((_blocks(C, 32),), (32, 8), (dw, partial, _i32(grid), _i32(C)))
 
 
 # ------------------------------------------------------------------------------------------------ rope
@@ -198,8 +203,9 @@ def _rope(qkv, cos, sin, n_rot_heads, pos0, sign):
     _check(cos, sin)
     B, T, NH, D = qkv.shape
     n = B * T * n_rot_heads * (D // 2)
-    _kernel("rope", "rope_rotate", _act_defines(qkv))((_blocks(n, 256),), (256,), (qkv, cos, sin, _i32(B), _i32(T), _i32(NH),
-                                                               _i32(n_rot_heads), _i32(D), _i32(pos0), _f32(sign)))
+    _kernel("rope", "rope_rotate", _act_defines(qkv))(
+        (_blocks(n // _vec(D // 2), 256),), (256,),
+        (qkv, cos, sin, _i32(B), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D), _i32(pos0), _f32(sign)))
 
 
 def rope_forward(qkv, cos, sin, n_rot_heads, pos0):
@@ -237,8 +243,13 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
        _f32(1.0 / math.sqrt(D))))
 
 
-def _attention_backward_smem(D, item):
-    return 4 * (4 * _TILE * (D + 4) + _TILE * (_TILE + 4) + 2 * _TILE)
+def _attention_backward_smem(D, defines):
+    """Dynamic shared memory of the dK/dV and dQ kernels (attention.cu): four 64-row tiles of q, k, v, dout
+    (bf16 on the bf16 tensor-core path, float32 otherwise) with 16 bytes of padding per row, plus lse and delta
+    of 64 queries for dK/dV."""
+    E = 2 if "ACT_BF16=1" in defines and "ATT_PRECISE=1" not in defines else 4
+    tiles = 4 * _TILE * (E * D + 16)
+    return tiles + 2 * _TILE * 4, tiles
 
 
 def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
@@ -253,11 +264,11 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
     _kernel("attention", "attention_backward_delta", defines)(
         (_blocks(B * T * n_heads, 8),), (256,), (delta, dout, out, _i32(B), _i32(T), _i32(n_heads), _i32(D)))
     args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale)
-    smem = _attention_backward_smem(D, qkv.dtype.itemsize)
-    _kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem)(
-        (n_kv_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem)
-    _kernel("attention", f"attention_backward_dq_d{D}", defines, smem)(
-        (n_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem)
+    smem_dkdv, smem_dq = _attention_backward_smem(D, defines)
+    _kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem_dkdv)(
+        (n_kv_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem_dkdv)
+    _kernel("attention", f"attention_backward_dq_d{D}", defines, smem_dq)(
+        (n_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem_dq)
 
 
 # ---------------------------------------------------------------------------------------------- swiglu
@@ -265,14 +276,16 @@ def swiglu_forward(out, gate_up):
     """out (N, F) = silu(gate) * up from gate_up (N, 2F)"""
     _check(out, gate_up, act=gate_up)
     N, F = out.shape
-    _kernel("swiglu", "swiglu_forward", _act_defines(gate_up))((_blocks(N * F, 256),), (256,), (out, gate_up, _i32(N), _i32(F)))
+    _kernel("swiglu", "swiglu_forward", _act_defines(gate_up))((_blocks(N * F // _vec(F), 256),), (256,),
+                                                               (out, gate_up, _i32(N), _i32(F)))
 
 
 def swiglu_backward(dgate_up, dout, gate_up):
     """dgate_up (N, 2F) overwritten"""
     _check(dgate_up, dout, gate_up, act=gate_up)
     N, F = dout.shape
-    _kernel("swiglu", "swiglu_backward", _act_defines(gate_up))((_blocks(N * F, 256),), (256,), (dgate_up, dout, gate_up, _i32(N), _i32(F)))
+    _kernel("swiglu", "swiglu_backward", _act_defines(gate_up))((_blocks(N * F // _vec(F), 256),), (256,),
+                                                                (dgate_up, dout, gate_up, _i32(N), _i32(F)))
 
 
 # --------------------------------------------------------------------------------------- cross-entropy

@@ -368,9 +368,9 @@ ATTENTION_FORWARD(32)
 // Deterministic: no atomics. The FlashAttention-2 recurrence, p_ij = exp(s_ij - lse_i), dp_ij = dout_i . v_j,
 // ds_ij = p_ij (dp_ij - delta_i), is evaluated twice, once by blocks that own keys (dK, dV) and once by blocks
 // that own queries (dQ), so that each gradient row is summed in one thread's registers in a fixed order and
-// written once. The recomputation costs two more products per tile (S and dP again), cheaper than atomics
-// and a zeroed dqkv, and the run-to-run results are bitwise identical. Launch order: delta, then the other two
-// in any order (they write disjoint heads of dqkv, every element once: dqkv needs no zeroing).
+// written once: results are bitwise identical from run to run. The price is two more products per tile (S
+// and dP are computed by both kernels, 7 products per tile pair instead of 5); dqkv needs no zeroing. Launch
+// order: delta, then the other two in any order (they write disjoint heads of dqkv, every element once).
 
 // delta (B, H, T) = rowsum(dout * out), one warp per (b, t, h) row; the FlashAttention-2 preprocessing step.
 extern "C" __global__ void attention_backward_delta(float* __restrict__ delta, const act_t* __restrict__ dout,
@@ -428,8 +428,8 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
         dv[dn][0] = dv[dn][1] = dv[dn][2] = dv[dn][3] = 0.f;
     }
 
-    // one flat loop over the (query head, query tile) pairs: nested loops keep more state live across
-    // iterations, and ptxas then spills at D = 32
+    // one flat loop over the (query head, query tile) pairs: with nested loops more state stays live across
+    // iterations, and ptxas spilled at D = 32 (sm_90)
     const int n_q = (T + ATT_TILE - 1) / ATT_TILE - kt;  // query tiles kt .. last
     for (int it = 0; it < group * n_q; ++it) {
         const int h = kvh * group + it / n_q, qt = kt + it % n_q, q0 = qt * ATT_TILE;
@@ -517,7 +517,7 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
 // dQ. One block per (query head, batch, 64-query tile): grid (H, B, query tiles), 128 threads, the tiles
 // with the most keys first, as in the forward. Warp w owns queries 16w .. 16w + 15, with their lse and delta
 // in registers. The block's Q and dO tiles stay in shared memory for the whole loop (as fragments in
-// registers they would cost 16 D / KS more registers a thread, and the 3xTF32 build would spill); for each
+// registers they would cost 8 D / KS more registers a thread, and the 3xTF32 build would spill); for each
 // key tile 0 .. diagonal: S = Q K^T, dP = dO V^T, P = exp(S - lse) (causal mask on the diagonal),
 // dS = P (dP - delta), and dQ += dS K with dS straight from the accumulators. dQ * scale is written once into
 // the q head of dqkv.

@@ -93,3 +93,25 @@ typedef bf16 act_t;
 #else
 typedef float act_t;
 #endif
+
+// V consecutive elements to and from float registers: V = 4 takes one vector access (the element count of
+// the row a multiple of 4, so every row starts aligned), V = 1 the scalar fallback for odd sizes.
+template <int V, typename T>
+__device__ __forceinline__ void load_vec(float (&r)[V], const T* p) {
+    if constexpr (V == 4) {
+        const float4 f = load4(p);
+        r[0] = f.x, r[1] = f.y, r[2] = f.z, r[3] = f.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) r[i] = to_float(p[i]);
+    }
+}
+template <int V, typename T>
+__device__ __forceinline__ void store_vec(T* p, const float (&r)[V]) {
+    if constexpr (V == 4) {
+        store4(p, make_float4(r[0], r[1], r[2], r[3]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) p[i] = from_float<T>(r[i]);
+    }
+}

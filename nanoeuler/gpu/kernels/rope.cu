@@ -1,22 +1,41 @@
 // Rotary position embedding (rotate-half pairing, element i with i + D/2), in place on the first n_rot heads
 // (the q and k heads) of the fused activation qkv (B, T, NH, D). The backward pass is the inverse rotation,
-// the same kernel with the sine negated (sign = -1).
+// the same kernel with the sine negated (sign = -1). A thread rotates V = 4 consecutive pairs (one vector
+// access per half) when D/2 is a multiple of 4, one pair otherwise.
 #include "common.cuh"
 
-extern "C" __global__ void rope_rotate(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
-                                       const float* __restrict__ sin_t, int B, int T, int NH, int n_rot,
-                                       int D, int pos0, float sign) {
+template <int V>
+__device__ __forceinline__ void rope_pairs(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
+                                           const float* __restrict__ sin_t, long long i, int T, int NH,
+                                           int n_rot, int D, int pos0, float sign) {
     const int half = D >> 1;
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)B * T * n_rot * half) return;
     const int j = (int)(i % half);
     const long long rest = i / half;
     const int h = (int)(rest % n_rot);
     const long long bt = rest / n_rot;
     const int p = pos0 + (int)(bt % T);
-    const float c = cos_t[(long long)p * half + j], s = sign * sin_t[(long long)p * half + j];
     act_t* row = qkv + (bt * NH + h) * D;
-    const float x1 = to_float(row[j]), x2 = to_float(row[j + half]);
-    row[j] = from_float<act_t>(x1 * c - x2 * s);
-    row[j + half] = from_float<act_t>(x2 * c + x1 * s);
+    float x1[V], x2[V], c[V], s[V];
+    load_vec<V>(x1, row + j);
+    load_vec<V>(x2, row + j + half);
+    load_vec<V>(c, cos_t + (long long)p * half + j);
+    load_vec<V>(s, sin_t + (long long)p * half + j);
+    float y1[V], y2[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        y1[k] = x1[k] * c[k] - x2[k] * sign * s[k];
+        y2[k] = x2[k] * c[k] + x1[k] * sign * s[k];
+    }
+    store_vec<V>(row + j, y1);
+    store_vec<V>(row + j + half, y2);
+}
+
+extern "C" __global__ void rope_rotate(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
+                                       const float* __restrict__ sin_t, int B, int T, int NH, int n_rot,
+                                       int D, int pos0, float sign) {
+    const int V = (D >> 1) % 4 == 0 ? 4 : 1;
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (i >= (long long)B * T * n_rot * (D >> 1)) return;
+    if (V == 4) rope_pairs<4>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos0, sign);
+    else rope_pairs<1>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos0, sign);
 }
