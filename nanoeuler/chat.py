@@ -7,7 +7,7 @@
 With a pretrained (base) checkpoint the session is one growing text: each line you type is appended to it
 and the model continues it, so it answers in the voice of its corpus. The text is kept (up to the model's
 context) until `/reset`. With a chat checkpoint (`nanoeuler sft`, `chat` = 1 in its metadata) each line is
-one instruction, wrapped in the Alpaca template the model was fine-tuned on (sft.render_prompt), and the
+one instruction, wrapped in the Alpaca template the model was fine-tuned on (template.render_prompt), and the
 reply runs until the model emits `</s>` (or --max-new-tokens); each instruction stands on its own, as every
 fine-tuning example did. `/quit` or Ctrl-D leaves; Ctrl-C stops a reply that runs on. Line editing and
 history (up arrow, also across sessions in ~/.nanoeuler_history) come from readline where Python has it.
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from nanoeuler.sample import TextStream, generate, load_model
-from nanoeuler.sft import render_prompt
+from nanoeuler.template import render_prompt
 
 HELP = "/reset clears the text so far, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"
 HISTORY = os.path.expanduser("~/.nanoeuler_history")

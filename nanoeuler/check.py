@@ -54,6 +54,51 @@ def gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print):
         eng.params[index] = flat[index]
         return loss
 
+    return _compare(cfg, eng, flat, analytic, loss_at, inputs, samples, rng, h, report)
+
+
+def dpo_problem(cfg, rng, pairs=2, beta=0.5):
+    """(flat params, inputs (2P, T), targets (K, 2P, T), beta) for the DPO check: P pairs of random sequences
+    (chosen rows first, then rejected), each with a random prompt length masked with -1 in every head as SFT
+    does, and padding after a random end."""
+    flat, _, _ = random_problem(cfg, rng)
+    T, K, B = cfg.context, cfg.mtp_heads, 2 * pairs
+    seq = rng.integers(0, cfg.vocab_size, (B, T + K))
+    targets = np.full((K, B, T), -1, dtype=np.int32)
+    for b in range(B):
+        n_prompt, end = int(rng.integers(2, T // 2)), int(rng.integers(T // 2 + 2, T + K + 1))
+        for k in range(K):
+            for t in range(T):
+                if n_prompt <= t + 1 + k < end:
+                    targets[k, b, t] = seq[b, t + 1 + k]
+    return flat, seq[:, :T].astype(np.int32), targets, beta
+
+
+def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5):
+    """Finite differences of the DPO objective (Engine.dpo_forward_backward) against its analytic gradient,
+    float64 CPU engine, as gradient_check does for the training loss."""
+    from nanoeuler.model import make_engine
+
+    rng = np.random.default_rng(seed + 1)
+    eng = make_engine(cfg, device="cpu", dtype=np.float64)
+    flat, inputs, targets, beta = dpo_problem(cfg, rng, beta=beta)
+    eng.load_params(flat)
+    pi = eng.sequence_logprobs(inputs, targets)
+    ref = pi + rng.normal(0.0, 2.0, pi.shape)  # a reference model a little away from the policy
+    eng.dpo_forward_backward(inputs, targets, ref, beta)
+    analytic = eng.grads.copy()
+
+    def loss_at(index, delta):
+        eng.params[index] = flat[index] + delta
+        loss = eng.dpo_loss(inputs, targets, ref, beta)
+        eng.params[index] = flat[index]
+        return loss
+
+    return _compare(cfg, eng, flat, analytic, loss_at, inputs, samples, rng, h, report,
+                    skip=[f"heads.{k}" for k in range(1, cfg.mtp_heads)])
+
+
+def _compare(cfg, eng, flat, analytic, loss_at, inputs, samples, rng, h, report, skip=()):
     layout, _ = param_layout(cfg)
     used_rows = np.unique(inputs)
     errors = {}
@@ -63,6 +108,10 @@ def gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print):
         if name == "tok_emb":  # half the sample from rows the batch uses, which have non-zero gradients
             rows = rng.choice(used_rows, (samples + 1) // 2)
             picks[:len(rows)] = rows * shape[1] + rng.integers(0, shape[1], len(rows))
+        if name in skip:  # DPO reads head 0 only: the other heads' gradient must be exactly 0
+            errors[name] = float(np.abs(analytic[off:off + size]).max())
+            report(f"  {name:<20} : max |grad| {errors[name]:.2e} (not in the objective: must be 0)")
+            continue
         fd = np.empty(len(picks))
         for j, i in enumerate(off + picks):
             near = loss_at(i, h) - loss_at(i, -h)
@@ -121,9 +170,13 @@ def main(args):
         print(f"K = {cfg.mtp_heads} ({describe(cfg)}):")
         for name, err in gradient_check(cfg, samples=args.samples, seed=args.seed).items():
             errors[f"K = {cfg.mtp_heads}, {name}"] = err
+    for cfg in CHECK_CONFIGS:
+        print(f"DPO objective, K = {cfg.mtp_heads}: 2 pairs, beta 0.5, prompts and padding masked:")
+        for name, err in dpo_gradient_check(cfg, samples=args.samples, seed=args.seed).items():
+            errors[f"DPO K = {cfg.mtp_heads}, {name}"] = err
     worst = max(errors, key=lambda n: math.inf if math.isnan(errors[n]) else errors[n])  # NaN is worst
     print(f"max relative error: {errors[worst]:.2e} ({worst})")
     ok = all(err < THRESHOLD for err in errors.values())
     print(f"{'PASS' if ok else 'FAIL'} (threshold {THRESHOLD:.0e}, {len(errors)} tensors in "
-          f"{len(CHECK_CONFIGS)} models, {time.time() - start:.1f} s)")
+          f"{len(CHECK_CONFIGS)} models, training loss and DPO, {time.time() - start:.1f} s)")
     return 0 if ok else 1

@@ -4,6 +4,7 @@
     nanoeuler train [small|big|base] ...    pretrain (CPU or GPU engine)
     nanoeuler infer "PROMPT" ...            sample from a checkpoint
     nanoeuler sft ...                       supervised fine-tuning on Alpaca
+    nanoeuler dpo ...                       preference tuning (DPO) of a chat model
     nanoeuler chat ...                      interactive REPL
     nanoeuler tokenizer train|encode|decode
     nanoeuler export --hf DIR               a Hugging Face LlamaForCausalLM folder
@@ -151,6 +152,26 @@ def build_parser():
     p.add_argument("--show", type=_positive_int, metavar="N",
                    help="print the first N examples as trained, supervised tokens marked, and exit")
 
+    p = sub.add_parser("dpo", help="preference-tune a chat model on chosen/rejected pairs (DPO)")
+    _device_flag(p)
+    _training_flags(p)
+    p.add_argument("--data", help="JSONL of {prompt, chosen, rejected} (default data/preferences.jsonl)")
+    p.add_argument("--ckpt", default="nanoeuler_chat.bin",
+                   help="chat checkpoint to start from, also the reference model (default nanoeuler_chat.bin)")
+    p.add_argument("--out", default="nanoeuler_dpo.bin", help="chat checkpoint to write (default nanoeuler_dpo.bin)")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
+    p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
+    p.add_argument("--beta", type=_positive_float, help="DPO's beta: how far from the reference (default 0.1)")
+    p.add_argument("--steps", type=_positive_int, help="total optimizer steps (default 1000)")
+    p.add_argument("--batch-size", type=_positive_int, help="pairs per batch (default 16)")
+    p.add_argument("--lr", type=_positive_float, help="peak learning rate (default 5e-6)")
+    p.add_argument("--seed", type=_nonneg_int, help="pair order and samples")
+    p.add_argument("--eval-every", type=_positive_int)
+    p.add_argument("--sample-every", type=_positive_int)
+    p.add_argument("--ckpt-every", type=_positive_int)
+    p.add_argument("--val-pairs", type=_positive_int,
+                   help="pairs held out for the validation metrics (default a twentieth, at most 500)")
+
     p = sub.add_parser("chat", help="interactive session with a trained model")
     _sampling_flags(p)
 
@@ -240,6 +261,8 @@ def main(argv=None):
             from nanoeuler.sample import main as run
         elif args.command == "sft":
             from nanoeuler.sft import main as run
+        elif args.command == "dpo":
+            from nanoeuler.dpo import main as run
         elif args.command == "chat":
             from nanoeuler.chat import main as run
         elif args.command == "export":

@@ -176,8 +176,11 @@ class Engine:
         self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
         counts = np.asarray(counts, dtype=np.float64)
         if backward:
-            dscale = xp.asarray((1.0 / (K * np.maximum(counts, 1))).astype(self.dtype))
-            self.L.crossentropy_forward_backward(a["losses"], a["logits"], targets, dscale)
+            # the cross-entropy layer scales each (head, row) on its own; here every row of head k alike
+            scale = 1.0 / (K * np.maximum(counts, 1))
+            dscale = np.repeat(scale[:, None], targets.shape[1], axis=1)
+            self.L.crossentropy_forward_backward(a["losses"], a["logits"], targets,
+                                                 xp.asarray(dscale.astype(self.dtype)))
         else:
             self.L.crossentropy_forward(a["losses"], a["logits"], targets)
         per_head = self._to_numpy(a["losses"].sum(axis=1)).astype(np.float64) / np.maximum(counts, 1)
@@ -210,6 +213,17 @@ class Engine:
             self._forward(inputs, a, B, T)
             return self._losses(a, targets, backward=False, counts=counts)
 
+    def sequence_logprobs(self, inputs, targets):
+        """(B,) float64: each row's sum of head-0 log-probabilities of its supervised targets (targets[0] >= 0;
+        for a chat pair, the response tokens and </s>). No gradients: DPO's reference model."""
+        inputs, targets, _, B, T = self._prepare(inputs, targets)
+        a = self._activations(B, T)
+        with self._mode():
+            self._forward(inputs, a, B, T)
+            self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
+            self.L.crossentropy_forward(a["losses"], a["logits"], targets.reshape(self.cfg.mtp_heads, -1))
+        return -self._to_numpy(a["losses"][0]).astype(np.float64).reshape(B, T).sum(axis=1)
+
     def logits(self, inputs):
         """Head-0 logits (B, T, V) of a full forward pass, as float32 NumPy."""
         inputs = self._tokens(inputs)
@@ -230,13 +244,18 @@ class Engine:
             return self._forward_backward(inputs, targets, accumulate, counts)
 
     def _forward_backward(self, inputs, targets, accumulate, counts):
-        cfg, L, p, g = self.cfg, self.L, self.p, self.g
         inputs, targets, batch_counts, B, T = self._prepare(inputs, targets)
         a = self._activations(B, T)
-        N, H, G = B * T, cfg.n_heads, cfg.n_kv_heads
         self._forward(inputs, a, B, T)
         counts = batch_counts if counts is None else counts
         loss = self._losses(a, targets, backward=True, counts=counts)  # a['logits'] now holds d loss / d logits
+        self._backward(inputs, a, B, T, accumulate)
+        return loss
+
+    def _backward(self, inputs, a, B, T, accumulate):
+        """From d loss / d logits in a['logits'] to every parameter's gradient (into self.grads, or added)."""
+        cfg, L, p, g = self.cfg, self.L, self.p, self.g
+        N, H, G = B * T, cfg.n_heads, cfg.n_kv_heads
         if not accumulate:
             self.grads.fill(0)
         dresid, dxn = a["dresid"], a["dxn"]
@@ -265,7 +284,65 @@ class Engine:
             L.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, a["resid"][i], p[w + "attn_norm"],
                                a["rstd1"][i])
         L.embedding_backward(g["tok_emb"], dresid, inputs.reshape(N))
-        return loss
+
+    # ------------------------------------------------------------------------------------------- DPO
+    def dpo_forward_backward(self, inputs, targets, ref_logps, beta, pairs=None, accumulate=False):
+        """DPO (Rafailov et al. 2023) on a batch of P preference pairs: rows 0..P-1 of inputs (2P, T) are the
+        chosen sequences, rows P..2P-1 the rejected ones, pair i = rows (i, P+i); targets (K, 2P, T) mask
+        everything but each response and its </s> with -1 (as SFT does); ref_logps (2P,) are the reference
+        model's sequence log-probabilities of the same rows (sequence_logprobs of the starting model).
+
+            pi_s = sum over the row's supervised head-0 targets of log softmax(logits)[target]
+            z_i  = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+            loss = (1 / pairs) * sum_i -log sigmoid(z_i)
+
+        pairs is the number of pairs the loss is averaged over (this batch's P, or a larger batch's with
+        accumulate, for gradient accumulation: the micro-batches' losses and gradients then add up).
+        The backward is the cross-entropy layer's own with a weight per row: d pi_s / d logits of a row is
+        -(softmax - onehot), and d loss / d pi_c = -beta * sigmoid(-z) / pairs (+ for pi_r), so d loss /
+        d logits of a chosen row = +beta * sigmoid(-z) / pairs * (softmax - onehot), of a rejected row the
+        negative of that. Heads 1..K-1 get no gradient (their scale is 0). Returns (loss, stats) with stats
+        the per-pair arrays pi (2P,), z (P,), and the rewards beta * (pi - ref) (2P,)."""
+        with self._mode():
+            return self._dpo_forward_backward(inputs, targets, ref_logps, beta, pairs, accumulate)
+
+    def dpo_weights(self, z, beta, pairs):
+        """(chosen, rejected) weights of each pair's rows' cross-entropy gradients: d loss / d CE_s."""
+        w = beta * (1.0 / (1.0 + np.exp(z))) / pairs  # beta * sigmoid(-z) / pairs
+        return w, -w
+
+    def _dpo_forward_backward(self, inputs, targets, ref_logps, beta, pairs, accumulate):
+        cfg, xp, K = self.cfg, self.xp, self.cfg.mtp_heads
+        inputs_d, targets_d, _, B, T = self._prepare(inputs, targets)
+        if B % 2:
+            raise ValueError(f"DPO needs chosen and rejected rows in pairs, got {B} rows")
+        P = B // 2
+        pairs = P if pairs is None else pairs
+        a = self._activations(B, T)
+        self._forward(inputs_d, a, B, T)
+        flat_targets = targets_d.reshape(K, -1)
+        self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
+        # the forward alone first: the weights need every sequence's log-probability
+        self.L.crossentropy_forward(a["losses"], a["logits"], flat_targets)
+        pi = -self._to_numpy(a["losses"][0]).astype(np.float64).reshape(B, T).sum(axis=1)
+        ref = np.asarray(ref_logps, dtype=np.float64)
+        z = beta * ((pi[:P] - ref[:P]) - (pi[P:] - ref[P:]))
+        loss = float(np.logaddexp(0.0, -z).sum() / pairs)  # -log sigmoid(z), stable for any z
+        w_chosen, w_rejected = self.dpo_weights(z, beta, pairs)
+        dscale = np.zeros((K, B, T))
+        dscale[0] = np.concatenate([w_chosen, w_rejected])[:, None]
+        self.L.crossentropy_forward_backward(a["losses"], a["logits"], flat_targets,
+                                             xp.asarray(dscale.reshape(K, -1).astype(self.dtype)))
+        self._backward(inputs_d, a, B, T, accumulate)
+        return loss, dict(pi=pi, z=z, rewards=beta * (pi - ref))
+
+    def dpo_loss(self, inputs, targets, ref_logps, beta, pairs=None):
+        """The DPO loss of dpo_forward_backward without gradients (the finite-difference check)."""
+        pi = self.sequence_logprobs(inputs, targets)
+        ref = np.asarray(ref_logps, dtype=np.float64)
+        P = len(pi) // 2
+        z = beta * ((pi[:P] - ref[:P]) - (pi[P:] - ref[P:]))
+        return float(np.logaddexp(0.0, -z).sum() / (P if pairs is None else pairs))
 
     # ------------------------------------------------------------------------------------------ AdamW
     def step(self, lr, weight_decay, grad_clip, beta1=0.9, beta2=0.95, eps=1e-8):

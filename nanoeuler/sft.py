@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on instruction data: `nanoeuler sft`, and the chat template `nanoeuler chat` uses.
+"""Supervised fine-tuning on instruction data: `nanoeuler sft` (the chat template is nanoeuler/template.py).
 
     nanoeuler sft                                   # data/alpaca.json + nanoeuler.bin -> nanoeuler_chat.bin
     nanoeuler sft --steps 500 --lr 5e-5 --device gpu
@@ -31,21 +31,13 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from nanoeuler import checkpoint
+from nanoeuler import checkpoint, template
 from nanoeuler.config import param_count
 from nanoeuler.data import windows_to_batch
 from nanoeuler.errors import UserError
-from nanoeuler.files import check_writable
-from nanoeuler.train import Hyper, batch_text, engine_precision, fit, hyper_with_flags, load_for_resume, schedule_text
-
-PROMPT_WITH_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-PROMPT_NO_INPUT = (
-    "Below is an instruction that describes a task. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n")
+from nanoeuler.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT, render_prompt  # noqa: F401 (sft.render_prompt)
+from nanoeuler.train import (batch_text, check_outputs, fit, output_paths, replace_note, resume_checkpoint,
+                             run_engine, run_hyper, schedule_text, Hyper)  # noqa: F401 (Hyper: sft.Hyper)
 
 DEFAULT_DATA = "data/alpaca.json"
 # For the base model on one GPU: about one epoch of Alpaca (52K examples, 500 held out) at 32 per batch.
@@ -56,17 +48,9 @@ SPLIT_SEED = 1234  # the held-out set does not move with --seed, so validation l
 PAD_MULTIPLE = 64  # a batch is padded to its longest example rounded up to this (few distinct shapes)
 
 
-def render_prompt(instruction, input=""):
-    """The Alpaca prompt, up to and including "### Response:\\n"; the response follows it directly."""
-    if input:
-        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
-    return PROMPT_NO_INPUT.format(instruction=instruction)
-
-
 def encode_example(tok, example):
     """(ids, n_prompt): the prompt's tokens, then the response's and </s>; ids[n_prompt:] are supervised."""
-    prompt = tok.encode(render_prompt(example["instruction"], example["input"]))
-    return np.array(prompt + tok.encode(example["output"]) + [tok.eos_id], dtype=np.int32), len(prompt)
+    return template.encode(tok, example["instruction"], example["output"], example["input"])
 
 
 def fit_example(ids, n_prompt, context, K, long="truncate"):
@@ -236,32 +220,27 @@ def main(args):
     if args.show is not None:
         return show(args)
     from nanoeuler.device import resolve, wants_gpu
-    from nanoeuler.model import make_engine
 
-    out = args.out
-    log_path = args.log or os.path.splitext(out)[0] + ".jsonl"
-    if args.resume:
-        ck = load_for_resume(out, "sft", "nanoeuler sft")
+    out, log_path = output_paths(args)
+    ck = resume_checkpoint(args, "sft", "nanoeuler sft")
+    if ck is not None:
         state = ck.train_state
         for flag, key in (("long", "long"), ("val_examples", "val_examples")):
             given = getattr(args, flag)
             if given is not None and given != state[key]:
                 raise UserError(f"--resume: {out} was trained with --{flag.replace('_', '-')} {state[key]}; "
                                 f"the held-out split and the examples cannot change mid-run")
-        hp = hyper_with_flags(Hyper(**state["hyper"]), args)
-        if ck.step >= hp.steps:
-            raise UserError(f"--resume: {out} has finished its {hp.steps} steps; pass --steps N to train longer")
         data_path, long, n_val, base = args.data or state["data"], state["long"], state["val_examples"], \
             state["base"]
+        start = ck
     else:
-        ck = checkpoint.load(args.ckpt)
-        hp = hyper_with_flags(SFT_HYPER, args)
+        start = checkpoint.load(args.ckpt)
         data_path, long, n_val, base = args.data or DEFAULT_DATA, args.long or "truncate", args.val_examples, \
             args.ckpt
-    cfg, tok = ck.cfg, ck.tokenizer()
+    hp = run_hyper(args, ck, SFT_HYPER)
+    cfg, tok = start.cfg, start.tokenizer()
     device = resolve(args.device, cfg)
-    for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
-        check_writable(path)
+    check_outputs(out, log_path)
 
     data = read_data(data_path)
     train_idx, val_idx = split(len(data), n_val)
@@ -278,31 +257,24 @@ def main(args):
                             limit=hp.final_eval_batches)
     val_quick = eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=hp.eval_batches)
 
-    eng = make_engine(cfg, device=device, seed=hp.seed,
-                      precision=engine_precision(args, device, ck if args.resume else None))
-    eng.load_params(ck.params)
-    if args.resume:
-        eng.load_opt_state(*ck.opt)
-        eng.opt_step = ck.train_state["opt_step"]
-        source.load_state(ck.train_state["source"])
+    eng = run_engine(cfg, device, args, hp, ck, source, params=start.params)
     slow = device == "cpu" and wants_gpu(cfg)
-    if args.resume:
+    if ck is not None:
         origin = f"{out} (step {ck.step}, fine-tuned from {base})"
     else:
-        origin = f"{base} (step {ck.step}{', already a chat model' if ck.chat else ''})"
+        origin = f"{base} (step {start.step}{', already a chat model' if start.chat else ''})"
     print(f"model: {origin}, {param_count(cfg) / 1e6:.2f}M parameters, context {cfg.context}, "
           f"{device.upper()} engine in {eng.precision}"
           + (" (no GPU: this will be slow)" if slow else ""))
-    start = ck.step if args.resume else 0
-    print(f"fine-tuning: steps {start + 1}..{hp.steps} of {batch_text(hp)} examples, loss on the responses "
+    first_step = ck.step if ck is not None else 0
+    print(f"fine-tuning: steps {first_step + 1}..{hp.steps} of {batch_text(hp)} examples, loss on the responses "
           f"only, peak lr {hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
           + (f"; resuming {out}" if args.resume else ""))
-    if not args.resume and os.path.exists(out):
-        print(f"note: {out} exists and will be replaced at the first checkpoint (--resume continues it)")
+    replace_note(out, ck)
     sys.stdout.flush()
     first = data[val_idx[0]]  # the samples during training answer a held-out instruction
     t0 = time.perf_counter()
-    status = fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=start,
+    status = fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=first_step,
                  train_state=dict(kind="sft", data=os.path.abspath(data_path), base=os.path.abspath(base),
                                   precision=eng.precision,
                                   long=long, val_examples=n_val, examples=counts),

@@ -150,7 +150,7 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
-    def plot(self, title):
+    def plot(self, title, ylabel="loss (nats/token, head 0)"):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -166,7 +166,7 @@ class MetricsLog:
         if val:
             ax.plot(*zip(*val), "o-", color="tab:orange", label="validation")
         ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token, head 0)")
+        ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -201,13 +201,39 @@ def accumulate_gradients(eng, inputs, targets, micro_batches):
     return loss, loss0
 
 
+class CrossEntropy:
+    """The objective of pretraining and SFT for fit(): the mean over the K heads of their cross-entropies on
+    the supervised targets. A batch is (inputs, targets); evaluation reports head 0's loss and bits per byte.
+    dpo.py has the other objective, with the same four methods."""
+    ylabel = "loss (nats/token, head 0)"
+
+    def train_step(self, eng, batch, hp):
+        """Gradients of one optimizer batch into eng.grads; (the record's loss fields, tokens processed)."""
+        inputs, targets = batch
+        loss, loss0 = accumulate_gradients(eng, inputs, targets, hp.grad_accum)
+        return dict(loss=loss0, loss_all_heads=loss), inputs.size
+
+    def evaluate(self, eng, batches):
+        val_loss, val_bpb = evaluate(eng, batches)
+        return dict(val_loss=val_loss, val_bpb=val_bpb)
+
+    def eval_text(self, record):
+        return f"train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f}, val {record['val_bpb']:.4f} bits/byte"
+
+    def plot_title(self, record):
+        return f"val {record['val_bpb']:.3f} bits/byte"
+
+
 def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, train_state=None,
-        chat=False, sample_prompt="\n", title="nanoeuler", log_first=None):
+        chat=False, sample_prompt="\n", title="nanoeuler", log_first=None, objective=None):
     """Train eng from start_step to hp.steps on batches from `source`, evaluating on the eval batches
     val_quick (periodically) and val_full (at the end). Checkpoints go to `out` with `train_state`
     (plus the source's state, the optimizer step and the hyperparameters) for --resume.
     log_first (a dict) is added to the first metrics record this run writes, e.g. SFT's example counts.
+    objective: what is trained (CrossEntropy, the default, or dpo.DPO): it turns a batch into gradients and
+    the loss fields of the log record, and evaluates.
     Returns 0 when done, 130 when stopped by Ctrl-C (after saving)."""
+    objective = objective or CrossEntropy()
     log = MetricsLog(log_path, resume_step=start_step if start_step else None)
 
     def save(step):
@@ -225,34 +251,32 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
             while step < hp.steps and not interrupt.requested:
                 t0 = time.perf_counter()
                 lr = lr_at(hp, step)
-                inputs, targets = source.next()
-                loss, loss0 = accumulate_gradients(eng, inputs, targets, hp.grad_accum)
-                if not (math.isfinite(loss) and math.isfinite(loss0)):
-                    raise UserError(f"training diverged at step {step + 1} (loss {loss}); the last checkpoint "
-                                    f"in {out} is kept; try a lower --lr")
+                losses, tokens = objective.train_step(eng, source.next(), hp)
+                if not all(math.isfinite(v) for v in losses.values()):
+                    raise UserError(f"training diverged at step {step + 1} (loss {losses['loss']}); the last "
+                                    f"checkpoint in {out} is kept; try a lower --lr")
                 grad_norm = eng.step(lr, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2)
                 step += 1
-                tps = inputs.size / (time.perf_counter() - t0)  # SFT batches may be shorter than the context
+                tps = tokens / (time.perf_counter() - t0)  # SFT batches may be shorter than the context
                 tps_avg = tps if tps_avg is None else 0.9 * tps_avg + 0.1 * tps
                 # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
-                record = dict(step=step, loss=loss0, loss_all_heads=loss, lr=float(f"{lr:.6g}"),
-                              grad_norm=round(grad_norm, 6), tokens_per_s=round(tps, 1))
+                record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
+                              tokens_per_s=round(tps, 1))
                 if peak:
                     record.update(mfu=round(tps * flops_per_token(eng.cfg) / peak, 4))
                 if eng.device_memory() is not None:
                     record.update(gpu_mem_gib=round(eng.device_memory() / 2 ** 30, 3))
                 last = step == hp.steps
                 if last or step % hp.eval_every == 0:
-                    val_loss, val_bpb = evaluate(eng, val_full if last else val_quick)
-                    record.update(val_loss=val_loss, val_bpb=val_bpb)
-                    tqdm.write(f"step {step}: train loss {loss0:.4f}, val loss {val_loss:.4f}, "
-                               f"val {val_bpb:.4f} bits/byte" + (" (final, held-out split)" if last else ""))
+                    record.update(objective.evaluate(eng, val_full if last else val_quick))
+                    tqdm.write(f"step {step}: {objective.eval_text(record)}"
+                               + (" (final, held-out split)" if last else ""))
                 if log_first:
                     record.update(log_first)
                     log_first = None
                 log.write(record)
                 mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / peak:.1%}" if peak else ""
-                bar.set_postfix_str(f"loss {loss0:.3f}, {tps_avg:,.0f} tok/s{mfu}", refresh=False)
+                bar.set_postfix_str(f"loss {record['loss']:.3f}, {tps_avg:,.0f} tok/s{mfu}", refresh=False)
                 bar.update(1)
                 if step % hp.sample_every == 0 or last:
                     text = sample_text(eng, tok, sample_prompt, hp.sample_tokens, seed=hp.seed + step)
@@ -260,7 +284,7 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, 
                 if last or step % hp.ckpt_every == 0:
                     save(step)
                 if "val_loss" in record:
-                    log.plot(f"{title}: step {step}, val {record['val_bpb']:.3f} bits/byte")
+                    log.plot(f"{title}: step {step}, {objective.plot_title(record)}", objective.ylabel)
             if interrupt.requested and step < hp.steps:
                 save(step)
                 tqdm.write(f"stopped at step {step}: saved {out}; continue with --resume")
@@ -307,32 +331,73 @@ def load_for_resume(out, kind, command):
     return ck
 
 
+# The command skeleton that train, sft and dpo share: where the outputs go, what --resume continues and with
+# which hyperparameters, the engine with the weights, optimizer and batch order restored.
+def output_paths(args):
+    """(out, metrics log): --out, and --log or --out with .jsonl."""
+    return args.out, args.log or os.path.splitext(args.out)[0] + ".jsonl"
+
+
+def resume_checkpoint(args, kind, command):
+    """With --resume, the checkpoint at --out (written by `command`, with its optimizer state); else None."""
+    return load_for_resume(args.out, kind, command) if args.resume else None
+
+
+def run_hyper(args, ck, fresh):
+    """The run's hyperparameters: a resumed run's own (ck), else `fresh`, with the flags given on top; a
+    finished run needs a larger --steps."""
+    hp = hyper_with_flags(Hyper(**ck.train_state["hyper"]) if ck is not None else fresh, args)
+    if ck is not None and ck.step >= hp.steps:
+        raise UserError(f"--resume: {args.out} has finished its {hp.steps} steps; pass --steps N to train longer")
+    return hp
+
+
+def check_outputs(out, log_path):
+    """Every file the run writes must be writable before it starts (not after hours of training)."""
+    for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
+        check_writable(path)
+
+
+def run_engine(cfg, device, args, hp, ck, source, params=None):
+    """The engine of a run: the weights of `params` (a new run that starts from a checkpoint) or of the
+    resumed checkpoint ck, whose AdamW moments, step count and batch order are restored too."""
+    from nanoeuler.model import make_engine
+    eng = make_engine(cfg, device=device, seed=hp.seed, precision=engine_precision(args, device, ck))
+    if ck is not None:
+        eng.load_params(ck.params)
+        eng.load_opt_state(*ck.opt)
+        eng.opt_step = ck.train_state["opt_step"]
+        if source is not None:
+            source.load_state(ck.train_state["source"])
+    elif params is not None:
+        eng.load_params(params)
+    return eng
+
+
+def replace_note(out, ck):
+    if ck is None and os.path.exists(out):
+        print(f"note: {out} exists and will be replaced at the first checkpoint (--resume continues it)")
+
+
 def main(args):
     from nanoeuler.data import RandomWindows, check_corpus, eval_batches, open_corpus
     from nanoeuler.device import resolve, wants_gpu
     from nanoeuler.tokenizer import Tokenizer
 
-    out = args.out
-    log_path = args.log or os.path.splitext(out)[0] + ".jsonl"
-    ck = None
-    if args.resume:
-        ck = load_for_resume(out, "pretrain", "nanoeuler train")
-        state = ck.train_state
-        preset = state["preset"]
+    out, log_path = output_paths(args)
+    ck = resume_checkpoint(args, "pretrain", "nanoeuler train")
+    if ck is not None:
+        preset = ck.train_state["preset"]
         if args.preset not in (None, preset):
             raise UserError(f"--resume: {out} is a {preset} model, not {args.preset}")
-        hp = hyper_with_flags(Hyper(**state["hyper"]), args)
-        if ck.step >= hp.steps:
-            raise UserError(f"--resume: {out} has finished its {hp.steps} steps; pass --steps N to train longer")
-        data = args.data or state["data"]
+        data = args.data or ck.train_state["data"]
     else:
         preset = args.preset or "small"
-        hp = hyper_with_flags(PRESET_HYPER[preset], args)
         data = args.data or DEFAULT_DATA[preset]
+    hp = run_hyper(args, ck, PRESET_HYPER[preset])
     # the preset's own vocabulary for a new run: close enough to the final one for the device rule
     device = resolve(args.device, ck.cfg if ck is not None else PRESETS[preset])
-    for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
-        check_writable(path)
+    check_outputs(out, log_path)
 
     # the tokenizer: the checkpoint's, a given one, or a new one learned on the corpus
     if data in DATA_HINT and not os.path.exists(data):
@@ -357,14 +422,7 @@ def main(args):
     val_quick = eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
                              limit=hp.eval_batches)
 
-    from nanoeuler.model import make_engine
-    precision = engine_precision(args, device, ck)
-    eng = make_engine(cfg, device=device, seed=hp.seed, precision=precision)
-    if ck is not None:
-        eng.load_params(ck.params)
-        eng.load_opt_state(*ck.opt)
-        eng.opt_step = ck.train_state["opt_step"]
-        source.load_state(ck.train_state["source"])
+    eng = run_engine(cfg, device, args, hp, ck, source)
     note = " (no GPU: this will be slow)" if device == "cpu" and wants_gpu(cfg) else ""
     print(f"model: {preset}, {param_count(cfg) / 1e6:.2f}M parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
           f"{cfg.n_heads}/{cfg.n_kv_heads} heads, context {cfg.context}, vocab {cfg.vocab_size}, "
@@ -374,8 +432,7 @@ def main(args):
     print(f"training: steps {start + 1}..{hp.steps} of {batch_text(hp)}x{cfg.context} tokens, peak lr "
           f"{hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
           + (f"; resuming {out}" if ck is not None else ""))
-    if ck is None and os.path.exists(out):
-        print(f"note: {out} exists and will be replaced at the first checkpoint (--resume continues it)")
+    replace_note(out, ck)
     sys.stdout.flush()
     t0 = time.perf_counter()
     status = fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=start,

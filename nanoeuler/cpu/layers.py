@@ -466,7 +466,8 @@ def crossentropy_forward(losses, logits, targets):
 @njit(**pjit)
 def crossentropy_forward_backward(losses, logits, targets, dscale):
     """As crossentropy_forward, then logits (N, K*V) is overwritten in place with d loss / d logits:
-    (softmax - onehot) * dscale[k], and 0 on rows whose target is -1. Fusing the two means the
+    (softmax - onehot) * dscale[k, n] (dscale (K, N): one scale per head and row, so a row's gradient can be
+    weighted on its own, as DPO's per-sequence weights need), and 0 on rows whose target is -1. Fusing the two means the
     probabilities are computed once and never stored beside the logits."""
     K, N = targets.shape
     V = logits.shape[1] // K
@@ -486,10 +487,11 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
                 row[v] = exp(row[v] - m)
                 total += row[v]
             losses[k, n] = m + math.log(total) - target_logit
-            s = dscale[k] / total
+            sc = dscale[k, n]
+            s = sc / total
             for v in range(V):
                 row[v] *= s
-            row[t] -= dscale[k]
+            row[t] -= sc
 
 
 # ---------------------------------------------------------------------------------------------- adamw

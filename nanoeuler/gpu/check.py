@@ -253,7 +253,7 @@ def check_crossentropy(c, L, R):
     targets = c.rng.integers(0, V, (K, N)).astype(np.int32)
     targets[:, 5] = -1
     targets[2, 40:50] = -1
-    dscale = _f32(c.rng.uniform(0.1, 1.0, K))
+    dscale = _f32(c.rng.uniform(-1.0, 1.0, (K, N)))  # a scale per head and row, signed as DPO's
     ref_l = np.empty((K, N))
     R.crossentropy_forward(ref_l, logits, targets)
     gl = c.poisoned32(K, N)

@@ -305,10 +305,13 @@ def crossentropy_forward(losses, logits, targets):
 
 
 def crossentropy_forward_backward(losses, logits, targets, dscale):
-    """As crossentropy_forward, then logits := d loss / d logits = (softmax - onehot) * dscale[k]."""
+    """As crossentropy_forward, then logits := d loss / d logits = (softmax - onehot) * dscale[k, n], dscale
+    (K, N) float32."""
     _check(losses, dscale)
     _check(logits, act=logits)
     K, N = targets.shape
+    if dscale.shape != (K, N):
+        raise ValueError(f"dscale {dscale.shape} must be (K, N) = {(K, N)}")
     V = logits.shape[1] // K
     targets = cupy.ascontiguousarray(targets, dtype=np.int32)
     _kernel("crossentropy", "crossentropy_forward_backward", _act_defines(logits))(

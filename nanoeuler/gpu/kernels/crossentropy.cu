@@ -33,7 +33,7 @@ __device__ __forceinline__ void crossentropy_row(float* __restrict__ losses, act
     const float lse = mx + logf(total);
     if (threadIdx.x == 0) losses[(long long)k * N + n] = lse - target_logit;
     if (BACKWARD) {
-        const float sc = dscale[k];
+        const float sc = dscale[(long long)k * N + n];
         for (int v = threadIdx.x; v < V; v += blockDim.x)
             row[v] = from_float<act_t>(expf(to_float(row[v]) - lse) * sc - (v == t ? sc : 0.f));
     }
@@ -45,7 +45,8 @@ extern "C" __global__ void crossentropy_forward(float* losses, act_t* logits, co
     crossentropy_row<false>(losses, logits, targets, nullptr, N, K, V);
 }
 
-// as crossentropy_forward, then logits := (softmax - onehot) * dscale[k].
+// as crossentropy_forward, then logits := (softmax - onehot) * dscale[k, n]; dscale (K, N) float32: a scale
+// per head and row (DPO weights each sequence's rows on their own).
 extern "C" __global__ void crossentropy_forward_backward(float* losses, act_t* logits, const int* targets,
                                                          const float* dscale, int N, int K, int V) {
     crossentropy_row<true>(losses, logits, targets, dscale, N, K, V);

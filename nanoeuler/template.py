@@ -1,0 +1,45 @@
+"""The chat template: how an instruction becomes a prompt, for every stage that talks to a chat model.
+
+`nanoeuler sft` trains on it, `nanoeuler dpo` scores preference pairs in it, and `nanoeuler chat` wraps each
+line in it, so a model always sees at inference the token boundary it was trained on. It is the standard
+Alpaca template (the variant with an input when there is one):
+
+    Below is an instruction that describes a task. Write a response that appropriately completes the request.
+
+    ### Instruction:
+    {instruction}
+
+    ### Response:
+    {response}</s>
+
+The prompt and the response are tokenized separately (as chat tokenizes the prompt and then generates), and
+the sequence ends with the tokenizer's end-of-text token `</s>`.
+"""
+import numpy as np
+
+PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+def render_prompt(instruction, input=""):
+    """The prompt, up to and including "### Response:\\n"; the response follows it directly."""
+    if input:
+        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
+    return PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def encode(tok, instruction, response, input=""):
+    """(ids, n_prompt): the prompt's tokens, then the response's and </s>; ids[n_prompt:] are the reply."""
+    prompt = tok.encode(render_prompt(instruction, input))
+    return np.array(prompt + tok.encode(response) + [tok.eos_id], dtype=np.int32), len(prompt)
+
+
+def prompt_ids(tok, instruction, input=""):
+    """The tokens a chat model is given to answer `instruction`."""
+    return tok.encode(render_prompt(instruction, input))
