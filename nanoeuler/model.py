@@ -411,11 +411,12 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None):
         from nanoeuler.cpu import layers
         return Engine(cfg, layers, np, dtype, seed, precision)
     if device == "gpu":
-        import cupy
-        from nanoeuler.gpu import layers
+        from nanoeuler.gpu import check_config
         try:
-            layers.check_config(cfg)
+            check_config(cfg)
         except ValueError as e:
             raise UserError(str(e)) from None
+        import cupy
+        from nanoeuler.gpu import layers
         return Engine(cfg, layers, cupy, dtype, seed, precision)
     raise ValueError(f"unknown device {device!r}")

@@ -140,3 +140,29 @@ def test_chat_repl(tiny_ckpt, tmp_path):
     assert "(cleared)" in r.stdout and "unknown command /nope" in r.stdout  # Ctrl-D (end of input) quits
     r = run_cli("chat", "--ckpt", tiny_ckpt, input="/quit\nnever read\n", env=env)
     assert r.returncode == 0 and r.stdout.rstrip().endswith(">")
+
+
+def test_every_entry_refuses_sequences_longer_than_the_context(eng):
+    """The RoPE tables and the kernels stop at the context: logits, losses and the KV cache refuse more."""
+    T = eng.cfg.context + 1
+    ids = np.zeros((1, T), dtype=np.int32)
+    targets = np.zeros((eng.cfg.mtp_heads, 1, T), dtype=np.int32)
+    with pytest.raises(ValueError, match="do not fit"):
+        eng.logits(ids)
+    with pytest.raises(ValueError, match="do not fit"):
+        eng.forward_loss(ids, targets)
+    with pytest.raises(ValueError, match="do not fit"):
+        eng.forward_backward(ids, targets)
+    with pytest.raises(ValueError, match="KV cache"):
+        eng.decode(eng.new_cache(), ids)
+    assert eng.logits(ids[:, :-1]).shape == (1, T - 1, eng.cfg.vocab_size)  # the context itself fits
+
+
+def test_gpu_refuses_a_head_size_its_kernels_lack_in_one_line():
+    from nanoeuler.config import Config
+    from nanoeuler.errors import UserError
+    from nanoeuler.model import make_engine
+
+    cfg = Config(dim=48, n_layers=1, n_heads=3, n_kv_heads=1, hidden=64, vocab_size=50, context=16)  # head_dim 16
+    with pytest.raises(UserError, match="head_dim 32 or 64, not 16"):
+        make_engine(cfg, device="gpu")

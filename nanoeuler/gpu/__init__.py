@@ -37,3 +37,13 @@ def peak_flops(precision="bf16"):
         if key in name:
             return bf16 if precision == "bf16" else tf32
     return None
+
+
+HEAD_SIZES = (32, 64)  # what the attention kernels are built for
+
+
+def check_config(cfg):
+    """Refuse, in one line (ValueError), a model the GPU kernels cannot run."""
+    if cfg.head_dim not in HEAD_SIZES:
+        raise ValueError(f"the GPU attention kernels support head_dim 32 or 64, not {cfg.head_dim} "
+                         f"(dim {cfg.dim} / {cfg.n_heads} heads); use --device cpu")

@@ -59,13 +59,6 @@ def activation_dtype(name, dtype=np.float32):
     return BF16 if name == "bf16" else F32
 
 
-def check_config(cfg):
-    """Refuse, in one line, a model the kernels cannot run."""
-    if cfg.head_dim not in (32, 64):
-        raise ValueError(f"the GPU attention kernels support head_dim 32 or 64, not {cfg.head_dim} "
-                         f"(dim {cfg.dim} / {cfg.n_heads} heads); use --device cpu")
-
-
 def _fast():
     return _precision["name"] != "fp32"
 
