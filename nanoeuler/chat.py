@@ -40,7 +40,7 @@ def _readline():
 
 def main(args):
     eng, tok, ck = load_model(args.ckpt, args.device)
-    rl = _readline()
+    rl = _readline() if sys.stdin.isatty() else None  # a pipe: answer each line, no history, exit at its end
     rng = np.random.default_rng(args.seed)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")

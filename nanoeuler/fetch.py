@@ -1,10 +1,12 @@
-"""Corpus fetchers: data/gutenberg.txt, data/web.txt and data/alpaca.json, the real corpora of the pipeline.
+"""Corpus fetchers: data/gutenberg.txt, data/web.txt, data/alpaca.json and data/preferences.jsonl, the real
+corpora of the pipeline.
 
 Run through the scripts in data/ (they cd to the repo root, so relative paths below are from there):
 
     sh data/get_gutenberg.sh [--list F] [--out F] [--cache-dir D] [--mirror URL]
     sh data/get_web.sh       [--max-bytes N] [--shards URL ...] [--out F] [--cache-dir D]
     sh data/get_alpaca.sh    [--url URL] [--out F] [--cache-dir D]
+    sh data/get_preferences.sh [--url URL] [--out F] [--cache-dir D]
 
 which call `python -m nanoeuler.fetch gutenberg|web|alpaca ...`. Every download goes through download():
 streamed to `<name>.part` in the cache dir, resumed with an HTTP Range request after a dropped connection,
@@ -13,7 +15,7 @@ cache is never fetched again, so a re-run costs no requests for what it already 
 to a temporary name and renamed only when complete: a failed or interrupted run leaves the old file alone.
 
 Sources (defaults are the real ones): NANOEULER_GUTENBERG_MIRROR, NANOEULER_WEB_SHARDS (whitespace-separated
-parquet URLs), NANOEULER_ALPACA_URL; NANOEULER_WEB_BYTES is the size of web.txt. Network behaviour:
+parquet URLs), NANOEULER_ALPACA_URL, NANOEULER_PREFERENCES_URL; NANOEULER_WEB_BYTES is the size of web.txt. Network behaviour:
 NANOEULER_FETCH_TIMEOUT (seconds without a byte before giving up on an attempt), NANOEULER_FETCH_RETRIES
 (attempts per file), NANOEULER_FETCH_BACKOFF (first wait between attempts; it doubles, capped at a minute).
 """
@@ -43,6 +45,8 @@ WEB_SHARDS = tuple(
 )
 WEB_BYTES = "1GB"
 ALPACA_URL = "https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca/main/alpaca_data.json"
+# Anthropic HH-RLHF, helpful-base training split: 43,835 transcripts as chosen/rejected pairs (MIT licence).
+PREFERENCES_URL = "https://huggingface.co/datasets/Anthropic/hh-rlhf/resolve/main/helpful-base/train.jsonl.gz"
 
 CHUNK = 1 << 16  # bytes per read: small enough that a dropped connection loses little, large enough to be cheap
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}  # statuses that say "try again later"; other 4xx are final
@@ -467,6 +471,70 @@ def fetch_alpaca(out, url, cache_dir, net):
     print(f"wrote {out}: {n} examples, {human(os.path.getsize(out))}", file=sys.stderr)
 
 
+# ---------------------------------------------------------------------------------------------------- preferences
+HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
+
+
+def hh_pair(record):
+    """An HH-RLHF record {chosen, rejected} (two transcripts of "\n\nHuman: ..." / "\n\nAssistant: ..." turns
+    that differ only in the last assistant reply) -> {prompt, chosen, rejected}: the prompt is the last human
+    turn alone, the responses the two final assistant replies, stripped. None when the record does not have
+    that shape or a part is empty."""
+    if not isinstance(record, dict):
+        return None
+    parts = []
+    for key in ("chosen", "rejected"):
+        text = record.get(key)
+        if not isinstance(text, str) or ASSISTANT not in text:
+            return None
+        cut = text.rindex(ASSISTANT)
+        parts.append((text[:cut], text[cut + len(ASSISTANT):].strip()))
+    (context, chosen), (other_context, rejected) = parts
+    if context != other_context or HUMAN not in context:
+        return None
+    prompt = context[context.rindex(HUMAN) + len(HUMAN):].strip()
+    if not prompt or not chosen or not rejected or chosen == rejected:
+        return None
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def fetch_preferences(out, url, cache_dir, net):
+    import gzip
+    import zlib
+
+    path = os.path.join(cache_dir, "preferences", cache_name(url))
+    try:
+        download(new_session(), url, path, net, desc="preferences")
+    except HTTPStatusError as e:
+        raise UserError(f"cannot download {url}: {e}") from None
+    kept = dropped = 0
+    try:
+        opener = gzip.open if url.split("?")[0].endswith(".gz") else open
+        with output_file(out) as f, opener(path, "rt", encoding="utf-8") as src:
+            for n, line in enumerate(tqdm(src, desc="pairs", unit=" lines", file=sys.stderr,
+                                          dynamic_ncols=True), 1):
+                if not line.strip():
+                    continue
+                try:
+                    pair = hh_pair(json.loads(line))
+                except ValueError:
+                    raise UserError(f"line {n} is not JSON") from None
+                if pair is None:
+                    dropped += 1
+                    continue
+                f.write((json.dumps(pair, ensure_ascii=False) + "\n").encode("utf-8"))
+                kept += 1
+            if not kept:
+                raise UserError("no record has the HH-RLHF shape (chosen/rejected transcripts with a final "
+                                "assistant reply)")
+    except (UserError, gzip.BadGzipFile, EOFError, zlib.error, UnicodeDecodeError) as e:
+        os.remove(path)  # a bad download must not satisfy the next run
+        reason = e if isinstance(e, UserError) else f"not gzip'd JSONL ({type(e).__name__}: {e})"
+        raise UserError(f"{url} is not HH-RLHF preference data: {reason}; {out} left as it was") from None
+    print(f"wrote {out}: {kept} pairs ({dropped} records of another shape skipped), "
+          f"{human(os.path.getsize(out))}", file=sys.stderr)
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
@@ -495,6 +563,11 @@ def build_parser():
     p.add_argument("--out", default="data/alpaca.json")
     p.add_argument("--url", default=None, help=f"(env NANOEULER_ALPACA_URL, default {ALPACA_URL})")
     p.add_argument("--cache-dir", default="data/cache", help=cache_help)
+
+    p = sub.add_parser("preferences", help="Anthropic HH-RLHF helpful-base pairs -> data/preferences.jsonl")
+    p.add_argument("--out", default="data/preferences.jsonl")
+    p.add_argument("--url", default=None, help=f"(env NANOEULER_PREFERENCES_URL, default {PREFERENCES_URL})")
+    p.add_argument("--cache-dir", default="data/cache", help=cache_help)
     return parser
 
 
@@ -522,9 +595,12 @@ def main(argv=None):
                 except ValueError as e:
                     raise UserError(f"NANOEULER_WEB_BYTES: {e}") from None
             fetch_web(args.out, shards, max_bytes, args.cache_dir, net)
-        else:
+        elif args.corpus == "alpaca":
             url = args.url or os.environ.get("NANOEULER_ALPACA_URL", "").strip() or ALPACA_URL
             fetch_alpaca(args.out, url, args.cache_dir, net)
+        else:
+            url = args.url or os.environ.get("NANOEULER_PREFERENCES_URL", "").strip() or PREFERENCES_URL
+            fetch_preferences(args.out, url, args.cache_dir, net)
     except UserError as e:
         print(f"nanoeuler: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ JSON, logs every request (path, Range header, bytes sent) and injects faults: a 
 dropped mid-file, a 404. A socket that listens but never answers and a closed port stand for a dead server and
 for being offline. All three source variables always point at 127.0.0.1, so nothing here reaches the network.
 """
+import gzip
 import http.server
 import json
 import os
@@ -117,7 +118,7 @@ def run(script, *args, env=None, cwd=REPO, timeout=60):
     full.update(
         PYTHON=sys.executable, NO_PROXY="127.0.0.1,localhost",
         NANOEULER_GUTENBERG_MIRROR=nowhere, NANOEULER_WEB_SHARDS=f"{nowhere}/x.parquet",
-        NANOEULER_ALPACA_URL=f"{nowhere}/alpaca.json",
+        NANOEULER_ALPACA_URL=f"{nowhere}/alpaca.json", NANOEULER_PREFERENCES_URL=f"{nowhere}/train.jsonl.gz",
         NANOEULER_FETCH_TIMEOUT="5", NANOEULER_FETCH_RETRIES="3", NANOEULER_FETCH_BACKOFF="0.01",
     )
     full.update(env or {})
@@ -323,3 +324,58 @@ def test_bad_settings_are_one_line_errors(tmp_path):
                               env={"NANOEULER_FETCH_TIMEOUT": "-1"}), "NANOEULER_FETCH_TIMEOUT")
     assert_one_line_error(run("get_gutenberg.sh", "--list", tmp_path / "none.tsv"), "none.tsv not found")
     assert parse_size("1GB") == 10**9 and parse_size("2MiB") == 2 << 20 and parse_size("1500") == 1500
+
+
+def hh(turns, chosen, rejected):
+    """An HH-RLHF record: the shared transcript, then the two final assistant replies."""
+    context = "".join(f"\n\n{who}: {text}" for who, text in turns)
+    return {"chosen": f"{context}\n\nAssistant: {chosen}", "rejected": f"{context}\n\nAssistant: {rejected}"}
+
+
+HH = [hh([("Human", "What is 2 + 2?")], "4", "Five, I think."),
+      hh([("Human", "Hi"), ("Assistant", "Hello!"), ("Human", "Name a fruit.")], " Apple. ", "Potato."),
+      {"chosen": "\n\nHuman: x\n\nAssistant: a", "rejected": "\n\nHuman: y\n\nAssistant: b"},  # contexts differ
+      hh([("Human", "Say nothing.")], "", "Something."),                                           # empty reply
+      hh([("Human", "Ünïcode? \u00e9")], "Oui, caf\u00e9.", "No.")]
+
+
+def test_preferences_from_hh_rlhf_dropped_connection_and_rerun(tmp_path, server):
+    payload = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in HH))
+    server.files["/helpful-base/train.jsonl.gz"] = payload
+    server.faults["/helpful-base/train.jsonl.gz"] = ["503"]
+    out = tmp_path / "preferences.jsonl"
+    args = ("--out", out, "--cache-dir", tmp_path / "cache")
+    env = {"NANOEULER_PREFERENCES_URL": f"{server.url}/helpful-base/train.jsonl.gz"}
+    proc = run("get_preferences.sh", *args, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pairs = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert pairs == [{"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "Five, I think."},
+                     {"prompt": "Name a fruit.", "chosen": "Apple.", "rejected": "Potato."},
+                     {"prompt": "\u00dcn\u00efcode? \u00e9", "chosen": "Oui, caf\u00e9.", "rejected": "No."}]
+    assert "3 pairs (2 records of another shape skipped)" in proc.stderr and "HTTP 503" in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["cache", "preferences.jsonl"]  # no temporary left
+    server.log.clear()
+    assert run("get_preferences.sh", *args, env=env).returncode == 0
+    assert server.requests() == []
+    # what `nanoeuler dpo` reads is exactly this
+    from nanoeuler.dpo import read_pairs
+    assert [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in read_pairs(str(out))] == pairs
+
+
+@pytest.mark.parametrize("payload,complaint", [
+    (b"<html>rate limited</html>", "not gzip'd JSONL"),
+    (gzip.compress(b"{not json}\n"), "line 1 is not JSON"),
+    (gzip.compress(json.dumps({"chosen": "no turns", "rejected": "x"}).encode()), "no record has the HH-RLHF shape"),
+])
+def test_preferences_invalid_data_replaces_nothing(tmp_path, server, payload, complaint):
+    server.files["/train.jsonl.gz"] = payload
+    out = tmp_path / "preferences.jsonl"
+    out.write_text("previous")
+    args = ("--out", out, "--cache-dir", tmp_path / "cache")
+    env = {"NANOEULER_PREFERENCES_URL": f"{server.url}/train.jsonl.gz"}
+    assert_one_line_error(run("get_preferences.sh", *args, env=env), complaint, "left as it was")
+    assert out.read_text() == "previous"
+    run("get_preferences.sh", *args, env=env)
+    assert len(server.requests()) == 2  # the bad download was not kept as if it were finished
+    assert_one_line_error(run("get_preferences.sh", *args,
+                              env={"NANOEULER_PREFERENCES_URL": f"{server.url}/missing.jsonl.gz"}), "HTTP 404")

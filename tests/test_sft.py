@@ -29,6 +29,9 @@ def _expected_mask(ids, n_prompt, K, T):
 
 
 def test_templates_are_the_standard_alpaca_ones():
+    # one template module for sft, dpo and chat
+    from nanoeuler import chat, dpo, template
+    assert sft.render_prompt is template.render_prompt is chat.render_prompt and dpo.template is template
     assert sft.render_prompt("Name a colour.") == (
         "Below is an instruction that describes a task. Write a response that appropriately completes the "
         "request.\n\n### Instruction:\nName a colour.\n\n### Response:\n")

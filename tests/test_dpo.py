@@ -1,0 +1,240 @@
+"""Preference tuning (DPO): the gradient check of the objective (and that a wrong sign or beta fails it), the
+per-row cross-entropy scales, bad preference data, exact resume without recomputing the reference, chat
+from a pipe, and the CPU pipeline pretrain -> sft -> dpo in which a learnable trait of the chosen replies
+is learned."""
+import json
+import os
+import re
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from nanoeuler import checkpoint, cli, dpo, sft, template, train
+from nanoeuler.check import CHECK_CONFIGS, THRESHOLD, dpo_gradient_check
+from nanoeuler.config import PRESETS, Config
+from nanoeuler.model import Engine, make_engine
+from nanoeuler.sample import generate
+
+
+# ------------------------------------------------------------------------------ the gradient check
+def _worst(errors):
+    return max(errors.values())
+
+
+def test_dpo_gradient_check_passes_for_both_models():
+    for cfg in CHECK_CONFIGS:
+        errors = dpo_gradient_check(cfg, samples=2, report=lambda *a: None)
+        assert _worst(errors) < THRESHOLD, errors
+
+
+@pytest.mark.parametrize("wrong", ["sign", "beta", "rejected sign"])
+def test_dpo_gradient_check_catches_a_wrong_weight(wrong, monkeypatch):
+    real = Engine.dpo_weights
+
+    def broken(self, z, beta, pairs):
+        w_c, w_r = real(self, z, beta, pairs)
+        if wrong == "sign":
+            return -w_c, -w_r
+        if wrong == "beta":
+            return real(self, z, 2 * beta, pairs)
+        return w_c, -w_r
+    monkeypatch.setattr(Engine, "dpo_weights", broken)
+    errors = dpo_gradient_check(CHECK_CONFIGS[1], samples=2, report=lambda *a: None)
+    assert _worst(errors) > 1e-2, errors
+
+
+def test_dpo_loss_matches_its_definition_and_accumulates():
+    """The loss against a direct computation from the logits, and two accumulated halves = the whole."""
+    cfg = Config(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden=32, vocab_size=40, context=24, mtp_heads=2)
+    rng = np.random.default_rng(0)
+    from nanoeuler.check import dpo_problem
+    flat, inputs, targets, beta = dpo_problem(cfg, rng, pairs=4)
+    eng = make_engine(cfg, dtype=np.float64)
+    eng.load_params(flat)
+    logits = eng.logits(inputs).astype(np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    pi = np.array([sum(logp[b, t, targets[0, b, t]] for t in range(inputs.shape[1]) if targets[0, b, t] >= 0)
+                   for b in range(len(inputs))])
+    np.testing.assert_allclose(eng.sequence_logprobs(inputs, targets), pi, rtol=1e-5)
+    ref = pi + rng.normal(0, 1, pi.shape)
+    z = beta * ((pi[:4] - ref[:4]) - (pi[4:] - ref[4:]))
+    loss, stats = eng.dpo_forward_backward(inputs, targets, ref, beta)
+    assert loss == pytest.approx(np.mean(np.log1p(np.exp(-z))), rel=1e-5)
+    whole = eng.grads.copy()
+    total = 0.0
+    for i, rows in enumerate(([0, 1, 4, 5], [2, 3, 6, 7])):
+        total += eng.dpo_forward_backward(inputs[rows], targets[:, rows], ref[rows], beta, pairs=4,
+                                          accumulate=i > 0)[0]
+    assert total == pytest.approx(loss, rel=1e-12)
+    np.testing.assert_allclose(eng.grads, whole, rtol=1e-9, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------------------ bad data
+def _cli(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+@pytest.mark.parametrize("lines,needle", [
+    (None, "not found"),
+    (['{"prompt": "a", "chosen": "b", "rejected": "c"}', "{oops"], ":2: not JSON"),
+    (['{"prompt": "a", "chosen": "b"}'], ":1: no string 'rejected'"),
+    (['{"prompt": "a", "chosen": "b", "rejected": "c"}', '{"prompt": "a", "chosen": "  ", "rejected": "c"}'],
+     ":2: the chosen response is empty"),
+    (['[1, 2]'], ":1: expected an object"),
+    ([""], "holds no preference pairs")])
+def test_bad_preference_data_is_one_line_naming_the_line(lines, needle, tiny_ckpt, tmp_path, capsys):
+    data = tmp_path / "prefs.jsonl"
+    if lines is not None:
+        data.write_text("\n".join(lines) + "\n")
+    status, _, err = _cli(capsys, "dpo", "--data", data, "--ckpt", tiny_ckpt, "--out", tmp_path / "d.bin")
+    assert status == 2 and err.count("\n") == 1 and needle in err and str(data) in err, err
+    assert not (tmp_path / "d.bin").exists()
+
+
+def test_nothing_fits_the_context(tiny_ckpt, tmp_path, capsys):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Greet {n}.", "chosen": "Hi", "rejected": "Yo"}) + "\n"
+                            for n in range(5)))
+    status, _, err = _cli(capsys, "dpo", "--data", data, "--ckpt", tiny_ckpt, "--out", tmp_path / "d.bin")
+    assert status == 2 and "fits the model's context of 32 tokens (line" in err, err
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys):
+    status, _, err = _cli(capsys, "dpo", "--resume", "--out", tmp_path / "none.bin")
+    assert status == 2 and "nothing to resume" in err
+
+
+# ------------------------------------------------------------------------------------ the CPU pipeline
+TINY = Config(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden=96, vocab_size=512, context=160, mtp_heads=2)
+PRETRAIN = train.Hyper(steps=60, batch_size=4, lr=3e-3, warmup=10, eval_every=60, sample_every=60,
+                       ckpt_every=60, eval_batches=2, final_eval_batches=2, sample_tokens=8)
+FINETUNE = train.Hyper(steps=100, batch_size=8, lr=1e-2, warmup=10, eval_every=50, sample_every=100,
+                       ckpt_every=100, eval_batches=2, sample_tokens=8)
+PREFER = train.Hyper(steps=40, batch_size=8, lr=1e-3, warmup=5, eval_every=10, sample_every=40,
+                     ckpt_every=40, sample_tokens=8)
+NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", "Banquo", "Othello", "Iago",
+         "Portia", "Shylock", "Viola", "Orsino", "Puck", "Oberon", "Titania", "Prospero", "Miranda", "Ariel",
+         "Caliban", "Rosalind", "Orlando", "Beatrice", "Benedick", "Falstaff", "Hal", "Brutus", "Cassius",
+         "Antony", "Cleopatra", "Horatio", "Laertes", "Polonius", "Kate", "Petruchio", "Bianca", "Lysander",
+         "Helena", "Hermia", "Bottom", "Malvolio", "Feste", "Timon", "Pericles", "Imogen", "Leontes", "Perdita"]
+TRAIT = " Welcome."  # what the chosen replies have and the rejected ones lack
+HELD_OUT = ["Greet Duncan.", "Greet Edgar.", "Greet Regan.", "Greet Paris.", "Greet Tybalt.", "Greet Emilia."]
+
+
+def _main(module, *argv):
+    return module.main(cli.build_parser()[0].parse_args([str(a) for a in argv]))
+
+
+def _greedy(ckpt, prompts, n=24):
+    ck = checkpoint.load(ckpt)
+    tok, eng = ck.tokenizer(), make_engine(ck.cfg)
+    eng.load_params(ck.params)
+    return [tok.decode(list(generate(eng, template.prompt_ids(tok, p), n, temperature=0,
+                                     stop_ids=(tok.eos_id,)))).decode("utf-8", "replace") for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Pretrain the small preset's structure (4 layers, 4/2 heads, K = 2) at width 32 on the start of
+    shakespeare.txt, fine-tune it on "Greet X." -> "Hello, X!" (one in eight "Hello, X! Welcome."), then
+    DPO on pairs whose chosen reply adds " Welcome." to the rejected one."""
+    d = tmp_path_factory.mktemp("dpo")
+    text = d / "shakespeare.txt"
+    with open(os.path.join(ROOT, "shakespeare.txt"), "rb") as f:
+        text.write_bytes(f.read(300_000))
+    sft_data = d / "greetings.json"
+    # one in eight instructions is answered with the trait: the SFT model can say it, but does not prefer it
+    sft_data.write_text(json.dumps([{"instruction": f"Greet {n}.", "input": "",
+                                     "output": f"Hello, {n}!" + (TRAIT if i % 8 == 0 else "")}
+                                    for i, n in enumerate(NAMES[:40])]))
+    prefs = d / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"Greet {n}.", "chosen": f"Hello, {n}!{TRAIT}",
+                                         "rejected": f"Hello, {n}!"}) + "\n" for n in NAMES))
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(PRESETS, "small", TINY)
+        m.setitem(train.PRESET_HYPER, "small", PRETRAIN)
+        m.setattr(sft, "SFT_HYPER", FINETUNE)
+        m.setattr(dpo, "DPO_HYPER", PREFER)
+        assert _main(train, "train", "--data", text, "--device", "cpu", "--out", d / "base.bin") == 0
+        assert _main(sft, "sft", "--ckpt", d / "base.bin", "--out", d / "chat.bin", "--data", sft_data,
+                     "--device", "cpu", "--val-examples", 4) == 0
+        assert _main(dpo, "dpo", "--ckpt", d / "chat.bin", "--out", d / "dpo.bin", "--data", prefs,
+                     "--device", "cpu", "--val-pairs", 8) == 0  # beta 0.1, the default
+    return {"dir": d, "chat": d / "chat.bin", "dpo": d / "dpo.bin", "prefs": prefs}
+
+
+def test_pipeline_dpo_learns_the_preferred_trait(pipeline):
+    log = [json.loads(line) for line in open(pipeline["dir"] / "dpo.jsonl")]
+    evals = [r for r in log if "val_reward_accuracy" in r]
+    assert log[0]["pairs_skipped"] == 0 and len(evals) == 4
+    first, last = evals[0], evals[-1]
+    assert {"val_loss", "val_reward_accuracy", "val_reward_margin"} <= set(last)
+    # the starting model gives every pair the same reward (0): 50% by the tie rule; then >= 90% held out
+    start = dpo.DPO(0.1).evaluate(*_start_eval(pipeline))
+    assert start["val_reward_accuracy"] == 0.5 and start["val_reward_margin"] == 0.0
+    assert last["val_reward_accuracy"] >= 0.9 and last["val_reward_margin"] > 0
+    assert last["val_loss"] < first["val_loss"] or first["val_reward_accuracy"] >= 0.9
+    ck = checkpoint.load(pipeline["dpo"], with_opt=True)
+    assert ck.chat and ck.step == PREFER.steps and len(ck.train_state["ref"]) == len(NAMES)
+    assert os.path.exists(pipeline["dir"] / "dpo.png")
+    # greedy replies to held-out instructions: the trait far more often after DPO than before
+    before = _greedy(pipeline["chat"], HELD_OUT)
+    after = _greedy(pipeline["dpo"], HELD_OUT)
+    n_before, n_after = sum(TRAIT.strip() in r for r in before), sum(TRAIT.strip() in r for r in after)
+    assert n_before <= 2 and n_after >= len(HELD_OUT) - 1, (before, after)
+    # the DPO model is a chat model for chat, infer and export alike; chat from a pipe exits at the end
+    r = run_cli("chat", "--ckpt", pipeline["dpo"], "--device", "cpu", "--temperature", 0, "--max-new-tokens", 24,
+                input="Greet Duncan.\nGreet Edgar.\n")
+    assert r.returncode == 0 and "a chat model" in r.stdout, r.stderr
+    assert len(re.findall(r"> Hello, [^\n]*Welcome\.\n", r.stdout)) == 2, r.stdout
+
+
+def _start_eval(pipeline):
+    """The SFT model (the reference) evaluated on the held-out pairs against its own log-probs."""
+    ck = checkpoint.load(pipeline["chat"])
+    tok, eng = ck.tokenizer(), make_engine(ck.cfg)
+    eng.load_params(ck.params)
+    data = dpo.read_pairs(pipeline["prefs"])
+    tr, va = sft.split(len(data), 8)
+    _, val, _ = dpo.prepare(data, tr, va, tok, ck.cfg.context, progress=False)
+    ref = dpo.reference_logps(eng, val, 8, progress=False)
+    return eng, dpo.pair_eval_batches(val, ref, 8, ck.cfg.context, ck.cfg.mtp_heads)
+
+
+def test_dpo_resume_after_interrupt_is_bit_identical_without_recomputing_the_reference(pipeline, tmp_path,
+                                                                                        monkeypatch):
+    common = ["--ckpt", pipeline["chat"], "--data", pipeline["prefs"], "--device", "cpu", "--val-pairs", 8,
+              "--steps", 8, "--batch-size", 4, "--grad-accum", 2, "--lr", 1e-3, "--eval-every", 3,
+              "--sample-every", 8, "--ckpt-every", 5]
+    assert _main(dpo, "dpo", "--out", tmp_path / "a.bin", *common) == 0
+    calls, real_next = {"n": 0}, dpo.PairBatches.next
+
+    def next_then_interrupt(self):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_next(self)
+    with monkeypatch.context() as m:
+        m.setattr(dpo.PairBatches, "next", next_then_interrupt)
+        assert _main(dpo, "dpo", "--out", tmp_path / "b.bin", *common) == 130
+    assert checkpoint.load(tmp_path / "b.bin").step == 4
+
+    def no_recompute(*a, **k):
+        raise AssertionError("the reference log-probs were recomputed on --resume")
+    monkeypatch.setattr(dpo, "reference_logps", no_recompute)
+    assert _main(dpo, "dpo", "--resume", "--out", tmp_path / "b.bin", "--device", "cpu") == 0
+    full, resumed = ([json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in "ab")
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    for a, b in zip(full, resumed):
+        for key in ("loss", "lr", "grad_norm", "reward_accuracy", "val_loss", "val_reward_accuracy",
+                    "val_reward_margin"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+    ca, cb = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
+    np.testing.assert_array_equal(ca.params, cb.params)
+    np.testing.assert_array_equal(ca.opt[0], cb.opt[0])
+    assert ca.chat and cb.chat and ca.train_state == cb.train_state
