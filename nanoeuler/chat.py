@@ -14,10 +14,11 @@ history (up arrow, also across sessions in ~/.nanoeuler_history) come from readl
 """
 import os
 import sys
+import time
 
 import numpy as np
 
-from nanoeuler.sample import TextStream, generate, load_model
+from nanoeuler.sample import TextStream, check_speculative, generate, load_model, stats_line
 from nanoeuler.template import render_prompt
 
 HELP = "/reset clears the text so far, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"
@@ -40,6 +41,8 @@ def _readline():
 
 def main(args):
     eng, tok, ck = load_model(args.ckpt, args.device)
+    if args.speculative:
+        check_speculative(eng)
     rl = _readline() if sys.stdin.isatty() else None  # a pipe: answer each line, no history, exit at its end
     rng = np.random.default_rng(args.seed)
     if hasattr(sys.stdout, "reconfigure"):
@@ -70,8 +73,10 @@ def main(args):
             text = tok.encode(render_prompt(line)) if ck.chat else text + tok.encode(line + "\n")
             reply, stream = [], TextStream(tok)
             try:
+                stats, t0 = {}, time.perf_counter()
                 for token in generate(eng, text, args.max_new_tokens, args.temperature, args.top_k,
-                                      args.top_p, rng, stop_ids=(tok.eos_id,)):
+                                      args.top_p, rng, stop_ids=(tok.eos_id,), speculative=args.speculative,
+                                      stats=stats):
                     if token == tok.eos_id:
                         break
                     reply.append(token)
@@ -84,6 +89,8 @@ def main(args):
             stream.close()
             if not tok.decode(reply).endswith(b"\n"):
                 print()
+            if args.stats:
+                print(stats_line(len(reply), time.perf_counter() - t0, stats), file=sys.stderr)
             text = (text + reply)[-eng.cfg.context:]
     finally:
         if rl is not None:

@@ -94,6 +94,10 @@ def _sampling_flags(p):
     p.add_argument("--top-k", type=_nonneg_int, default=0, help="sample among the K likeliest (0: all)")
     p.add_argument("--top-p", type=_probability, default=0.95, help="nucleus sampling mass (default 0.95)")
     p.add_argument("--seed", type=_nonneg_int, default=None, help="for reproducible samples")
+    p.add_argument("--speculative", action="store_true",
+                   help="self-speculative decoding: heads 1..K-1 draft, one forward verifies (same output "
+                        "distribution; greedy output identical)")
+    p.add_argument("--stats", action="store_true", help="print tokens/s (and accepted drafts) on stderr")
     _device_flag(p)
 
 

@@ -360,12 +360,15 @@ class Engine:
     def new_cache(self, batch=1):
         return KVCache(self.xp, self.cfg, batch, self.act)
 
-    def decode(self, cache, tokens):
-        """Append tokens (B, n) at cache.pos; return head-0 logits (B, V) of the last one (float32 NumPy)."""
+    def decode(self, cache, tokens, every_head=False):
+        """Append tokens (B, n) at cache.pos; return head-0 logits (B, V) of the last one, or with every_head
+        the logits of all K heads at every new position, (B, n, K, V) (what speculative decoding verifies
+        and drafts with). float32 NumPy. Setting cache.pos back rolls the cache back: later positions are
+        overwritten."""
         with self._mode():
-            return self._decode(cache, tokens)
+            return self._decode(cache, tokens, every_head)
 
-    def _decode(self, cache, tokens):
+    def _decode(self, cache, tokens, every_head):
         cfg, L, p, xp = self.cfg, self.L, self.p, self.xp
         tokens = xp.asarray(np.asarray(tokens, dtype=np.int32))
         B, n = tokens.shape
@@ -391,6 +394,11 @@ class Engine:
             L.swiglu_forward(sw, gate_up)
             L.matmul_forward(x, sw, p[w + "w_down"], accumulate=True)
         cache.pos += n
+        if every_head:
+            hf, rstd_f, logits = e(N, cfg.dim), f(N), f(N, cfg.mtp_heads * cfg.vocab_size)
+            L.rmsnorm_forward(hf, rstd_f, x, p["final_norm"], cfg.norm_eps)
+            L.matmul_forward(logits, hf, p["heads"])
+            return self._to_numpy(logits).astype(np.float32).reshape(B, n, cfg.mtp_heads, cfg.vocab_size)
         last = xp.ascontiguousarray(x.reshape(B, n, -1)[:, -1])
         hf, rstd_last, logits = e(B, cfg.dim), f(B), f(B, cfg.vocab_size)
         L.rmsnorm_forward(hf, rstd_last, last, p["final_norm"], cfg.norm_eps)

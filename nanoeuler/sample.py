@@ -12,16 +12,14 @@ is printed whole.
 import codecs
 import os
 import sys
+import time
 
 import numpy as np
 
 
-def pick(logits, temperature, top_k, top_p, rng):
-    """Choose the next token id from logits (V,): greedy at temperature 0, else sample from the softmax at
-    that temperature restricted to the top_k most likely tokens (0: all) and to the smallest set whose
-    probability reaches top_p (nucleus)."""
-    if temperature == 0:
-        return int(np.argmax(logits))
+def distribution(logits, temperature, top_k, top_p):
+    """The sampling distribution (V,) float64 of logits (V,) at temperature > 0, restricted to the top_k most
+    likely tokens (0: all) and to the smallest set whose probability reaches top_p (nucleus)."""
     z = logits.astype(np.float64) / temperature
     if 0 < top_k < z.size:
         z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
@@ -32,11 +30,25 @@ def pick(logits, temperature, top_k, top_p, rng):
         keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
         p[order[keep:]] = 0
         p /= p.sum()
+    return p
+
+
+def pick(logits, temperature, top_k, top_p, rng):
+    """Choose the next token id from logits (V,): greedy at temperature 0, else a draw from `distribution`."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    p = distribution(logits, temperature, top_k, top_p)
     return int(rng.choice(p.size, p=p))
 
 
-def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=()):
-    """Yield up to max_new_tokens new token ids continuing prompt_ids (non-empty); stops after a stop id."""
+def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=(),
+             speculative=False, stats=None):
+    """Yield up to max_new_tokens new token ids continuing prompt_ids (non-empty); stops after a stop id.
+    speculative: draft with the K prediction heads and verify (see `speculate`); stats (a dict) receives its
+    counts."""
+    if speculative:
+        yield from speculate(eng, prompt_ids, max_new_tokens, temperature, top_k, top_p, rng, stop_ids, stats)
+        return
     ctx = eng.cfg.context
     keep = ctx - ctx // 4
     rng = rng if rng is not None else np.random.default_rng()
@@ -55,6 +67,96 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
             logits = eng.decode(cache, np.array([history[-keep:]], dtype=np.int32))[0]
         else:
             logits = eng.decode(cache, np.array([[token]], dtype=np.int32))[0]
+
+
+def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=(),
+              stats=None):
+    """Self-speculative decoding with the K multi-token heads: at the last position, head 0 gives the next
+    token and heads 1..K-1 propose the K-1 after it; one forward over those K tokens verifies the proposals
+    against head 0 at each position. The longest agreeing prefix is kept, then the model's own token where
+    the first proposal failed, and the cache rolls back past the rejected positions.
+
+    Greedy (temperature 0): a proposal is kept when it is head 0's argmax, so the output is plain greedy
+    decoding's. Sampling: a proposal d drawn from head k's distribution q is kept with probability
+    min(1, p(d) / q(d)), p head 0's distribution at that position; otherwise the token is drawn from
+    max(0, p - q) normalised: the exact speculative-sampling rule, so the output follows p, as plain sampling
+    does. stats (a dict): `steps` (verifying forwards), `drafted`, `accepted`, `tokens`."""
+    check_speculative(eng)
+    K, ctx = eng.cfg.mtp_heads, eng.cfg.context
+    keep = ctx - ctx // 4
+    rng = rng if rng is not None else np.random.default_rng()
+    greedy = temperature == 0
+    dist = lambda logits: distribution(logits, temperature, top_k, top_p)
+    stats = stats if stats is not None else {}
+    for key in ("steps", "drafted", "accepted", "tokens"):
+        stats.setdefault(key, 0)
+    history = list(prompt_ids)
+    assert history, "generation needs at least one token to condition on"
+    cache = eng.new_cache(1)
+    heads = eng.decode(cache, np.array([history[-ctx:]], dtype=np.int32), every_head=True)[0, -1]  # (K, V)
+    first = None  # the next token when already decided (a replacement for a rejected proposal)
+    emitted = 0
+    while True:
+        if first is None:
+            first = pick(heads[0], temperature, top_k, top_p, rng)
+        if cache.pos + K > ctx:
+            # No room to verify K tokens: one plain step, sliding the window exactly when plain decoding
+            # does (when the cache is full), so greedy output stays plain greedy's.
+            kept, replacement = [first], None
+            if cache.pos == ctx:
+                cache = eng.new_cache(1)
+                heads = eng.decode(cache, np.array([(history + kept)[-keep:]], dtype=np.int32),
+                                   every_head=True)[0, -1]
+            else:
+                heads = eng.decode(cache, np.array([kept], dtype=np.int32), every_head=True)[0, -1]
+        else:
+            # the K-1 proposals after `first`, each from its head at the last cached position
+            q = [None if greedy else dist(heads[k]) for k in range(1, K)]
+            drafts = [int(np.argmax(heads[k])) if greedy else int(rng.choice(q[k - 1].size, p=q[k - 1]))
+                      for k in range(1, K)]
+            pos = cache.pos
+            out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True)[0]  # (K, K, V)
+            kept, replacement = [first], None
+            for j, d in enumerate(drafts):  # d proposes the token after kept[-1], at position pos + j + 1
+                if greedy:
+                    if int(np.argmax(out[j, 0])) != d:
+                        replacement = int(np.argmax(out[j, 0]))
+                        break
+                else:
+                    p = dist(out[j, 0])
+                    if rng.random() * q[j][d] >= p[d]:
+                        replacement = _residual_draw(p, q[j], rng)
+                        break
+                kept.append(d)
+            stats["steps"] += 1
+            stats["drafted"] += len(drafts)
+            stats["accepted"] += len(kept) - 1
+            cache.pos = pos + len(kept)  # roll back past the rejected proposals
+            heads = out[len(kept) - 1]
+        for token in kept:
+            yield token
+            emitted += 1
+            stats["tokens"] += 1
+            if token in stop_ids or emitted == max_new_tokens:
+                return
+            history.append(token)
+        first = replacement
+
+
+def check_speculative(eng):
+    """Speculative decoding drafts with heads 1..K-1: a K = 1 model has none (one-line error)."""
+    if eng.cfg.mtp_heads < 2:
+        from nanoeuler.errors import UserError
+        raise UserError("--speculative needs a checkpoint with K >= 2 prediction heads to draft with; this one "
+                        "has 1")
+
+
+def _residual_draw(p, q, rng):
+    """A draw from max(0, p - q) normalised: where a rejected proposal's probability mass goes."""
+    r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    r = r / total if total > 0 else p
+    return int(rng.choice(r.size, p=r))
 
 
 def start_ids(tok, prompt):
@@ -102,6 +204,8 @@ def load_model(ckpt, device):
 
 def main(args):
     eng, tok, _ = load_model(args.ckpt, args.device)
+    if args.speculative:
+        check_speculative(eng)
     ids = start_ids(tok, os.fsencode(args.prompt))  # the bytes as typed, even ones that are not UTF-8
     if len(ids) > eng.cfg.context:
         print(f"note: the prompt is {len(ids)} tokens; the model sees its last {eng.cfg.context}",
@@ -111,11 +215,24 @@ def main(args):
     stream = TextStream(tok)
     stream.out.write(args.prompt)
     rng = np.random.default_rng(args.seed)
-    for token in generate(eng, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, rng,
-                          stop_ids=(tok.eos_id,)):
+    stats, t0 = {}, time.perf_counter()
+    n = 0
+    for n, token in enumerate(generate(eng, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                                       rng, stop_ids=(tok.eos_id,), speculative=args.speculative, stats=stats), 1):
         if token != tok.eos_id:
             stream.write([token])
     stream.close()
     stream.out.write("\n")
+    if args.stats:
+        print(stats_line(n, time.perf_counter() - t0, stats), file=sys.stderr)
     return 0
+
+
+def stats_line(tokens, seconds, stats):
+    """`--stats`: speed, and for speculative decoding how many drafts the verifying forwards accepted."""
+    line = f"{tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):,.1f} tokens/s, prefill included)"
+    if stats.get("steps"):
+        line += (f"; speculative: {stats['steps']} verifying forwards, accepted {stats['accepted']} of "
+                 f"{stats['drafted']} drafts ({stats['accepted'] / stats['steps']:.2f} a step)")
+    return line
 

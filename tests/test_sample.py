@@ -166,3 +166,81 @@ def test_gpu_refuses_a_head_size_its_kernels_lack_in_one_line():
     cfg = Config(dim=48, n_layers=1, n_heads=3, n_kv_heads=1, hidden=64, vocab_size=50, context=16)  # head_dim 16
     with pytest.raises(UserError, match="head_dim 32 or 64, not 16"):
         make_engine(cfg, device="gpu")
+
+
+# ------------------------------------------------------------------------------- speculative decoding
+def _spec_engine(vocab, K, context, seed):
+    from nanoeuler.config import Config
+    cfg = Config(dim=32, n_layers=2, n_heads=1, n_kv_heads=1, hidden=64, vocab_size=vocab, context=context,
+                 mtp_heads=K)
+    e = make_engine(cfg)
+    flat = init_params(cfg, seed=seed)
+    rng = np.random.default_rng(seed)
+    for name, view in views(flat, cfg).items():
+        if not name.endswith("norm"):
+            view[...] = rng.normal(0, 0.5, view.shape)
+    e.load_params(flat)
+    return e
+
+
+def test_every_head_decode_matches_the_full_forward(eng):
+    ids = _ids(20, seed=3)
+    cache = eng.new_cache(1)
+    eng.decode(cache, ids[None, :12])
+    heads = eng.decode(cache, ids[None, 12:], every_head=True)[0]  # (8, K, V)
+    full = eng.logits(ids[None])[0]
+    assert heads.shape == (8, eng.cfg.mtp_heads, eng.cfg.vocab_size)
+    assert _rel(heads[:, 0], full[12:]) < 1e-5
+
+
+def test_speculative_greedy_is_plain_greedy_through_window_slides():
+    """K = 3 heads drafting; 120 tokens from a 40-token context slide the window three times."""
+    e = _spec_engine(vocab=50, K=3, context=40, seed=1)
+    prompt = [1, 2, 3, 4, 5]
+    stats = {}
+    plain = list(generate(e, prompt, 120, temperature=0))
+    spec = list(generate(e, prompt, 120, temperature=0, speculative=True, stats=stats))
+    assert spec == plain
+    assert stats["tokens"] == 120 and stats["drafted"] == 2 * stats["steps"]
+
+
+def test_speculative_sampling_follows_the_model_distribution():
+    """Two tokens after a fixed prompt, 3000 times, at temperature 1 with K = 2: the joint distribution of
+    (t1, t2) from speculative sampling matches the model's exact one (chi-square), while the head-1 drafts'
+    own distribution is far from it (so accepting drafts blindly would fail)."""
+    V, n = 6, 3000
+    e = _spec_engine(vocab=V, K=2, context=16, seed=7)
+    prompt = [1, 2, 3]
+    cache = e.new_cache(1)
+    first = e.decode(cache, np.array([prompt]), every_head=True)[0, -1]  # (K, V)
+    softmax = lambda z: np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    p1, q2 = softmax(first[0].astype(np.float64)), softmax(first[1].astype(np.float64))
+    exact = np.zeros((V, V))
+    for t1 in range(V):
+        c = e.new_cache(1)
+        e.decode(c, np.array([prompt]))
+        exact[t1] = p1[t1] * softmax(e.decode(c, np.array([[t1]]))[0].astype(np.float64))
+    rng = np.random.default_rng(0)
+    counts = np.zeros((V, V))
+    for _ in range(n):
+        t1, t2 = generate(e, prompt, 2, temperature=1.0, top_p=1.0, rng=rng, speculative=True)
+        counts[t1, t2] += 1
+    chi2 = lambda expected: float((((counts - n * expected) ** 2) / (n * expected)).sum())
+    assert chi2(exact) < 80  # 35 degrees of freedom: mean 35, p < 1e-4 above 80
+    assert chi2(p1[:, None] * q2[None, :]) > 300
+
+
+def test_speculative_needs_draft_heads():
+    from nanoeuler.errors import UserError
+    e = _spec_engine(vocab=20, K=1, context=16, seed=1)
+    with pytest.raises(UserError, match="K >= 2"):
+        list(generate(e, [1], 5, temperature=0, speculative=True))
+
+
+def test_infer_speculative_cli_prints_the_greedy_text_and_stats(tiny_ckpt):
+    greedy = ["--ckpt", tiny_ckpt, "--temperature", "0", "--max-new-tokens", "20", "--device", "cpu"]
+    plain = run_cli("infer", "ROMEO:", *greedy)
+    spec = run_cli("infer", "ROMEO:", *greedy, "--speculative", "--stats")
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "accepted" in spec.stderr and "tokens/s" in spec.stderr

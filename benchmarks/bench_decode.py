@@ -1,0 +1,111 @@
+"""Decoding speed at batch 1: ours (plain and self-speculative) beside Hugging Face `transformers` on the same
+weights, in one run, with the greedy tokens compared.
+
+Random weights from the preset's initialisation (scaled up, so the logits are not flat), a short random
+prompt, greedy decoding of --tokens new tokens; ms/token is the whole call (prefill of the 8-token prompt
+included) over the tokens. Hugging Face runs `LlamaForCausalLM` built from our exported tensors (head 0 as
+lm_head, export.hf_tensors) with its KV cache: eagerly, and on the GPU also with a static cache and
+torch.compile. Speculative decoding on random weights accepts few drafts (the heads were never trained to
+agree): it measures the machinery's overhead, not its gain; a trained checkpoint (--ckpt) shows the gain.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --preset small --device cpu
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --preset base --device gpu
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --ckpt nanoeuler.bin --device cpu
+"""
+import argparse
+import time
+
+import numpy as np
+
+from nanoeuler.config import PRESETS, init_params, views
+from nanoeuler.export import hf_tensors
+from nanoeuler.model import make_engine
+from nanoeuler.sample import generate
+
+
+def ours(eng, prompt, n, speculative):
+    stats, t0 = {}, time.perf_counter()
+    tokens = list(generate(eng, prompt, n, temperature=0, speculative=speculative, stats=stats))
+    return tokens, time.perf_counter() - t0, stats
+
+
+def hugging_face(cfg, params, prompt, n, device, compiled):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden,
+                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                         max_position_embeddings=cfg.context, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    model = LlamaForCausalLM(hf_cfg)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_tensors(cfg, params).items()}, strict=False)
+    dev = "cuda" if device == "gpu" else "cpu"
+    model = model.to(dev).eval()
+    x = torch.tensor([prompt], device=dev)
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    if compiled:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        model.generate(x, **kw)  # warm-up (and compilation)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(x, **kw)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    return out[0, len(prompt):].tolist(), seconds
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ap.add_argument("--ckpt", help="a trained checkpoint instead of random weights")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
+    args = ap.parse_args()
+
+    if args.ckpt:
+        from nanoeuler import checkpoint
+        ck = checkpoint.load(args.ckpt)
+        cfg, params, what = ck.cfg, ck.params, args.ckpt
+    else:
+        cfg = PRESETS[args.preset]
+        params = init_params(cfg, seed=0)
+        for name, view in views(params, cfg).items():
+            if not name.endswith("norm"):
+                view *= 3.0  # random weights with logits that are not flat
+        what = f"{args.preset}, random weights"
+    n = min(args.tokens, cfg.context - 8)
+    prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 8).tolist()
+    eng = make_engine(cfg, device=args.device, precision="fp32" if args.device == "cpu" else "tf32")
+    eng.load_params(params)
+    ours(eng, prompt, 8, False)  # warm-up (numba compilation, kernel compilation)
+    if cfg.mtp_heads > 1:
+        ours(eng, prompt, 8, True)
+    rows = []
+    plain, seconds, _ = ours(eng, prompt, n, False)
+    rows.append(("nanoeuler plain", seconds, plain, ""))
+    if cfg.mtp_heads > 1:
+        spec, seconds, stats = ours(eng, prompt, n, True)
+        rows.append(("nanoeuler --speculative", seconds, spec,
+                     f"accepted {stats['accepted']}/{stats['drafted']} drafts in {stats['steps']} forwards"))
+    if not args.no_hf:
+        hf, seconds = hugging_face(cfg, params, prompt, n, args.device, compiled=False)
+        rows.append(("transformers eager", seconds, hf, ""))
+        if args.device == "gpu":
+            hfc, seconds = hugging_face(cfg, params, prompt, n, args.device, compiled=True)
+            rows.append(("transformers static cache + compile", seconds, hfc, ""))
+    print(f"{what}: batch 1, greedy, {n} new tokens after an 8-token prompt, {args.device}")
+    print(f"{'decoder':<38} {'ms/token':>9} {'vs ours plain':>14} {'tokens = ours plain':>20}  notes")
+    base = rows[0][1]
+    for name, seconds, tokens, note in rows:
+        same = sum(a == b for a, b in zip(tokens, plain))
+        print(f"{name:<38} {1e3 * seconds / n:9.3f} {seconds / base:13.2f}x {same:>13}/{n}  {note}")
+
+
+if __name__ == "__main__":
+    main()
