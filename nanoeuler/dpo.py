@@ -36,7 +36,7 @@ from nanoeuler import checkpoint, template
 from nanoeuler.config import param_count
 from nanoeuler.errors import UserError
 from nanoeuler.sft import ExampleBatches, make_batch, split
-from nanoeuler.train import (Hyper, batch_text, check_outputs, fit, output_paths, replace_note,
+from nanoeuler.train import (Hyper, batch_text, check_outputs, check_precision, fit, output_paths, replace_note,
                              resume_checkpoint, run_engine, run_hyper, schedule_text)
 
 DEFAULT_DATA = "data/preferences.jsonl"
@@ -236,6 +236,7 @@ def main(args):
     hp = run_hyper(args, ck, DPO_HYPER)
     cfg, tok = start.cfg, start.tokenizer()
     device = resolve(args.device, cfg)
+    check_precision(args, device)
     check_outputs(out, log_path)
 
     data = read_pairs(data_path)

@@ -311,6 +311,12 @@ def batch_text(hp):
     return f"{hp.batch_size}" if hp.grad_accum == 1 else f"({hp.grad_accum} passes of {hp.batch_size})"
 
 
+def check_precision(args, device):
+    """A precision the device lacks is refused before any work (tokenizer training, data loading) starts."""
+    if device == "cpu" and getattr(args, "precision", None) not in (None, "fp32"):
+        raise UserError(f"--precision {args.precision}: the CPU engine computes in fp32 only")
+
+
 def engine_precision(args, device, ck):
     """--precision, else on --resume the precision the run trained in (where this device has it), else the
     device's default (None: bf16 on the GPU, fp32 on the CPU)."""
@@ -397,6 +403,7 @@ def main(args):
     hp = run_hyper(args, ck, PRESET_HYPER[preset])
     # the preset's own vocabulary for a new run: close enough to the final one for the device rule
     device = resolve(args.device, ck.cfg if ck is not None else PRESETS[preset])
+    check_precision(args, device)
     check_outputs(out, log_path)
 
     # the tokenizer: the checkpoint's, a given one, or a new one learned on the corpus

@@ -79,6 +79,12 @@ def test_train_base_without_its_corpus_says_how_to_build_it(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_cpu_refuses_a_gpu_precision_before_any_work(corpus, tmp_path):
+    r = run_cli("train", "--device", "cpu", "--precision", "bf16", "--data", corpus, "--out", tmp_path / "o.bin")
+    _one_line_error(r, "--precision bf16", "fp32 only")
+    assert os.listdir(tmp_path) == []
+
+
 def test_empty_corpus(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     _one_line_error(run_cli("train", "--data", tmp_path / "empty.txt", "--out", tmp_path / "o.bin"), "empty")
