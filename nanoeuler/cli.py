@@ -79,6 +79,20 @@ def _device_flag(p):
                    help="engine: auto takes the GPU when there is one (train small: the CPU)")
 
 
+def _run_flags(p, out, unit, steps, batch, lr):
+    """The flags of a training run that train, sft and dpo share (defaults: the command's own)."""
+    p.add_argument("--out", default=out, help=f"checkpoint to write (default {out})")
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
+    p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
+    p.add_argument("--steps", type=_positive_int, help=f"total optimizer steps{steps}")
+    p.add_argument("--batch-size", type=_positive_int, help=f"{unit} per batch{batch}")
+    p.add_argument("--lr", type=_positive_float, help=f"peak learning rate{lr}")
+    p.add_argument("--seed", type=_nonneg_int, help="initialisation (train), data order and samples")
+    p.add_argument("--eval-every", type=_positive_int)
+    p.add_argument("--sample-every", type=_positive_int)
+    p.add_argument("--ckpt-every", type=_positive_int)
+
+
 def _training_flags(p):
     p.add_argument("--precision", choices=("bf16", "tf32", "fp32"),
                    help="GPU arithmetic: bf16 (default on the GPU; float32 master weights), tf32 or fp32; the CPU "
@@ -115,18 +129,9 @@ def build_parser():
                    help="model size (default small; on --resume, the checkpoint's)")
     _device_flag(p)
     _training_flags(p)
-    p.add_argument("--data", help="text corpus (default: shakespeare.txt; base: data/pretrain.txt)")
-    p.add_argument("--out", default="nanoeuler.bin", help="checkpoint to write (default nanoeuler.bin)")
-    p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
-    p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
+    p.add_argument("--data", help="text corpus (default: shakespeare.txt; base, large: data/pretrain.txt)")
     p.add_argument("--tokenizer", help="tokenizer.json to use (default: learn one on the corpus)")
-    p.add_argument("--steps", type=_positive_int, help="total optimizer steps")
-    p.add_argument("--batch-size", type=_positive_int)
-    p.add_argument("--lr", type=_positive_float, help="peak learning rate")
-    p.add_argument("--seed", type=_nonneg_int, help="initialisation and data order")
-    p.add_argument("--eval-every", type=_positive_int)
-    p.add_argument("--sample-every", type=_positive_int)
-    p.add_argument("--ckpt-every", type=_positive_int)
+    _run_flags(p, "nanoeuler.bin", "sequences", "", " (default: the preset's)", "")
 
     p = sub.add_parser("infer", help="continue a prompt with a trained model")
     p.add_argument("prompt", help="text to continue (may be empty)")
@@ -138,17 +143,7 @@ def build_parser():
     p.add_argument("--data", help="Alpaca-style JSON list of {instruction, input, output} (default "
                    "data/alpaca.json)")
     p.add_argument("--ckpt", default="nanoeuler.bin", help="pretrained checkpoint (default nanoeuler.bin)")
-    p.add_argument("--out", default="nanoeuler_chat.bin", help="chat checkpoint to write (default "
-                   "nanoeuler_chat.bin)")
-    p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
-    p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
-    p.add_argument("--steps", type=_positive_int, help="total optimizer steps (default 1500)")
-    p.add_argument("--batch-size", type=_positive_int, help="examples per batch (default 32)")
-    p.add_argument("--lr", type=_positive_float, help="peak learning rate (default 1e-4)")
-    p.add_argument("--seed", type=_nonneg_int, help="example order and samples")
-    p.add_argument("--eval-every", type=_positive_int)
-    p.add_argument("--sample-every", type=_positive_int)
-    p.add_argument("--ckpt-every", type=_positive_int)
+    _run_flags(p, "nanoeuler_chat.bin", "examples", " (default 1500)", " (default 32)", " (default 1e-4)")
     p.add_argument("--val-examples", type=_positive_int,
                    help="examples held out for the validation loss (default a twentieth, at most 500)")
     p.add_argument("--long", choices=("truncate", "skip"),
@@ -162,17 +157,8 @@ def build_parser():
     p.add_argument("--data", help="JSONL of {prompt, chosen, rejected} (default data/preferences.jsonl)")
     p.add_argument("--ckpt", default="nanoeuler_chat.bin",
                    help="chat checkpoint to start from, also the reference model (default nanoeuler_chat.bin)")
-    p.add_argument("--out", default="nanoeuler_dpo.bin", help="chat checkpoint to write (default nanoeuler_dpo.bin)")
-    p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
-    p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
     p.add_argument("--beta", type=_positive_float, help="DPO's beta: how far from the reference (default 0.1)")
-    p.add_argument("--steps", type=_positive_int, help="total optimizer steps (default 1000)")
-    p.add_argument("--batch-size", type=_positive_int, help="pairs per batch (default 16)")
-    p.add_argument("--lr", type=_positive_float, help="peak learning rate (default 5e-6)")
-    p.add_argument("--seed", type=_nonneg_int, help="pair order and samples")
-    p.add_argument("--eval-every", type=_positive_int)
-    p.add_argument("--sample-every", type=_positive_int)
-    p.add_argument("--ckpt-every", type=_positive_int)
+    _run_flags(p, "nanoeuler_dpo.bin", "pairs", " (default 1000)", " (default 16)", " (default 5e-6)")
     p.add_argument("--val-pairs", type=_positive_int,
                    help="pairs held out for the validation metrics (default a twentieth, at most 500)")
 

@@ -36,8 +36,8 @@ from nanoeuler import checkpoint, template
 from nanoeuler.config import param_count
 from nanoeuler.errors import UserError
 from nanoeuler.sft import ExampleBatches, make_batch, split
-from nanoeuler.train import (Hyper, batch_text, check_outputs, check_precision, fit, output_paths, replace_note,
-                             resume_checkpoint, run_engine, run_hyper, schedule_text)
+from nanoeuler.train import (Hyper, batch_text, fit, output_paths, replace_note,
+                             resume_checkpoint, run_device, run_engine, run_hyper, schedule_text)
 
 DEFAULT_DATA = "data/preferences.jsonl"
 # For a chat model of base's size on one GPU: small steps from the SFT model, as in the DPO paper.
@@ -219,7 +219,7 @@ class DPO:
 
 # ------------------------------------------------------------------------------------------ the command
 def main(args):
-    from nanoeuler.device import resolve, wants_gpu
+    from nanoeuler.device import wants_gpu
 
     out, log_path = output_paths(args)
     ck = resume_checkpoint(args, "dpo", "nanoeuler dpo")
@@ -235,9 +235,7 @@ def main(args):
             args.ckpt
     hp = run_hyper(args, ck, DPO_HYPER)
     cfg, tok = start.cfg, start.tokenizer()
-    device = resolve(args.device, cfg)
-    check_precision(args, device)
-    check_outputs(out, log_path)
+    device = run_device(args, cfg, out, log_path)
 
     data = read_pairs(data_path)
     if len(data) < 2:

@@ -455,12 +455,18 @@ def read_alpaca(path):
     return data
 
 
-def fetch_alpaca(out, url, cache_dir, net):
-    path = os.path.join(cache_dir, "alpaca", cache_name(url))
+def download_to_cache(url, cache_dir, kind, net):
+    """One file at url into cache_dir/kind/ (resumable, retried); its path. An HTTP error is one line."""
+    path = os.path.join(cache_dir, kind, cache_name(url))
     try:
-        download(new_session(), url, path, net, desc="alpaca")
+        download(new_session(), url, path, net, desc=kind)
     except HTTPStatusError as e:
         raise UserError(f"cannot download {url}: {e}") from None
+    return path
+
+
+def fetch_alpaca(out, url, cache_dir, net):
+    path = download_to_cache(url, cache_dir, "alpaca", net)
     try:
         n = len(read_alpaca(path))
     except UserError as e:
@@ -502,11 +508,7 @@ def fetch_preferences(out, url, cache_dir, net):
     import gzip
     import zlib
 
-    path = os.path.join(cache_dir, "preferences", cache_name(url))
-    try:
-        download(new_session(), url, path, net, desc="preferences")
-    except HTTPStatusError as e:
-        raise UserError(f"cannot download {url}: {e}") from None
+    path = download_to_cache(url, cache_dir, "preferences", net)
     kept = dropped = 0
     try:
         opener = gzip.open if url.split("?")[0].endswith(".gz") else open

@@ -27,7 +27,7 @@ from nanoeuler.config import init_params, is_matrix, param_layout, rope_tables, 
 from nanoeuler.errors import UserError
 
 
-def to_float32(a, xp):
+def to_float32(a):
     """a as float32 (bf16 activations are uint16: the top half of a float32's bits)."""
     if a.dtype == np.uint16:
         return (a.astype(np.uint32) << 16).view(np.float32)
@@ -233,7 +233,7 @@ class Engine:
             self._forward(inputs, a, B, T)
             self.L.matmul_forward(a["logits"], a["hf"], self.p["heads"])
         V = self.cfg.vocab_size
-        return self._to_numpy(to_float32(a["logits"][:, :V], self.xp)).reshape(B, T, V)
+        return self._to_numpy(to_float32(a["logits"][:, :V])).reshape(B, T, V)
 
     # --------------------------------------------------------------------------------------- backward
     def forward_backward(self, inputs, targets, accumulate=False, counts=None):

@@ -36,8 +36,8 @@ from nanoeuler.config import param_count
 from nanoeuler.data import windows_to_batch
 from nanoeuler.errors import UserError
 from nanoeuler.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT, render_prompt  # noqa: F401 (sft.render_prompt)
-from nanoeuler.train import (batch_text, check_outputs, check_precision, fit, output_paths, replace_note,
-                             resume_checkpoint, run_engine, run_hyper, schedule_text, Hyper)  # noqa: F401 (Hyper: sft.Hyper)
+from nanoeuler.train import (batch_text, fit, output_paths, replace_note, resume_checkpoint, run_device,
+                             run_engine, run_hyper, schedule_text, Hyper)  # noqa: F401 (Hyper: sft.Hyper)
 
 DEFAULT_DATA = "data/alpaca.json"
 # For the base model on one GPU: about one epoch of Alpaca (52K examples, 500 held out) at 32 per batch.
@@ -219,7 +219,7 @@ def show(args):
 def main(args):
     if args.show is not None:
         return show(args)
-    from nanoeuler.device import resolve, wants_gpu
+    from nanoeuler.device import wants_gpu
 
     out, log_path = output_paths(args)
     ck = resume_checkpoint(args, "sft", "nanoeuler sft")
@@ -239,9 +239,7 @@ def main(args):
             args.ckpt
     hp = run_hyper(args, ck, SFT_HYPER)
     cfg, tok = start.cfg, start.tokenizer()
-    device = resolve(args.device, cfg)
-    check_precision(args, device)
-    check_outputs(out, log_path)
+    device = run_device(args, cfg, out, log_path)
 
     data = read_data(data_path)
     train_idx, val_idx = split(len(data), n_val)

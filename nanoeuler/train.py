@@ -311,10 +311,16 @@ def batch_text(hp):
     return f"{hp.batch_size}" if hp.grad_accum == 1 else f"({hp.grad_accum} passes of {hp.batch_size})"
 
 
-def check_precision(args, device):
-    """A precision the device lacks is refused before any work (tokenizer training, data loading) starts."""
-    if device == "cpu" and getattr(args, "precision", None) not in (None, "fp32"):
+def run_device(args, cfg, out, log_path):
+    """The run's device for a model like cfg; a precision the device lacks and outputs that cannot be written
+    are refused here, before any work (tokenizer training, data loading) starts."""
+    from nanoeuler.device import resolve
+    device = resolve(args.device, cfg)
+    if device == "cpu" and args.precision not in (None, "fp32"):
         raise UserError(f"--precision {args.precision}: the CPU engine computes in fp32 only")
+    for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
+        check_writable(path)
+    return device
 
 
 def engine_precision(args, device, ck):
@@ -358,12 +364,6 @@ def run_hyper(args, ck, fresh):
     return hp
 
 
-def check_outputs(out, log_path):
-    """Every file the run writes must be writable before it starts (not after hours of training)."""
-    for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
-        check_writable(path)
-
-
 def run_engine(cfg, device, args, hp, ck, source, params=None):
     """The engine of a run: the weights of `params` (a new run that starts from a checkpoint) or of the
     resumed checkpoint ck, whose AdamW moments, step count and batch order are restored too."""
@@ -387,7 +387,7 @@ def replace_note(out, ck):
 
 def main(args):
     from nanoeuler.data import RandomWindows, check_corpus, eval_batches, open_corpus
-    from nanoeuler.device import resolve, wants_gpu
+    from nanoeuler.device import wants_gpu
     from nanoeuler.tokenizer import Tokenizer
 
     out, log_path = output_paths(args)
@@ -402,9 +402,7 @@ def main(args):
         data = args.data or DEFAULT_DATA[preset]
     hp = run_hyper(args, ck, PRESET_HYPER[preset])
     # the preset's own vocabulary for a new run: close enough to the final one for the device rule
-    device = resolve(args.device, ck.cfg if ck is not None else PRESETS[preset])
-    check_precision(args, device)
-    check_outputs(out, log_path)
+    device = run_device(args, ck.cfg if ck is not None else PRESETS[preset], out, log_path)
 
     # the tokenizer: the checkpoint's, a given one, or a new one learned on the corpus
     if data in DATA_HINT and not os.path.exists(data):
