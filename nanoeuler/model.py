@@ -35,12 +35,28 @@ def to_float32(a):
 
 
 class KVCache:
-    """Per-layer fused qkv rows (L, B, context, H+2G, D) for positions 0..pos-1, already rotated."""
+    """Per-layer keys and values kv (L, B, context, 2G, D) of positions 0..pos-1: the G k heads (rotated), then
+    the G v heads. The queries are not kept: nothing reads them again.
+
+    The position lives twice: `pos` on the host, `position` (one int32) where the kernels read it, so that a
+    decoding step recorded once as a CUDA graph serves every position. Setting pos (back) rolls the cache
+    back: later positions are overwritten. `steps` keeps the buffers (and graphs) of the small decoding steps
+    run on this cache, by shape."""
 
     def __init__(self, xp, cfg, batch, dtype):
-        heads = cfg.n_heads + 2 * cfg.n_kv_heads
-        self.qkv = xp.empty((cfg.n_layers, batch, cfg.context, heads, cfg.head_dim), dtype=dtype)
-        self.pos = 0
+        self.kv = xp.empty((cfg.n_layers, batch, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim), dtype=dtype)
+        self.position = xp.zeros(1, dtype=np.int32)
+        self._pos = 0
+        self.steps = {}
+
+    @property
+    def pos(self):
+        return self._pos
+
+    @pos.setter
+    def pos(self, value):
+        self._pos = int(value)
+        self.position[...] = self._pos
 
 
 class Engine:
@@ -64,7 +80,9 @@ class Engine:
         self._sync_weights()
         cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
+        self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
         self._acts, self._acts_shape = None, None
+        self.graphs = True  # replay small decoding steps as CUDA graphs (GPU); off to measure the difference
 
     def _sync_weights(self):
         if self.weights is not self.params:
@@ -142,11 +160,15 @@ class Engine:
         return a
 
     # ---------------------------------------------------------------------------------------- forward
-    def _forward(self, tokens, a, B, T):
-        """tokens (B, T) -> a['hf'] (N, C), the final-normed hidden state; fills every activation."""
+    def _forward(self, tokens, a, B, T, cache=None):
+        """tokens (B, T) -> a['hf'] (N, C), the final-normed hidden state; fills every activation. With a KV
+        cache (decoding), the tokens sit at positions cache.pos.. and attend to the cache too; decoding's
+        activations (`_decode_step`) are one buffer per kind shared by all layers, the residual stream
+        updated in place."""
         cfg, L, p = self.cfg, self.L, self.p
         H, G = cfg.n_heads, cfg.n_kv_heads
         N = B * T
+        pos = self.zero_position if cache is None else cache.position
         L.embedding_forward(a["resid"][0], tokens.reshape(N), p["tok_emb"])
         for i in range(cfg.n_layers):
             w = f"layers.{i}."
@@ -155,15 +177,20 @@ class Engine:
             # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
             L.rmsnorm_forward(a["xn"], a["rstd1"][i], resid, p[w + "attn_norm"], cfg.norm_eps)
             L.matmul_forward(qkv.reshape(N, -1), a["xn"], p[w + "wqkv"])
-            L.rope_forward(qkv, self.cos, self.sin, H + G, 0)
-            L.attention_forward(att, a["lse"][i], qkv, H, G, 0)
-            resid_mid[...] = resid  # the skip connection, then the block's output added by the matmul
+            L.rope_forward(qkv, self.cos, self.sin, H + G, pos)
+            if cache is None:
+                L.attention_forward(att, a["lse"][i], qkv, H, G)
+            else:
+                L.attention_cached(att, a["lse"][i], qkv, cache.kv[i], H, G, pos)
+            if resid_mid is not resid:
+                resid_mid[...] = resid  # the skip connection, then the block's output added by the matmul
             L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
             # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
             L.rmsnorm_forward(a["xn"], a["rstd2"][i], resid_mid, p[w + "ffn_norm"], cfg.norm_eps)
             L.matmul_forward(a["gate_up"][i], a["xn"], p[w + "w_gate_up"])
             L.swiglu_forward(a["sw"], a["gate_up"][i])
-            a["resid"][i + 1][...] = resid_mid
+            if a["resid"][i + 1] is not resid_mid:
+                a["resid"][i + 1][...] = resid_mid
             L.matmul_forward(a["resid"][i + 1], a["sw"], p[w + "w_down"], accumulate=True)
         L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
 
@@ -278,7 +305,7 @@ class Engine:
             L.matmul_backward(a["datt"].reshape(N, -1), g[w + "wo"], dresid, a["att"][i].reshape(N, -1),
                               p[w + "wo"])
             L.attention_backward(a["dqkv"], a["datt"], a["att"][i], a["lse"][i], a["qkv"][i], H, G)
-            L.rope_backward(a["dqkv"], self.cos, self.sin, H + G, 0)
+            L.rope_backward(a["dqkv"], self.cos, self.sin, H + G, self.zero_position)
             L.rmsnorm_forward(a["xn"], a["rstd1"][i], a["resid"][i], p[w + "attn_norm"], cfg.norm_eps)
             L.matmul_backward(dxn, g[w + "wqkv"], a["dqkv"].reshape(N, -1), a["xn"], p[w + "wqkv"])
             L.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, a["resid"][i], p[w + "attn_norm"],
@@ -360,52 +387,75 @@ class Engine:
     def new_cache(self, batch=1):
         return KVCache(self.xp, self.cfg, batch, self.act)
 
-    def decode(self, cache, tokens, every_head=False):
-        """Append tokens (B, n) at cache.pos; return head-0 logits (B, V) of the last one, or with every_head
-        the logits of all K heads at every new position, (B, n, K, V) (what speculative decoding verifies
-        and drafts with). float32 NumPy. Setting cache.pos back rolls the cache back: later positions are
-        overwritten."""
-        with self._mode():
-            return self._decode(cache, tokens, every_head)
+    def decode(self, cache, tokens, every_head=False, argmax=False):
+        """Append tokens (B, n) at cache.pos and run them through the model, attending to the cache. Returns
+        head-0 logits (B, V) of the last new position, or with every_head the logits of all K heads at every
+        new position, (B, n, K, V) (what speculative decoding verifies and drafts with): float32 NumPy. With
+        argmax, the index of the largest logit instead, (B,) or (B, n, K) int32, found on the device (greedy
+        decoding then reads back one number a token, not V).
 
-    def _decode(self, cache, tokens, every_head):
-        cfg, L, p, xp = self.cfg, self.L, self.p, self.xp
-        tokens = xp.asarray(np.asarray(tokens, dtype=np.int32))
+        Steps of at most STEP_ROWS = B * n rows keep their buffers in the cache, and on the GPU run as a CUDA
+        graph, recorded by their first call and replayed after: one launch a token instead of hundreds."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if tokens.ndim != 2 or tokens.shape[1] < 1:
+            raise ValueError(f"tokens of shape {tokens.shape}: (batch, n) expected")
         B, n = tokens.shape
-        pos, H, G, N = cache.pos, cfg.n_heads, cfg.n_kv_heads, B * n
-        if pos + n > cfg.context:
-            raise ValueError(f"the KV cache holds {cfg.context} positions; {pos} + {n} do not fit")
+        if cache.pos + n > self.cfg.context:
+            raise ValueError(f"the KV cache holds {self.cfg.context} positions; {cache.pos} + {n} do not fit")
+        key = (B, n, every_head, argmax)
+        step = cache.steps.get(key)
+        if step is None:
+            step = self._decode_step(cache, B, n, every_head, argmax)
+            if B * n <= STEP_ROWS:
+                cache.steps[key] = step
+        with self._mode():
+            out = step(tokens)
+        cache._pos += n  # the step advanced cache.position on the device
+        return out
+
+    def _decode_step(self, cache, B, n, every_head, argmax):
+        """A function tokens (B, n) -> decode's result, over buffers of its own."""
+        cfg, L, p, xp = self.cfg, self.L, self.p, self.xp
+        N, C, H, G, D, F, V = B * n, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.vocab_size
+        heads = cfg.mtp_heads if every_head else 1
+        rows = N if every_head else B  # the rows that get logits: every position's, or each sequence's last
         e = lambda *shape: xp.empty(shape, dtype=self.act)
         f = lambda *shape: xp.empty(shape, dtype=self.dtype)
-        x, xn, rstd = e(N, cfg.dim), e(N, cfg.dim), f(N)
-        qkv, att, lse = e(B, n, H + 2 * G, cfg.head_dim), e(B, n, H, cfg.head_dim), f(B, H, n)
-        gate_up, sw = e(N, 2 * cfg.hidden), e(N, cfg.hidden)
-        L.embedding_forward(x, tokens.reshape(N), p["tok_emb"])
-        for i in range(cfg.n_layers):
-            w = f"layers.{i}."
-            L.rmsnorm_forward(xn, rstd, x, p[w + "attn_norm"], cfg.norm_eps)
-            L.matmul_forward(qkv.reshape(N, -1), xn, p[w + "wqkv"])
-            L.rope_forward(qkv, self.cos, self.sin, H + G, pos)
-            cache.qkv[i, :, pos:pos + n] = qkv
-            L.attention_forward(att, lse, cache.qkv[i, :, :pos + n], H, G, pos)
-            L.matmul_forward(x, att.reshape(N, -1), p[w + "wo"], accumulate=True)
-            L.rmsnorm_forward(xn, rstd, x, p[w + "ffn_norm"], cfg.norm_eps)
-            L.matmul_forward(gate_up, xn, p[w + "w_gate_up"])
-            L.swiglu_forward(sw, gate_up)
-            L.matmul_forward(x, sw, p[w + "w_down"], accumulate=True)
-        cache.pos += n
-        if every_head:
-            hf, rstd_f, logits = e(N, cfg.dim), f(N), f(N, cfg.mtp_heads * cfg.vocab_size)
-            L.rmsnorm_forward(hf, rstd_f, x, p["final_norm"], cfg.norm_eps)
-            L.matmul_forward(logits, hf, p["heads"])
-            return self._to_numpy(logits).astype(np.float32).reshape(B, n, cfg.mtp_heads, cfg.vocab_size)
-        last = xp.ascontiguousarray(x.reshape(B, n, -1)[:, -1])
-        hf, rstd_last, logits = e(B, cfg.dim), f(B), f(B, cfg.vocab_size)
-        L.rmsnorm_forward(hf, rstd_last, last, p["final_norm"], cfg.norm_eps)
-        L.matmul_forward(logits, hf, p["heads.0"])
-        return self._to_numpy(logits).astype(np.float32)
+        x, rstd, qkv, att, lse = e(N, C), f(N), e(B, n, H + 2 * G, D), e(B, n, H, D), f(B, H, n)
+        layers = cfg.n_layers
+        a = dict(resid=[x] * (layers + 1), resid_mid=[x] * layers, xn=e(N, C), rstd1=[rstd] * layers,
+                 rstd2=[rstd] * layers, qkv=[qkv] * layers, att=[att] * layers, lse=[lse] * layers,
+                 gate_up=[e(N, 2 * F)] * layers, sw=e(N, F), hf=e(N, C), rstdf=f(N),
+                 last=e(B, C), logits=f(rows, heads * V), ids=xp.empty(rows * heads, dtype=np.int32),
+                 tokens=xp.empty((B, n), dtype=np.int32))
+
+        def run():
+            self._forward(a["tokens"], a, B, n, cache)
+            h = a["hf"]
+            if rows != N:
+                a["last"][...] = h.reshape(B, n, C)[:, -1]
+                h = a["last"]
+            L.matmul_forward(a["logits"], h, p["heads"] if every_head else p["heads.0"])
+            if argmax:
+                L.argmax(a["ids"], a["logits"].reshape(rows * heads, V))
+            L.advance_position(cache.position, n)
+
+        run = L.graph(run) if self.graphs and N <= STEP_ROWS else run
+        shape = (B, n, cfg.mtp_heads) if every_head else (B,)
+
+        def step(tokens):
+            a["tokens"][...] = xp.asarray(tokens)
+            run()
+            if argmax:
+                return self._to_numpy(a["ids"]).reshape(shape)
+            return self._to_numpy(a["logits"]).astype(np.float32).reshape(shape + (V,))
+
+        return step
 
 
+# Decoding steps of at most this many rows (batch x new tokens) keep their buffers and run as CUDA graphs; the
+# GPU's matmuls of that few rows take its matrix-vector kernel (cuBLAS, through CuPy, cannot be recorded).
+STEP_ROWS = 8
 DEFAULT_PRECISION = {"cpu": "fp32", "gpu": "bf16"}
 
 

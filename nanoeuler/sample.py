@@ -45,28 +45,29 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
              speculative=False, stats=None):
     """Yield up to max_new_tokens new token ids continuing prompt_ids (non-empty); stops after a stop id.
     speculative: draft with the K prediction heads and verify (see `speculate`); stats (a dict) receives its
-    counts."""
+    counts. Greedy decoding (temperature 0) takes the argmax on the engine's device."""
     if speculative:
         yield from speculate(eng, prompt_ids, max_new_tokens, temperature, top_k, top_p, rng, stop_ids, stats)
         return
     ctx = eng.cfg.context
     keep = ctx - ctx // 4
     rng = rng if rng is not None else np.random.default_rng()
+    greedy = temperature == 0
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
     cache = eng.new_cache(1)
-    logits = eng.decode(cache, np.array([history[-ctx:]], dtype=np.int32))[0]
+    out = _prefill(eng, cache, history[-ctx:], False, greedy)
     for i in range(max_new_tokens):
-        token = pick(logits, temperature, top_k, top_p, rng)
+        token = int(out) if greedy else pick(out, temperature, top_k, top_p, rng)
         yield token
         if token in stop_ids or i == max_new_tokens - 1:
             return
         history.append(token)
         if cache.pos == ctx:  # the cache is full: slide the window
             cache = eng.new_cache(1)
-            logits = eng.decode(cache, np.array([history[-keep:]], dtype=np.int32))[0]
+            out = _prefill(eng, cache, history[-keep:], False, greedy)
         else:
-            logits = eng.decode(cache, np.array([[token]], dtype=np.int32))[0]
+            out = eng.decode(cache, np.array([[token]], dtype=np.int32), argmax=greedy)[0]
 
 
 def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=(),
@@ -77,56 +78,61 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     the first proposal failed, and the cache rolls back past the rejected positions.
 
     Greedy (temperature 0): a proposal is kept when it is head 0's argmax, so the output is plain greedy
-    decoding's. Sampling: a proposal d drawn from head k's distribution q is kept with probability
-    min(1, p(d) / q(d)), p head 0's distribution at that position; otherwise the token is drawn from
-    max(0, p - q) normalised: the exact speculative-sampling rule, so the output follows p, as plain sampling
-    does. stats (a dict): `steps` (verifying forwards), `drafted`, `accepted`, `tokens`."""
+    decoding's (the argmaxes are taken on the device). Sampling: a proposal d drawn from head k's distribution
+    q is kept with probability min(1, p(d) / q(d)), p head 0's distribution at that position; otherwise the
+    token is drawn from max(0, p - q) normalised: the exact speculative-sampling rule, so the output follows p,
+    as plain sampling does. stats (a dict): `steps` (verifying forwards), `drafted`, `accepted`, `tokens`, and
+    `per_head`: for heads 1..K-1, [proposals verified, proposals accepted] (a head's proposal is verified when
+    the ones before it were accepted)."""
     check_speculative(eng)
     K, ctx = eng.cfg.mtp_heads, eng.cfg.context
     keep = ctx - ctx // 4
     rng = rng if rng is not None else np.random.default_rng()
     greedy = temperature == 0
     dist = lambda logits: distribution(logits, temperature, top_k, top_p)
+    choose = lambda out: int(out) if greedy else pick(out, temperature, top_k, top_p, rng)
     stats = stats if stats is not None else {}
     for key in ("steps", "drafted", "accepted", "tokens"):
         stats.setdefault(key, 0)
+    stats.setdefault("per_head", [[0, 0] for _ in range(K - 1)])
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
     cache = eng.new_cache(1)
-    heads = eng.decode(cache, np.array([history[-ctx:]], dtype=np.int32), every_head=True)[0, -1]  # (K, V)
+    heads = _prefill(eng, cache, history[-ctx:], True, greedy)  # (K,) ids or (K, V) logits
     first = None  # the next token when already decided (a replacement for a rejected proposal)
     emitted = 0
     while True:
         if first is None:
-            first = pick(heads[0], temperature, top_k, top_p, rng)
+            first = choose(heads[0])
         if cache.pos + K > ctx:
             # No room to verify K tokens: one plain step, sliding the window exactly when plain decoding
             # does (when the cache is full), so greedy output stays plain greedy's.
             kept, replacement = [first], None
             if cache.pos == ctx:
                 cache = eng.new_cache(1)
-                heads = eng.decode(cache, np.array([(history + kept)[-keep:]], dtype=np.int32),
-                                   every_head=True)[0, -1]
+                heads = _prefill(eng, cache, (history + kept)[-keep:], True, greedy)
             else:
-                heads = eng.decode(cache, np.array([kept], dtype=np.int32), every_head=True)[0, -1]
+                heads = eng.decode(cache, np.array([kept], dtype=np.int32), every_head=True, argmax=greedy)[0, -1]
         else:
             # the K-1 proposals after `first`, each from its head at the last cached position
             q = [None if greedy else dist(heads[k]) for k in range(1, K)]
-            drafts = [int(np.argmax(heads[k])) if greedy else int(rng.choice(q[k - 1].size, p=q[k - 1]))
-                      for k in range(1, K)]
+            drafts = [int(heads[k]) if greedy else int(rng.choice(q[k - 1].size, p=q[k - 1])) for k in range(1, K)]
             pos = cache.pos
-            out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True)[0]  # (K, K, V)
+            out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True,
+                             argmax=greedy)[0]  # (K, K) ids or (K, K, V) logits
             kept, replacement = [first], None
             for j, d in enumerate(drafts):  # d proposes the token after kept[-1], at position pos + j + 1
+                stats["per_head"][j][0] += 1
                 if greedy:
-                    if int(np.argmax(out[j, 0])) != d:
-                        replacement = int(np.argmax(out[j, 0]))
+                    if int(out[j, 0]) != d:
+                        replacement = int(out[j, 0])
                         break
                 else:
                     p = dist(out[j, 0])
                     if rng.random() * q[j][d] >= p[d]:
                         replacement = _residual_draw(p, q[j], rng)
                         break
+                stats["per_head"][j][1] += 1
                 kept.append(d)
             stats["steps"] += 1
             stats["drafted"] += len(drafts)
@@ -141,6 +147,17 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                 return
             history.append(token)
         first = replacement
+
+
+def _prefill(eng, cache, ids, every_head, argmax):
+    """Run ids into the empty cache; decode's result (head 0, or every head) at the last of them. All but the
+    last go in as one step whose output nobody reads, the last on its own, in plain and speculative decoding
+    alike: every position is then computed by the same kernels in both (on the GPU a product of many rows
+    takes cuBLAS, of a few the matrix-vector kernel), so their greedy outputs agree to the bit."""
+    if len(ids) > 1:
+        eng.decode(cache, np.array([ids[:-1]], dtype=np.int32), argmax=True)
+    out = eng.decode(cache, np.array([ids[-1:]], dtype=np.int32), every_head=every_head, argmax=argmax)[0]
+    return out[-1] if every_head else out
 
 
 def check_speculative(eng):
@@ -233,6 +250,8 @@ def stats_line(tokens, seconds, stats):
     line = f"{tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):,.1f} tokens/s, prefill included)"
     if stats.get("steps"):
         line += (f"; speculative: {stats['steps']} verifying forwards, accepted {stats['accepted']} of "
-                 f"{stats['drafted']} drafts ({stats['accepted'] / stats['steps']:.2f} a step)")
+                 f"{stats['drafted']} drafts ({stats['accepted'] / stats['steps']:.2f} a step; per head "
+                 + ", ".join(f"{k + 1}: {a / max(v, 1):.0%} of {v}" for k, (v, a) in enumerate(stats["per_head"]))
+                 + ")")
     return line
 

@@ -90,7 +90,8 @@ def test_rope_matches_rotate_half_and_backward():
     cos, sin = rope_tables(D, 16, 10000.0, np.float64)
     x = rng.normal(size=(B, T, heads, D))
     y = x.copy()
-    L.rope_forward(y, cos, sin, 2, 3)  # rotate the first 2 heads, positions 3..7
+    at3 = np.array([3], dtype=np.int32)  # positions come as a one-element array (the GPU reads it on the device)
+    L.rope_forward(y, cos, sin, 2, at3)  # rotate the first 2 heads, positions 3..7
     # Hugging Face Llama: q * cos + rotate_half(q) * sin, with cos/sin repeated over both halves
     pos = np.arange(3, 3 + T)
     ang = pos[:, None] * 10000.0 ** (-np.arange(0, D, 2) / D)[None, :]
@@ -103,11 +104,11 @@ def test_rope_matches_rotate_half_and_backward():
 
     def f():
         z = x.copy()
-        L.rope_forward(z, cos, sin, 2, 3)
+        L.rope_forward(z, cos, sin, 2, at3)
         return float((z * R).sum())
 
     d = R.copy()
-    L.rope_backward(d, cos, sin, 2, 3)
+    L.rope_backward(d, cos, sin, 2, at3)
     assert_close(d, numeric_grad(f, x))
 
 
@@ -128,12 +129,12 @@ def test_attention_forward_backward(H, G):
     B, T, D = 2, 7, 6
     qkv = rng.normal(size=(B, T, H + 2 * G, D))
     out, lse = np.empty((B, T, H, D)), np.empty((B, H, T))
-    L.attention_forward(out, lse, qkv, H, G, 0)
+    L.attention_forward(out, lse, qkv, H, G)
     assert np.allclose(out, naive_attention(qkv, H, G))
     R = rng.normal(size=out.shape)
 
     def f():
-        L.attention_forward(out, lse, qkv, H, G, 0)
+        L.attention_forward(out, lse, qkv, H, G)
         return float((out * R).sum())
 
     dqkv = np.full_like(qkv, np.nan)  # every entry must be written
@@ -152,7 +153,7 @@ def test_attention_float32_matches_float64(T, H, G, D):
     results = {}
     for dt in (np.float64, np.float32):
         out, lse = np.full((B, T, H, D), np.nan, dt), np.full((B, H, T), np.nan, dt)
-        L.attention_forward(out, lse, qkv.astype(dt), H, G, 0)
+        L.attention_forward(out, lse, qkv.astype(dt), H, G)
         dqkv = np.full(qkv.shape, np.nan, dt)
         L.attention_backward(dqkv, dout.astype(dt), out, lse, qkv.astype(dt), H, G)
         results[dt] = (out, lse, dqkv)
@@ -161,15 +162,22 @@ def test_attention_float32_matches_float64(T, H, G, D):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
 
 
-def test_attention_query_offset_matches_full():
-    B, T, H, G, D = 1, 9, 4, 2, 8
+def test_attention_over_the_kv_cache_matches_full():
+    """Decoding in chunks (6 rows, then 1, then 2) through the cache (k and v only) gives the full forward's
+    rows; the cache holds exactly the k and v heads, and nothing past the position is touched."""
+    B, T, H, G, D, S = 2, 9, 4, 2, 8, 12
     qkv = rng.normal(size=(B, T, H + 2 * G, D))
     full, lse = np.empty((B, T, H, D)), np.empty((B, H, T))
-    L.attention_forward(full, lse, qkv, H, G, 0)
-    tail, lse_tail = np.empty((B, 3, H, D)), np.empty((B, H, 3))
-    L.attention_forward(tail, lse_tail, qkv, H, G, T - 3)
-    assert np.allclose(tail, full[:, -3:])
-    assert np.allclose(lse_tail, lse[:, :, -3:])
+    L.attention_forward(full, lse, qkv, H, G)
+    cache = np.full((B, S, 2 * G, D), np.nan)
+    pos = np.zeros(1, dtype=np.int32)
+    for lo, hi in ((0, 6), (6, 7), (7, 9)):
+        out, lse_c = np.full((B, hi - lo, H, D), np.nan), np.full((B, H, hi - lo), np.nan)
+        L.attention_cached(out, lse_c, np.ascontiguousarray(qkv[:, lo:hi]), cache, H, G, pos)
+        assert np.allclose(out, full[:, lo:hi]) and np.allclose(lse_c, lse[:, :, lo:hi])
+        L.advance_position(pos, hi - lo)
+    assert pos[0] == T
+    assert np.array_equal(cache[:, :T], qkv[:, :, H:]) and np.isnan(cache[:, T:]).all()
 
 
 def test_swiglu_backward():

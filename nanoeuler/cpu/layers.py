@@ -141,8 +141,10 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
 
 # ------------------------------------------------------------------------------------------------ rope
 @njit(**pjit)
-def rope_forward(qkv, cos, sin, n_rot_heads, pos0):
-    """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos0 + t.
+def rope_forward(qkv, cos, sin, n_rot_heads, pos):
+    """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos[0] + t. pos is
+    a one-element int32 array, not a number: the GPU kernel reads it from device memory, so that a decoding
+    step recorded once as a CUDA graph serves every position.
 
     Element i pairs with i + D/2:  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
     """
@@ -150,7 +152,7 @@ def rope_forward(qkv, cos, sin, n_rot_heads, pos0):
     half = D // 2
     for bt in prange(B * T):
         b, t = bt // T, bt % T
-        p = pos0 + t
+        p = pos[0] + t
         for h in range(n_rot_heads):
             for i in range(half):
                 x1 = qkv[b, t, h, i]
@@ -160,13 +162,13 @@ def rope_forward(qkv, cos, sin, n_rot_heads, pos0):
 
 
 @njit(**pjit)
-def rope_backward(dqkv, cos, sin, n_rot_heads, pos0):
+def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
     """In place: the transpose of the rotation, (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin)."""
     B, T, _, D = dqkv.shape
     half = D // 2
     for bt in prange(B * T):
         b, t = bt // T, bt % T
-        p = pos0 + t
+        p = pos[0] + t
         for h in range(n_rot_heads):
             for i in range(half):
                 d1 = dqkv[b, t, h, i]
@@ -193,14 +195,14 @@ def _live_columns(j, q_start, group):
 
 
 @njit(**jit)
-def _gather_queries_t(dst, src, b, head0, group, row0, scale):
-    """dst (D, M) column t*group + r = src[b, row0 + t, head0 + r, :] * scale; zero in the padding."""
+def _gather_queries_t(dst, src, b, head0, group, scale):
+    """dst (D, M) column t*group + r = src[b, t, head0 + r, :] * scale; zero in the padding."""
     D, M = dst.shape
-    n = (src.shape[1] - row0) * group
+    n = src.shape[1] * group
     for c in range(n):
         t, r = c // group, c % group
         for d in range(D):
-            dst[d, c] = src[b, row0 + t, head0 + r, d] * scale
+            dst[d, c] = src[b, t, head0 + r, d] * scale
     for d in range(D):
         for c in range(n, M):
             dst[d, c] = 0
@@ -208,7 +210,7 @@ def _gather_queries_t(dst, src, b, head0, group, row0, scale):
 
 @njit(**jit)
 def _gather_keys(dst, src, b, head):
-    """dst (Tk, D) = src[b, :, head, :], contiguous."""
+    """dst (Tk, D) = src[b, :Tk, head, :], contiguous."""
     for t in range(dst.shape[0]):
         for d in range(dst.shape[1]):
             dst[t, d] = src[b, t, head, d]
@@ -290,17 +292,29 @@ def _rows_dot(out, s, bt, group):
             out[j, d] = acc
 
 
-@njit(**pjit)
-def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
-    """Causal grouped-query attention.
+def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
+    """Causal grouped-query attention over qkv (B, T, H+2G, D), positions 0..T-1 (training, full forwards).
+    out (B, T, H, D), lse (B, H, T) the per-row logsumexp of the scaled scores, the only thing the backward
+    pass needs besides out. Query head h reads kv head h // (H/G)."""
+    _attention(out, lse, qkv, qkv, n_heads, n_heads, n_kv_heads, 0)
 
-    qkv (B, Tk, H+2G, D) holds keys/values for positions 0..Tk-1; the queries are its rows q_start..Tk-1
-    (q_start = 0 in training, the cache position when decoding). out (B, Tq, H, D), lse (B, H, Tq) the
-    per-row logsumexp of the scaled scores, the only thing the backward pass needs besides out.
-    Query head h reads kv head h // (H/G).
-    """
-    B, Tk, _, D = qkv.shape
-    Tq = Tk - q_start
+
+def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
+    """Decoding: the k and v heads of qkv (B, n, H+2G, D) are written to the KV cache (B, S, 2G, D) at positions
+    pos[0]..pos[0]+n-1, then qkv's queries attend to the cache's positions 0..pos[0]+n-1, causally.
+    out (B, n, H, D), lse (B, H, n)."""
+    p, n = int(pos[0]), qkv.shape[1]
+    cache[:, p:p + n] = qkv[:, :, n_heads:]
+    _attention(out, lse, qkv, cache, 0, n_heads, n_kv_heads, p)
+
+
+@njit(**pjit)
+def _attention(out, lse, qkv, kv, k_head, n_heads, n_kv_heads, q_start):
+    """Causal grouped-query attention of the queries of qkv (B, Tq, ., D), positions q_start..q_start+Tq-1, to
+    the keys and values of kv (B, >= Tk, ., D), positions 0..Tk-1 = q_start+Tq-1: kv head g's keys are head
+    k_head + g of kv, its values head k_head + G + g."""
+    B, Tq, _, D = qkv.shape
+    Tk = q_start + Tq
     group = n_heads // n_kv_heads
     M = -(-Tq * group // ALIGN) * ALIGN
     scale = ONE / math.sqrt(D)
@@ -309,9 +323,9 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
         qt = np.empty((D, M), dtype=qkv.dtype)
         k = np.empty((Tk, D), dtype=qkv.dtype)
         v = np.empty((Tk, D), dtype=qkv.dtype)
-        _gather_queries_t(qt, qkv, b, g * group, group, q_start, scale)
-        _gather_keys(k, qkv, b, n_heads + g)
-        _gather_keys(v, qkv, b, n_heads + n_kv_heads + g)
+        _gather_queries_t(qt, qkv, b, g * group, group, scale)
+        _gather_keys(k, kv, b, k_head + g)
+        _gather_keys(v, kv, b, k_head + n_kv_heads + g)
         s = np.zeros((Tk, M), dtype=qkv.dtype)  # _columns_times reads the zeros left of a row's start
         _rows_times(s, k, qt, q_start, group)
         m = np.full(M, -np.inf, dtype=qkv.dtype)  # column-wise softmax: max, then exp and sum
@@ -343,7 +357,7 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
 
 @njit(**pjit)
 def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
-    """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0).
+    """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D).
 
     FlashAttention's recurrence: p_ij = exp(s_ij - lse_i), dp_ij = dout_i . v_j, delta_i = dout_i . out_i,
     ds_ij = p_ij (dp_ij - delta_i). Parallel over (batch, kv head), which owns its k, v and its group's q.
@@ -359,8 +373,8 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
         dot = np.empty((D, M), dtype=qkv.dtype)
         k = np.empty((T, D), dtype=qkv.dtype)
         v = np.empty((T, D), dtype=qkv.dtype)
-        _gather_queries_t(qt, qkv, b, g * group, group, 0, scale)
-        _gather_queries_t(dot, dout, b, g * group, group, 0, ONE)
+        _gather_queries_t(qt, qkv, b, g * group, group, scale)
+        _gather_queries_t(dot, dout, b, g * group, group, ONE)
         _gather_keys(k, qkv, b, kh)
         _gather_keys(v, qkv, b, vh)
         lse_c = np.zeros(M, dtype=qkv.dtype)
@@ -546,6 +560,22 @@ def sum_squares(x):
     partial = np.empty(-(-x.shape[0] // SUM_CHUNK), np.float64)
     _sum_squares_partials(partial, x)
     return float(partial.sum())
+
+
+# ------------------------------------------------------------------------------------------- decoding
+def argmax(ids, logits):
+    """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V)."""
+    ids[:] = np.argmax(logits, axis=1)
+
+
+def advance_position(pos, n):
+    """pos[0] += n: the KV cache's position after a decoding step of n tokens."""
+    pos[0] += n
+
+
+def graph(step):
+    """The GPU records a decoding step as a CUDA graph and replays it; the CPU runs the step as it is."""
+    return step
 
 
 # ------------------------------------------------------------------------------------------ precision

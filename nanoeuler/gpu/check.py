@@ -124,10 +124,24 @@ def check_matmul(c, L, R):
     R.matmul_backward(rdx, rdw, dout, x, w)
     gdx, gdw = c.poisoned(N, I), c.dev32(base_dw)
     L.matmul_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w))
-    return [(f"matmul_forward{c.tag} {N}x{I} @ {O}x{I}.T, +=", rel_err(c.get(g), ref), c.tol),
-            (f"matmul_forward{c.tag} float32 out", rel_err(c.get(g32), ref32), c.tol),
-            (f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
-            (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
+    out = [(f"matmul_forward{c.tag} {N}x{I} @ {O}x{I}.T, +=", rel_err(c.get(g), ref), c.tol),
+           (f"matmul_forward{c.tag} float32 out", rel_err(c.get(g32), ref32), c.tol),
+           (f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
+           (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
+    # decoding's few rows (the matrix-vector kernel): 16-byte loads, and an odd row length without them
+    for N, I, O in ((1, 64, 77), (8, 136, 33), (3, 45, 51)):
+        x, w, base = c.act(c.normal(N, I)), c.act(c.normal(O, I)), c.act(c.normal(N, O))
+        ref = base.copy()
+        R.matmul_forward(ref, x, w, accumulate=True)
+        g = c.dev(base)
+        L.matmul_forward(g, c.dev(x), c.dev(w), accumulate=True)
+        ref32 = np.empty((N, O))
+        R.matmul_forward(ref32, x, w)
+        g32 = c.poisoned32(N, O)
+        L.matmul_forward(g32, c.dev(x), c.dev(w))
+        out += [(f"matmul_forward{c.tag} {N} rows (matrix-vector) I={I} O={O}, +=", rel_err(c.get(g), ref), c.tol),
+                (f"matmul_forward{c.tag} {N} rows, float32 out", rel_err(c.get(g32), ref32), c.tol)]
+    return out
 
 
 @_precisions("fp32", "bf16")
@@ -181,9 +195,10 @@ def check_rope(c, L, R):
                                ("rope_backward", R.rope_backward, L.rope_backward)):
             qkv = c.act(c.normal(B, T, H + 2 * G, D))
             ref = qkv.copy()
-            rfn(ref, cos, sin, H + G, pos0)
+            pos = np.array([pos0], dtype=np.int32)
+            rfn(ref, cos, sin, H + G, pos)
             g = c.dev(qkv)
-            gfn(g, c.dev32(cos), c.dev32(sin), H + G, pos0)
+            gfn(g, c.dev32(cos), c.dev32(sin), H + G, c.cp.asarray(pos))
             out.append((f"{name}{c.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} pos0={pos0}",
                         rel_err(c.get(g), ref), c.tol))
     return out
@@ -201,10 +216,10 @@ def check_attention(c, L, R):
         NH = H + 2 * G
         qkv = c.act(c.normal(B, T, NH, D))
         ref_o, ref_lse = np.empty((B, T, H, D)), np.empty((B, H, T))
-        R.attention_forward(ref_o, ref_lse, qkv, H, G, 0)
+        R.attention_forward(ref_o, ref_lse, qkv, H, G)
         go, glse = c.poisoned(B, T, H, D), c.poisoned32(B, H, T)
         gqkv = c.dev(qkv)
-        L.attention_forward(go, glse, gqkv, H, G, 0)
+        L.attention_forward(go, glse, gqkv, H, G)
         out.append((f"attention_forward{c.tag} B={B} T={T} H={H} G={G} D={D}", rel_err(c.get(go), ref_o), c.tol))
         out.append((f"attention_forward{c.tag} lse", rel_err(c.get(glse), ref_lse), c.tol))
         # the backward pass reads the forward's output and lse: give both engines the GPU's
@@ -216,16 +231,38 @@ def check_attention(c, L, R):
         gd = c.get(gd)
         for part, sl in (("dq", slice(0, H)), ("dk", slice(H, H + G)), ("dv", slice(H + G, NH))):
             out.append((f"attention_backward{c.tag} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]), c.tol))
-    # decoding: a few new queries at the end of a KV-cache view whose batches sit `ctx` rows apart
-    B, ctx, Tk, H, G, D, q_start = 2, 100, 90, 6, 2, 64, 83
-    cache = c.act(c.normal(B, ctx, H + 2 * G, D))
-    ref_o, ref_lse = np.empty((B, Tk - q_start, H, D)), np.empty((B, H, Tk - q_start))
-    R.attention_forward(ref_o, ref_lse, np.ascontiguousarray(cache[:, :Tk]), H, G, q_start)
-    go, glse = c.poisoned(B, Tk - q_start, H, D), c.poisoned32(B, H, Tk - q_start)
-    L.attention_forward(go, glse, c.dev(cache)[:, :Tk], H, G, q_start)
-    out.append((f"attention_forward{c.tag} KV-cache view q_start={q_start} Tk={Tk}", rel_err(c.get(go), ref_o),
-                c.tol))
+    # decoding: a prompt of 83, then 7 and 1 new rows, appended to a KV cache of 101 positions and attending
+    # to it (the cache's untouched tail stays poisoned on both sides)
+    B, S, H, G = 2, 101, 6, 2
+    for D in (64, 32):
+        ref_cache, g_cache = np.full((B, S, 2 * G, D), np.nan), c.poisoned(B, S, 2 * G, D)
+        ref_pos, g_pos = np.zeros(1, np.int32), c.cp.zeros(1, np.int32)
+        for n in (83, 7, 1):
+            qkv = c.act(c.normal(B, n, H + 2 * G, D))
+            ref_o, ref_lse = np.empty((B, n, H, D)), np.empty((B, H, n))
+            R.attention_cached(ref_o, ref_lse, qkv, ref_cache, H, G, ref_pos)
+            go, glse = c.poisoned(B, n, H, D), c.poisoned32(B, H, n)
+            L.attention_cached(go, glse, c.dev(qkv), g_cache, H, G, g_pos)
+            label = f"attention_cached{c.tag} D={D} pos={ref_pos[0]} n={n}"
+            out += [(label, rel_err(c.get(go), ref_o), c.tol), (f"{label} lse", rel_err(c.get(glse), ref_lse), c.tol)]
+            R.advance_position(ref_pos, n)
+            L.advance_position(g_pos, n)
+        stored = int(g_pos.get()[0])
+        out.append((f"attention_cached{c.tag} D={D} the cache (k, v heads of {stored} positions), position",
+                    rel_err(c.get(g_cache)[:, :stored], ref_cache[:, :stored])
+                    + (0.0 if stored == ref_pos[0] == 91 else math.inf), c.tol))
     return out
+
+
+@_precisions("fp32")
+def check_argmax(c, L, R):
+    logits = _f32(c.normal(7, 1031, scale=3.0))
+    logits[3, [10, 500]] = logits[3].max() + 1  # a tie: the first index wins, as NumPy's
+    ref = np.empty(7, np.int32)
+    R.argmax(ref, logits)
+    got = c.cp.full(7, -1, np.int32)
+    L.argmax(got, c.dev32(logits))
+    return [("argmax rows=7 V=1031 (a tie)", 0.0 if np.array_equal(got.get(), ref) else math.inf, c.tol)]
 
 
 @_precisions("fp32", "bf16")
@@ -295,7 +332,7 @@ def check_adamw(c, L, R):
 
 
 KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check_attention, check_swiglu,
-                 check_crossentropy, check_adamw]
+                 check_crossentropy, check_adamw, check_argmax]
 
 
 def _engines(seed, cfg, precision):
@@ -326,12 +363,14 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
     cpu_loss = cpu.forward_backward(inputs, targets)[0]
     gpu_loss = gpu.forward_backward(inputs, targets)[0]
     first = gpu.grads.copy()
-    logits = []
-    for eng in (cpu, gpu):  # a prompt, then single tokens
+    logits, heads = [], []
+    for eng in (cpu, gpu):  # a prompt, then single tokens (on the GPU: a CUDA graph, recorded then replayed)
         cache = eng.new_cache(batch=2)
         steps = [eng.decode(cache, inputs[:2, :37])]
         steps += [eng.decode(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
         logits.append(np.stack(steps))
+        heads.append(eng.decode(cache, inputs[:2, 40:43], every_head=True))  # 3 positions x K heads
+    greedy = gpu.decode(gpu.new_cache(batch=2), inputs[:2, :37], argmax=True)
     errors = {"loss": abs(gpu_loss - cpu_loss) / abs(cpu_loss)}
     report(f"{'loss':<24} : rel err {errors['loss']:.2e}  (cpu {cpu_loss:.8f}, gpu {gpu_loss:.8f})")
     for name, err in _grad_errors(cpu, gpu, cfg).items():
@@ -339,6 +378,10 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
         report(f"{name:<24} : rel err {err:.2e}")
     errors["decode logits"] = rel_err(logits[1], logits[0])
     report(f"{'decode logits (KV cache)':<24} : rel err {errors['decode logits']:.2e}")
+    errors["decode every head"] = rel_err(heads[1], heads[0])
+    report(f"{'decode, every head':<24} : rel err {errors['decode every head']:.2e}")
+    errors["decode argmax"] = 0.0 if np.array_equal(greedy, logits[1][0].argmax(axis=-1)) else math.inf
+    report(f"{'decode argmax':<24} : {'the logits argmax' if errors['decode argmax'] == 0 else 'WRONG'}")
     gpu.forward_backward(inputs, targets)
     same = bool((gpu.grads == first).all())
     errors["determinism"] = 0.0 if same else math.inf

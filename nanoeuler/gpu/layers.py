@@ -2,8 +2,11 @@
 
 Each is a thin launcher: the work happens in a raw CUDA kernel from kernels/*.cu (compiled on first use by
 NVRTC through CuPy and cached by CuPy on disk) or, for every matrix product, in cuBLAS. Shapes and the
-activation layout are those of the CPU layers (see that module's docstring); arrays are C-contiguous except
-the KV-cache view that attention_forward reads.
+activation layout are those of the CPU layers (see that module's docstring); arrays are C-contiguous.
+
+Decoding: products of at most MATMUL_SMALL_ROWS rows take a matrix-vector kernel of ours (bound by reading
+the weights once), and `graph` records a decoding step, which then has no cuBLAS call in it, as a CUDA graph.
+Positions (rope, the KV cache) are read from device memory, so one recording serves every position.
 
 Precision (`precision(name)` selects it for a block of calls; the Engine does this):
 - "fp32": float32 everywhere, plain FP32 cuBLAS and 3xTF32 attention: what `nanoeuler check --gpu` compares
@@ -126,13 +129,24 @@ def _gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate):
                   ldb, beta.ctypes.data, C.data.ptr, c, ldc, compute, _GEMM_DEFAULT)
 
 
+MATMUL_SMALL_ROWS = 8  # kernels/matmul.cu
+
+
 def matmul_forward(out, x, w, accumulate=False):
     """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
-    cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w."""
+    cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most
+    MATMUL_SMALL_ROWS rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the
+    precision."""
     _check(x, w, act=x)
-    assert out.flags.c_contiguous
+    assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
     (N, I), O = x.shape, w.shape[0]
-    _gemm(_OP_T, _OP_N, O, N, I, w, I, x, I, out, O, accumulate)
+    if N > MATMUL_SMALL_ROWS:
+        _gemm(_OP_T, _OP_N, O, N, I, w, I, x, I, out, O, accumulate)
+        return
+    packed = I % (16 // x.itemsize) == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+    _kernel("matmul", "matmul_small", _act_defines(x))(
+        (_blocks(O, 8),), (256,), (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
+                                   _i32(accumulate), _i32(packed)))
 
 
 def matmul_backward(dx, dw, dout, x, w):
@@ -191,24 +205,30 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
 
 
 # ------------------------------------------------------------------------------------------------ rope
-def _rope(qkv, cos, sin, n_rot_heads, pos0, sign):
+def _position(pos):
+    assert pos.dtype == np.int32 and pos.shape == (1,), (pos.dtype, pos.shape)
+    return pos
+
+
+def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
     _check(qkv, act=qkv)
     _check(cos, sin)
     B, T, NH, D = qkv.shape
     n = B * T * n_rot_heads * (D // 2)
     _kernel("rope", "rope_rotate", _act_defines(qkv))(
         (_blocks(n // _vec(D // 2), 256),), (256,),
-        (qkv, cos, sin, _i32(B), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D), _i32(pos0), _f32(sign)))
+        (qkv, cos, sin, _i32(B), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D), _position(pos), _f32(sign)))
 
 
-def rope_forward(qkv, cos, sin, n_rot_heads, pos0):
-    """In place on the first n_rot_heads heads of qkv (B, T, H+2G, D), positions pos0 + t."""
-    _rope(qkv, cos, sin, n_rot_heads, pos0, 1.0)
+def rope_forward(qkv, cos, sin, n_rot_heads, pos):
+    """In place on the first n_rot_heads heads of qkv (B, T, H+2G, D), positions pos[0] + t (pos: one int32 on
+    the device)."""
+    _rope(qkv, cos, sin, n_rot_heads, pos, 1.0)
 
 
-def rope_backward(dqkv, cos, sin, n_rot_heads, pos0):
+def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
     """In place: the inverse rotation."""
-    _rope(dqkv, cos, sin, n_rot_heads, pos0, -1.0)
+    _rope(dqkv, cos, sin, n_rot_heads, pos, -1.0)
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -220,20 +240,33 @@ def _attention_defines(a):
     return _act_defines(a) + (() if _fast() else ("ATT_PRECISE=1",))
 
 
-def attention_forward(out, lse, qkv, n_heads, n_kv_heads, q_start):
-    """Causal GQA FlashAttention. qkv (B, Tk, H+2G, D) may be a view of the KV cache (rows contiguous, batches
-    any distance apart); queries are its rows q_start..Tk-1. out (B, Tq, H, D), lse (B, H, Tq)."""
-    _check(out, act=qkv)
+def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
+    """Causal GQA FlashAttention over qkv (B, T, H+2G, D): out (B, T, H, D), lse (B, H, T)."""
+    _check(out, qkv, act=qkv)
     _check(lse)
-    B, Tk, NH, D = qkv.shape
-    Tq = Tk - q_start
-    assert out.shape == (B, Tq, n_heads, D) and lse.shape == (B, n_heads, Tq), (out.shape, lse.shape)
-    item = qkv.dtype.itemsize
-    assert qkv.strides[1:] == (NH * D * item, D * item, item), qkv.strides
+    B, T, NH, D = qkv.shape
+    assert out.shape == (B, T, n_heads, D) and lse.shape == (B, n_heads, T), (out.shape, lse.shape)
     k = _kernel("attention", f"attention_forward_d{D}", _attention_defines(qkv))
-    k((n_heads, B, _blocks(Tq, _TILE)), (128,),
-      (out, lse, qkv, _i32(Tq), _i32(Tk), _i32(n_heads), _i32(n_kv_heads), np.int64(qkv.strides[0] // item),
-       _f32(1.0 / math.sqrt(D))))
+    k((n_heads, B, _blocks(T, _TILE)), (128,),
+      (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
+
+
+def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
+    """Decoding: qkv's k and v heads (B, n, H+2G, D) go into the KV cache (B, S, 2G, D) at positions
+    pos[0].., then qkv's queries attend to the cache's positions 0..pos[0]+t. out (B, n, H, D), lse (B, H, n)."""
+    _check(out, qkv, cache, act=qkv)
+    _check(lse)
+    B, n, NH, D = qkv.shape
+    S = cache.shape[1]
+    assert cache.shape == (B, S, 2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
+    defines, threads = _act_defines(qkv), 256
+    _kernel("attention", "kv_cache_append", defines)(
+        (_blocks(B * n * 2 * n_kv_heads * D, 256),), (256,),
+        (cache, qkv, _position(pos), _i32(B), _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads), _i32(D)))
+    smem = 4 * (threads // (D // 4) * D + D + S)
+    _kernel("attention", "attention_cached", defines, smem)(
+        (n, n_heads, B), (threads,), (out, lse, qkv, cache, pos, _i32(n), _i32(S), _i32(n_heads),
+                                      _i32(n_kv_heads), _i32(D), _f32(1.0 / math.sqrt(D))), shared_mem=smem)
 
 
 def _attention_backward_smem(D, defines):
@@ -309,6 +342,50 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
     targets = cupy.ascontiguousarray(targets, dtype=np.int32)
     _kernel("crossentropy", "crossentropy_forward_backward", _act_defines(logits))(
         (N, K), (_ce_threads(V),), (losses, logits, targets, dscale, _i32(N), _i32(K), _i32(V)))
+
+
+# -------------------------------------------------------------------------------------------- decoding
+def argmax(ids, logits):
+    """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32."""
+    _check(logits)
+    assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
+    _kernel("matmul", "argmax_rows")((logits.shape[0],), (256,), (ids, logits, _i32(logits.shape[1])))
+
+
+def advance_position(pos, n):
+    """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""
+    _kernel("attention", "advance_position")((1,), (1,), (_position(pos), _i32(n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _graph_stream():
+    # A blocking stream: the legacy default stream, where everything else runs, waits for it and it for the
+    # default stream, so replays need no explicit synchronisation with the work around them.
+    return cupy.cuda.Stream(non_blocking=False)
+
+
+def graph(step):
+    """step (a decoding step: kernels only, over buffers that outlive it, with every changing value in device
+    memory) as a function that replays it as one CUDA graph. The first call runs step and records it; later
+    calls launch the recording, one launch for the whole step. cuBLAS cannot be recorded through CuPy (its
+    wrappers refuse during stream capture), so the step's products must have at most MATMUL_SMALL_ROWS rows."""
+    recorded = []
+
+    def replay():
+        stream = _graph_stream()
+        if recorded:
+            recorded[0].launch(stream)
+            return
+        step()  # the first run also compiles any kernel not compiled yet, which recording could not
+        with stream:
+            stream.begin_capture()
+            try:
+                step()
+            finally:
+                recording = stream.end_capture()
+        recorded.append(recording)
+
+    return replay
 
 
 # ---------------------------------------------------------------------------------------------- adamw

@@ -223,46 +223,45 @@ __device__ __forceinline__ void load_tile(typename M::elem_t* __restrict__ dst, 
 }
 
 // ------------------------------------------------------------------------------------------------ forward
-// out (B, Tq, H, D), lse (B, H, Tq) natural-log logsumexp of the scaled scores. qkv (B, Tk, NH, D), rows
-// batch_stride elements apart between batches (a view into the KV cache); the queries are its rows
-// q_start = Tk - Tq .. Tk - 1. Grid (H, B, query tiles), the tiles with the most keys first.
+// out (B, T, H, D), lse (B, H, T) natural-log logsumexp of the scaled scores, from qkv (B, T, NH, D) (training
+// and a full forward; decoding over the KV cache is attention_cached below). Grid (H, B, query tiles), the
+// tiles with the most keys first.
 template <int D, class M>
 __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out, float* __restrict__ lse,
-                                                        const act_t* __restrict__ qkv, int Tq, int Tk, int H,
-                                                        int G, long long batch_stride, float scale) {
+                                                        const act_t* __restrict__ qkv, int T, int H, int G,
+                                                        float scale) {
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
     __shared__ __align__(16) elem_t Ks[ATT_TILE * LDS];
     __shared__ __align__(16) elem_t Vs[ATT_TILE * LDS];
-    const int NH = H + 2 * G, q_start = Tk - Tq;
+    const int NH = H + 2 * G;
     const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z, kvh = h / (H / G);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const act_t* base = qkv + b * batch_stride;
     const long long rs = (long long)NH * D;  // row stride
+    const act_t* base = qkv + b * T * rs;
     const int row0 = qt * ATT_TILE + warp * 16 + g, row1 = row0 + 8;  // this thread's query rows
-    const int pos0 = q_start + row0, pos1 = q_start + row1;           // and their positions
     const float sl2 = scale * LOG2E;  // scores in log2 units, for exp2
 
     unsigned qf[D / KS][4];  // the warp's 16 query rows as A fragments
     {
-        const act_t* q0 = base + (q_start + row0) * rs + h * D;
+        const act_t* q0 = base + row0 * rs + h * D;
         const act_t* q1 = q0 + 8 * rs;
 #pragma unroll
-        for (int kk = 0; kk < D / KS; ++kk) M::a_global(qf[kk], q0 + kk * KS, q1 + kk * KS, row0 < Tq, row1 < Tq);
+        for (int kk = 0; kk < D / KS; ++kk) M::a_global(qf[kk], q0 + kk * KS, q1 + kk * KS, row0 < T, row1 < T);
     }
     float o[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
     float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;  // running max (log2 units) and sum per row
 
-    const int first_pos = q_start + qt * ATT_TILE;
-    const int last_pos = q_start + min(Tq, (qt + 1) * ATT_TILE) - 1;
+    const int first_pos = qt * ATT_TILE;
+    const int last_pos = min(T, (qt + 1) * ATT_TILE) - 1;
     const int n_kt = last_pos / ATT_TILE + 1;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * ATT_TILE;
         __syncthreads();  // everyone is done with the previous tile
-        load_tile<D, M>(Ks, base + (H + kvh) * D, k0, Tk, rs);
-        load_tile<D, M>(Vs, base + (H + G + kvh) * D, k0, Tk, rs);
+        load_tile<D, M>(Ks, base + (H + kvh) * D, k0, T, rs);
+        load_tile<D, M>(Vs, base + (H + G + kvh) * D, k0, T, rs);
         __syncthreads();
 
         float s[ATT_TILE / 8][4];  // S = Q K^T for 16 rows x 64 keys
@@ -277,7 +276,7 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
             }
         }
         // causal mask and the end of the keys, only on tiles that reach them
-        const bool edge = k0 + ATT_TILE - 1 > first_pos || k0 + ATT_TILE > Tk;
+        const bool edge = k0 + ATT_TILE - 1 > first_pos || k0 + ATT_TILE > T;
         float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
@@ -286,7 +285,7 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
                 float v = s[nt][e] * sl2;
                 if (edge) {
                     const int key = k0 + nt * 8 + 2 * t + (e & 1);
-                    if (key > (e < 2 ? pos0 : pos1) || key >= Tk) v = neg_inf();
+                    if (key > (e < 2 ? row0 : row1) || key >= T) v = neg_inf();
                 }
                 s[nt][e] = v;
                 if (e < 2) mx0 = fmaxf(mx0, v);
@@ -339,27 +338,26 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
     l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
-    if (row0 < Tq) {
+    if (row0 < T) {
         const float inv = 1.f / l0;
-        act_t* dst = out + (((long long)b * Tq + row0) * H + h) * D + 2 * t;
+        act_t* dst = out + (((long long)b * T + row0) * H + h) * D + 2 * t;
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[dn][0] * inv, o[dn][1] * inv);
-        if (t == 0) lse[((long long)b * H + h) * Tq + row0] = (m0 + log2f(l0)) * LN2;
+        if (t == 0) lse[((long long)b * H + h) * T + row0] = (m0 + log2f(l0)) * LN2;
     }
-    if (row1 < Tq) {
+    if (row1 < T) {
         const float inv = 1.f / l1;
-        act_t* dst = out + (((long long)b * Tq + row1) * H + h) * D + 2 * t;
+        act_t* dst = out + (((long long)b * T + row1) * H + h) * D + 2 * t;
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[dn][2] * inv, o[dn][3] * inv);
-        if (t == 0) lse[((long long)b * H + h) * Tq + row1] = (m1 + log2f(l1)) * LN2;
+        if (t == 0) lse[((long long)b * H + h) * T + row1] = (m1 + log2f(l1)) * LN2;
     }
 }
 
 #define ATTENTION_FORWARD(D)                                                                                 \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
-        attention_forward_d##D(act_t* out, float* lse, const act_t* qkv, int Tq, int Tk, int H, int G,      \
-                               long long batch_stride, float scale) {                                       \
-        attention_forward_block<D, AttMma>(out, lse, qkv, Tq, Tk, H, G, batch_stride, scale);               \
+        attention_forward_d##D(act_t* out, float* lse, const act_t* qkv, int T, int H, int G, float scale) { \
+        attention_forward_block<D, AttMma>(out, lse, qkv, T, H, G, scale);                                  \
     }
 ATTENTION_FORWARD(64)
 ATTENTION_FORWARD(32)
@@ -635,3 +633,84 @@ __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ 
     }
 ATTENTION_BACKWARD(64)
 ATTENTION_BACKWARD(32)
+
+// ----------------------------------------------------------------------------------------------- decoding
+// The KV cache (B, S, 2G, D) holds the rotated k heads, then the v heads, of every position decoded so far
+// (S the context). The position of the first new row is read from device memory (*pos), never passed as an
+// argument, so that a decoding step recorded once as a CUDA graph replays at every position.
+
+// cache[b, *pos + t, j, :] = qkv[b, t, H + j, :] for the n new rows (their k and v heads); a thread an element.
+extern "C" __global__ void kv_cache_append(act_t* __restrict__ cache, const act_t* __restrict__ qkv,
+                                           const int* __restrict__ pos, int B, int n, int S, int H, int G,
+                                           int D) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int E = 2 * G * D;  // k and v of one row
+    if (i >= (long long)B * n * E) return;
+    const int e = (int)(i % E);
+    const long long bt = i / E;
+    const int t = (int)(bt % n), b = (int)(bt / n);
+    cache[((long long)b * S + *pos + t) * E + e] = qkv[bt * (H + 2 * G) * D + H * D + e];
+}
+
+// *pos += n, the last node of a decoding step.
+extern "C" __global__ void advance_position(int* pos, int n) { *pos += n; }
+
+// Attention of the n new query rows of qkv (B, n, H + 2G, D), at positions *pos + t, to the cache's positions
+// 0..*pos + t (causal; the new rows already appended). out (B, n, H, D), lse (B, H, n). One block per (row,
+// head, batch): a decoding step is a few rows against a few hundred keys, memory-bound on the cache, so the
+// block reads each key row once with 4-wide loads and keeps the softmax in float32 (no tensor cores). Shared
+// memory: one partial output per key group (blockDim / (D / 4) groups of D floats), q[D], scores[S].
+extern "C" __global__ void attention_cached(act_t* __restrict__ out, float* __restrict__ lse,
+                                            const act_t* __restrict__ qkv, const act_t* __restrict__ cache,
+                                            const int* __restrict__ pos, int n, int S, int H, int G, int D,
+                                            float scale) {
+    extern __shared__ __align__(16) float smem[];
+    __shared__ float red[32];
+    const int lanes = D / 4, groups = blockDim.x / lanes, d4 = threadIdx.x % lanes, grp = threadIdx.x / lanes;
+    float* partial = smem;
+    float* q = partial + groups * D;
+    float* scores = q + D;
+    const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / G), E = 2 * G * D;
+    const int keys = *pos + t + 1;
+    const act_t* qrow = qkv + (((long long)b * n + t) * (H + 2 * G) + h) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) q[d] = to_float(qrow[d]) * scale;
+    __syncthreads();
+    const act_t* kbase = cache + (long long)b * S * E + kvh * D;
+    const act_t* vbase = kbase + G * D;
+    float mx = neg_inf();
+    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+        const act_t* k = kbase + (long long)j * E;
+        float s = 0.f;
+        for (int d = 0; d < D; d += 4) {
+            const float4 kv = load4(k + d);
+            s += q[d] * kv.x + q[d + 1] * kv.y + q[d + 2] * kv.z + q[d + 3] * kv.w;
+        }
+        scores[j] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = block_max(mx, red);
+    float sum = 0.f;
+    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
+        const float p = expf(scores[j] - mx);
+        scores[j] = p;
+        sum += p;
+    }
+    sum = block_sum(sum, red);  // its barriers also publish the scores
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (grp < groups) {
+        for (int j = grp; j < keys; j += groups) {
+            const float p = scores[j];
+            const float4 v = load4(vbase + (long long)j * E + 4 * d4);
+            acc.x += p * v.x, acc.y += p * v.y, acc.z += p * v.z, acc.w += p * v.w;
+        }
+        *reinterpret_cast<float4*>(partial + grp * D + 4 * d4) = acc;
+    }
+    __syncthreads();
+    const float inv = 1.f / sum;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float o = 0.f;
+        for (int g = 0; g < groups; ++g) o += partial[g * D + d];
+        out[(((long long)b * n + t) * H + h) * D + d] = from_float<act_t>(o * inv);
+    }
+    if (threadIdx.x == 0) lse[((long long)b * H + h) * n + t] = mx + logf(sum);
+}

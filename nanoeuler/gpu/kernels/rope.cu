@@ -1,7 +1,8 @@
 // Rotary position embedding (rotate-half pairing, element i with i + D/2), in place on the first n_rot heads
-// (the q and k heads) of the fused activation qkv (B, T, NH, D). The backward pass is the inverse rotation,
-// the same kernel with the sine negated (sign = -1). A thread rotates V = 4 consecutive pairs (one vector
-// access per half) when D/2 is a multiple of 4, one pair otherwise.
+// (the q and k heads) of the fused activation qkv (B, T, NH, D), positions *pos + t: read from device memory,
+// so that a decoding step recorded as a CUDA graph serves every position. The backward pass is the inverse
+// rotation, the same kernel with the sine negated (sign = -1). A thread rotates V = 4 consecutive pairs (one
+// vector access per half) when D/2 is a multiple of 4, one pair otherwise.
 #include "common.cuh"
 
 template <int V>
@@ -32,10 +33,11 @@ __device__ __forceinline__ void rope_pairs(act_t* __restrict__ qkv, const float*
 
 extern "C" __global__ void rope_rotate(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
                                        const float* __restrict__ sin_t, int B, int T, int NH, int n_rot,
-                                       int D, int pos0, float sign) {
+                                       int D, const int* __restrict__ pos, float sign) {
     const int V = (D >> 1) % 4 == 0 ? 4 : 1;
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= (long long)B * T * n_rot * (D >> 1)) return;
+    const int pos0 = *pos;
     if (V == 4) rope_pairs<4>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos0, sign);
     else rope_pairs<1>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos0, sign);
 }
