@@ -82,6 +82,7 @@ class Engine:
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
         self._acts, self._acts_shape = None, None
+        self._spare_caches = []  # released KV caches, kept with their recorded decoding steps
         self.graphs = True  # replay small decoding steps as CUDA graphs (GPU); off to measure the difference
 
     def _sync_weights(self):
@@ -385,7 +386,19 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- generation
     def new_cache(self, batch=1):
+        """An empty KV cache for `batch` sequences: a released one of that size when there is one (its
+        decoding steps are recorded already), else a new one."""
+        for i, cache in enumerate(self._spare_caches):
+            if cache.kv.shape[1] == batch:
+                cache = self._spare_caches.pop(i)
+                cache.pos = 0
+                return cache
         return KVCache(self.xp, self.cfg, batch, self.act)
+
+    def release_cache(self, cache):
+        """Hand back a cache no longer used, for new_cache to reuse (a generation's, when it ends)."""
+        if all(c is not cache for c in self._spare_caches):
+            self._spare_caches.append(cache)
 
     def decode(self, cache, tokens, every_head=False, argmax=False):
         """Append tokens (B, n) at cache.pos and run them through the model, attending to the cache. Returns
@@ -402,7 +415,7 @@ class Engine:
         B, n = tokens.shape
         if cache.pos + n > self.cfg.context:
             raise ValueError(f"the KV cache holds {self.cfg.context} positions; {cache.pos} + {n} do not fit")
-        key = (B, n, every_head, argmax)
+        key = (B, n, every_head, argmax, self.graphs)
         step = cache.steps.get(key)
         if step is None:
             step = self._decode_step(cache, B, n, every_head, argmax)
@@ -444,7 +457,10 @@ class Engine:
         shape = (B, n, cfg.mtp_heads) if every_head else (B,)
 
         def step(tokens):
-            a["tokens"][...] = xp.asarray(tokens)
+            if xp is np:
+                a["tokens"][...] = tokens
+            else:
+                a["tokens"].set(tokens)  # one copy to the device, no temporary
             run()
             if argmax:
                 return self._to_numpy(a["ids"]).reshape(shape)

@@ -56,18 +56,21 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
     cache = eng.new_cache(1)
-    out = _prefill(eng, cache, history[-ctx:], False, greedy)
-    for i in range(max_new_tokens):
-        token = int(out) if greedy else pick(out, temperature, top_k, top_p, rng)
-        yield token
-        if token in stop_ids or i == max_new_tokens - 1:
-            return
-        history.append(token)
-        if cache.pos == ctx:  # the cache is full: slide the window
-            cache = eng.new_cache(1)
-            out = _prefill(eng, cache, history[-keep:], False, greedy)
-        else:
-            out = eng.decode(cache, np.array([[token]], dtype=np.int32), argmax=greedy)[0]
+    try:
+        out = _prefill(eng, cache, history[-ctx:], False, greedy)
+        for i in range(max_new_tokens):
+            token = int(out) if greedy else pick(out, temperature, top_k, top_p, rng)
+            yield token
+            if token in stop_ids or i == max_new_tokens - 1:
+                return
+            history.append(token)
+            if cache.pos == ctx:  # the cache is full: slide the window (back to position 0: a fresh cache)
+                cache.pos = 0
+                out = _prefill(eng, cache, history[-keep:], False, greedy)
+            else:
+                out = eng.decode(cache, np.array([[token]], dtype=np.int32), argmax=greedy)[0]
+    finally:
+        eng.release_cache(cache)
 
 
 def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=(),
@@ -98,55 +101,60 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
     cache = eng.new_cache(1)
-    heads = _prefill(eng, cache, history[-ctx:], True, greedy)  # (K,) ids or (K, V) logits
-    first = None  # the next token when already decided (a replacement for a rejected proposal)
-    emitted = 0
-    while True:
-        if first is None:
-            first = choose(heads[0])
-        if cache.pos + K > ctx:
-            # No room to verify K tokens: one plain step, sliding the window exactly when plain decoding
-            # does (when the cache is full), so greedy output stays plain greedy's.
-            kept, replacement = [first], None
-            if cache.pos == ctx:
-                cache = eng.new_cache(1)
-                heads = _prefill(eng, cache, (history + kept)[-keep:], True, greedy)
-            else:
-                heads = eng.decode(cache, np.array([kept], dtype=np.int32), every_head=True, argmax=greedy)[0, -1]
-        else:
-            # the K-1 proposals after `first`, each from its head at the last cached position
-            q = [None if greedy else dist(heads[k]) for k in range(1, K)]
-            drafts = [int(heads[k]) if greedy else int(rng.choice(q[k - 1].size, p=q[k - 1])) for k in range(1, K)]
-            pos = cache.pos
-            out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True,
-                             argmax=greedy)[0]  # (K, K) ids or (K, K, V) logits
-            kept, replacement = [first], None
-            for j, d in enumerate(drafts):  # d proposes the token after kept[-1], at position pos + j + 1
-                stats["per_head"][j][0] += 1
-                if greedy:
-                    if int(out[j, 0]) != d:
-                        replacement = int(out[j, 0])
-                        break
+    try:
+        heads = _prefill(eng, cache, history[-ctx:], True, greedy)  # (K,) ids or (K, V) logits
+        first = None  # the next token when already decided (a replacement for a rejected proposal)
+        emitted = 0
+        while True:
+            if first is None:
+                first = choose(heads[0])
+            if cache.pos + K > ctx:
+                # No room to verify K tokens: one plain step, sliding the window exactly when plain decoding
+                # does (when the cache is full), so greedy output stays plain greedy's.
+                kept, replacement = [first], None
+                if cache.pos == ctx:
+                    cache.pos = 0
+                    heads = _prefill(eng, cache, (history + kept)[-keep:], True, greedy)
                 else:
-                    p = dist(out[j, 0])
-                    if rng.random() * q[j][d] >= p[d]:
-                        replacement = _residual_draw(p, q[j], rng)
-                        break
-                stats["per_head"][j][1] += 1
-                kept.append(d)
-            stats["steps"] += 1
-            stats["drafted"] += len(drafts)
-            stats["accepted"] += len(kept) - 1
-            cache.pos = pos + len(kept)  # roll back past the rejected proposals
-            heads = out[len(kept) - 1]
-        for token in kept:
-            yield token
-            emitted += 1
-            stats["tokens"] += 1
-            if token in stop_ids or emitted == max_new_tokens:
-                return
-            history.append(token)
-        first = replacement
+                    heads = eng.decode(cache, np.array([kept], dtype=np.int32), every_head=True,
+                                       argmax=greedy)[0, -1]
+            else:
+                # the K-1 proposals after `first`, each from its head at the last cached position
+                q = [None if greedy else dist(heads[k]) for k in range(1, K)]
+                drafts = [int(heads[k]) if greedy else int(rng.choice(q[k - 1].size, p=q[k - 1]))
+                          for k in range(1, K)]
+                pos = cache.pos
+                out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True,
+                                 argmax=greedy)[0]  # (K, K) ids or (K, K, V) logits
+                kept, replacement = [first], None
+                for j, d in enumerate(drafts):  # d proposes the token after kept[-1], at position pos + j + 1
+                    stats["per_head"][j][0] += 1
+                    if greedy:
+                        if int(out[j, 0]) != d:
+                            replacement = int(out[j, 0])
+                            break
+                    else:
+                        p = dist(out[j, 0])
+                        if rng.random() * q[j][d] >= p[d]:
+                            replacement = _residual_draw(p, q[j], rng)
+                            break
+                    stats["per_head"][j][1] += 1
+                    kept.append(d)
+                stats["steps"] += 1
+                stats["drafted"] += len(drafts)
+                stats["accepted"] += len(kept) - 1
+                cache.pos = pos + len(kept)  # roll back past the rejected proposals
+                heads = out[len(kept) - 1]
+            for token in kept:
+                yield token
+                emitted += 1
+                stats["tokens"] += 1
+                if token in stop_ids or emitted == max_new_tokens:
+                    return
+                history.append(token)
+            first = replacement
+    finally:
+        eng.release_cache(cache)
 
 
 def _prefill(eng, cache, ids, every_head, argmax):

@@ -47,6 +47,34 @@ def test_kv_cache_decode_matches_full_forward(eng):
     assert np.abs(full[4] - full[20]).max() > 0.1  # the comparison is not trivially between equal rows
 
 
+def test_kv_cache_holds_keys_and_values_only_and_rolls_back(eng):
+    """The cache keeps the G k heads and G v heads of each position (no queries); setting pos back and
+    decoding again overwrites what was past it, and a released cache comes back empty."""
+    cfg = eng.cfg
+    cache = eng.new_cache(1)
+    assert cache.kv.shape == (cfg.n_layers, 1, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim)
+    ids = _ids(12, seed=5)
+    eng.decode(cache, ids[None, :8])
+    cache.pos = 5  # roll back 3 positions
+    again = eng.decode(cache, ids[None, 5:12])
+    assert cache.pos == 12 and int(cache.position[0]) == 12
+    assert _rel(again, eng.logits(ids[None])[0, -1]) < 1e-5
+    eng.release_cache(cache)
+    reused = eng.new_cache(1)
+    assert reused is cache and reused.pos == 0 and int(reused.position[0]) == 0
+
+
+def test_argmax_decode_is_the_logits_argmax(eng):
+    ids = _ids(10, seed=6)
+    logits = eng.decode(eng.new_cache(1), ids[None])
+    assert eng.decode(eng.new_cache(1), ids[None], argmax=True).tolist() == [int(logits[0].argmax())]
+    cache = eng.new_cache(1)
+    eng.decode(cache, ids[None, :6])
+    every = eng.decode(cache, ids[None, 6:], every_head=True)
+    cache.pos = 6
+    assert np.array_equal(eng.decode(cache, ids[None, 6:], every_head=True, argmax=True), every.argmax(axis=-1))
+
+
 def test_kv_cache_batches_and_chunks(eng):
     ids = np.stack([_ids(20, 1), _ids(20, 2)])
     full = eng.logits(ids)

@@ -259,13 +259,10 @@ def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
     B, n, NH, D = qkv.shape
     S = cache.shape[1]
     assert cache.shape == (B, S, 2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
-    defines, threads = _act_defines(qkv), 256
-    _kernel("attention", "kv_cache_append", defines)(
-        (_blocks(B * n * 2 * n_kv_heads * D, 256),), (256,),
-        (cache, qkv, _position(pos), _i32(B), _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads), _i32(D)))
+    threads = 512
     smem = 4 * (threads // (D // 4) * D + D + S)
-    _kernel("attention", "attention_cached", defines, smem)(
-        (n, n_heads, B), (threads,), (out, lse, qkv, cache, pos, _i32(n), _i32(S), _i32(n_heads),
+    _kernel("attention", "attention_cached", _act_defines(qkv), smem)(
+        (n, n_heads, B), (threads,), (out, lse, qkv, cache, _position(pos), _i32(n), _i32(S), _i32(n_heads),
                                       _i32(n_kv_heads), _i32(D), _f32(1.0 / math.sqrt(D))), shared_mem=smem)
 
 

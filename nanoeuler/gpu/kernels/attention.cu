@@ -639,29 +639,18 @@ ATTENTION_BACKWARD(32)
 // (S the context). The position of the first new row is read from device memory (*pos), never passed as an
 // argument, so that a decoding step recorded once as a CUDA graph replays at every position.
 
-// cache[b, *pos + t, j, :] = qkv[b, t, H + j, :] for the n new rows (their k and v heads); a thread an element.
-extern "C" __global__ void kv_cache_append(act_t* __restrict__ cache, const act_t* __restrict__ qkv,
-                                           const int* __restrict__ pos, int B, int n, int S, int H, int G,
-                                           int D) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const int E = 2 * G * D;  // k and v of one row
-    if (i >= (long long)B * n * E) return;
-    const int e = (int)(i % E);
-    const long long bt = i / E;
-    const int t = (int)(bt % n), b = (int)(bt / n);
-    cache[((long long)b * S + *pos + t) * E + e] = qkv[bt * (H + 2 * G) * D + H * D + e];
-}
-
 // *pos += n, the last node of a decoding step.
 extern "C" __global__ void advance_position(int* pos, int n) { *pos += n; }
 
-// Attention of the n new query rows of qkv (B, n, H + 2G, D), at positions *pos + t, to the cache's positions
-// 0..*pos + t (causal; the new rows already appended). out (B, n, H, D), lse (B, H, n). One block per (row,
-// head, batch): a decoding step is a few rows against a few hundred keys, memory-bound on the cache, so the
-// block reads each key row once with 4-wide loads and keeps the softmax in float32 (no tensor cores). Shared
-// memory: one partial output per key group (blockDim / (D / 4) groups of D floats), q[D], scores[S].
+// Attention of the n new query rows of qkv (B, n, H + 2G, D), at positions *pos + t, to positions 0..*pos + t:
+// the cache's rows before *pos, and the new rows' own k and v (read from qkv, so no block waits for another
+// to store them). The blocks of the first query head of each kv group also append their row's k and v to the
+// cache. out (B, n, H, D), lse (B, H, n). One block per (row, head, batch): a decoding step is a few rows
+// against a few hundred keys, bound by reading them (from L2, mostly), so the block spreads the keys over
+// all its threads, in float32 (no tensor cores). Shared memory: one partial output per key group
+// (blockDim / (D / 4) groups of D), q[D], scores[S].
 extern "C" __global__ void attention_cached(act_t* __restrict__ out, float* __restrict__ lse,
-                                            const act_t* __restrict__ qkv, const act_t* __restrict__ cache,
+                                            const act_t* __restrict__ qkv, act_t* __restrict__ cache,
                                             const int* __restrict__ pos, int n, int S, int H, int G, int D,
                                             float scale) {
     extern __shared__ __align__(16) float smem[];
@@ -671,16 +660,25 @@ extern "C" __global__ void attention_cached(act_t* __restrict__ out, float* __re
     float* q = partial + groups * D;
     float* scores = q + D;
     const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / G), E = 2 * G * D;
-    const int keys = *pos + t + 1;
-    const act_t* qrow = qkv + (((long long)b * n + t) * (H + 2 * G) + h) * D;
+    const int p0 = *pos, keys = p0 + t + 1;
+    const long long NHD = (long long)(H + 2 * G) * D;
+    const act_t* qrow = qkv + ((long long)b * n + t) * NHD + h * D;
+    act_t* cbase = cache + (long long)b * S * E + kvh * D;
+    const act_t* nbase = qkv + (long long)b * n * NHD + H * D + kvh * D;  // row 0 of the new k heads
+    if (h % (H / G) == 0)  // append this row's k and v (nobody reads them from the cache in this launch)
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            cbase[(long long)(p0 + t) * E + d] = nbase[t * NHD + d];
+            cbase[(long long)(p0 + t) * E + G * D + d] = nbase[t * NHD + G * D + d];
+        }
+    // key j's k row (its v row is G * D further): the cache before *pos, the new rows after
+    auto key_row = [&](int j) { return j < p0 ? cbase + (long long)j * E : nbase + (j - p0) * NHD; };
     for (int d = threadIdx.x; d < D; d += blockDim.x) q[d] = to_float(qrow[d]) * scale;
     __syncthreads();
-    const act_t* kbase = cache + (long long)b * S * E + kvh * D;
-    const act_t* vbase = kbase + G * D;
     float mx = neg_inf();
     for (int j = threadIdx.x; j < keys; j += blockDim.x) {
-        const act_t* k = kbase + (long long)j * E;
+        const act_t* k = key_row(j);
         float s = 0.f;
+#pragma unroll 4
         for (int d = 0; d < D; d += 4) {
             const float4 kv = load4(k + d);
             s += q[d] * kv.x + q[d + 1] * kv.y + q[d + 2] * kv.z + q[d + 3] * kv.w;
@@ -698,9 +696,10 @@ extern "C" __global__ void attention_cached(act_t* __restrict__ out, float* __re
     sum = block_sum(sum, red);  // its barriers also publish the scores
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (grp < groups) {
+#pragma unroll 4
         for (int j = grp; j < keys; j += groups) {
             const float p = scores[j];
-            const float4 v = load4(vbase + (long long)j * E + 4 * d4);
+            const float4 v = load4(key_row(j) + G * D + 4 * d4);
             acc.x += p * v.x, acc.y += p * v.y, acc.z += p * v.z, acc.w += p * v.w;
         }
         *reinterpret_cast<float4*>(partial + grp * D + 4 * d4) = acc;
