@@ -6,6 +6,7 @@
     nanoeuler sft ...                       supervised fine-tuning on Alpaca
     nanoeuler dpo ...                       preference tuning (DPO) of a chat model
     nanoeuler chat ...                      interactive REPL
+    nanoeuler serve ...                     OpenAI-compatible HTTP server and web chat page
     nanoeuler tokenizer train|encode|decode
     nanoeuler export --hf DIR               a Hugging Face LlamaForCausalLM folder
 
@@ -55,6 +56,13 @@ def _positive_float(text):
     value = _nonneg_float(text)
     if value == 0:
         raise argparse.ArgumentTypeError("must be greater than 0")
+    return value
+
+
+def _port(text):
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0-65535, got {value}")
     return value
 
 
@@ -165,6 +173,16 @@ def build_parser():
     p = sub.add_parser("chat", help="interactive session with a trained model")
     _sampling_flags(p)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server and web chat page (pip install '.[serve]')")
+    p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--slots", type=_positive_int, default=16,
+                   help="requests generated together, in turns, each with its own KV cache (default 16)")
+    p.add_argument("--queue", type=_nonneg_int, default=64,
+                   help="requests that may wait for a slot; beyond that the server answers 503 (default 64)")
+    _device_flag(p)
+
     p = sub.add_parser("tokenizer", help="byte-level BPE: train one, encode, decode")
     tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = tok.add_parser("train", help="learn a tokenizer on a text file; writes a Hugging Face tokenizer.json")
@@ -255,6 +273,8 @@ def main(argv=None):
             from nanoeuler.dpo import main as run
         elif args.command == "chat":
             from nanoeuler.chat import main as run
+        elif args.command == "serve":
+            from nanoeuler.serve import main as run
         elif args.command == "export":
             from nanoeuler.export import main as run
         elif args.command == "tokenizer":

@@ -169,29 +169,28 @@ class Engine:
         cfg, L, p = self.cfg, self.L, self.p
         H, G = cfg.n_heads, cfg.n_kv_heads
         N = B * T
-        pos = self.zero_position if cache is None else cache.position
         L.embedding_forward(a["resid"][0], tokens.reshape(N), p["tok_emb"])
         for i in range(cfg.n_layers):
             w = f"layers.{i}."
             resid, resid_mid = a["resid"][i], a["resid_mid"][i]
             qkv, att = a["qkv"][i], a["att"][i]
             # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
-            L.rmsnorm_forward(a["xn"], a["rstd1"][i], resid, p[w + "attn_norm"], cfg.norm_eps)
-            L.matmul_forward(qkv.reshape(N, -1), a["xn"], p[w + "wqkv"])
-            L.rope_forward(qkv, self.cos, self.sin, H + G, pos)
+            L.rmsnorm_matmul_forward(qkv.reshape(N, -1), a["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"],
+                                     cfg.norm_eps, a["xn"])
             if cache is None:
+                L.rope_forward(qkv, self.cos, self.sin, H + G, self.zero_position)
                 L.attention_forward(att, a["lse"][i], qkv, H, G)
-            else:
-                L.attention_cached(att, a["lse"][i], qkv, cache.kv[i], H, G, pos)
+            else:  # rotary embedding at the cache's position, k and v into the cache, attention over it
+                L.attention_cached(att, a["lse"][i], qkv, cache.kv[i], self.cos, self.sin, H, G, cache.position)
             if resid_mid is not resid:
                 resid_mid[...] = resid  # the skip connection, then the block's output added by the matmul
             L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
             # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
-            L.rmsnorm_forward(a["xn"], a["rstd2"][i], resid_mid, p[w + "ffn_norm"], cfg.norm_eps)
-            L.matmul_forward(a["gate_up"][i], a["xn"], p[w + "w_gate_up"])
-            L.swiglu_forward(a["sw"], a["gate_up"][i])
+            L.rmsnorm_matmul_forward(a["gate_up"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"],
+                                     p[w + "w_gate_up"], cfg.norm_eps, a["xn"])
             if a["resid"][i + 1] is not resid_mid:
                 a["resid"][i + 1][...] = resid_mid
+            L.swiglu_forward(a["sw"], a["gate_up"][i])
             L.matmul_forward(a["resid"][i + 1], a["sw"], p[w + "w_down"], accumulate=True)
         L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
 
@@ -439,8 +438,12 @@ class Engine:
         a = dict(resid=[x] * (layers + 1), resid_mid=[x] * layers, xn=e(N, C), rstd1=[rstd] * layers,
                  rstd2=[rstd] * layers, qkv=[qkv] * layers, att=[att] * layers, lse=[lse] * layers,
                  gate_up=[e(N, 2 * F)] * layers, sw=e(N, F), hf=e(N, C), rstdf=f(N),
-                 last=e(B, C), logits=f(rows, heads * V), ids=xp.empty(rows * heads, dtype=np.int32),
-                 tokens=xp.empty((B, n), dtype=np.int32))
+                 last=e(B, C), logits=f(rows, heads * V), tokens=xp.empty((B, n), dtype=np.int32))
+        # Greedy single steps write the chosen ids over their own input: when the next call feeds them back,
+        # as generation does, they are on the device already and nothing is copied there.
+        feeds_back = argmax and not every_head and n == 1
+        a["ids"] = a["tokens"].reshape(B) if feeds_back else xp.empty(rows * heads, dtype=np.int32)
+        held = {}  # the host copy of what a["tokens"] holds
 
         def run():
             self._forward(a["tokens"], a, B, n, cache)
@@ -457,14 +460,18 @@ class Engine:
         shape = (B, n, cfg.mtp_heads) if every_head else (B,)
 
         def step(tokens):
-            if xp is np:
-                a["tokens"][...] = tokens
-            else:
-                a["tokens"].set(tokens)  # one copy to the device, no temporary
+            if not np.array_equal(held.get("tokens"), tokens):
+                if xp is np:
+                    a["tokens"][...] = tokens
+                else:
+                    a["tokens"].set(tokens)  # one copy to the device, no temporary
             run()
-            if argmax:
-                return self._to_numpy(a["ids"]).reshape(shape)
-            return self._to_numpy(a["logits"]).astype(np.float32).reshape(shape + (V,))
+            if not argmax:
+                held["tokens"] = tokens.copy()
+                return self._to_numpy(a["logits"]).astype(np.float32).reshape(shape + (V,))
+            ids = self._to_numpy(a["ids"]).reshape(shape)
+            held["tokens"] = ids.reshape(B, n).copy() if feeds_back else tokens.copy()
+            return ids
 
         return step
 

@@ -164,20 +164,35 @@ def test_attention_float32_matches_float64(T, H, G, D):
 
 def test_attention_over_the_kv_cache_matches_full():
     """Decoding in chunks (6 rows, then 1, then 2) through the cache (k and v only) gives the full forward's
-    rows; the cache holds exactly the k and v heads, and nothing past the position is touched."""
+    rows (rotary embedding, then attention); the cache holds exactly the rotated k heads and the v heads, and
+    nothing past the position is touched."""
     B, T, H, G, D, S = 2, 9, 4, 2, 8, 12
+    cos, sin = rope_tables(D, S, 10000.0, np.float64)
     qkv = rng.normal(size=(B, T, H + 2 * G, D))
+    rotated = qkv.copy()
+    L.rope_forward(rotated, cos, sin, H + G, np.zeros(1, dtype=np.int32))
     full, lse = np.empty((B, T, H, D)), np.empty((B, H, T))
-    L.attention_forward(full, lse, qkv, H, G)
+    L.attention_forward(full, lse, rotated, H, G)
     cache = np.full((B, S, 2 * G, D), np.nan)
     pos = np.zeros(1, dtype=np.int32)
     for lo, hi in ((0, 6), (6, 7), (7, 9)):
         out, lse_c = np.full((B, hi - lo, H, D), np.nan), np.full((B, H, hi - lo), np.nan)
-        L.attention_cached(out, lse_c, np.ascontiguousarray(qkv[:, lo:hi]), cache, H, G, pos)
+        L.attention_cached(out, lse_c, qkv[:, lo:hi].copy(), cache, cos, sin, H, G, pos)
         assert np.allclose(out, full[:, lo:hi]) and np.allclose(lse_c, lse[:, :, lo:hi])
         L.advance_position(pos, hi - lo)
     assert pos[0] == T
-    assert np.array_equal(cache[:, :T], qkv[:, :, H:]) and np.isnan(cache[:, T:]).all()
+    assert np.allclose(cache[:, :T], rotated[:, :, H:]) and np.isnan(cache[:, T:]).all()
+
+
+def test_normed_product_is_the_layers_in_turn():
+    """rmsnorm_matmul_forward (one GPU kernel for decoding's few rows) is RMSNorm, then the product."""
+    N, C, O = 3, 10, 7
+    x, g, w = rng.normal(size=(N, C)), rng.normal(size=C), rng.normal(size=(O, C))
+    out, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, C))
+    L.rmsnorm_matmul_forward(out, rstd, x, g, w, 1e-5, xn)
+    ref_xn, ref_rstd = np.empty((N, C)), np.empty(N)
+    L.rmsnorm_forward(ref_xn, ref_rstd, x, g, 1e-5)
+    assert np.allclose(out, ref_xn @ w.T) and np.allclose(rstd, ref_rstd) and np.allclose(xn, ref_xn)
 
 
 def test_swiglu_backward():

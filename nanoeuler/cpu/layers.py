@@ -79,6 +79,13 @@ def matmul_backward(dx, dw, dout, x, w):
     dw += dout.T @ x
 
 
+def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
+    """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
+    here (on the GPU it is scratch: decoding's few rows are normalised inside the product, one kernel)."""
+    rmsnorm_forward(xn, rstd, x, norm_w, eps)
+    matmul_forward(out, xn, w)
+
+
 # ------------------------------------------------------------------------------------------- embedding
 @njit(**pjit)
 def embedding_forward(out, tokens, emb):
@@ -299,10 +306,12 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
     _attention(out, lse, qkv, qkv, n_heads, n_heads, n_kv_heads, 0)
 
 
-def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
-    """Decoding: the k and v heads of qkv (B, n, H+2G, D) are written to the KV cache (B, S, 2G, D) at positions
-    pos[0]..pos[0]+n-1, then qkv's queries attend to the cache's positions 0..pos[0]+n-1, causally.
-    out (B, n, H, D), lse (B, H, n)."""
+def attention_cached(out, lse, qkv, cache, cos, sin, n_heads, n_kv_heads, pos):
+    """Decoding: the rotary embedding of qkv (B, n, H+2G, D)'s q and k heads at positions pos[0] + t (in
+    place), its k and v heads written to the KV cache (B, S, 2G, D) at positions pos[0]..pos[0]+n-1, then
+    attention of its queries to the cache's positions 0..pos[0]+n-1, causally. out (B, n, H, D), lse (B, H, n).
+    (The GPU does all of it in one kernel.)"""
+    rope_forward(qkv, cos, sin, n_heads + n_kv_heads, pos)
     p, n = int(pos[0]), qkv.shape[1]
     cache[:, p:p + n] = qkv[:, :, n_heads:]
     _attention(out, lse, qkv, cache, 0, n_heads, n_kv_heads, p)

@@ -141,6 +141,14 @@ def check_matmul(c, L, R):
         L.matmul_forward(g32, c.dev(x), c.dev(w))
         out += [(f"matmul_forward{c.tag} {N} rows (matrix-vector) I={I} O={O}, +=", rel_err(c.get(g), ref), c.tol),
                 (f"matmul_forward{c.tag} {N} rows, float32 out", rel_err(c.get(g32), ref32), c.tol)]
+        # the same kernel with RMSNorm (C = I) folded in front
+        gain = c.act(1 + c.normal(I, scale=0.3))
+        ref, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, I))
+        R.rmsnorm_matmul_forward(ref, rstd, x, gain, w, 1e-5, xn)
+        g, grstd = c.poisoned(N, O), c.poisoned32(N)
+        L.rmsnorm_matmul_forward(g, grstd, c.dev(x), c.dev(gain), c.dev(w), 1e-5, c.poisoned(N, I))
+        out += [(f"rmsnorm_matmul_forward{c.tag} {N} rows", rel_err(c.get(g), ref), c.tol),
+                (f"rmsnorm_matmul_forward{c.tag} {N} rows rstd", rel_err(c.get(grstd), rstd), c.tol)]
     return out
 
 
@@ -235,14 +243,15 @@ def check_attention(c, L, R):
     # to it (the cache's untouched tail stays poisoned on both sides)
     B, S, H, G = 2, 101, 6, 2
     for D in (64, 32):
+        cos, sin = (_f32(t) for t in rope_tables(D, S, 10000.0, np.float64))
         ref_cache, g_cache = np.full((B, S, 2 * G, D), np.nan), c.poisoned(B, S, 2 * G, D)
         ref_pos, g_pos = np.zeros(1, np.int32), c.cp.zeros(1, np.int32)
         for n in (83, 7, 1):
             qkv = c.act(c.normal(B, n, H + 2 * G, D))
             ref_o, ref_lse = np.empty((B, n, H, D)), np.empty((B, H, n))
-            R.attention_cached(ref_o, ref_lse, qkv, ref_cache, H, G, ref_pos)
+            R.attention_cached(ref_o, ref_lse, qkv.copy(), ref_cache, cos, sin, H, G, ref_pos)
             go, glse = c.poisoned(B, n, H, D), c.poisoned32(B, H, n)
-            L.attention_cached(go, glse, c.dev(qkv), g_cache, H, G, g_pos)
+            L.attention_cached(go, glse, c.dev(qkv), g_cache, c.dev32(cos), c.dev32(sin), H, G, g_pos)
             label = f"attention_cached{c.tag} D={D} pos={ref_pos[0]} n={n}"
             out += [(label, rel_err(c.get(go), ref_o), c.tol), (f"{label} lse", rel_err(c.get(glse), ref_lse), c.tol)]
             R.advance_position(ref_pos, n)

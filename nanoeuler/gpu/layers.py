@@ -142,11 +142,32 @@ def matmul_forward(out, x, w, accumulate=False):
     (N, I), O = x.shape, w.shape[0]
     if N > MATMUL_SMALL_ROWS:
         _gemm(_OP_T, _OP_N, O, N, I, w, I, x, I, out, O, accumulate)
-        return
-    packed = I % (16 // x.itemsize) == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
+    else:
+        _matmul_small(out, x, w, accumulate)
+
+
+def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0):
+    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x, RMSNorm folded in when given its gain."""
+    N, O, I = out.shape[0], w.shape[0], w.shape[1]
+    aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
+    packed = I % (16 // x.itemsize) == 0 and all(aligned)
+    null = np.uint64(0)
     _kernel("matmul", "matmul_small", _act_defines(x))(
-        (_blocks(O, 8),), (256,), (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
-                                   _i32(accumulate), _i32(packed)))
+        (_blocks(O, 8),), (256,),
+        (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32), _i32(accumulate),
+         _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps)))
+
+
+def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
+    """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) is scratch. A few rows
+    (decoding) take one kernel that normalises its input on the way; more, rmsnorm_forward into xn then cuBLAS."""
+    if x.shape[0] > MATMUL_SMALL_ROWS:
+        rmsnorm_forward(xn, rstd, x, norm_w, eps)
+        matmul_forward(out, xn, w)
+        return
+    _check(x, norm_w, w, act=x)
+    _check(rstd)
+    _matmul_small(out, x, w, False, norm_w, rstd, eps)
 
 
 def matmul_backward(dx, dw, dout, x, w):
@@ -251,19 +272,21 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
       (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
 
 
-def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
-    """Decoding: qkv's k and v heads (B, n, H+2G, D) go into the KV cache (B, S, 2G, D) at positions
-    pos[0].., then qkv's queries attend to the cache's positions 0..pos[0]+t. out (B, n, H, D), lse (B, H, n)."""
+def attention_cached(out, lse, qkv, cache, cos, sin, n_heads, n_kv_heads, pos):
+    """Decoding: rotary embedding of qkv (B, n, H+2G, D)'s q and k heads at positions pos[0] + t, its k and v
+    heads into the KV cache (B, S, 2G, D), and attention of its queries to the cache's positions 0..pos[0]+t.
+    out (B, n, H, D), lse (B, H, n). One kernel: it rotates on the way, leaving qkv as it was (the CPU layer
+    rotates qkv in place; decoding reads it no more either way)."""
     _check(out, qkv, cache, act=qkv)
-    _check(lse)
+    _check(lse, cos, sin)
     B, n, NH, D = qkv.shape
     S = cache.shape[1]
     assert cache.shape == (B, S, 2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
     threads = 512
     smem = 4 * (threads // (D // 4) * D + D + S)
-    _kernel("attention", "attention_cached", _act_defines(qkv), smem)(
-        (n, n_heads, B), (threads,), (out, lse, qkv, cache, _position(pos), _i32(n), _i32(S), _i32(n_heads),
-                                      _i32(n_kv_heads), _i32(D), _f32(1.0 / math.sqrt(D))), shared_mem=smem)
+    _kernel("attention", f"attention_cached_d{D}", _act_defines(qkv), smem)(
+        (n, n_heads, B), (threads,), (out, lse, qkv, cache, cos, sin, _position(pos), _i32(n), _i32(S),
+                                      _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))), shared_mem=smem)
 
 
 def _attention_backward_smem(D, defines):

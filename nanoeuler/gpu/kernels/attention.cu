@@ -642,46 +642,88 @@ ATTENTION_BACKWARD(32)
 // *pos += n, the last node of a decoding step.
 extern "C" __global__ void advance_position(int* pos, int n) { *pos += n; }
 
-// Attention of the n new query rows of qkv (B, n, H + 2G, D), at positions *pos + t, to positions 0..*pos + t:
-// the cache's rows before *pos, and the new rows' own k and v (read from qkv, so no block waits for another
-// to store them). The blocks of the first query head of each kv group also append their row's k and v to the
-// cache. out (B, n, H, D), lse (B, H, n). One block per (row, head, batch): a decoding step is a few rows
-// against a few hundred keys, bound by reading them (from L2, mostly), so the block spreads the keys over
-// all its threads, in float32 (no tensor cores). Shared memory: one partial output per key group
-// (blockDim / (D / 4) groups of D), q[D], scores[S].
-extern "C" __global__ void attention_cached(act_t* __restrict__ out, float* __restrict__ lse,
-                                            const act_t* __restrict__ qkv, act_t* __restrict__ cache,
-                                            const int* __restrict__ pos, int n, int S, int H, int G, int D,
-                                            float scale) {
+// The rotation of a (x1, x2) pair, rounded without FMA contraction: a new key rotated on the fly is then the
+// very value the cache stores for it (what later steps read), so decoding one token or several at a time
+// gives the same bits.
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1, float& y2) {
+    y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
+// Element idx of a D-long key rotated (its pair's position given by cs, sn) and rounded as the cache stores it.
+__device__ __forceinline__ float rotated_key(const act_t* k, const float* cs, const float* sn, int idx, int half) {
+    const int i = idx < half ? idx : idx - half;
+    float y1, y2;
+    rotate_pair(to_float(k[i]), to_float(k[i + half]), cs[i], sn[i], y1, y2);
+    return to_float(from_float<act_t>(idx < half ? y1 : y2));
+}
+
+// s + q[0..3] . kv: one expression for keys from the cache and new keys alike, so both sum in one order.
+__device__ __forceinline__ float dot4(float s, const float* q, float4 kv) {
+    return s + (q[0] * kv.x + q[1] * kv.y + q[2] * kv.z + q[3] * kv.w);
+}
+
+// Attention of the n new query rows of qkv (B, n, H + 2G, D), not yet rotated, at positions *pos + t, to
+// positions 0..*pos + t: the cache's rows before *pos, and the new rows' keys and values, read from qkv and
+// rotated on the way (so no block waits for another to store them). The blocks of the first query head of
+// each kv group append their row's rotated k and its v to the cache. out (B, n, H, D), lse (B, H, n); cos_t,
+// sin_t (S, D/2). One block per (row, head, batch): a decoding step is a few rows against a few hundred keys,
+// bound by the latency of reading them (from L2, mostly), so the block spreads the keys over all its threads,
+// in float32 (no tensor cores). Shared memory: one partial output per key group (blockDim / (D / 4) groups of
+// D floats), q[D], scores[S].
+template <int D>
+__device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, float* __restrict__ lse,
+                                                       const act_t* __restrict__ qkv, act_t* __restrict__ cache,
+                                                       const float* __restrict__ cos_t,
+                                                       const float* __restrict__ sin_t,
+                                                       const int* __restrict__ pos, int n, int S, int H, int G,
+                                                       float scale) {
     extern __shared__ __align__(16) float smem[];
     __shared__ float red[32];
-    const int lanes = D / 4, groups = blockDim.x / lanes, d4 = threadIdx.x % lanes, grp = threadIdx.x / lanes;
+    constexpr int HALF = D / 2, LANES = D / 4;
+    const int groups = blockDim.x / LANES, d4 = threadIdx.x % LANES, grp = threadIdx.x / LANES;
     float* partial = smem;
     float* q = partial + groups * D;
     float* scores = q + D;
     const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / G), E = 2 * G * D;
     const int p0 = *pos, keys = p0 + t + 1;
     const long long NHD = (long long)(H + 2 * G) * D;
-    const act_t* qrow = qkv + ((long long)b * n + t) * NHD + h * D;
     act_t* cbase = cache + (long long)b * S * E + kvh * D;
     const act_t* nbase = qkv + (long long)b * n * NHD + H * D + kvh * D;  // row 0 of the new k heads
-    if (h % (H / G) == 0)  // append this row's k and v (nobody reads them from the cache in this launch)
-        for (int d = threadIdx.x; d < D; d += blockDim.x) {
-            cbase[(long long)(p0 + t) * E + d] = nbase[t * NHD + d];
-            cbase[(long long)(p0 + t) * E + G * D + d] = nbase[t * NHD + G * D + d];
+    {
+        const act_t* qrow = qkv + ((long long)b * n + t) * NHD + h * D;
+        const act_t* krow = nbase + t * NHD;
+        act_t* dst = cbase + (long long)(p0 + t) * E;
+        const float* cs = cos_t + (long long)(p0 + t) * HALF;
+        const float* sn = sin_t + (long long)(p0 + t) * HALF;
+        const bool append = h % (H / G) == 0;  // nobody reads the new rows from the cache in this launch
+        for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
+            float y1, y2;
+            rotate_pair(to_float(qrow[i]), to_float(qrow[i + HALF]), cs[i], sn[i], y1, y2);
+            q[i] = y1 * scale, q[i + HALF] = y2 * scale;
+            if (append) {
+                rotate_pair(to_float(krow[i]), to_float(krow[i + HALF]), cs[i], sn[i], y1, y2);
+                dst[i] = from_float<act_t>(y1), dst[i + HALF] = from_float<act_t>(y2);
+                dst[G * D + i] = krow[G * D + i], dst[G * D + i + HALF] = krow[G * D + i + HALF];
+            }
         }
-    // key j's k row (its v row is G * D further): the cache before *pos, the new rows after
-    auto key_row = [&](int j) { return j < p0 ? cbase + (long long)j * E : nbase + (j - p0) * NHD; };
-    for (int d = threadIdx.x; d < D; d += blockDim.x) q[d] = to_float(qrow[d]) * scale;
+    }
     __syncthreads();
     float mx = neg_inf();
     for (int j = threadIdx.x; j < keys; j += blockDim.x) {
-        const act_t* k = key_row(j);
         float s = 0.f;
-#pragma unroll 4
-        for (int d = 0; d < D; d += 4) {
-            const float4 kv = load4(k + d);
-            s += q[d] * kv.x + q[d + 1] * kv.y + q[d + 2] * kv.z + q[d + 3] * kv.w;
+        if (j < p0) {
+            const act_t* k = cbase + (long long)j * E;
+#pragma unroll
+            for (int d = 0; d < D; d += 4) s = dot4(s, q + d, load4(k + d));
+        } else {  // a new row: its key rotated (position j) and rounded as the cache stores it
+            const act_t* k = nbase + (j - p0) * NHD;
+            const float* cs = cos_t + (long long)j * HALF;
+            const float* sn = sin_t + (long long)j * HALF;
+#pragma unroll
+            for (int d = 0; d < D; d += 4)
+                s = dot4(s, q + d, make_float4(rotated_key(k, cs, sn, d, HALF), rotated_key(k, cs, sn, d + 1, HALF),
+                                               rotated_key(k, cs, sn, d + 2, HALF), rotated_key(k, cs, sn, d + 3, HALF)));
         }
         scores[j] = s;
         mx = fmaxf(mx, s);
@@ -699,8 +741,9 @@ extern "C" __global__ void attention_cached(act_t* __restrict__ out, float* __re
 #pragma unroll 4
         for (int j = grp; j < keys; j += groups) {
             const float p = scores[j];
-            const float4 v = load4(key_row(j) + G * D + 4 * d4);
-            acc.x += p * v.x, acc.y += p * v.y, acc.z += p * v.z, acc.w += p * v.w;
+            const act_t* v = (j < p0 ? cbase + (long long)j * E : nbase + (j - p0) * NHD) + G * D;
+            const float4 vv = load4(v + 4 * d4);
+            acc.x += p * vv.x, acc.y += p * vv.y, acc.z += p * vv.z, acc.w += p * vv.w;
         }
         *reinterpret_cast<float4*>(partial + grp * D + 4 * d4) = acc;
     }
@@ -713,3 +756,13 @@ extern "C" __global__ void attention_cached(act_t* __restrict__ out, float* __re
     }
     if (threadIdx.x == 0) lse[((long long)b * H + h) * n + t] = mx + logf(sum);
 }
+
+#define ATT_CACHED_THREADS 512  // layers.py launches this many; the bound keeps the registers within reach
+#define ATTENTION_CACHED(D)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_CACHED_THREADS)                                          \
+        attention_cached_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const float* cos_t,    \
+                              const float* sin_t, const int* pos, int n, int S, int H, int G, float scale) {  \
+        attention_cached_block<D>(out, lse, qkv, cache, cos_t, sin_t, pos, n, S, H, G, scale);               \
+    }
+ATTENTION_CACHED(64)
+ATTENTION_CACHED(32)

@@ -4,6 +4,10 @@
 // of w): it streams w's row with 16-byte loads (8 bf16 or 4 float) and dots it with every row of x (which
 // stays in L1), accumulating in float32; a block is 8 warps. out is act_t or float32 (the logits), and the
 // product is added to it with accumulate (the residual stream).
+//
+// With a gain g (norm != 0) the product is RMSNorm's folded in: out = (x * rstd * g) @ w^T, computed as
+// rstd * ((x * g) @ w^T), each warp summing the rows' squares in the same pass over x (no extra pass and no
+// barrier; warp 0 of block 0 stores rstd). It saves decoding a launch and a round trip per sublayer.
 #include "common.cuh"
 
 #define MATMUL_SMALL_ROWS 8
@@ -22,44 +26,52 @@ __device__ __forceinline__ void load_pack(float (&r)[P], const act_t* p) {
     }
 }
 
-// packed: I is a multiple of PACK and x, w start 16-byte aligned (else a load an element).
-extern "C" __global__ void matmul_small(void* __restrict__ out, const act_t* __restrict__ x,
-                                        const act_t* __restrict__ w, int N, int O, int I, int out_f32,
-                                        int accumulate, int packed) {
+// Elements i..i+V-1 of row r of x into v (V = PACK from one 16-byte load, or 1), and of the gain into g.
+template <int V>
+__device__ __forceinline__ void load_row(float (&v)[V], const act_t* p) {
+    if constexpr (V == 1) v[0] = to_float(*p);
+    else load_pack(v, p);
+}
+
+// packed: I is a multiple of PACK and x, w, gain start 16-byte aligned (else a load an element).
+template <int V>
+__device__ __forceinline__ void matmul_small_warp(void* __restrict__ out, const act_t* __restrict__ x,
+                                                  const act_t* __restrict__ w, int N, int O, int I, int o,
+                                                  int out_f32, int accumulate, const act_t* __restrict__ gain,
+                                                  float* __restrict__ rstd, float eps) {
     const int lane = threadIdx.x & 31;
-    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= O) return;
     const act_t* wo = w + (long long)o * I;
-    float acc[MATMUL_SMALL_ROWS];
+    float acc[MATMUL_SMALL_ROWS], ss[MATMUL_SMALL_ROWS];
 #pragma unroll
-    for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) acc[r] = 0.f;
-    if (packed) {
+    for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) acc[r] = ss[r] = 0.f;
 #pragma unroll 4
-        for (int i = lane * PACK; i < I; i += 32 * PACK) {
-            float wv[PACK];
-            load_pack(wv, wo + i);
+    for (int i = lane * V; i < I; i += 32 * V) {
+        float wv[V], g[V];
+        load_row(wv, wo + i);
+        if (gain) {
+            load_row(g, gain + i);
 #pragma unroll
-            for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) {
-                if (r < N) {
-                    float xv[PACK];
-                    load_pack(xv, x + (long long)r * I + i);
-#pragma unroll
-                    for (int k = 0; k < PACK; ++k) acc[r] += wv[k] * xv[k];
-                }
-            }
+            for (int k = 0; k < V; ++k) wv[k] *= g[k];
         }
-    } else {
-        for (int i = lane; i < I; i += 32) {
-            const float wv = to_float(wo[i]);
 #pragma unroll
-            for (int r = 0; r < MATMUL_SMALL_ROWS; ++r)
-                if (r < N) acc[r] += wv * to_float(x[(long long)r * I + i]);
+        for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) {
+            if (r < N) {
+                float xv[V];
+                load_row(xv, x + (long long)r * I + i);
+#pragma unroll
+                for (int k = 0; k < V; ++k) acc[r] += wv[k] * xv[k], ss[r] += xv[k] * xv[k];
+            }
         }
     }
 #pragma unroll
     for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) {
         if (r < N) {
-            const float v = warp_sum(acc[r]);
+            float v = warp_sum(acc[r]);
+            if (gain) {
+                const float rs = 1.f / sqrtf(warp_sum(ss[r]) / I + eps);
+                v *= rs;
+                if (o == 0 && lane == 0) rstd[r] = rs;
+            }
             if (lane == 0) {
                 const long long at = (long long)r * O + o;
                 if (out_f32) {
@@ -72,6 +84,16 @@ extern "C" __global__ void matmul_small(void* __restrict__ out, const act_t* __r
             }
         }
     }
+}
+
+extern "C" __global__ void matmul_small(void* __restrict__ out, const act_t* __restrict__ x,
+                                        const act_t* __restrict__ w, int N, int O, int I, int out_f32,
+                                        int accumulate, int packed, const act_t* __restrict__ gain,
+                                        float* __restrict__ rstd, float eps) {
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= O) return;
+    if (packed) matmul_small_warp<PACK>(out, x, w, N, O, I, o, out_f32, accumulate, gain, rstd, eps);
+    else matmul_small_warp<1>(out, x, w, N, O, I, o, out_f32, accumulate, gain, rstd, eps);
 }
 
 // ids[r] = the index of the largest of logits (R, V)'s row r (the first of equal ones): greedy decoding on
