@@ -17,6 +17,19 @@ def tiny_config(vocab_size):
                   mtp_heads=2)
 
 
+def sharp_params(cfg, seed, scale):
+    """Parameters whose matrices are drawn N(0, scale): logits far from flat, so positions differ clearly and
+    greedy decoding has no near-ties."""
+    import numpy as np
+    from nanoeuler.config import views
+    flat = init_params(cfg, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    for name, view in views(flat, cfg).items():
+        if not name.endswith("norm"):
+            view[...] = rng.normal(0, scale, view.shape)
+    return flat
+
+
 def run_cli(*args, cwd=None, **kw):
     """Run `python -m nanoeuler ARGS` in a subprocess; returns the CompletedProcess (text)."""
     return subprocess.run([sys.executable, "-m", "nanoeuler", *map(str, args)], cwd=cwd or ROOT,

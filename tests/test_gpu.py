@@ -11,6 +11,7 @@ import pytest
 
 import nanoeuler.gpu
 from nanoeuler.gpu.check import BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TOL, _Case, model_check
+from conftest import sharp_params
 from test_train import HYPER, _interrupt_at, _log, _train
 
 KERNELS = pathlib.Path(nanoeuler.gpu.__file__).parent / "kernels"
@@ -141,19 +142,14 @@ def test_gpu_decoding_graphs_and_speculation_agree(precision):
     """On the GPU: decoding steps replayed as CUDA graphs give the logits of the same steps launched kernel by
     kernel, bit for bit; greedy generation through window slides is the same with and without graphs, and with
     --speculative (a tiny model with sharp logits, K = 3, context 40: 100 tokens slide the window)."""
-    from nanoeuler.config import Config, init_params, views
+    from nanoeuler.config import Config
     from nanoeuler.model import make_engine
     from nanoeuler.sample import generate
 
     cfg = Config(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, hidden=96, vocab_size=50, context=40, mtp_heads=3)
     eng = make_engine(cfg, device="gpu", precision=precision)
-    flat = init_params(cfg, seed=3)
-    rng = np.random.default_rng(4)
-    for name, view in views(flat, cfg).items():
-        if not name.endswith("norm"):
-            view[...] = rng.normal(0, 0.5, view.shape)
-    eng.load_params(flat)
-    ids = rng.integers(0, cfg.vocab_size, 30).astype(np.int32)
+    eng.load_params(sharp_params(cfg, seed=3, scale=0.5))
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 30).astype(np.int32)
     steps = {}
     for graphs in (True, False):
         eng.graphs = graphs

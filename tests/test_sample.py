@@ -5,8 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run_cli, tiny_config
-from nanoeuler.config import init_params, param_shapes, views
+from conftest import run_cli, sharp_params, tiny_config
 from nanoeuler.model import make_engine
 from nanoeuler.sample import TextStream, generate, pick
 
@@ -16,12 +15,7 @@ def eng():
     """A tiny model with weights large enough that logits differ clearly from position to position."""
     cfg = tiny_config(300)
     e = make_engine(cfg)
-    flat = init_params(cfg, seed=1)
-    rng = np.random.default_rng(2)
-    for name, view in views(flat, cfg).items():
-        if not name.endswith("norm"):
-            view[...] = rng.normal(0, 0.3, view.shape)
-    e.load_params(flat)
+    e.load_params(sharp_params(cfg, seed=1, scale=0.3))
     return e
 
 
@@ -202,12 +196,7 @@ def _spec_engine(vocab, K, context, seed):
     cfg = Config(dim=32, n_layers=2, n_heads=1, n_kv_heads=1, hidden=64, vocab_size=vocab, context=context,
                  mtp_heads=K)
     e = make_engine(cfg)
-    flat = init_params(cfg, seed=seed)
-    rng = np.random.default_rng(seed)
-    for name, view in views(flat, cfg).items():
-        if not name.endswith("norm"):
-            view[...] = rng.normal(0, 0.5, view.shape)
-    e.load_params(flat)
+    e.load_params(sharp_params(cfg, seed=seed, scale=0.5))
     return e
 
 

@@ -107,48 +107,43 @@ def _precisions(*names):
     return mark
 
 
-@_precisions("fp32", "tf32", "bf16")
-def check_matmul(c, L, R):
-    N, I, O = 77, 45, 51
-    x, w, dout = c.act(c.normal(N, I)), c.act(c.normal(O, I)), c.act(c.normal(N, O))
-    base_out, base_dw = c.act(c.normal(N, O)), _f32(c.normal(O, I))
-    ref = base_out.copy()
+def _matmul_forward_lines(c, L, R, N, I, O, what):
+    """matmul_forward accumulating into act_t, and into float32 from bf16 operands (the decode logits)."""
+    x, w, base = c.act(c.normal(N, I)), c.act(c.normal(O, I)), c.act(c.normal(N, O))
+    ref = base.copy()
     R.matmul_forward(ref, x, w, accumulate=True)
-    g = c.dev(base_out)
+    g = c.dev(base)
     L.matmul_forward(g, c.dev(x), c.dev(w), accumulate=True)
     ref32 = np.empty((N, O))
     R.matmul_forward(ref32, x, w)
-    g32 = c.poisoned32(N, O)  # bf16 operands, float32 output (the decode logits)
+    g32 = c.poisoned32(N, O)
     L.matmul_forward(g32, c.dev(x), c.dev(w))
+    return x, w, [(f"matmul_forward{c.tag} {what}, +=", rel_err(c.get(g), ref), c.tol),
+                  (f"matmul_forward{c.tag} {what}, float32 out", rel_err(c.get(g32), ref32), c.tol)]
+
+
+@_precisions("fp32", "tf32", "bf16")
+def check_matmul(c, L, R):
+    N, I, O = 77, 45, 51
+    x, w, out = _matmul_forward_lines(c, L, R, N, I, O, f"{N}x{I} @ {O}x{I}.T")
+    dout, base_dw = c.act(c.normal(N, O)), _f32(c.normal(O, I))
     rdx, rdw = np.empty((N, I)), base_dw.copy()
     R.matmul_backward(rdx, rdw, dout, x, w)
     gdx, gdw = c.poisoned(N, I), c.dev32(base_dw)
     L.matmul_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w))
-    out = [(f"matmul_forward{c.tag} {N}x{I} @ {O}x{I}.T, +=", rel_err(c.get(g), ref), c.tol),
-           (f"matmul_forward{c.tag} float32 out", rel_err(c.get(g32), ref32), c.tol),
-           (f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
-           (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
-    # decoding's few rows (the matrix-vector kernel): 16-byte loads, and an odd row length without them
+    out += [(f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
+            (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
+    # decoding's few rows (the matrix-vector kernel): 16-byte loads, and an odd row length without them; the
+    # same kernel with RMSNorm (C = I) folded in front
     for N, I, O in ((1, 64, 77), (8, 136, 33), (3, 45, 51)):
-        x, w, base = c.act(c.normal(N, I)), c.act(c.normal(O, I)), c.act(c.normal(N, O))
-        ref = base.copy()
-        R.matmul_forward(ref, x, w, accumulate=True)
-        g = c.dev(base)
-        L.matmul_forward(g, c.dev(x), c.dev(w), accumulate=True)
-        ref32 = np.empty((N, O))
-        R.matmul_forward(ref32, x, w)
-        g32 = c.poisoned32(N, O)
-        L.matmul_forward(g32, c.dev(x), c.dev(w))
-        out += [(f"matmul_forward{c.tag} {N} rows (matrix-vector) I={I} O={O}, +=", rel_err(c.get(g), ref), c.tol),
-                (f"matmul_forward{c.tag} {N} rows, float32 out", rel_err(c.get(g32), ref32), c.tol)]
-        # the same kernel with RMSNorm (C = I) folded in front
+        x, w, lines = _matmul_forward_lines(c, L, R, N, I, O, f"{N} rows (matrix-vector) I={I} O={O}")
         gain = c.act(1 + c.normal(I, scale=0.3))
         ref, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, I))
         R.rmsnorm_matmul_forward(ref, rstd, x, gain, w, 1e-5, xn)
         g, grstd = c.poisoned(N, O), c.poisoned32(N)
         L.rmsnorm_matmul_forward(g, grstd, c.dev(x), c.dev(gain), c.dev(w), 1e-5, c.poisoned(N, I))
-        out += [(f"rmsnorm_matmul_forward{c.tag} {N} rows", rel_err(c.get(g), ref), c.tol),
-                (f"rmsnorm_matmul_forward{c.tag} {N} rows rstd", rel_err(c.get(grstd), rstd), c.tol)]
+        out += lines + [(f"rmsnorm_matmul_forward{c.tag} {N} rows", rel_err(c.get(g), ref), c.tol),
+                        (f"rmsnorm_matmul_forward{c.tag} {N} rows rstd", rel_err(c.get(grstd), rstd), c.tol)]
     return out
 
 
