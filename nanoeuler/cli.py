@@ -1,7 +1,7 @@
 """The `nanoeuler` command line: one subcommand per stage of the pipeline.
 
     nanoeuler check [--gpu]                 gradient check of the hand-written backward passes
-    nanoeuler train [small|big|base] ...    pretrain (CPU or GPU engine)
+    nanoeuler train [small|big|base] ...    pretrain (CPU or GPU engine; --gpus N: data parallel)
     nanoeuler infer "PROMPT" ...            sample from a checkpoint
     nanoeuler sft ...                       supervised fine-tuning on Alpaca
     nanoeuler dpo ...                       preference tuning (DPO) of a chat model
@@ -109,6 +109,15 @@ def _training_flags(p):
                    help="forward/backward passes of --batch-size per optimizer step (less memory, same result)")
 
 
+def _parallel_flags(p):
+    p.add_argument("--gpus", type=_positive_int,
+                   help="data parallel over N ranks, one process each, started by this command (the CPU engine: "
+                        "N CPU processes); --batch-size is per rank. Other launchers: RANK, WORLD_SIZE, "
+                        "LOCAL_RANK, MASTER_ADDR, MASTER_PORT (docs/multi-gpu.md)")
+    p.add_argument("--zero", type=int, choices=(0, 1), default=0,
+                   help="1: shard the AdamW moments over the ranks (ZeRO stage 1: less memory per GPU)")
+
+
 def _sampling_flags(p):
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
     p.add_argument("--max-new-tokens", type=_nonneg_int, default=200)
@@ -137,6 +146,7 @@ def build_parser():
                    help="model size (default small; on --resume, the checkpoint's)")
     _device_flag(p)
     _training_flags(p)
+    _parallel_flags(p)
     p.add_argument("--data", help="text corpus (default: shakespeare.txt; base, large: data/pretrain.txt)")
     p.add_argument("--tokenizer", help="tokenizer.json to use (default: learn one on the corpus)")
     _run_flags(p, "nanoeuler.bin", "sequences", "", " (default: the preset's)", "")
@@ -148,6 +158,7 @@ def build_parser():
     p = sub.add_parser("sft", help="fine-tune a pretrained model on instruction data (Alpaca)")
     _device_flag(p)
     _training_flags(p)
+    _parallel_flags(p)
     p.add_argument("--data", help="Alpaca-style JSON list of {instruction, input, output} (default "
                    "data/alpaca.json)")
     p.add_argument("--ckpt", default="nanoeuler.bin", help="pretrained checkpoint (default nanoeuler.bin)")
@@ -261,6 +272,9 @@ def main(argv=None):
     parser, sub = build_parser()
     args = parser.parse_args(argv)
     try:
+        if (getattr(args, "gpus", None) or 1) > 1 and "RANK" not in os.environ:
+            from nanoeuler.launch import launch_self  # the launcher; each worker it starts runs the command
+            sys.exit(launch_self(args.gpus, sys.argv[1:] if argv is None else list(argv)))
         if args.command == "check":
             from nanoeuler.check import main as run
         elif args.command == "train":

@@ -95,10 +95,17 @@ def windows_to_batch(win, context, K):
 
 
 class RandomWindows:
-    """Pretraining batches: `batch` windows of context + K tokens at uniformly random offsets."""
+    """Pretraining batches: `batch` windows of context + K tokens at uniformly random offsets.
 
-    def __init__(self, tokens, batch, context, K, seed):
+    With N ranks (data parallel) every rank draws the same offsets for the global batch of N x batch windows
+    from the same generator and keeps its own slice, rank r the rows r*batch..(r+1)*batch-1. So the ranks see
+    different windows, and the global batch is a function of the seed and the step alone: N ranks at batch B
+    train on exactly the windows one process draws at batch N x B, and a checkpoint (one state for all ranks)
+    resumes on any number of ranks with the same data."""
+
+    def __init__(self, tokens, batch, context, K, seed, rank=0, world_size=1):
         self.tokens, self.batch, self.context, self.K = tokens, batch, context, K
+        self.rank, self.world_size = rank, world_size
         self.span = context + K
         if len(tokens) < self.span:
             raise UserError(f"the training split has {len(tokens)} tokens, fewer than one window of "
@@ -106,7 +113,8 @@ class RandomWindows:
         self.rng = np.random.default_rng(seed)
 
     def next(self):
-        starts = self.rng.integers(0, len(self.tokens) - self.span + 1, size=self.batch)
+        starts = self.rng.integers(0, len(self.tokens) - self.span + 1, size=self.batch * self.world_size)
+        starts = starts[self.rank * self.batch:(self.rank + 1) * self.batch]
         win = self.tokens[starts[:, None] + np.arange(self.span)]
         return windows_to_batch(win, self.context, self.K)
 

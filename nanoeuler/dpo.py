@@ -133,12 +133,7 @@ class PairBatches(ExampleBatches):
         self.pairs, self.ref = pairs, ref  # ref (n, 2): chosen, rejected
 
     def next(self):
-        picks = []
-        while len(picks) < self.batch:
-            if self.pos == len(self.order):
-                self.load_state({"seed": self.seed, "epoch": self.epoch + 1, "pos": 0})
-            picks.append(self.order[self.pos])
-            self.pos += 1
+        picks = self.picks()
         inputs, targets = pair_batch([self.pairs[i] for i in picks], self.context, self.K)
         return inputs, targets, np.concatenate([self.ref[picks, 0], self.ref[picks, 1]])
 
@@ -220,7 +215,10 @@ class DPO:
 # ------------------------------------------------------------------------------------------ the command
 def main(args):
     from nanoeuler.device import wants_gpu
+    from nanoeuler.distributed import World
 
+    if World.from_env().world_size > 1:
+        raise UserError("nanoeuler dpo runs in one process; data parallelism (--gpus) is for train and sft")
     out, log_path = output_paths(args)
     ck = resume_checkpoint(args, "dpo", "nanoeuler dpo")
     if ck is not None:

@@ -77,7 +77,7 @@ class Engine:
                 mask[off:off + math.prod(shape)] = 1
         self.decay_mask = xp.asarray(mask)
         self.p, self.g = self._fused_views(self.weights), self._fused_views(self.grads)
-        self._sync_weights()
+        self.sync_weights()
         cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
@@ -85,9 +85,27 @@ class Engine:
         self._spare_caches = []  # released KV caches, kept with their recorded decoding steps
         self.graphs = True  # replay small decoding steps as CUDA graphs (GPU); off to measure the difference
 
-    def _sync_weights(self):
+    def sync_weights(self):
+        """Rewrite the compute copy of the weights (bf16) from the master weights after they changed outside
+        the AdamW step (a load, a broadcast, ZeRO's all-gather); nothing to do where the two are one buffer."""
         if self.weights is not self.params:
             self.L.cast_params(self.weights, self.params)
+
+    def pad_buffers(self, multiple):
+        """Move params and grads into buffers padded with zeros to a multiple of `multiple` elements
+        (`params_padded`, `grads_padded`): ZeRO's reduce-scatter and all-gather split a buffer into equal shards
+        (distributed.DataParallel). params and grads stay the exact-size views that everything else reads."""
+        total = self.params.size
+        size = -(-total // multiple) * multiple
+        same = self.weights is self.params
+        for name in ("params", "grads"):
+            padded = self.xp.zeros(size, dtype=self.dtype)
+            padded[:total] = getattr(self, name)
+            setattr(self, name + "_padded", padded)
+            setattr(self, name, padded[:total])
+        if same:
+            self.weights = self.params
+        self.p, self.g = self._fused_views(self.weights), self._fused_views(self.grads)
 
     def _mode(self):
         """The layer module's precision for the block (the GPU's tf32 / fp32 switch); nothing on the CPU."""
@@ -114,7 +132,7 @@ class Engine:
     # -------------------------------------------------------------------------------- state in and out
     def load_params(self, flat):
         self.params[...] = self.xp.asarray(np.asarray(flat, dtype=self.dtype))
-        self._sync_weights()
+        self.sync_weights()
 
     def params_numpy(self):
         return self._to_numpy(self.params).astype(np.float32)
@@ -376,7 +394,7 @@ class Engine:
         """Clip the global gradient norm to grad_clip (0: no clipping), then one AdamW step.
         Returns the norm before clipping."""
         norm = math.sqrt(self.L.sum_squares(self.grads))
-        scale = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
+        scale = clip_scale(norm, grad_clip)
         self.opt_step += 1
         copy = None if self.weights is self.params else self.weights
         self.L.adamw_update(self.params, self.grads, self.opt_m, self.opt_v, self.decay_mask, lr, beta1,
@@ -474,6 +492,11 @@ class Engine:
             return ids
 
         return step
+
+
+def clip_scale(norm, grad_clip):
+    """The factor that scales gradients of global norm `norm` down to grad_clip (0: no clipping)."""
+    return min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
 
 
 # Decoding steps of at most this many rows (batch x new tokens) keep their buffers and run as CUDA graphs; the

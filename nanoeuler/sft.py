@@ -36,8 +36,9 @@ from nanoeuler.config import param_count
 from nanoeuler.data import windows_to_batch
 from nanoeuler.errors import UserError
 from nanoeuler.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT, render_prompt  # noqa: F401 (sft.render_prompt)
-from nanoeuler.train import (batch_text, fit, output_paths, replace_note, resume_checkpoint, run_device,
-                             run_engine, run_hyper, schedule_text, Hyper)  # noqa: F401 (Hyper: sft.Hyper)
+from nanoeuler.train import (batch_text, eval_limits, fit, output_paths, replace_note, resume_checkpoint,
+                             run_device, run_engine, run_hyper, run_world, schedule_text,
+                             Hyper)  # noqa: F401 (Hyper: sft.Hyper)
 
 DEFAULT_DATA = "data/alpaca.json"
 # For the base model on one GPU: about one epoch of Alpaca (52K examples, 500 held out) at 32 per batch.
@@ -81,10 +82,13 @@ def make_batch(examples, context, K):
 
 class ExampleBatches:
     """SFT batches for train.fit(): `batch` examples at a time, in a shuffled order that is drawn afresh for
-    each epoch from (seed, epoch), so the state is two integers and resumes exactly."""
+    each epoch from (seed, epoch), so the state is two integers and resumes exactly. With N ranks, each step
+    takes the next N x batch examples of that order and rank r keeps the r-th `batch` of them (as
+    data.RandomWindows does), so the state is the same on every rank and resumes on any number of ranks."""
 
-    def __init__(self, examples, batch, context, K, seed):
+    def __init__(self, examples, batch, context, K, seed, rank=0, world_size=1):
         self.examples, self.batch, self.context, self.K = examples, batch, context, K
+        self.rank, self.world_size = rank, world_size
         self.load_state({"seed": seed, "epoch": 0, "pos": 0})
 
     def load_state(self, state):
@@ -94,14 +98,18 @@ class ExampleBatches:
     def state(self):
         return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos}
 
-    def next(self):
+    def picks(self):
+        """This rank's indices into the examples for the next batch."""
         picks = []
-        while len(picks) < self.batch:
+        while len(picks) < self.batch * self.world_size:
             if self.pos == len(self.order):
                 self.load_state({"seed": self.seed, "epoch": self.epoch + 1, "pos": 0})
-            picks.append(self.examples[self.order[self.pos]])
+            picks.append(self.order[self.pos])
             self.pos += 1
-        return make_batch(picks, self.context, self.K)
+        return picks[self.rank * self.batch:(self.rank + 1) * self.batch]
+
+    def next(self):
+        return make_batch([self.examples[i] for i in self.picks()], self.context, self.K)
 
 
 def eval_batches(examples, byte_len, batch, context, K, limit=None):
@@ -220,7 +228,10 @@ def main(args):
     if args.show is not None:
         return show(args)
     from nanoeuler.device import wants_gpu
+    from nanoeuler.distributed import DataParallel, make_communicator
 
+    world = run_world(args)
+    say = print if world.is_main else (lambda *a, **k: None)
     out, log_path = output_paths(args)
     ck = resume_checkpoint(args, "sft", "nanoeuler sft")
     if ck is not None:
@@ -237,39 +248,44 @@ def main(args):
         start = checkpoint.load(args.ckpt)
         data_path, long, n_val, base = args.data or DEFAULT_DATA, args.long or "truncate", args.val_examples, \
             args.ckpt
-    hp = run_hyper(args, ck, SFT_HYPER)
+    hp = run_hyper(args, ck, SFT_HYPER, world.world_size)
     cfg, tok = start.cfg, start.tokenizer()
-    device = run_device(args, cfg, out, log_path)
+    device = run_device(args, cfg, out, log_path, world.world_size)
+    comm = make_communicator(world, device)
 
     data = read_data(data_path)
     train_idx, val_idx = split(len(data), n_val)
     n_val = len(val_idx)
-    train, val, counts = prepare(data, train_idx, val_idx, tok, cfg.context, cfg.mtp_heads, long)
+    train, val, counts = prepare(data, train_idx, val_idx, tok, cfg.context, cfg.mtp_heads, long,
+                                 progress=world.is_main)
     lengths = np.array([len(ids) for ids, _ in train])
-    print(f"data: {data_path}: {len(data):,} examples: {counts['train']:,} for training, {counts['val']:,} "
-          f"held out; {counts['truncated']:,} truncated and {counts['skipped']:,} skipped (longer than "
-          f"{cfg.context} + {cfg.mtp_heads} tokens, --long {long}); {int(np.median(lengths))} tokens per "
-          f"training example (median), {int(lengths.max())} at most")
-    source = ExampleBatches(train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed)
+    say(f"data: {data_path}: {len(data):,} examples: {counts['train']:,} for training, {counts['val']:,} "
+        f"held out; {counts['truncated']:,} truncated and {counts['skipped']:,} skipped (longer than "
+        f"{cfg.context} + {cfg.mtp_heads} tokens, --long {long}); {int(np.median(lengths))} tokens per "
+        f"training example (median), {int(lengths.max())} at most")
+    source = ExampleBatches(train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
+                            world.rank, world.world_size)
     byte_len = response_byte_len(tok)
-    val_full = eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
-                            limit=hp.final_eval_batches)
-    val_quick = eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=hp.eval_batches)
+    final, periodic = eval_limits(hp, world)
+    val_full = eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=final)
+    val_quick = eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=periodic)
 
     eng = run_engine(cfg, device, args, hp, ck, source, params=start.params)
+    parallel = DataParallel(eng, comm, zero=args.zero == 1)
     slow = device == "cpu" and wants_gpu(cfg)
     if ck is not None:
         origin = f"{out} (step {ck.step}, fine-tuned from {base})"
     else:
         origin = f"{base} (step {start.step}{', already a chat model' if start.chat else ''})"
-    print(f"model: {origin}, {param_count(cfg) / 1e6:.2f}M parameters, context {cfg.context}, "
-          f"{device.upper()} engine in {eng.precision}"
-          + (" (no GPU: this will be slow)" if slow else ""))
+    say(f"model: {origin}, {param_count(cfg) / 1e6:.2f}M parameters, context {cfg.context}, "
+        f"{device.upper()} engine in {eng.precision}"
+        + (" (no GPU: this will be slow)" if slow else ""))
     first_step = ck.step if ck is not None else 0
-    print(f"fine-tuning: steps {first_step + 1}..{hp.steps} of {batch_text(hp)} examples, loss on the responses "
-          f"only, peak lr {hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
-          + (f"; resuming {out}" if args.resume else ""))
-    replace_note(out, ck)
+    say(f"fine-tuning: steps {first_step + 1}..{hp.steps} of {batch_text(hp, world)} examples, loss on the "
+        f"responses only, peak lr {hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
+        + (f"; resuming {out}" if args.resume else ""))
+    if world.is_main:
+        replace_note(out, ck)
     sys.stdout.flush()
     first = data[val_idx[0]]  # the samples during training answer a held-out instruction
     t0 = time.perf_counter()
@@ -279,8 +295,9 @@ def main(args):
                                   long=long, val_examples=n_val, examples=counts),
                  chat=True, sample_prompt=render_prompt(first["instruction"], first["input"]),
                  title="nanoeuler sft",
-                 log_first=dict(examples_truncated=counts["truncated"], examples_skipped=counts["skipped"]))
+                 log_first=dict(examples_truncated=counts["truncated"], examples_skipped=counts["skipped"]),
+                 parallel=parallel)
     if status == 0:
-        print(f"done in {time.perf_counter() - t0:.0f} s: saved {out} (a chat model: `nanoeuler chat --ckpt "
-              f"{out}`), log {log_path}")
+        say(f"done in {time.perf_counter() - t0:.0f} s: saved {out} (a chat model: `nanoeuler chat --ckpt "
+            f"{out}`), log {log_path}")
     return status

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from nanoeuler import checkpoint
 from nanoeuler.config import PRESETS, flops_per_token, param_count
+from nanoeuler.distributed import DataParallel, SingleProcess, heartbeat
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write, check_writable
 from nanoeuler.sample import sample_text
@@ -106,7 +107,10 @@ def evaluate(eng, batches):
 
 class _StopOnInterrupt:
     """Turns the first Ctrl-C into a flag the loop checks between steps (so a step is never cut in half and
-    the checkpoint is consistent); a second Ctrl-C aborts at once."""
+    the checkpoint is consistent); a second Ctrl-C aborts at once. `say` prints (rank 0's tqdm.write)."""
+
+    def __init__(self, say):
+        self.say = say
 
     def __enter__(self):
         self.requested = False
@@ -117,7 +121,7 @@ class _StopOnInterrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        tqdm.write("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
+        self.say("Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self.previous)
@@ -187,13 +191,14 @@ def _peak_flops(eng):
     return peak_flops(eng.precision)
 
 
-def accumulate_gradients(eng, inputs, targets, micro_batches):
+def accumulate_gradients(eng, inputs, targets, micro_batches, comm=None):
     """Loss and gradients of one optimizer batch in `micro_batches` forward/backward passes over its rows.
-    Every pass normalises by the whole batch's supervised targets per head, so the sum of the passes is the
-    large batch's loss and gradient (to rounding), whatever the split."""
-    if micro_batches == 1:
-        return eng.forward_backward(inputs, targets)
-    counts = (np.asarray(targets) >= 0).reshape(targets.shape[0], -1).sum(axis=1)
+    Every pass normalises by the whole step's supervised targets per head, counted over every rank (comm), so
+    the passes add up, and the ranks' sums add up, to the loss and gradient of the global batch (to rounding),
+    whatever the split. Returns this rank's share of (loss, loss0)."""
+    K = targets.shape[0]
+    counts = (np.asarray(targets) >= 0).reshape(K, -1).sum(axis=1).astype(np.float64)
+    counts = (comm or SingleProcess()).all_reduce_sum(counts)
     loss = loss0 = 0.0
     for i, rows in enumerate(np.array_split(np.arange(len(inputs)), micro_batches)):
         part, part0 = eng.forward_backward(inputs[rows], targets[:, rows], accumulate=i > 0, counts=counts)
@@ -203,15 +208,21 @@ def accumulate_gradients(eng, inputs, targets, micro_batches):
 
 class CrossEntropy:
     """The objective of pretraining and SFT for fit(): the mean over the K heads of their cross-entropies on
-    the supervised targets. A batch is (inputs, targets); evaluation reports head 0's loss and bits per byte.
-    dpo.py has the other objective, with the same four methods."""
+    the supervised targets of the global batch (every rank's, through comm). A batch is (inputs, targets);
+    evaluation reports head 0's loss and bits per byte. dpo.py has the other objective, with the same four
+    methods."""
     ylabel = "loss (nats/token, head 0)"
 
+    def __init__(self, comm=None):
+        self.comm = comm or SingleProcess()
+
     def train_step(self, eng, batch, hp):
-        """Gradients of one optimizer batch into eng.grads; (the record's loss fields, tokens processed)."""
+        """Gradients of this rank's batch into eng.grads; (the record's loss fields, tokens processed by all
+        ranks)."""
         inputs, targets = batch
-        loss, loss0 = accumulate_gradients(eng, inputs, targets, hp.grad_accum)
-        return dict(loss=loss0, loss_all_heads=loss), inputs.size
+        loss, loss0 = accumulate_gradients(eng, inputs, targets, hp.grad_accum, self.comm)
+        loss, loss0, tokens = self.comm.all_reduce_sum(np.array([loss, loss0, inputs.size], dtype=np.float64))
+        return dict(loss=float(loss0), loss_all_heads=float(loss)), int(tokens)
 
     def evaluate(self, eng, batches):
         val_loss, val_bpb = evaluate(eng, batches)
@@ -225,73 +236,85 @@ class CrossEntropy:
 
 
 def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=0, train_state=None,
-        chat=False, sample_prompt="\n", title="nanoeuler", log_first=None, objective=None):
+        chat=False, sample_prompt="\n", title="nanoeuler", log_first=None, objective=None, parallel=None):
     """Train eng from start_step to hp.steps on batches from `source`, evaluating on the eval batches
     val_quick (periodically) and val_full (at the end). Checkpoints go to `out` with `train_state`
     (plus the source's state, the optimizer step and the hyperparameters) for --resume.
     log_first (a dict) is added to the first metrics record this run writes, e.g. SFT's example counts.
     objective: what is trained (CrossEntropy, the default, or dpo.DPO): it turns a batch into gradients and
     the loss fields of the log record, and evaluates.
+    parallel: a distributed.DataParallel when this is one rank of several (its objective must sum over the
+    ranks: CrossEntropy(parallel.comm)); rank 0 alone evaluates, samples, prints and writes the log and the
+    checkpoints, and every rank stops at the same step on Ctrl-C.
     Returns 0 when done, 130 when stopped by Ctrl-C (after saving)."""
-    objective = objective or CrossEntropy()
-    log = MetricsLog(log_path, resume_step=start_step if start_step else None)
+    parallel = parallel or DataParallel(eng)
+    objective = objective or CrossEntropy(parallel.comm)
+    main = parallel.comm.rank == 0
+    log = MetricsLog(log_path, resume_step=start_step if start_step else None) if main else None
+    say = tqdm.write if main else (lambda text: None)
 
     def save(step):
-        m, v = eng.opt_state_numpy()
-        state = dict(train_state or {}, hyper=dataclasses.asdict(hp), source=source.state(),
-                     opt_step=eng.opt_step)
-        checkpoint.save(out, eng.cfg, eng.params_numpy(), tok.to_json(), step, opt=(m, v),
-                        train_state=state, chat=chat)
+        m, v = parallel.opt_state_numpy()  # every rank: with ZeRO the moments are gathered from all
+        if main:
+            state = dict(train_state or {}, hyper=dataclasses.asdict(hp), source=source.state(),
+                         opt_step=eng.opt_step, world_size=parallel.comm.world_size)
+            checkpoint.save(out, eng.cfg, eng.params_numpy(), tok.to_json(), step, opt=(m, v),
+                            train_state=state, chat=chat)
 
     peak = _peak_flops(eng)  # MFU is reported on the GPU, whose peak we know
-    bar = tqdm(total=hp.steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1)
-    step, tps_avg, status = start_step, None, 0
+    bar = tqdm(total=hp.steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1,
+               disable=not main)
+    step, tps_avg, status, stop = start_step, None, 0, False
     try:
-        with _StopOnInterrupt() as interrupt:
-            while step < hp.steps and not interrupt.requested:
+        with _StopOnInterrupt(say) as interrupt:
+            while step < hp.steps and not stop:
                 t0 = time.perf_counter()
                 lr = lr_at(hp, step)
                 losses, tokens = objective.train_step(eng, source.next(), hp)
                 if not all(math.isfinite(v) for v in losses.values()):
                     raise UserError(f"training diverged at step {step + 1} (loss {losses['loss']}); the last "
                                     f"checkpoint in {out} is kept; try a lower --lr")
-                grad_norm = eng.step(lr, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2)
+                grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2)
                 step += 1
-                tps = tokens / (time.perf_counter() - t0)  # SFT batches may be shorter than the context
-                tps_avg = tps if tps_avg is None else 0.9 * tps_avg + 0.1 * tps
-                # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
-                record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
-                              tokens_per_s=round(tps, 1))
-                if peak:
-                    record.update(mfu=round(tps * flops_per_token(eng.cfg) / peak, 4))
-                if eng.device_memory() is not None:
-                    record.update(gpu_mem_gib=round(eng.device_memory() / 2 ** 30, 3))
+                heartbeat()
+                stop = parallel.any(interrupt.requested)
                 last = step == hp.steps
-                if last or step % hp.eval_every == 0:
-                    record.update(objective.evaluate(eng, val_full if last else val_quick))
-                    tqdm.write(f"step {step}: {objective.eval_text(record)}"
-                               + (" (final, held-out split)" if last else ""))
-                if log_first:
-                    record.update(log_first)
-                    log_first = None
-                log.write(record)
-                mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / peak:.1%}" if peak else ""
-                bar.set_postfix_str(f"loss {record['loss']:.3f}, {tps_avg:,.0f} tok/s{mfu}", refresh=False)
-                bar.update(1)
-                if step % hp.sample_every == 0 or last:
-                    text = sample_text(eng, tok, sample_prompt, hp.sample_tokens, seed=hp.seed + step)
-                    tqdm.write(f"--- sample at step {step} ---\n{text}\n---")
+                if main:
+                    tps = tokens / (time.perf_counter() - t0)  # SFT batches may be shorter than the context
+                    tps_avg = tps if tps_avg is None else 0.9 * tps_avg + 0.1 * tps
+                    # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
+                    record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
+                                  tokens_per_s=round(tps, 1))
+                    if peak:
+                        record.update(mfu=round(tps * flops_per_token(eng.cfg) / peak, 4))
+                    if eng.device_memory() is not None:
+                        record.update(gpu_mem_gib=round(eng.device_memory() / 2 ** 30, 3))
+                    if last or step % hp.eval_every == 0:
+                        record.update(objective.evaluate(eng, val_full if last else val_quick))
+                        say(f"step {step}: {objective.eval_text(record)}"
+                            + (" (final, held-out split)" if last else ""))
+                    if log_first:
+                        record.update(log_first)
+                        log_first = None
+                    log.write(record)
+                    mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / peak:.1%}" if peak else ""
+                    bar.set_postfix_str(f"loss {record['loss']:.3f}, {tps_avg:,.0f} tok/s{mfu}", refresh=False)
+                    bar.update(1)
+                    if step % hp.sample_every == 0 or last:
+                        text = sample_text(eng, tok, sample_prompt, hp.sample_tokens, seed=hp.seed + step)
+                        say(f"--- sample at step {step} ---\n{text}\n---")
                 if last or step % hp.ckpt_every == 0:
                     save(step)
-                if "val_loss" in record:
+                if main and "val_loss" in record:
                     log.plot(f"{title}: step {step}, {objective.plot_title(record)}", objective.ylabel)
-            if interrupt.requested and step < hp.steps:
+            if stop and step < hp.steps:
                 save(step)
-                tqdm.write(f"stopped at step {step}: saved {out}; continue with --resume")
+                say(f"stopped at step {step}: saved {out}; continue with --resume")
                 status = 130
     finally:
         bar.close()
-        log.close()
+        if log is not None:
+            log.close()
     return status
 
 
@@ -307,15 +330,19 @@ def hyper_with_flags(base, args):
     return hp
 
 
-def batch_text(hp):
-    return f"{hp.batch_size}" if hp.grad_accum == 1 else f"({hp.grad_accum} passes of {hp.batch_size})"
+def batch_text(hp, world=None):
+    """The batch of a step in words: B, (N passes of B), and the ranks that each take one."""
+    text = f"{hp.batch_size}" if hp.grad_accum == 1 else f"({hp.grad_accum} passes of {hp.batch_size})"
+    n = world.world_size if world is not None else 1
+    return text if n == 1 else f"{n} ranks x {text}"
 
 
-def run_device(args, cfg, out, log_path):
-    """The run's device for a model like cfg; a precision the device lacks and outputs that cannot be written
-    are refused here, before any work (tokenizer training, data loading) starts."""
+def run_device(args, cfg, out, log_path, world_size=1):
+    """The run's device for a model like cfg (several ranks: the GPU whenever there is one, as --gpus says); a
+    precision the device lacks and outputs that cannot be written are refused here, before any work
+    (tokenizer training, data loading) starts."""
     from nanoeuler.device import resolve
-    device = resolve(args.device, cfg)
+    device = resolve(args.device, cfg if world_size == 1 else None)
     if device == "cpu" and args.precision not in (None, "fp32"):
         raise UserError(f"--precision {args.precision}: the CPU engine computes in fp32 only")
     for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
@@ -355,13 +382,41 @@ def resume_checkpoint(args, kind, command):
     return load_for_resume(args.out, kind, command) if args.resume else None
 
 
-def run_hyper(args, ck, fresh):
+def run_hyper(args, ck, fresh, world_size=1):
     """The run's hyperparameters: a resumed run's own (ck), else `fresh`, with the flags given on top; a
-    finished run needs a larger --steps."""
-    hp = hyper_with_flags(Hyper(**ck.train_state["hyper"]) if ck is not None else fresh, args)
+    finished run needs a larger --steps. A run resumed on another number of ranks keeps its global batch
+    (batch_size is per rank), so it continues on the very batches it would have drawn (data.RandomWindows)."""
+    base = fresh
+    if ck is not None:
+        base = Hyper(**ck.train_state["hyper"])
+        total = base.batch_size * ck.train_state.get("world_size", 1)
+        if getattr(args, "batch_size", None) is None and total != base.batch_size * world_size:
+            if total % world_size:
+                raise UserError(f"--resume: {args.out} was trained on global batches of {total}, which "
+                                f"{world_size} ranks cannot share evenly; pass --batch-size (per rank)")
+            base = dataclasses.replace(base, batch_size=total // world_size)
+    hp = hyper_with_flags(base, args)
     if ck is not None and ck.step >= hp.steps:
         raise UserError(f"--resume: {args.out} has finished its {hp.steps} steps; pass --steps N to train longer")
     return hp
+
+
+def run_world(args):
+    """This process's distributed.World: from the torchrun-style environment that `--gpus N` (launch.py) or
+    another launcher sets, else a world of one; --gpus, when given, must agree with it."""
+    from nanoeuler.distributed import World
+    world = World.from_env()
+    if args.gpus is not None and args.gpus != world.world_size:
+        raise UserError(f"--gpus {args.gpus} but WORLD_SIZE is {world.world_size}")
+    return world
+
+
+def eval_limits(hp, world):
+    """(final, periodic) evaluation batches. Rank 0 evaluates alone, in batches of the per-rank size: N times
+    as many of them cover the windows one process at the global batch would score (eval_batches spreads
+    them evenly), so the validation numbers do not depend on the world size."""
+    n = world.world_size
+    return None if hp.final_eval_batches is None else hp.final_eval_batches * n, hp.eval_batches * n
 
 
 def run_engine(cfg, device, args, hp, ck, source, params=None):
@@ -388,8 +443,11 @@ def replace_note(out, ck):
 def main(args):
     from nanoeuler.data import RandomWindows, check_corpus, eval_batches, open_corpus
     from nanoeuler.device import wants_gpu
+    from nanoeuler.distributed import DataParallel, broadcast_text, make_communicator
     from nanoeuler.tokenizer import Tokenizer
 
+    world = run_world(args)
+    say = print if world.is_main else (lambda *a, **k: None)
     out, log_path = output_paths(args)
     ck = resume_checkpoint(args, "pretrain", "nanoeuler train")
     if ck is not None:
@@ -400,9 +458,10 @@ def main(args):
     else:
         preset = args.preset or "small"
         data = args.data or DEFAULT_DATA[preset]
-    hp = run_hyper(args, ck, PRESET_HYPER[preset])
+    hp = run_hyper(args, ck, PRESET_HYPER[preset], world.world_size)
     # the preset's own vocabulary for a new run: close enough to the final one for the device rule
-    device = run_device(args, ck.cfg if ck is not None else PRESETS[preset], out, log_path)
+    device = run_device(args, ck.cfg if ck is not None else PRESETS[preset], out, log_path, world.world_size)
+    comm = make_communicator(world, device)
 
     # the tokenizer: the checkpoint's, a given one, or a new one learned on the corpus
     if data in DATA_HINT and not os.path.exists(data):
@@ -412,39 +471,47 @@ def main(args):
         tok = ck.tokenizer()
     elif args.tokenizer:
         tok = Tokenizer.load(args.tokenizer)
-    else:
-        tok = Tokenizer.train(data, PRESETS[preset].vocab_size, progress=True)
+    else:  # learned by rank 0 alone, then sent to the others
+        tok = Tokenizer.train(data, PRESETS[preset].vocab_size, progress=True) if world.is_main else None
+        tok = Tokenizer.from_json(broadcast_text(comm, tok.to_json() if tok else None))
     cfg = ck.cfg if ck is not None else dataclasses.replace(PRESETS[preset], vocab_size=tok.vocab_size)
 
-    corpus = open_corpus(data, tok)
+    if not world.is_main:
+        comm.barrier()  # rank 0 writes the token cache, the others then read it
+    corpus = open_corpus(data, tok, progress=world.is_main)
+    if world.is_main:
+        comm.barrier()
     size = os.path.getsize(data)
-    print(f"data: {data}: {size:,} bytes, {len(corpus.tokens):,} tokens ({size / len(corpus.tokens):.2f} "
-          f"bytes/token); train {len(corpus.train):,}, validation {len(corpus.val):,} (the last tenth)")
+    say(f"data: {data}: {size:,} bytes, {len(corpus.tokens):,} tokens ({size / len(corpus.tokens):.2f} "
+        f"bytes/token); train {len(corpus.train):,}, validation {len(corpus.val):,} (the last tenth)")
     # one optimizer batch per draw, split into grad_accum passes: B x N draws the windows of B * N x 1
-    source = RandomWindows(corpus.train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed)
-    val_full = eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
-                            limit=hp.final_eval_batches)
+    source = RandomWindows(corpus.train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
+                           world.rank, world.world_size)
+    final, periodic = eval_limits(hp, world)
+    val_full = eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=final)
     val_quick = eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
-                             limit=hp.eval_batches)
+                             limit=periodic)
 
     eng = run_engine(cfg, device, args, hp, ck, source)
+    parallel = DataParallel(eng, comm, zero=args.zero == 1)
     note = " (no GPU: this will be slow)" if device == "cpu" and wants_gpu(cfg) else ""
-    print(f"model: {preset}, {param_count(cfg) / 1e6:.2f}M parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
-          f"{cfg.n_heads}/{cfg.n_kv_heads} heads, context {cfg.context}, vocab {cfg.vocab_size}, "
-          f"{cfg.mtp_heads} prediction head{'s' * (cfg.mtp_heads != 1)}), {device.upper()} engine in "
-          f"{eng.precision}{note}")
+    say(f"model: {preset}, {param_count(cfg) / 1e6:.2f}M parameters (dim {cfg.dim}, {cfg.n_layers} layers, "
+        f"{cfg.n_heads}/{cfg.n_kv_heads} heads, context {cfg.context}, vocab {cfg.vocab_size}, "
+        f"{cfg.mtp_heads} prediction head{'s' * (cfg.mtp_heads != 1)}), {device.upper()} engine in "
+        f"{eng.precision}{note}")
     start = ck.step if ck is not None else 0
-    print(f"training: steps {start + 1}..{hp.steps} of {batch_text(hp)}x{cfg.context} tokens, peak lr "
-          f"{hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
-          + (f"; resuming {out}" if ck is not None else ""))
-    replace_note(out, ck)
+    say(f"training: steps {start + 1}..{hp.steps} of {batch_text(hp, world)}x{cfg.context} tokens, peak lr "
+        f"{hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
+        + (f"; resuming {out}" if ck is not None else ""))
+    if world.is_main:
+        replace_note(out, ck)
     sys.stdout.flush()
     t0 = time.perf_counter()
     status = fit(eng, tok, source, val_quick, val_full, hp, out, log_path, start_step=start,
                  train_state=dict(kind="pretrain", preset=preset, data=os.path.abspath(data),
                                   precision=eng.precision),
-                 title=f"nanoeuler {preset}")
+                 title=f"nanoeuler {preset}", parallel=parallel)
     if status == 0:
-        print(f"done in {time.perf_counter() - t0:.0f} s: saved {out}, log {log_path}, loss curve "
-              f"{os.path.splitext(log_path)[0]}.png")
+        say(f"done in {time.perf_counter() - t0:.0f} s: saved {out}, log {log_path}, loss curve "
+            f"{os.path.splitext(log_path)[0]}.png")
     return status

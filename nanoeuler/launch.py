@@ -1,0 +1,138 @@
+"""The launcher of `nanoeuler train|sft ... --gpus N`: N worker processes running the same command, one per
+GPU (or, with the CPU engine, per CPU rank), watched until they end.
+
+    nanoeuler train base --gpus 2     # two workers: `nanoeuler train base --gpus 2` with RANK=0 and RANK=1
+
+Each worker gets the torchrun-style variables that distributed.World reads (RANK, WORLD_SIZE, LOCAL_RANK =
+RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port), NANOEULER_RDZV_KEY (a random key for the CPU ranks'
+rendezvous), NCCL_NVLS_ENABLE=0 unless it is set (docs/multi-gpu.md), and NANOEULER_HEARTBEAT_FD, the write
+end of a pipe down which it sends a byte after every training step (distributed.heartbeat).
+
+Workers run in sessions of their own, so a Ctrl-C at the terminal reaches the launcher alone, which forwards
+it to every rank: they agree on the step to stop after, rank 0 saves, all exit 130. A second Ctrl-C is
+forwarded too, and aborts them. When a rank exits with an error or is killed, or a rank that has begun
+training takes no step for NANOEULER_STEP_TIMEOUT seconds, the launcher stops the others (SIGTERM, then
+SIGKILL) and the run ends with a one-line error naming the rank; the last checkpoint (written atomically)
+is kept.
+"""
+import dataclasses
+import os
+import secrets
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from nanoeuler.distributed import env_int
+from nanoeuler.errors import UserError
+
+STEP_TIMEOUT = 1800  # seconds without a step, once training began: evaluation and saving on rank 0 included
+GRACE = 10           # seconds between SIGTERM and SIGKILL when stopping ranks
+
+
+def free_port():
+    """A TCP port free on this host now (for rank 0's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_self(n, argv):
+    """Run `python -m nanoeuler ARGV` as n ranks; the exit status of the run."""
+    return launch([sys.executable, "-m", "nanoeuler", *argv], n)
+
+
+@dataclasses.dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    fd: int            # the read end of its heartbeat pipe; None once it closed
+    beat: float = None  # when its last step ended (monotonic); None before the first
+
+
+def launch(command, n, step_timeout=None):
+    """Run `command` as ranks 0..n-1 and watch them (see the module's docstring). Returns 0 when every rank
+    finished, 130 when they stopped on Ctrl-C; raises UserError naming the rank that failed or hung."""
+    step_timeout = step_timeout or env_int(os.environ, "NANOEULER_STEP_TIMEOUT", STEP_TIMEOUT, minimum=1)
+    port, key = free_port(), secrets.token_hex(16)
+    ranks = []
+    try:
+        for rank in range(n):
+            read, write = os.pipe()
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NANOEULER_RDZV_KEY=key,
+                       NANOEULER_HEARTBEAT_FD=str(write))
+            env.setdefault("NCCL_NVLS_ENABLE", "0")
+            try:
+                proc = subprocess.Popen(command, env=env, pass_fds=(write,), start_new_session=True)
+            finally:
+                os.close(write)
+            ranks.append(_Rank(rank, proc, read))
+        return _supervise(ranks, step_timeout)
+    finally:
+        _stop(ranks)
+        for r in ranks:
+            if r.fd is not None:
+                os.close(r.fd)
+
+
+def _supervise(ranks, step_timeout):
+    interrupts = 0
+
+    def forward(signum, frame):
+        nonlocal interrupts
+        interrupts += 1
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.send_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, forward)
+    try:
+        while True:
+            fds = [r.fd for r in ranks if r.fd is not None]
+            ready = select.select(fds, [], [], 0.2)[0] if fds else time.sleep(0.2) or []
+            now = time.monotonic()
+            for r in ranks:
+                if r.fd is not None and r.fd in ready:
+                    if os.read(r.fd, 4096):
+                        r.beat = now
+                    else:  # the rank closed its end: it is exiting
+                        os.close(r.fd)
+                        r.fd = None
+            codes = [r.proc.poll() for r in ranks]
+            for r, code in zip(ranks, codes):
+                if code not in (None, 0) and not (interrupts and code == 130):
+                    raise UserError(f"rank {r.rank} {_ended(code)}; the other ranks were stopped (the last "
+                                    f"checkpoint is kept)")
+                if code is None and r.beat is not None and now - r.beat > step_timeout:
+                    raise UserError(f"rank {r.rank} took no training step for {step_timeout} s (hung?); the ranks "
+                                    f"were stopped (the last checkpoint is kept)")
+            if all(code is not None for code in codes):
+                return 130 if 130 in codes else 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ended(code):
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _stop(ranks):
+    """Stop the ranks still running, each with everything it started (its session): SIGTERM, then SIGKILL."""
+    live = [r for r in ranks if r.proc.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for r in live:
+            try:
+                os.killpg(r.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + GRACE
+        while time.monotonic() < deadline and any(r.proc.poll() is None for r in live):
+            time.sleep(0.05)
+        live = [r for r in live if r.proc.poll() is None]
+        if not live:
+            return

@@ -1,0 +1,337 @@
+"""Data-parallel training (docs/multi-gpu.md) on the CPU: the rank environment, what each rank draws, the key
+arithmetic (two ranks at batch B train exactly like one at batch 2B, with and without ZeRO-1) over the real
+shared-memory communicator, checkpoints that move between world sizes, and the launcher's environment, Ctrl-C
+forwarding and failure handling. The NCCL path needs two GPUs: those tests are marked `gpu` and skip."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, tiny_config
+from nanoeuler import launch, train
+from nanoeuler.data import RandomWindows
+from nanoeuler.distributed import DataParallel, SharedMemoryCommunicator, World
+from nanoeuler.errors import UserError
+from nanoeuler.model import make_engine
+from nanoeuler.sft import ExampleBatches
+from test_train import _log, _train
+
+ENV = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+
+
+def test_world_from_the_environment():
+    assert World.from_env({}) == World() and World().is_main
+    assert World.from_env(ENV) == World(1, 2, 1, "10.0.0.1", 29500) and not World.from_env(ENV).is_main
+    assert World.from_env({**ENV, "LOCAL_RANK": ""}).local_rank == 1  # defaults to RANK: one host
+    assert World.from_env({"RANK": "0", "WORLD_SIZE": "1"}) == World()
+    for change, message in ((dict(RANK="x"), "RANK='x' is not an integer"),
+                            (dict(RANK="2"), "RANK=2 must be below WORLD_SIZE=2"),
+                            (dict(WORLD_SIZE="0"), "WORLD_SIZE=0 must be at least 1"),
+                            (dict(MASTER_ADDR=""), "WORLD_SIZE=2 needs MASTER_ADDR"),
+                            (dict(MASTER_PORT="70000"), "MASTER_PORT=70000 is not a port number")):
+        with pytest.raises(UserError, match=message):
+            World.from_env({**ENV, **change})
+    with pytest.raises(UserError, match="RANK is not set"):
+        World.from_env({"WORLD_SIZE": "2"})
+
+
+def test_ranks_draw_their_own_slices_of_one_global_batch():
+    tokens = np.arange(5000) % 297
+    one = RandomWindows(tokens, 6, 8, 2, seed=3)
+    ranks = [RandomWindows(tokens, 3, 8, 2, seed=3, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        inputs, targets = one.next()
+        (i0, t0), (i1, t1) = (r.next() for r in ranks)
+        assert not np.array_equal(i0, i1)  # different windows on different ranks ...
+        np.testing.assert_array_equal(np.concatenate([i0, i1]), inputs)  # ... which make up the global batch
+        np.testing.assert_array_equal(np.concatenate([t0, t1], axis=1), targets)
+    assert ranks[0].state() == ranks[1].state() == one.state()  # one state, whatever the world size
+    again = RandomWindows(tokens, 3, 8, 2, seed=3, rank=1, world_size=2)
+    np.testing.assert_array_equal(again.next()[0], RandomWindows(tokens, 3, 8, 2, 3, 1, 2).next()[0])
+    # SFT: the next 2 x B examples of the epoch's order, B per rank, across epoch ends
+    examples = [([i, i + 1, i + 2], 1) for i in range(7)]
+    one = ExampleBatches(examples, 4, 8, 1, seed=5)
+    ranks = [ExampleBatches(examples, 2, 8, 1, seed=5, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        assert ranks[0].picks() + ranks[1].picks() == one.picks()
+    assert ranks[0].state() == one.state()
+
+
+class _TakingTurns:
+    """A rank's communicator in a test that runs the ranks as threads of one process: the ranks' engines
+    take turns (numba's workqueue thread pool must not be entered by two threads at once), and a rank lets
+    the other run while it waits in a collective."""
+
+    def __init__(self, comm, lock):
+        self.comm, self.lock = comm, lock
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def __getattr__(self, name):
+        collective = getattr(self.comm, name)
+
+        def call(*args):
+            self.lock.release()
+            try:
+                return collective(*args)
+            finally:
+                self.lock.acquire()
+        return call
+
+
+def _run_ranks(n, work):
+    """work(comm) on n ranks, threads of this process with real SharedMemoryCommunicators; their results."""
+    port, lock, results, errors = launch.free_port(), threading.Lock(), [None] * n, []
+
+    def rank(r):
+        lock.acquire()
+        try:
+            comm = SharedMemoryCommunicator(World(r, n, r, "127.0.0.1", port), wait=60)
+            try:
+                results[r] = work(_TakingTurns(comm, lock))
+            finally:
+                comm.close()
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            lock.release()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+STEPS, LR = 4, 3e-3
+
+
+def _train_steps(batch, comm=None, zero=False):
+    """STEPS optimizer steps of the tiny model; (losses, grad norms, last gradients, final weights)."""
+    cfg = tiny_config(300)
+    eng = make_engine(cfg, seed=1)
+    rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
+    source = RandomWindows(np.random.default_rng(0).integers(0, 300, 20000), batch, cfg.context, cfg.mtp_heads,
+                           seed=7, rank=rank, world_size=world)
+    objective, parallel = train.CrossEntropy(comm), DataParallel(eng, comm, zero=zero)
+    hp = train.Hyper(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
+                     grad_accum=2 if world == 1 else 1)  # one rank in 2 passes: the accumulation path too
+    losses, norms = [], []
+    for _ in range(STEPS):
+        record, tokens = objective.train_step(eng, source.next(), hp)
+        norms.append(parallel.step(LR, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2))
+        losses.append((record["loss"], record["loss_all_heads"], tokens))
+    assert parallel.any(rank == 1) == (world > 1)
+    grads = eng.grads.copy() if not parallel.zero else None  # the all-reduced gradients of the last step
+    return losses, norms, grads, eng.params_numpy(), parallel.opt_state_numpy()
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["all-reduce", "zero1"])
+def test_two_ranks_train_exactly_like_one_rank_at_twice_the_batch(zero):
+    """The issue's arithmetic: targets counted over every rank, gradients summed, the same AdamW step (or
+    ZeRO-1's shards of it): 2 ranks at batch 4 follow 1 rank at batch 8 on the same windows to float32
+    rounding, step after step."""
+    ref = _train_steps(8)
+    got = _run_ranks(2, lambda comm: _train_steps(4, comm, zero))
+    for losses, norms, grads, params, (m, v) in got:
+        np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
+        assert [tokens for *_, tokens in losses] == [8 * 32] * STEPS
+        np.testing.assert_allclose(norms, ref[1], rtol=1e-5)
+        if grads is not None:
+            np.testing.assert_allclose(grads, ref[2], rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(params, ref[3], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(m, ref[4][0], rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(v, ref[4][1], rtol=1e-3, atol=1e-10)
+    np.testing.assert_array_equal(got[0][3], got[1][3])  # the ranks' weights are the same bits
+    np.testing.assert_array_equal(got[0][4][0], got[1][4][0])
+
+
+def test_shared_memory_collectives_grow_and_keep_rank_order():
+    def work(comm):
+        r = comm.rank
+        small = comm.all_reduce_sum(np.array([r + 1.0, 10.0 * r]))
+        big = comm.all_reduce_sum(np.full(100_000, r + 1, np.float32))  # grows the segment
+        shard = np.empty(3, np.float32)
+        comm.reduce_scatter_sum(np.arange(9, dtype=np.float32) * (r + 1), shard)
+        gathered = np.empty(6, np.int64)
+        comm.all_gather(np.array([r, r, r], np.int64), gathered)
+        value = comm.broadcast(np.array([r + 5], np.int64), 1)
+        comm.barrier()
+        return small, big[[0, -1]], shard, gathered, value
+    (s0, b0, sh0, g0, v0), (s1, b1, sh1, g1, v1) = _run_ranks(2, work)
+    assert s0.tolist() == s1.tolist() == [3.0, 10.0] and b0.tolist() == b1.tolist() == [3.0, 3.0]
+    assert sh0.tolist() == [0, 3, 6] and sh1.tolist() == [9, 12, 15]
+    assert g0.tolist() == g1.tolist() == [0, 0, 0, 1, 1, 1] and v0[0] == v1[0] == 6
+
+
+def test_a_rank_that_stops_answering_breaks_the_barrier_with_an_error():
+    port = launch.free_port()
+    comm = SharedMemoryCommunicator(World(0, 2, 0, "127.0.0.1", port), wait=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="rank 0: the other ranks did not answer within 0.3 s"):
+        comm.barrier()
+    assert time.monotonic() - t0 < 5
+
+
+# ------------------------------------------------------------------------------- runs and checkpoints
+# A worker of the tiny preset: the tests' tiny model and hyperparameters, then the command line as usual.
+WORKER = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config
+from nanoeuler import cli, train
+from nanoeuler.config import PRESETS
+PRESETS["small"] = tiny_config({vocab})
+train.PRESET_HYPER["small"] = train.Hyper(**{hyper!r})
+cli.main(sys.argv[1:])
+"""
+# a constant learning rate after the warmup: runs of 4 and 6 steps take the same first 4 steps
+HYPER = train.Hyper(steps=6, batch_size=4, lr=3e-3, warmup=2, eval_every=3, sample_every=100, ckpt_every=100,
+                    eval_batches=2, min_lr_ratio=1.0, sample_tokens=4)
+
+
+@pytest.fixture
+def tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, tmp_path):
+    """(run in this process, run as 2 ranks): `nanoeuler train ARGS` on the tiny preset."""
+    import dataclasses
+    from nanoeuler.config import PRESETS
+    monkeypatch.setitem(PRESETS, "small", tiny_config(tokenizer.vocab_size))
+    monkeypatch.setitem(train.PRESET_HYPER, "small", HYPER)
+    script = WORKER.format(tests=os.path.join(ROOT, "tests"), vocab=tokenizer.vocab_size,
+                           hyper=dataclasses.asdict(HYPER))
+    common = ["--data", str(corpus), "--tokenizer", str(tokenizer_file), "--device", "cpu"]
+
+    def one(*args):
+        return _train(*common, *args)
+
+    def two(*args):
+        return launch.launch([sys.executable, "-c", script, "train", *common, *map(str, args), "--gpus", "2"], 2)
+    return one, two
+
+
+def test_checkpoints_move_between_world_sizes(tiny_runs, tmp_path):
+    """2 ranks at batch 2 train like 1 rank at batch 4; a 2-rank checkpoint resumes on 1 rank and a 1-rank
+    checkpoint on 2 ranks with ZeRO-1 (the global batch kept), continuing the uninterrupted run's losses."""
+    one, two = tiny_runs
+    assert one("--out", tmp_path / "ref.bin") == 0
+    ref = _log(tmp_path / "ref.jsonl")
+
+    assert two("--batch-size", 2, "--steps", 4, "--out", tmp_path / "a.bin") == 0
+    assert one("--resume", "--steps", 6, "--out", tmp_path / "a.bin") == 0
+    assert one("--steps", 4, "--out", tmp_path / "b.bin") == 0
+    assert two("--resume", "--steps", 6, "--zero", 1, "--out", tmp_path / "b.bin") == 0
+    for name in "ab":
+        log = _log(tmp_path / f"{name}.jsonl")
+        assert [r["step"] for r in log] == list(range(1, 7))
+        for key in ("loss", "loss_all_heads", "grad_norm"):
+            np.testing.assert_allclose([r[key] for r in log], [r[key] for r in ref], rtol=1e-5, err_msg=name)
+        for r, want in zip(log, ref):  # the same validation windows, batched per rank (train.eval_limits)
+            if "val_loss" in want:
+                assert r["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), (name, r["step"])
+    from nanoeuler import checkpoint
+    ck = checkpoint.load(tmp_path / "b.bin", with_opt=True)
+    assert ck.train_state["world_size"] == 2 and ck.train_state["hyper"]["batch_size"] == 2
+    np.testing.assert_allclose(ck.params, checkpoint.load(tmp_path / "ref.bin").params, atol=1e-5)
+
+
+def test_gpus_must_agree_with_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(UserError, match="--gpus 3 but WORLD_SIZE is 1"):
+        _train("--gpus", 3, "--out", tmp_path / "x.bin")
+
+
+# ------------------------------------------------------------------------------------------ the launcher
+def _fake_ranks(body, n=2, timeout=None):
+    """launch() over `python -c` workers: `rank` is theirs, beat() sends a heartbeat."""
+    script = ("import os, signal, sys, time\nrank = int(os.environ['RANK'])\n"
+              "def beat():\n    os.write(int(os.environ['NANOEULER_HEARTBEAT_FD']), b'.')\n" + body)
+    return launch.launch([sys.executable, "-c", script], n, step_timeout=timeout)
+
+
+def test_launcher_gives_each_rank_its_environment(tmp_path):
+    assert _fake_ranks(f"""
+import json
+keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'NCCL_NVLS_ENABLE', 'NANOEULER_RDZV_KEY')
+json.dump({{k: os.environ[k] for k in keys}}, open({str(tmp_path)!r} + f'/{{rank}}.json', 'w'))
+""", n=3) == 0
+    envs = [json.load(open(tmp_path / f"{r}.json")) for r in range(3)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [(str(r), str(r), "3") for r in range(3)]
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"], e["NANOEULER_RDZV_KEY"]) for e in envs}) == 1
+    assert envs[0]["MASTER_ADDR"] == "127.0.0.1" and int(envs[0]["MASTER_PORT"]) > 0
+    assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
+
+
+def test_a_failing_rank_ends_the_run_with_its_name():
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^rank 1 exited with status 3; the other ranks were stopped"):
+        _fake_ranks("beat()\nif rank == 1:\n    sys.exit(3)\ntime.sleep(60)")
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_rank_that_takes_no_step_ends_the_run():
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^rank 1 took no training step for 1 s"):
+        _fake_ranks("while True:\n    beat()\n    time.sleep(0.1 if rank == 0 else 60)", timeout=1)
+    assert time.monotonic() - t0 < 10
+
+
+def test_ctrl_c_reaches_every_rank_once():
+    """The terminal's Ctrl-C goes to the launcher (the ranks have sessions of their own); it forwards it, the
+    ranks save and exit 130, and so does the run."""
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        assert _fake_ranks("""
+got = []
+signal.signal(signal.SIGINT, lambda *a: got.append(1))
+beat()
+while not got:
+    time.sleep(0.02)
+time.sleep(0.3)
+sys.exit(130 if len(got) == 1 else 5)
+""") == 130
+    finally:
+        timer.cancel()
+
+
+def test_the_command_line_starts_the_launcher(tmp_path):
+    """`nanoeuler train --gpus 2` with a missing corpus: every rank fails, the launcher names one, once."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "nanoeuler", "train", "--gpus", "2", "--device", "cpu",
+                           "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o.bin")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert "corpus" in lines[0] and "not found" in lines[0]
+    assert lines[-1].startswith("nanoeuler: error: rank ") and "exited with status 2" in lines[-1]
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- GPUs (run on 2 GPUs later)
+def _gpus():
+    import nanoeuler.gpu
+    if not nanoeuler.gpu.available():
+        return 0
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("zero", [0, 1])
+def test_two_gpus_train_like_one_gpu_at_twice_the_batch(tiny_runs, tmp_path, zero):
+    """NCCL: the tiny preset in fp32 on 2 GPUs at batch 2 against 1 GPU at batch 4, 6 steps."""
+    one, two = tiny_runs
+    gpu = ["--device", "gpu", "--precision", "fp32"]
+    assert one(*gpu, "--out", tmp_path / "ref.bin") == 0
+    assert two(*gpu, "--batch-size", 2, "--zero", zero, "--out", tmp_path / "a.bin") == 0
+    ref, got = _log(tmp_path / "ref.jsonl"), _log(tmp_path / "a.jsonl")
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
