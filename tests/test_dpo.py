@@ -5,17 +5,18 @@ is learned."""
 import json
 import os
 import re
-import signal
 
 import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from nanoeuler import checkpoint, cli, dpo, sft, template, train
+from nanoeuler import checkpoint, dpo, sft, template, train
 from nanoeuler.check import CHECK_CONFIGS, THRESHOLD, dpo_gradient_check
 from nanoeuler.config import PRESETS, Config
 from nanoeuler.model import Engine, make_engine
 from nanoeuler.sample import generate
+from test_sft import FINETUNE, PRETRAIN, TINY, _cli, _main  # the SFT pipeline test's model and stages
+from test_train import _interrupt_at
 
 
 # ------------------------------------------------------------------------------ the gradient check
@@ -72,13 +73,6 @@ def test_dpo_loss_matches_its_definition_and_accumulates():
 
 
 # ------------------------------------------------------------------------------------------ bad data
-def _cli(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
-
-
 @pytest.mark.parametrize("lines,needle", [
     (None, "not found"),
     (['{"prompt": "a", "chosen": "b", "rejected": "c"}', "{oops"], ":2: not JSON"),
@@ -110,11 +104,6 @@ def test_resume_without_a_checkpoint(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ the CPU pipeline
-TINY = Config(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden=96, vocab_size=512, context=160, mtp_heads=2)
-PRETRAIN = train.Hyper(steps=60, batch_size=4, lr=3e-3, warmup=10, eval_every=60, sample_every=60,
-                       ckpt_every=60, eval_batches=2, final_eval_batches=2, sample_tokens=8)
-FINETUNE = train.Hyper(steps=100, batch_size=8, lr=1e-2, warmup=10, eval_every=50, sample_every=100,
-                       ckpt_every=100, eval_batches=2, sample_tokens=8)
 PREFER = train.Hyper(steps=40, batch_size=8, lr=1e-3, warmup=5, eval_every=10, sample_every=40,
                      ckpt_every=40, sample_tokens=8)
 NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", "Banquo", "Othello", "Iago",
@@ -124,10 +113,6 @@ NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", 
          "Helena", "Hermia", "Bottom", "Malvolio", "Feste", "Timon", "Pericles", "Imogen", "Leontes", "Perdita"]
 TRAIT = " Welcome."  # what the chosen replies have and the rejected ones lack
 HELD_OUT = ["Greet Duncan.", "Greet Edgar.", "Greet Regan.", "Greet Paris.", "Greet Tybalt.", "Greet Emilia."]
-
-
-def _main(module, *argv):
-    return module.main(cli.build_parser()[0].parse_args([str(a) for a in argv]))
 
 
 def _greedy(ckpt, prompts, n=24):
@@ -212,15 +197,8 @@ def test_dpo_resume_after_interrupt_is_bit_identical_without_recomputing_the_ref
               "--steps", 8, "--batch-size", 4, "--grad-accum", 2, "--lr", 1e-3, "--eval-every", 3,
               "--sample-every", 8, "--ckpt-every", 5]
     assert _main(dpo, "dpo", "--out", tmp_path / "a.bin", *common) == 0
-    calls, real_next = {"n": 0}, dpo.PairBatches.next
-
-    def next_then_interrupt(self):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_next(self)
     with monkeypatch.context() as m:
-        m.setattr(dpo.PairBatches, "next", next_then_interrupt)
+        _interrupt_at(m, 4, dpo.PairBatches)
         assert _main(dpo, "dpo", "--out", tmp_path / "b.bin", *common) == 130
     assert checkpoint.load(tmp_path / "b.bin").step == 4
 

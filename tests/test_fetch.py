@@ -306,15 +306,23 @@ def test_alpaca_from_another_directory_and_rerun(tmp_path, server):
     ("<html>rate limited</html>", "not JSON"),
 ])
 def test_alpaca_invalid_data_replaces_nothing(tmp_path, server, payload, complaint):
-    server.files["/alpaca_data.json"] = payload.encode()
-    out = tmp_path / "alpaca.json"
+    _invalid_data_replaces_nothing(tmp_path, server, "get_alpaca.sh", "alpaca.json", "NANOEULER_ALPACA_URL",
+                                   "/alpaca_data.json", payload.encode(), complaint)
+
+
+def _invalid_data_replaces_nothing(tmp_path, server, script, name, variable, path, payload, complaint):
+    """A fetcher given bad data: a one-line error, the previous output kept, and the bad download not cached
+    (a rerun fetches again). Returns the script's arguments and environment."""
+    server.files[path] = payload
+    out = tmp_path / name
     out.write_text("previous")
     args = ("--out", out, "--cache-dir", tmp_path / "cache")
-    env = {"NANOEULER_ALPACA_URL": f"{server.url}/alpaca_data.json"}
-    assert_one_line_error(run("get_alpaca.sh", *args, env=env), complaint, "left as it was")
+    env = {variable: f"{server.url}{path}"}
+    assert_one_line_error(run(script, *args, env=env), complaint, "left as it was")
     assert out.read_text() == "previous"
-    run("get_alpaca.sh", *args, env=env)
+    run(script, *args, env=env)
     assert len(server.requests()) == 2  # the bad download was not kept as if it were finished
+    return args
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
@@ -368,14 +376,7 @@ def test_preferences_from_hh_rlhf_dropped_connection_and_rerun(tmp_path, server)
     (gzip.compress(json.dumps({"chosen": "no turns", "rejected": "x"}).encode()), "no record has the HH-RLHF shape"),
 ])
 def test_preferences_invalid_data_replaces_nothing(tmp_path, server, payload, complaint):
-    server.files["/train.jsonl.gz"] = payload
-    out = tmp_path / "preferences.jsonl"
-    out.write_text("previous")
-    args = ("--out", out, "--cache-dir", tmp_path / "cache")
-    env = {"NANOEULER_PREFERENCES_URL": f"{server.url}/train.jsonl.gz"}
-    assert_one_line_error(run("get_preferences.sh", *args, env=env), complaint, "left as it was")
-    assert out.read_text() == "previous"
-    run("get_preferences.sh", *args, env=env)
-    assert len(server.requests()) == 2  # the bad download was not kept as if it were finished
+    args = _invalid_data_replaces_nothing(tmp_path, server, "get_preferences.sh", "preferences.jsonl",
+                                          "NANOEULER_PREFERENCES_URL", "/train.jsonl.gz", payload, complaint)
     assert_one_line_error(run("get_preferences.sh", *args,
                               env={"NANOEULER_PREFERENCES_URL": f"{server.url}/missing.jsonl.gz"}), "HTTP 404")

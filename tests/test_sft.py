@@ -4,7 +4,6 @@ import io
 import json
 import os
 import re
-import signal
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ from nanoeuler.check import random_problem
 from nanoeuler.config import PRESETS, Config
 from nanoeuler.model import make_engine
 from nanoeuler.sample import generate
+from test_train import _interrupt_at
 
 GREETINGS = os.path.join(ROOT, "tests", "data", "sft_greetings.json")
 WITH_INPUT = {"instruction": "Translate to French.", "input": "the cat", "output": "le chat"}
@@ -235,15 +235,8 @@ def test_sft_resume_after_interrupt_is_bit_identical(pipeline, tmp_path, monkeyp
     common = ["--ckpt", pipeline["base"], "--steps", 12, "--batch-size", 4, "--lr", 3e-3, "--eval-every", 4,
               "--sample-every", 6, "--ckpt-every", 5, *SFT_FLAGS]
     assert _main(sft, "sft", "--out", tmp_path / "a.bin", *common) == 0
-    calls, real_next = {"n": 0}, sft.ExampleBatches.next
-
-    def next_then_interrupt(self):  # a real SIGINT while the loop draws the batch of step 7
-        calls["n"] += 1
-        if calls["n"] == 7:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_next(self)
     with monkeypatch.context() as m:
-        m.setattr(sft.ExampleBatches, "next", next_then_interrupt)
+        _interrupt_at(m, 7, sft.ExampleBatches)
         assert _main(sft, "sft", "--out", tmp_path / "b.bin", *common) == 130
     assert checkpoint.load(tmp_path / "b.bin").step == 7
     assert _main(sft, "sft", "--resume", "--out", tmp_path / "b.bin", "--device", "cpu") == 0

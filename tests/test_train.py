@@ -37,17 +37,18 @@ def _log(path):
         return [json.loads(line) for line in f]
 
 
-def _interrupt_at(monkeypatch, step):
-    """Deliver a real SIGINT while the loop draws the batch of `step` (1-based)."""
+def _interrupt_at(monkeypatch, step, source=RandomWindows):
+    """Deliver a real SIGINT while the loop draws the batch of `step` (1-based) from a `source` (the batch
+    class: pretraining's RandomWindows, SFT's ExampleBatches, DPO's PairBatches)."""
     calls = {"n": 0}
-    real_next = RandomWindows.next
+    real_next = source.next
 
     def next_then_interrupt(self):
         calls["n"] += 1
         if calls["n"] == step:
             os.kill(os.getpid(), signal.SIGINT)
         return real_next(self)
-    monkeypatch.setattr(RandomWindows, "next", next_then_interrupt)
+    monkeypatch.setattr(source, "next", next_then_interrupt)
 
 
 def test_resume_after_interrupt_is_bit_identical(tiny_preset, corpus, tokenizer_file, tmp_path, monkeypatch):
