@@ -204,11 +204,10 @@ class Engine:
                 resid_mid[...] = resid  # the skip connection, then the block's output added by the matmul
             L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
             # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
-            L.rmsnorm_matmul_forward(a["gate_up"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"],
-                                     p[w + "w_gate_up"], cfg.norm_eps, a["xn"])
+            L.rmsnorm_matmul_swiglu_forward(a["sw"], a["gate_up"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"],
+                                            p[w + "w_gate_up"], cfg.norm_eps, a["xn"])
             if a["resid"][i + 1] is not resid_mid:
                 a["resid"][i + 1][...] = resid_mid
-            L.swiglu_forward(a["sw"], a["gate_up"][i])
             L.matmul_forward(a["resid"][i + 1], a["sw"], p[w + "w_down"], accumulate=True)
         L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
 
@@ -417,12 +416,14 @@ class Engine:
         if all(c is not cache for c in self._spare_caches):
             self._spare_caches.append(cache)
 
-    def decode(self, cache, tokens, every_head=False, argmax=False):
+    def decode(self, cache, tokens, every_head=False, argmax=False, repeat=1):
         """Append tokens (B, n) at cache.pos and run them through the model, attending to the cache. Returns
         head-0 logits (B, V) of the last new position, or with every_head the logits of all K heads at every
         new position, (B, n, K, V) (what speculative decoding verifies and drafts with): float32 NumPy. With
         argmax, the index of the largest logit instead, (B,) or (B, n, K) int32, found on the device (greedy
-        decoding then reads back one number a token, not V).
+        decoding then reads back one number a token, not V). With argmax and one token a sequence, repeat > 1
+        runs that many steps, each fed the ids of the step before, and returns the (B, repeat) ids: greedy
+        decoding then waits for the device once every `repeat` tokens.
 
         Steps of at most STEP_ROWS = B * n rows keep their buffers in the cache, and on the GPU run as a CUDA
         graph, recorded by their first call and replayed after: one launch a token instead of hundreds."""
@@ -430,8 +431,10 @@ class Engine:
         if tokens.ndim != 2 or tokens.shape[1] < 1:
             raise ValueError(f"tokens of shape {tokens.shape}: (batch, n) expected")
         B, n = tokens.shape
-        if cache.pos + n > self.cfg.context:
-            raise ValueError(f"the KV cache holds {self.cfg.context} positions; {cache.pos} + {n} do not fit")
+        if repeat > 1 and (n != 1 or every_head or not argmax):
+            raise ValueError("repeat > 1 takes greedy steps of one token a sequence (argmax, n = 1)")
+        if cache.pos + n * repeat > self.cfg.context:
+            raise ValueError(f"the KV cache holds {self.cfg.context} positions; {cache.pos} + {n * repeat} do not fit")
         key = (B, n, every_head, argmax, self.graphs)
         step = cache.steps.get(key)
         if step is None:
@@ -439,8 +442,8 @@ class Engine:
             if B * n <= STEP_ROWS:
                 cache.steps[key] = step
         with self._mode():
-            out = step(tokens)
-        cache._pos += n  # the step advanced cache.position on the device
+            out = step(tokens, repeat)
+        cache._pos += n * repeat  # the steps advanced cache.position on the device
         return out
 
     def _decode_step(self, cache, B, n, every_head, argmax):
@@ -458,9 +461,11 @@ class Engine:
                  gate_up=[e(N, 2 * F)] * layers, sw=e(N, F), hf=e(N, C), rstdf=f(N),
                  last=e(B, C), logits=f(rows, heads * V), tokens=xp.empty((B, n), dtype=np.int32))
         # Greedy single steps write the chosen ids over their own input: when the next call feeds them back,
-        # as generation does, they are on the device already and nothing is copied there.
+        # as generation does, they are on the device already and nothing is copied there. They also log
+        # them by position, so that `repeat` steps in a row are read back at once.
         feeds_back = argmax and not every_head and n == 1
         a["ids"] = a["tokens"].reshape(B) if feeds_back else xp.empty(rows * heads, dtype=np.int32)
+        log = xp.empty((cfg.context, B), dtype=np.int32) if feeds_back else None
         held = {}  # the host copy of what a["tokens"] holds
 
         def run():
@@ -471,25 +476,30 @@ class Engine:
                 h = a["last"]
             L.matmul_forward(a["logits"], h, p["heads"] if every_head else p["heads.0"])
             if argmax:
-                L.argmax(a["ids"], a["logits"].reshape(rows * heads, V))
+                L.argmax(a["ids"], a["logits"].reshape(rows * heads, V), log, cache.position)
             L.advance_position(cache.position, n)
 
         run = L.graph(run) if self.graphs and N <= STEP_ROWS else run
         shape = (B, n, cfg.mtp_heads) if every_head else (B,)
 
-        def step(tokens):
+        def step(tokens, repeat):
             if not np.array_equal(held.get("tokens"), tokens):
                 if xp is np:
                     a["tokens"][...] = tokens
                 else:
                     a["tokens"].set(tokens)  # one copy to the device, no temporary
-            run()
+            start = cache.pos
+            for _ in range(repeat):
+                run()
             if not argmax:
                 held["tokens"] = tokens.copy()
                 return self._to_numpy(a["logits"]).astype(np.float32).reshape(shape + (V,))
-            ids = self._to_numpy(a["ids"]).reshape(shape)
-            held["tokens"] = ids.reshape(B, n).copy() if feeds_back else tokens.copy()
-            return ids
+            if not feeds_back:
+                held["tokens"] = tokens.copy()
+                return self._to_numpy(a["ids"]).reshape(shape)
+            ids = self._to_numpy(log[start:start + repeat]).T  # (B, repeat)
+            held["tokens"] = ids[:, -1:].copy()
+            return ids if repeat > 1 else ids[:, 0]
 
         return step
 

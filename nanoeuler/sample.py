@@ -16,6 +16,10 @@ import time
 
 import numpy as np
 
+# Greedy generation decodes up to this many tokens before reading their ids back: the device never waits for
+# the host between them. A stop id among them wastes at most LOOKAHEAD - 1 steps.
+LOOKAHEAD = 8
+
 
 def distribution(logits, temperature, top_k, top_p):
     """The sampling distribution (V,) float64 of logits (V,) at temperature > 0, restricted to the top_k most
@@ -45,7 +49,8 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
              speculative=False, stats=None):
     """Yield up to max_new_tokens new token ids continuing prompt_ids (non-empty); stops after a stop id.
     speculative: draft with the K prediction heads and verify (see `speculate`); stats (a dict) receives its
-    counts. Greedy decoding (temperature 0) takes the argmax on the engine's device."""
+    counts. Greedy decoding (temperature 0) takes the argmax on the engine's device, LOOKAHEAD tokens between
+    reads."""
     if speculative:
         yield from speculate(eng, prompt_ids, max_new_tokens, temperature, top_k, top_p, rng, stop_ids, stats)
         return
@@ -58,17 +63,25 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
     cache = eng.new_cache(1)
     try:
         out = _prefill(eng, cache, history[-ctx:], False, greedy)
+        ahead = [int(out)] if greedy else []  # greedy ids decoded and not yet yielded
         for i in range(max_new_tokens):
-            token = int(out) if greedy else pick(out, temperature, top_k, top_p, rng)
+            token = ahead.pop(0) if greedy else pick(out, temperature, top_k, top_p, rng)
             yield token
             if token in stop_ids or i == max_new_tokens - 1:
                 return
             history.append(token)
+            if ahead:
+                continue
             if cache.pos == ctx:  # the cache is full: slide the window (back to position 0: a fresh cache)
                 cache.pos = 0
                 out = _prefill(eng, cache, history[-keep:], False, greedy)
+                ahead = [int(out)] if greedy else []
+            elif greedy:  # up to LOOKAHEAD steps, each fed the last one's id on the device: one read back
+                steps = min(LOOKAHEAD, max_new_tokens - 1 - i, ctx - cache.pos)
+                ahead = eng.decode(cache, np.array([[token]], dtype=np.int32), argmax=True, repeat=steps)
+                ahead = ahead[0].tolist() if steps > 1 else [int(ahead[0])]
             else:
-                out = eng.decode(cache, np.array([[token]], dtype=np.int32), argmax=greedy)[0]
+                out = eng.decode(cache, np.array([[token]], dtype=np.int32))[0]
     finally:
         eng.release_cache(cache)
 

@@ -69,6 +69,25 @@ def test_argmax_decode_is_the_logits_argmax(eng):
     assert np.array_equal(eng.decode(cache, ids[None, 6:], every_head=True, argmax=True), every.argmax(axis=-1))
 
 
+def test_repeated_greedy_steps_are_single_steps_in_a_row(eng):
+    """decode(..., repeat=R) runs R greedy steps fed back on the device and reads their ids once: the same
+    ids, for each of two sequences, as R single steps; repeat needs greedy one-token steps."""
+    prompt = np.stack([_ids(6, seed=7), _ids(6, seed=8)])
+    cache = eng.new_cache(2)
+    first = eng.decode(cache, prompt, argmax=True)
+    many = eng.decode(cache, first[:, None], argmax=True, repeat=5)
+    assert many.shape == (2, 5) and cache.pos == 11
+    cache = eng.new_cache(2)
+    one = eng.decode(cache, prompt, argmax=True)
+    singles = []
+    for _ in range(5):
+        one = eng.decode(cache, one[:, None], argmax=True)
+        singles.append(one)
+    assert np.array_equal(many, np.stack(singles, axis=1))
+    with pytest.raises(ValueError, match="repeat"):
+        eng.decode(cache, prompt[:, :2], argmax=True, repeat=2)
+
+
 def test_kv_cache_batches_and_chunks(eng):
     ids = np.stack([_ids(20, 1), _ids(20, 2)])
     full = eng.logits(ids)

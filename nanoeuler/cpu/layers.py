@@ -86,6 +86,13 @@ def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
     matmul_forward(out, xn, w)
 
 
+def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn):
+    """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, then out (N, F) =
+    silu(gate) * up (one kernel on the GPU for decoding's few rows)."""
+    rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn)
+    swiglu_forward(out, gate_up)
+
+
 # ------------------------------------------------------------------------------------------- embedding
 @njit(**pjit)
 def embedding_forward(out, tokens, emb):
@@ -572,9 +579,12 @@ def sum_squares(x):
 
 
 # ------------------------------------------------------------------------------------------- decoding
-def argmax(ids, logits):
-    """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V)."""
+def argmax(ids, logits, log=None, pos=None):
+    """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V).
+    With log (S, R) int32 and pos, also log[pos[0]] = ids: consecutive steps' ids, read back together."""
     ids[:] = np.argmax(logits, axis=1)
+    if log is not None:
+        log[pos[0]] = ids
 
 
 def advance_position(pos, n):

@@ -133,9 +133,9 @@ def check_matmul(c, L, R):
     L.matmul_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w))
     out += [(f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
             (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
-    # decoding's few rows (the matrix-vector kernel): 16-byte loads, and an odd row length without them; the
-    # same kernel with RMSNorm (C = I) folded in front
-    for N, I, O in ((1, 64, 77), (8, 136, 33), (3, 45, 51)):
+    # decoding's few rows (the matrix-vector kernel): 16-byte loads, and an odd row length without them, rows
+    # split over 1 to 8 warps; the same kernel with RMSNorm (C = I) folded in front, and with SwiGLU after
+    for N, I, O in ((1, 64, 77), (8, 136, 33), (3, 45, 51), (2, 1000, 40), (1, 2048, 24), (1, 8192, 16), (3, 4100, 9)):
         x, w, lines = _matmul_forward_lines(c, L, R, N, I, O, f"{N} rows (matrix-vector) I={I} O={O}")
         gain = c.act(1 + c.normal(I, scale=0.3))
         ref, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, I))
@@ -144,6 +144,13 @@ def check_matmul(c, L, R):
         L.rmsnorm_matmul_forward(g, grstd, c.dev(x), c.dev(gain), c.dev(w), 1e-5, c.poisoned(N, I))
         out += lines + [(f"rmsnorm_matmul_forward{c.tag} {N} rows", rel_err(c.get(g), ref), c.tol),
                         (f"rmsnorm_matmul_forward{c.tag} {N} rows rstd", rel_err(c.get(grstd), rstd), c.tol)]
+        w2 = c.act(c.normal(2 * O, I))
+        ref_gu, ref_sw = np.empty((N, 2 * O)), np.empty((N, O))
+        R.rmsnorm_matmul_swiglu_forward(ref_sw, ref_gu, rstd, x, gain, w2, 1e-5, xn)
+        gsw, ggu = c.poisoned(N, O), c.poisoned(N, 2 * O)
+        L.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, c.dev(x), c.dev(gain), c.dev(w2), 1e-5, c.poisoned(N, I))
+        out += [(f"rmsnorm_matmul_swiglu_forward{c.tag} {N} rows gate|up", rel_err(c.get(ggu), ref_gu), c.tol),
+                (f"rmsnorm_matmul_swiglu_forward{c.tag} {N} rows out", rel_err(c.get(gsw), ref_sw), c.tol)]
     return out
 
 
@@ -234,14 +241,14 @@ def check_attention(c, L, R):
         gd = c.get(gd)
         for part, sl in (("dq", slice(0, H)), ("dk", slice(H, H + G)), ("dv", slice(H + G, NH))):
             out.append((f"attention_backward{c.tag} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]), c.tol))
-    # decoding: a prompt of 83, then 7 and 1 new rows, appended to a KV cache of 101 positions and attending
-    # to it (the cache's untouched tail stays poisoned on both sides)
-    B, S, H, G = 2, 101, 6, 2
+    # decoding: a prompt of 90, then 11 (across a 32-key chunk's end) and 1 new rows, appended to a KV cache
+    # of 109 positions and attending to it (the cache's untouched tail stays poisoned on both sides)
+    B, S, H, G = 2, 109, 6, 2
     for D in (64, 32):
         cos, sin = (_f32(t) for t in rope_tables(D, S, 10000.0, np.float64))
         ref_cache, g_cache = np.full((B, S, 2 * G, D), np.nan), c.poisoned(B, S, 2 * G, D)
         ref_pos, g_pos = np.zeros(1, np.int32), c.cp.zeros(1, np.int32)
-        for n in (83, 7, 1):
+        for n in (90, 11, 1):
             qkv = c.act(c.normal(B, n, H + 2 * G, D))
             ref_o, ref_lse = np.empty((B, n, H, D)), np.empty((B, H, n))
             R.attention_cached(ref_o, ref_lse, qkv.copy(), ref_cache, cos, sin, H, G, ref_pos)
@@ -254,7 +261,7 @@ def check_attention(c, L, R):
         stored = int(g_pos.get()[0])
         out.append((f"attention_cached{c.tag} D={D} the cache (k, v heads of {stored} positions), position",
                     rel_err(c.get(g_cache)[:, :stored], ref_cache[:, :stored])
-                    + (0.0 if stored == ref_pos[0] == 91 else math.inf), c.tol))
+                    + (0.0 if stored == ref_pos[0] == 102 else math.inf), c.tol))
     return out
 
 
@@ -264,9 +271,11 @@ def check_argmax(c, L, R):
     logits[3, [10, 500]] = logits[3].max() + 1  # a tie: the first index wins, as NumPy's
     ref = np.empty(7, np.int32)
     R.argmax(ref, logits)
-    got = c.cp.full(7, -1, np.int32)
-    L.argmax(got, c.dev32(logits))
-    return [("argmax rows=7 V=1031 (a tie)", 0.0 if np.array_equal(got.get(), ref) else math.inf, c.tol)]
+    got, log = c.cp.full(7, -1, np.int32), c.cp.full((5, 7), -1, np.int32)
+    L.argmax(got, c.dev32(logits), log, c.cp.full(1, 3, np.int32))  # and into row 3 of a log
+    logged = log.get()
+    right = np.array_equal(got.get(), ref) and np.array_equal(logged[3], ref) and (np.delete(logged, 3, 0) == -1).all()
+    return [("argmax rows=7 V=1031 (a tie), logged at position 3", 0.0 if right else math.inf, c.tol)]
 
 
 @_precisions("fp32", "bf16")

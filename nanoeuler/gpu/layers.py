@@ -146,16 +146,28 @@ def matmul_forward(out, x, w, accumulate=False):
         _matmul_small(out, x, w, accumulate)
 
 
-def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0):
-    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x, RMSNorm folded in when given its gain."""
+def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None):
+    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x: RMSNorm folded in when given its gain,
+    SwiGLU of the gate|up product into glu_out when given. Each output column takes `split` warps, the fewest
+    whose lanes load a row of w with at most _SMALL_LOADS loads each (all in flight at once)."""
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
     aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
-    packed = I % (16 // x.itemsize) == 0 and all(aligned)
+    pack = 16 // x.itemsize
+    packed = I % pack == 0 and all(aligned)
+    stretch = 32 * (pack if packed else 1)  # elements a warp's lanes load at once
+    split = 1
+    while split < 8 and split * stretch * _SMALL_LOADS < I:
+        split *= 2
+    columns = O // 2 if glu_out is not None else O
     null = np.uint64(0)
-    _kernel("matmul", "matmul_small", _act_defines(x))(
-        (_blocks(O, 8),), (256,),
-        (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32), _i32(accumulate),
-         _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps)))
+    _kernel("matmul", "matmul_small_row" if N == 1 else "matmul_small", _act_defines(x))(
+        (_blocks(columns, 8 // split),), (256,),
+        (out, x, w, _i32(N), _i32(O), _i32(I), _i32(split), _i32(out.dtype == F32 and x.dtype != F32),
+         _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
+         null if glu_out is None else glu_out))
+
+
+_SMALL_LOADS = 4  # kernels/matmul.cu MATMUL_SMALL_LOADS
 
 
 def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
@@ -168,6 +180,18 @@ def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
     _check(x, norm_w, w, act=x)
     _check(rstd)
     _matmul_small(out, x, w, False, norm_w, rstd, eps)
+
+
+def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn):
+    """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
+    silu(gate) * up. A few rows (decoding) take one kernel for all of it."""
+    if x.shape[0] > MATMUL_SMALL_ROWS:
+        rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn)
+        swiglu_forward(out, gate_up)
+        return
+    _check(out, gate_up, x, norm_w, w, act=x)
+    _check(rstd)
+    _matmul_small(gate_up, x, w, False, norm_w, rstd, eps, glu_out=out)
 
 
 def matmul_backward(dx, dw, dout, x, w):
@@ -276,17 +300,19 @@ def attention_cached(out, lse, qkv, cache, cos, sin, n_heads, n_kv_heads, pos):
     """Decoding: rotary embedding of qkv (B, n, H+2G, D)'s q and k heads at positions pos[0] + t, its k and v
     heads into the KV cache (B, S, 2G, D), and attention of its queries to the cache's positions 0..pos[0]+t.
     out (B, n, H, D), lse (B, H, n). One kernel: it rotates on the way, leaving qkv as it was (the CPU layer
-    rotates qkv in place; decoding reads it no more either way)."""
+    rotates qkv in place; decoding reads it no more either way); a block's warps split the keys."""
     _check(out, qkv, cache, act=qkv)
     _check(lse, cos, sin)
     B, n, NH, D = qkv.shape
     S = cache.shape[1]
     assert cache.shape == (B, S, 2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
-    threads = 512
-    smem = 4 * (threads // (D // 4) * D + D + S)
-    _kernel("attention", f"attention_cached_d{D}", _act_defines(qkv), smem)(
-        (n, n_heads, B), (threads,), (out, lse, qkv, cache, cos, sin, _position(pos), _i32(n), _i32(S),
-                                      _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))), shared_mem=smem)
+    _kernel("attention", f"attention_cached_d{D}", _act_defines(qkv))(
+        (n_heads, B * _blocks(n, _ATT_ROWS)), (32 * _ATT_WARPS,),
+        (out, lse, qkv, cache, cos, sin, _position(pos), _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads),
+         _f32(1.0 / math.sqrt(D))))
+
+
+_ATT_ROWS, _ATT_WARPS = 4, 16  # attention.cu: query rows and warps of a block of attention_cached
 
 
 def _attention_backward_smem(D, defines):
@@ -365,11 +391,15 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
 
 
 # -------------------------------------------------------------------------------------------- decoding
-def argmax(ids, logits):
-    """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32."""
+def argmax(ids, logits, log=None, pos=None):
+    """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32.
+    With log (S, R) int32 and pos, also log[pos[0]] = ids."""
     _check(logits)
     assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
-    _kernel("matmul", "argmax_rows")((logits.shape[0],), (256,), (ids, logits, _i32(logits.shape[1])))
+    null = np.uint64(0)
+    _kernel("matmul", "argmax_rows")((logits.shape[0],), (1024,),
+                                     (ids, logits, _i32(logits.shape[1]), null if log is None else log,
+                                      null if log is None else _position(pos)))
 
 
 def advance_position(pos, n):

@@ -658,19 +658,73 @@ __device__ __forceinline__ float rotated_key(const act_t* k, const float* cs, co
     return to_float(from_float<act_t>(idx < half ? y1 : y2));
 }
 
-// s + q[0..3] . kv: one expression for keys from the cache and new keys alike, so both sum in one order.
-__device__ __forceinline__ float dot4(float s, const float* q, float4 kv) {
-    return s + (q[0] * kv.x + q[1] * kv.y + q[2] * kv.z + q[3] * kv.w);
-}
-
 // Attention of the n new query rows of qkv (B, n, H + 2G, D), not yet rotated, at positions *pos + t, to
 // positions 0..*pos + t: the cache's rows before *pos, and the new rows' keys and values, read from qkv and
-// rotated on the way (so no block waits for another to store them). The blocks of the first query head of
-// each kv group append their row's rotated k and its v to the cache. out (B, n, H, D), lse (B, H, n); cos_t,
-// sin_t (S, D/2). One block per (row, head, batch): a decoding step is a few rows against a few hundred keys,
-// bound by the latency of reading them (from L2, mostly), so the block spreads the keys over all its threads,
-// in float32 (no tensor cores). Shared memory: one partial output per key group (blockDim / (D / 4) groups of
-// D floats), q[D], scores[S].
+// rotated on the way (so no block waits for another to store them). out (B, n, H, D), lse (B, H, n); cos_t,
+// sin_t (S, D/2).
+//
+// A decoding step is a few rows against a few hundred keys: bound by the latency of its loads, not by
+// arithmetic. Block (h, b * tiles + tile) takes the tile's ATT_ROWS query rows of head h; its ATT_WARPS warps
+// split the keys in chunks of 32, chunk c to warp c % ATT_WARPS, a key a lane: the lane loads its key's row
+// and the chunk's value rows of its dims (all at once, into registers), scores every query row of the tile
+// against its key, and the warp keeps each row's running softmax statistics and output over its chunks
+// (flash-decoding); the warps' results then meet in shared memory, merged in warp order. Every sum runs in
+// an order fixed by the key positions alone, so a row gets the same bits decoded alone or with others.
+// The blocks of the first query head of each kv group append the new rows' rotated k and v to the cache.
+#define ATT_CHUNK 32
+#define ATT_ROWS 4
+#define ATT_WARPS 16
+#define ATT_CACHED_THREADS (32 * ATT_WARPS)
+
+// Raw bits of 16 bytes of act_t, unpacked to PACK floats and packed back.
+constexpr int ATT_PACK = 16 / sizeof(act_t);
+__device__ __forceinline__ void unpack16(float (&r)[ATT_PACK], uint4 u) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+    if constexpr (ATT_PACK == 8) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[2 * i] = __uint_as_float(w[i] << 16), r[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[i] = __uint_as_float(w[i]);
+    }
+}
+__device__ __forceinline__ uint4 pack16(const float (&r)[ATT_PACK]) {  // r: values act_t represents exactly
+    unsigned w[4];
+    if constexpr (ATT_PACK == 8) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = (__float_as_uint(r[2 * i]) >> 16) | (__float_as_uint(r[2 * i + 1]) & 0xffff0000u);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(r[i]);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// DL consecutive elements of a value row (a lane's dims of the output), kept as loaded: two bf16 in one
+// register, or floats.
+template <int DL>
+struct ValueSlice {
+#if ACT_BF16
+    unsigned bits;  // the element at the lower address in the low half
+    __device__ __forceinline__ void load(const act_t* p) {
+        bits = DL == 2 ? *reinterpret_cast<const unsigned*>(p) : (unsigned)p->bits;
+    }
+    __device__ __forceinline__ void zero() { bits = 0u; }
+    __device__ __forceinline__ float get(int i) const { return __uint_as_float(i == 0 ? bits << 16 : bits & 0xffff0000u); }
+#else
+    float f[DL];
+    __device__ __forceinline__ void load(const act_t* p) {
+#pragma unroll
+        for (int i = 0; i < DL; ++i) f[i] = p[i];
+    }
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int i = 0; i < DL; ++i) f[i] = 0.f;
+    }
+    __device__ __forceinline__ float get(int i) const { return f[i]; }
+#endif
+};
+
 template <int D>
 __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, float* __restrict__ lse,
                                                        const act_t* __restrict__ qkv, act_t* __restrict__ cache,
@@ -678,86 +732,138 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
                                                        const float* __restrict__ sin_t,
                                                        const int* __restrict__ pos, int n, int S, int H, int G,
                                                        float scale) {
-    extern __shared__ __align__(16) float smem[];
-    __shared__ float red[32];
-    constexpr int HALF = D / 2, LANES = D / 4;
-    const int groups = blockDim.x / LANES, d4 = threadIdx.x % LANES, grp = threadIdx.x / LANES;
-    float* partial = smem;
-    float* q = partial + groups * D;
-    float* scores = q + D;
-    const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, kvh = h / (H / G), E = 2 * G * D;
-    const int p0 = *pos, keys = p0 + t + 1;
+    constexpr int HALF = D / 2, DL = D / 32, KP = D / ATT_PACK;  // output dims a lane, 16-byte loads a key
+    __shared__ float q_s[ATT_ROWS][D];
+    __shared__ float part_s[ATT_WARPS][ATT_ROWS][D + 2];  // each warp's (output, max, sum) of each row
+    const int tiles = (n + ATT_ROWS - 1) / ATT_ROWS;
+    const int h = blockIdx.x, b = blockIdx.y / tiles, t0 = blockIdx.y % tiles * ATT_ROWS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rows = min(ATT_ROWS, n - t0);
+    const int p0 = *pos, kvh = h / (H / G), E = 2 * G * D, last_key = p0 + t0 + rows - 1;
     const long long NHD = (long long)(H + 2 * G) * D;
     act_t* cbase = cache + (long long)b * S * E + kvh * D;
     const act_t* nbase = qkv + (long long)b * n * NHD + H * D + kvh * D;  // row 0 of the new k heads
-    {
+    const bool appends = h % (H / G) == 0;
+    // the tile's query rows, rotated and scaled, a warp each
+    if (warp < rows) {
+        const int t = t0 + warp;
         const act_t* qrow = qkv + ((long long)b * n + t) * NHD + h * D;
-        const act_t* krow = nbase + t * NHD;
-        act_t* dst = cbase + (long long)(p0 + t) * E;
         const float* cs = cos_t + (long long)(p0 + t) * HALF;
         const float* sn = sin_t + (long long)(p0 + t) * HALF;
-        const bool append = h % (H / G) == 0;  // nobody reads the new rows from the cache in this launch
-        for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
+        for (int i = lane; i < HALF; i += 32) {
             float y1, y2;
             rotate_pair(to_float(qrow[i]), to_float(qrow[i + HALF]), cs[i], sn[i], y1, y2);
-            q[i] = y1 * scale, q[i + HALF] = y2 * scale;
-            if (append) {
-                rotate_pair(to_float(krow[i]), to_float(krow[i + HALF]), cs[i], sn[i], y1, y2);
-                dst[i] = from_float<act_t>(y1), dst[i + HALF] = from_float<act_t>(y2);
-                dst[G * D + i] = krow[G * D + i], dst[G * D + i + HALF] = krow[G * D + i + HALF];
+            q_s[warp][i] = y1 * scale, q_s[warp][i + HALF] = y2 * scale;
+        }
+    }
+    float M[ATT_ROWS], L[ATT_ROWS], O[ATT_ROWS][DL];  // this warp's running statistics and output per row
+#pragma unroll
+    for (int r = 0; r < ATT_ROWS; ++r) {
+        M[r] = neg_inf(), L[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) O[r][i] = 0.f;
+    }
+    __syncthreads();
+    for (int j0 = warp * ATT_CHUNK; j0 <= last_key; j0 += ATT_WARPS * ATT_CHUNK) {
+        const int key = j0 + lane;
+        // the lane's key: from the cache, or a new row rotated and rounded as the cache stores it, or zeros
+        uint4 kr[KP];
+        if (key < p0) {
+            const uint4* src = reinterpret_cast<const uint4*>(cbase + (long long)key * E);
+#pragma unroll
+            for (int p = 0; p < KP; ++p) kr[p] = src[p];
+        } else if (key < p0 + n) {
+            const act_t* k = nbase + (key - p0) * NHD;
+            const float* cs = cos_t + (long long)key * HALF;
+            const float* sn = sin_t + (long long)key * HALF;
+#pragma unroll
+            for (int p = 0; p < KP; ++p) {
+                float r[ATT_PACK];
+#pragma unroll
+                for (int e = 0; e < ATT_PACK; ++e) r[e] = rotated_key(k, cs, sn, p * ATT_PACK + e, HALF);
+                kr[p] = pack16(r);
+            }
+            if (appends && key - p0 >= t0 && key - p0 < t0 + rows) {  // the tile's own new rows
+                uint4* dst = reinterpret_cast<uint4*>(cbase + (long long)key * E);
+                const uint4* v = reinterpret_cast<const uint4*>(k + G * D);
+                uint4* dv = reinterpret_cast<uint4*>(cbase + (long long)key * E + G * D);
+#pragma unroll
+                for (int p = 0; p < KP; ++p) dst[p] = kr[p], dv[p] = v[p];
+            }
+        } else {
+#pragma unroll
+            for (int p = 0; p < KP; ++p) kr[p] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        // the chunk's values of the lane's dims (DL from lane * DL), zeros past the new rows (never weighted, but
+        // 0 * garbage could be NaN)
+        ValueSlice<DL> v[ATT_CHUNK];
+#pragma unroll
+        for (int j = 0; j < ATT_CHUNK; ++j) {
+            const int kj = j0 + j;
+            const act_t* src = kj < p0 ? cbase + (long long)kj * E + G * D : nbase + (kj - p0) * NHD + G * D;
+            if (kj < p0 + n) v[j].load(src + lane * DL);
+            else v[j].zero();
+        }
+#pragma unroll
+        for (int r = 0; r < ATT_ROWS; ++r) {
+            const int t = t0 + r;
+            if (r < rows && j0 <= p0 + t) {
+                float s = 0.f;
+#pragma unroll
+                for (int p = 0; p < KP; ++p) {
+                    float kf[ATT_PACK];
+                    unpack16(kf, kr[p]);
+#pragma unroll
+                    for (int e = 0; e < ATT_PACK; ++e) s += q_s[r][p * ATT_PACK + e] * kf[e];
+                }
+                const bool seen = key <= p0 + t;
+                s = seen ? s : neg_inf();
+                const float m = warp_max(s), pr = seen ? expf(s - m) : 0.f, l = warp_sum(pr);
+                float o[DL];
+#pragma unroll
+                for (int i = 0; i < DL; ++i) o[i] = 0.f;
+#pragma unroll
+                for (int j = 0; j < ATT_CHUNK; ++j) {
+                    const float pj = __shfl_sync(FULL_MASK, pr, j);
+#pragma unroll
+                    for (int i = 0; i < DL; ++i) o[i] += pj * v[j].get(i);
+                }
+                // into the running statistics (with one chunk a warp, as for contexts up to 512, exactly)
+                const float Mn = fmaxf(M[r], m), a = expf(M[r] - Mn), c = expf(m - Mn);
+                L[r] = L[r] * a + l * c;
+#pragma unroll
+                for (int i = 0; i < DL; ++i) O[r][i] = O[r][i] * a + o[i] * c;
+                M[r] = Mn;
             }
         }
     }
-    __syncthreads();
-    float mx = neg_inf();
-    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
-        float s = 0.f;
-        if (j < p0) {
-            const act_t* k = cbase + (long long)j * E;
 #pragma unroll
-            for (int d = 0; d < D; d += 4) s = dot4(s, q + d, load4(k + d));
-        } else {  // a new row: its key rotated (position j) and rounded as the cache stores it
-            const act_t* k = nbase + (j - p0) * NHD;
-            const float* cs = cos_t + (long long)j * HALF;
-            const float* sn = sin_t + (long long)j * HALF;
+    for (int r = 0; r < ATT_ROWS; ++r) {
 #pragma unroll
-            for (int d = 0; d < D; d += 4)
-                s = dot4(s, q + d, make_float4(rotated_key(k, cs, sn, d, HALF), rotated_key(k, cs, sn, d + 1, HALF),
-                                               rotated_key(k, cs, sn, d + 2, HALF), rotated_key(k, cs, sn, d + 3, HALF)));
-        }
-        scores[j] = s;
-        mx = fmaxf(mx, s);
-    }
-    mx = block_max(mx, red);
-    float sum = 0.f;
-    for (int j = threadIdx.x; j < keys; j += blockDim.x) {
-        const float p = expf(scores[j] - mx);
-        scores[j] = p;
-        sum += p;
-    }
-    sum = block_sum(sum, red);  // its barriers also publish the scores
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (grp < groups) {
-#pragma unroll 4
-        for (int j = grp; j < keys; j += groups) {
-            const float p = scores[j];
-            const act_t* v = (j < p0 ? cbase + (long long)j * E : nbase + (j - p0) * NHD) + G * D;
-            const float4 vv = load4(v + 4 * d4);
-            acc.x += p * vv.x, acc.y += p * vv.y, acc.z += p * vv.z, acc.w += p * vv.w;
-        }
-        *reinterpret_cast<float4*>(partial + grp * D + 4 * d4) = acc;
+        for (int i = 0; i < DL; ++i) part_s[warp][r][lane * DL + i] = O[r][i];
+        if (lane == 0) part_s[warp][r][D] = M[r], part_s[warp][r][D + 1] = L[r];
     }
     __syncthreads();
-    const float inv = 1.f / sum;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float o = 0.f;
-        for (int g = 0; g < groups; ++g) o += partial[g * D + d];
-        out[(((long long)b * n + t) * H + h) * D + d] = from_float<act_t>(o * inv);
+    if (warp >= rows) return;
+    // row t0 + warp: the warps' results merged in warp order (warps with no key of the row hold max -inf)
+    const int r = warp, t = t0 + r;
+    float Mx = neg_inf();
+    for (int w = 0; w < ATT_WARPS; ++w) Mx = fmaxf(Mx, part_s[w][r][D]);
+    float Ls = 0.f, o[DL];
+#pragma unroll
+    for (int i = 0; i < DL; ++i) o[i] = 0.f;
+    for (int w = 0; w < ATT_WARPS; ++w) {
+        const float m = part_s[w][r][D];
+        if (m == neg_inf()) continue;
+        const float c = expf(m - Mx);
+        Ls += part_s[w][r][D + 1] * c;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) o[i] += part_s[w][r][lane * DL + i] * c;
     }
-    if (threadIdx.x == 0) lse[((long long)b * H + h) * n + t] = mx + logf(sum);
+#pragma unroll
+    for (int i = 0; i < DL; ++i) out[(((long long)b * n + t) * H + h) * D + lane * DL + i] = from_float<act_t>(o[i] / Ls);
+    if (lane == 0) lse[((long long)b * H + h) * n + t] = Mx + logf(Ls);
 }
 
-#define ATT_CACHED_THREADS 512  // layers.py launches this many; the bound keeps the registers within reach
 #define ATTENTION_CACHED(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_CACHED_THREADS)                                          \
         attention_cached_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const float* cos_t,    \

@@ -1,104 +1,205 @@
 // Matrix products of a few rows: out (N, O) = x (N, I) @ w (O, I)^T, N <= MATMUL_SMALL_ROWS, for decoding.
 // cuBLAS does the training products; at batch 1 a product is a matrix-vector product, bound by reading w
-// once, and cuBLAS through CuPy cannot be recorded into a CUDA graph. Here a warp owns output columns o (rows
-// of w): it streams w's row with 16-byte loads (8 bf16 or 4 float) and dots it with every row of x (which
-// stays in L1), accumulating in float32; a block is 8 warps. out is act_t or float32 (the logits), and the
-// product is added to it with accumulate (the residual stream).
+// once, and cuBLAS through CuPy cannot be recorded into a CUDA graph. A decoding step is a chain of such
+// products, each too small to keep the memory busy for long, so what counts is the latency of one: every
+// lane issues all its loads of w (up to MAXP 16-byte loads, 8 bf16 or 4 float), and of x and the gain, before
+// it uses the first, and the whole matrix is in flight at once. `split` consecutive warps of a block (8
+// warps) own an output column o (a row of w), each taking every split-th 32 * PACK-element stretch of the
+// row; their float32 partial sums meet in shared memory in a fixed order. out is act_t or float32 (the
+// logits); with accumulate the product is added to it (the residual stream), the old value read at the start.
 //
 // With a gain g (norm != 0) the product is RMSNorm's folded in: out = (x * rstd * g) @ w^T, computed as
-// rstd * ((x * g) @ w^T), each warp summing the rows' squares in the same pass over x (no extra pass and no
-// barrier; warp 0 of block 0 stores rstd). It saves decoding a launch and a round trip per sublayer.
+// rstd * ((x * g) @ w^T), the rows' squares summed in the same pass over x (column 0 stores rstd).
+//
+// With glu (the feed-forward's gate|up product, w (2F, I)), column o < F takes w's rows o (gate) and F + o
+// (up), writes both to out (N, 2F) and SwiGLU's silu(gate) * up (from the rounded values, as swiglu_forward
+// computes it) to glu_out (N, F): decoding's feed-forward then takes one launch fewer.
 #include "common.cuh"
 
 #define MATMUL_SMALL_ROWS 8
+#define MATMUL_SMALL_LOADS 4  // MAXP: loads of w a lane has in flight (layers.py picks split to fit a row)
 
 constexpr int PACK = 16 / sizeof(act_t);  // elements a 16-byte load brings
+constexpr int MAXP = MATMUL_SMALL_LOADS;
 
-template <int P>
-__device__ __forceinline__ void load_pack(float (&r)[P], const act_t* p) {
-    if constexpr (P == 8) {
-        const uint4 u = *reinterpret_cast<const uint4*>(p);
-        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+// The raw bits of V elements: one 16-byte load (V = PACK) or one element (V = 1, rows of odd length).
+template <int V>
+struct Raw {
+    uint4 u;
+};
+template <>
+struct Raw<1> {
+    act_t e;
+};
+
+template <int V>
+__device__ __forceinline__ Raw<V> load_raw(const act_t* p) {
+    Raw<V> r;
+    if constexpr (V == 1) r.e = *p;
+    else r.u = *reinterpret_cast<const uint4*>(p);
+    return r;
+}
+
+template <int V>
+__device__ __forceinline__ void unpack(float (&r)[V], const Raw<V>& raw) {
+    if constexpr (V == 1) {
+        r[0] = to_float(raw.e);
+    } else if constexpr (V == 8) {  // bf16
+        const unsigned w[4] = {raw.u.x, raw.u.y, raw.u.z, raw.u.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) r[2 * i] = __uint_as_float(w[i] << 16), r[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-        load_vec<4>(r, p);
+    } else {  // float
+        r[0] = __uint_as_float(raw.u.x), r[1] = __uint_as_float(raw.u.y), r[2] = __uint_as_float(raw.u.z),
+        r[3] = __uint_as_float(raw.u.w);
     }
 }
 
-// Elements i..i+V-1 of row r of x into v (V = PACK from one 16-byte load, or 1), and of the gain into g.
-template <int V>
-__device__ __forceinline__ void load_row(float (&v)[V], const act_t* p) {
-    if constexpr (V == 1) v[0] = to_float(*p);
-    else load_pack(v, p);
+__device__ __forceinline__ float load_out(const void* out, long long at, int out_f32) {
+    return out_f32 ? static_cast<const float*>(out)[at] : to_float(static_cast<const act_t*>(out)[at]);
 }
 
-// packed: I is a multiple of PACK and x, w, gain start 16-byte aligned (else a load an element).
-template <int V>
-__device__ __forceinline__ void matmul_small_warp(void* __restrict__ out, const act_t* __restrict__ x,
-                                                  const act_t* __restrict__ w, int N, int O, int I, int o,
-                                                  int out_f32, int accumulate, const act_t* __restrict__ gain,
-                                                  float* __restrict__ rstd, float eps) {
-    const int lane = threadIdx.x & 31;
-    const act_t* wo = w + (long long)o * I;
-    float acc[MATMUL_SMALL_ROWS], ss[MATMUL_SMALL_ROWS];
+__device__ __forceinline__ void store_out(void* out, long long at, float v, int out_f32) {
+    if (out_f32) static_cast<float*>(out)[at] = v;
+    else static_cast<act_t*>(out)[at] = from_float<act_t>(v);
+}
+
+// W: weight rows a column takes (2 with glu); R: the rows of x the kernel is built for (1, or up to
+// MATMUL_SMALL_ROWS; with one, its loads join w's). packed: I is a multiple of PACK and x, w, gain start
+// 16-byte aligned (else V = 1, a load an element).
+template <int V, int W, int R>
+__device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const act_t* __restrict__ x,
+                                                   const act_t* __restrict__ w, int N, int O, int I, int split,
+                                                   int out_f32, int accumulate, const act_t* __restrict__ gain,
+                                                   float* __restrict__ rstd, float eps, act_t* __restrict__ glu_out) {
+    constexpr int SLOTS = (W + 1) * R;  // per warp: W dot products and the squares, per row
+    __shared__ float partial[8][SLOTS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % split;
+    const int cols = O / W, o = blockIdx.x * (8 / split) + warp / split;
+    const bool finisher = sub == 0 && o < cols && lane < N;  // lane r of the column's first warp ends row r
+    float prior[W];
 #pragma unroll
-    for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) acc[r] = ss[r] = 0.f;
-#pragma unroll 4
-    for (int i = lane * V; i < I; i += 32 * V) {
-        float wv[V], g[V];
-        load_row(wv, wo + i);
-        if (gain) {
-            load_row(g, gain + i);
+    for (int k = 0; k < W; ++k)
+        prior[k] = finisher && accumulate ? load_out(out, (long long)lane * O + o + k * cols, out_f32) : 0.f;
+    float acc[W][R], ss[R];
 #pragma unroll
-            for (int k = 0; k < V; ++k) wv[k] *= g[k];
-        }
+    for (int r = 0; r < R; ++r) {
+        ss[r] = 0.f;
 #pragma unroll
-        for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) {
-            if (r < N) {
-                float xv[V];
-                load_row(xv, x + (long long)r * I + i);
-#pragma unroll
-                for (int k = 0; k < V; ++k) acc[r] += wv[k] * xv[k], ss[r] += xv[k] * xv[k];
-            }
-        }
+        for (int k = 0; k < W; ++k) acc[k][r] = 0.f;
     }
+    if (o < cols) {
+        const int stride = split * 32 * V;
+        for (int base = (sub * 32 + lane) * V; base < I; base += MAXP * stride) {
+            Raw<V> wr[W][MAXP], gr[MAXP], xr[R == 1 ? MAXP : 1];
 #pragma unroll
-    for (int r = 0; r < MATMUL_SMALL_ROWS; ++r) {
-        if (r < N) {
-            float v = warp_sum(acc[r]);
-            if (gain) {
-                const float rs = 1.f / sqrtf(warp_sum(ss[r]) / I + eps);
-                v *= rs;
-                if (o == 0 && lane == 0) rstd[r] = rs;
+            for (int p = 0; p < MAXP; ++p) {
+                const int i = base + p * stride;
+                if (i < I) {
+#pragma unroll
+                    for (int k = 0; k < W; ++k) wr[k][p] = load_raw<V>(w + (long long)(o + k * cols) * I + i);
+                    if (gain) gr[p] = load_raw<V>(gain + i);
+                    if constexpr (R == 1) xr[p] = load_raw<V>(x + i);
+                }
             }
-            if (lane == 0) {
-                const long long at = (long long)r * O + o;
-                if (out_f32) {
-                    float* dst = static_cast<float*>(out) + at;
-                    *dst = accumulate ? *dst + v : v;
-                } else {
-                    act_t* dst = static_cast<act_t*>(out) + at;
-                    *dst = from_float<act_t>(accumulate ? to_float(*dst) + v : v);
+#pragma unroll
+            for (int p = 0; p < MAXP; ++p) {
+                const int i = base + p * stride;
+                if (i < I) {
+                    float wv[W][V];
+#pragma unroll
+                    for (int k = 0; k < W; ++k) unpack(wv[k], wr[k][p]);
+                    if (gain) {
+                        float g[V];
+                        unpack(g, gr[p]);
+#pragma unroll
+                        for (int k = 0; k < W; ++k)
+#pragma unroll
+                            for (int e = 0; e < V; ++e) wv[k][e] *= g[e];
+                    }
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        if (r < N) {
+                            float xv[V];
+                            if constexpr (R == 1) unpack(xv, xr[p]);
+                            else unpack(xv, load_raw<V>(x + (long long)r * I + i));
+#pragma unroll
+                            for (int e = 0; e < V; ++e) {
+                                ss[r] += xv[e] * xv[e];
+#pragma unroll
+                                for (int k = 0; k < W; ++k) acc[k][r] += wv[k][e] * xv[e];
+                            }
+                        }
+                    }
                 }
             }
         }
     }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r < N) {
+#pragma unroll
+            for (int k = 0; k < W; ++k) acc[k][r] = warp_sum(acc[k][r]);
+            if (gain) ss[r] = warp_sum(ss[r]);
+            if (lane == 0) {
+#pragma unroll
+                for (int k = 0; k < W; ++k) partial[warp][k * R + r] = acc[k][r];
+                partial[warp][W * R + r] = ss[r];
+            }
+        }
+    }
+    __syncthreads();
+    if (!finisher) return;
+    const int r = lane;
+    float v[W], s = 0.f;
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = 0.f;
+    for (int j = 0; j < split; ++j) {
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] += partial[warp + j][k * R + r];
+        s += partial[warp + j][W * R + r];
+    }
+    if (gain) {
+        const float rs = 1.f / sqrtf(s / I + eps);
+#pragma unroll
+        for (int k = 0; k < W; ++k) v[k] *= rs;
+        if (o == 0) rstd[r] = rs;
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) store_out(out, (long long)r * O + o + k * cols, prior[k] + v[k], out_f32);
+    if constexpr (W == 2) {
+        const float g = to_float(from_float<act_t>(v[0])), u = to_float(from_float<act_t>(v[1]));
+        glu_out[(long long)r * cols + o] = from_float<act_t>(g / (1.f + expf(-g)) * u);
+    }
 }
 
-extern "C" __global__ void matmul_small(void* __restrict__ out, const act_t* __restrict__ x,
-                                        const act_t* __restrict__ w, int N, int O, int I, int out_f32,
-                                        int accumulate, int packed, const act_t* __restrict__ gain,
-                                        float* __restrict__ rstd, float eps) {
-    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (o >= O) return;
-    if (packed) matmul_small_warp<PACK>(out, x, w, N, O, I, o, out_f32, accumulate, gain, rstd, eps);
-    else matmul_small_warp<1>(out, x, w, N, O, I, o, out_f32, accumulate, gain, rstd, eps);
+template <int W, int R>
+__device__ __forceinline__ void matmul_small_rows(void* out, const act_t* x, const act_t* w, int N, int O, int I,
+                                                  int split, int out_f32, int accumulate, int packed,
+                                                  const act_t* gain, float* rstd, float eps, act_t* glu_out) {
+    if (packed) matmul_small_block<PACK, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, glu_out);
+    else matmul_small_block<1, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, glu_out);
 }
+
+// Grid: ceil(columns / (8 / split)) blocks of 256 threads; split in {1, 2, 4, 8}. glu_out: null, or SwiGLU's
+// output (then out is act_t, not accumulated). matmul_small_row takes one row (batch-1 decoding), built apart
+// so that its registers are not the many-row version's.
+#define MATMUL_SMALL(NAME, R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        NAME(void* __restrict__ out, const act_t* __restrict__ x, const act_t* __restrict__ w, int N, int O, int I, \
+             int split, int out_f32, int accumulate, int packed, const act_t* __restrict__ gain,                  \
+             float* __restrict__ rstd, float eps, act_t* __restrict__ glu_out) {                                  \
+        if (glu_out) matmul_small_rows<2, R>(out, x, w, N, O, I, split, 0, 0, packed, gain, rstd, eps, glu_out);  \
+        else matmul_small_rows<1, R>(out, x, w, N, O, I, split, out_f32, accumulate, packed, gain, rstd, eps,     \
+                                     glu_out);                                                                    \
+    }
+MATMUL_SMALL(matmul_small_row, 1)
+MATMUL_SMALL(matmul_small, MATMUL_SMALL_ROWS)
 
 // ids[r] = the index of the largest of logits (R, V)'s row r (the first of equal ones): greedy decoding on
-// the device, so a token costs the host one int, not V floats. One block per row.
-extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __restrict__ logits, int V) {
+// the device, so a token costs the host one int, not V floats. With a log (S, R), also log[*pos, r]: the ids
+// of consecutive decoding steps, which the host reads back together. One block per row.
+extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __restrict__ logits, int V,
+                                       int* __restrict__ log, const int* __restrict__ pos) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* row = logits + (long long)blockIdx.x * V;
@@ -120,6 +221,8 @@ extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __res
     if (threadIdx.x == 0) {
         for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
             if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) bv = best_v[w], bi = best_i[w];
-        ids[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;  // a row of NaNs: 0
+        bi = bi == 0x7fffffff ? 0 : bi;  // a row of NaNs: 0
+        ids[blockIdx.x] = bi;
+        if (log) log[(long long)*pos * gridDim.x + blockIdx.x] = bi;
     }
 }
