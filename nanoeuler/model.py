@@ -193,13 +193,13 @@ class Engine:
             resid, resid_mid = a["resid"][i], a["resid_mid"][i]
             qkv, att = a["qkv"][i], a["att"][i]
             # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
-            L.rmsnorm_matmul_forward(qkv.reshape(N, -1), a["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"],
-                                     cfg.norm_eps, a["xn"])
+            position = self.zero_position if cache is None else cache.position
+            L.rmsnorm_matmul_rope_forward(qkv, a["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"], cfg.norm_eps,
+                                          a["xn"], self.cos, self.sin, H + G, position)
             if cache is None:
-                L.rope_forward(qkv, self.cos, self.sin, H + G, self.zero_position)
                 L.attention_forward(att, a["lse"][i], qkv, H, G)
-            else:  # rotary embedding at the cache's position, k and v into the cache, attention over it
-                L.attention_cached(att, a["lse"][i], qkv, cache.kv[i], self.cos, self.sin, H, G, cache.position)
+            else:  # k and v into the cache, attention over it
+                L.attention_cached(att, a["lse"][i], qkv, cache.kv[i], H, G, cache.position)
             if resid_mid is not resid:
                 resid_mid[...] = resid  # the skip connection, then the block's output added by the matmul
             L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)

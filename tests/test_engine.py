@@ -164,8 +164,8 @@ def test_attention_float32_matches_float64(T, H, G, D):
 
 def test_attention_over_the_kv_cache_matches_full():
     """Decoding in chunks (6 rows, then 1, then 2) through the cache (k and v only) gives the full forward's
-    rows (rotary embedding, then attention); the cache holds exactly the rotated k heads and the v heads, and
-    nothing past the position is touched."""
+    rows (of qkv rotated by the product before it); the cache holds exactly the rotated k heads and the v
+    heads, and nothing past the position is touched."""
     B, T, H, G, D, S = 2, 9, 4, 2, 8, 12
     cos, sin = rope_tables(D, S, 10000.0, np.float64)
     qkv = rng.normal(size=(B, T, H + 2 * G, D))
@@ -177,7 +177,7 @@ def test_attention_over_the_kv_cache_matches_full():
     pos = np.zeros(1, dtype=np.int32)
     for lo, hi in ((0, 6), (6, 7), (7, 9)):
         out, lse_c = np.full((B, hi - lo, H, D), np.nan), np.full((B, H, hi - lo), np.nan)
-        L.attention_cached(out, lse_c, qkv[:, lo:hi].copy(), cache, cos, sin, H, G, pos)
+        L.attention_cached(out, lse_c, rotated[:, lo:hi].copy(), cache, H, G, pos)
         assert np.allclose(out, full[:, lo:hi]) and np.allclose(lse_c, lse[:, :, lo:hi])
         L.advance_position(pos, hi - lo)
     assert pos[0] == T

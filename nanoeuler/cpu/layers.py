@@ -86,6 +86,14 @@ def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
     matmul_forward(out, xn, w)
 
 
+def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos):
+    """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
+    embedding of its first n_rot_heads heads (q and k) at positions pos[0] + t (one GPU kernel for decoding's
+    few rows)."""
+    rmsnorm_matmul_forward(qkv.reshape(x.shape[0], -1), rstd, x, norm_w, w, eps, xn)
+    rope_forward(qkv, cos, sin, n_rot_heads, pos)
+
+
 def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn):
     """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, then out (N, F) =
     silu(gate) * up (one kernel on the GPU for decoding's few rows)."""
@@ -313,12 +321,10 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
     _attention(out, lse, qkv, qkv, n_heads, n_heads, n_kv_heads, 0)
 
 
-def attention_cached(out, lse, qkv, cache, cos, sin, n_heads, n_kv_heads, pos):
-    """Decoding: the rotary embedding of qkv (B, n, H+2G, D)'s q and k heads at positions pos[0] + t (in
-    place), its k and v heads written to the KV cache (B, S, 2G, D) at positions pos[0]..pos[0]+n-1, then
-    attention of its queries to the cache's positions 0..pos[0]+n-1, causally. out (B, n, H, D), lse (B, H, n).
-    (The GPU does all of it in one kernel.)"""
-    rope_forward(qkv, cos, sin, n_heads + n_kv_heads, pos)
+def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
+    """Decoding: qkv (B, n, H+2G, D)'s k heads (rotated already) and v heads written to the KV cache
+    (B, S, 2G, D) at positions pos[0]..pos[0]+n-1, then attention of its queries to the cache's positions
+    0..pos[0]+n-1, causally. out (B, n, H, D), lse (B, H, n). (The GPU does all of it in one kernel.)"""
     p, n = int(pos[0]), qkv.shape[1]
     cache[:, p:p + n] = qkv[:, :, n_heads:]
     _attention(out, lse, qkv, cache, 0, n_heads, n_kv_heads, p)

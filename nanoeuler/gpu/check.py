@@ -151,6 +151,17 @@ def check_matmul(c, L, R):
         L.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, c.dev(x), c.dev(gain), c.dev(w2), 1e-5, c.poisoned(N, I))
         out += [(f"rmsnorm_matmul_swiglu_forward{c.tag} {N} rows gate|up", rel_err(c.get(ggu), ref_gu), c.tol),
                 (f"rmsnorm_matmul_swiglu_forward{c.tag} {N} rows out", rel_err(c.get(gsw), ref_sw), c.tol)]
+    # the qkv product with the rotary embedding of its first 3 of 5 heads, 2 sequences of 3 rows at position 5
+    (B, T, NH, D), I = (2, 3, 5, 8), 136
+    x, w, gain = c.act(c.normal(B * T, I)), c.act(c.normal(NH * D, I)), c.act(1 + c.normal(I, scale=0.3))
+    cos, sin = (_f32(t) for t in rope_tables(D, 16, 10000.0, np.float64))
+    pos = np.full(1, 5, np.int32)
+    ref, rstd, xn = np.empty((B, T, NH, D)), np.empty(B * T), np.empty((B * T, I))
+    R.rmsnorm_matmul_rope_forward(ref, rstd, x, gain, w, 1e-5, xn, cos, sin, 3, pos)
+    g = c.poisoned(B, T, NH, D)
+    L.rmsnorm_matmul_rope_forward(g, c.poisoned32(B * T), c.dev(x), c.dev(gain), c.dev(w), 1e-5, c.poisoned(B * T, I),
+                                  c.dev32(cos), c.dev32(sin), 3, c.cp.asarray(pos))
+    out.append((f"rmsnorm_matmul_rope_forward{c.tag} {B}x{T} rows, 3 of 5 heads rotated", rel_err(c.get(g), ref), c.tol))
     return out
 
 
@@ -245,15 +256,14 @@ def check_attention(c, L, R):
     # of 109 positions and attending to it (the cache's untouched tail stays poisoned on both sides)
     B, S, H, G = 2, 109, 6, 2
     for D in (64, 32):
-        cos, sin = (_f32(t) for t in rope_tables(D, S, 10000.0, np.float64))
         ref_cache, g_cache = np.full((B, S, 2 * G, D), np.nan), c.poisoned(B, S, 2 * G, D)
         ref_pos, g_pos = np.zeros(1, np.int32), c.cp.zeros(1, np.int32)
         for n in (90, 11, 1):
             qkv = c.act(c.normal(B, n, H + 2 * G, D))
             ref_o, ref_lse = np.empty((B, n, H, D)), np.empty((B, H, n))
-            R.attention_cached(ref_o, ref_lse, qkv.copy(), ref_cache, cos, sin, H, G, ref_pos)
+            R.attention_cached(ref_o, ref_lse, qkv, ref_cache, H, G, ref_pos)
             go, glse = c.poisoned(B, n, H, D), c.poisoned32(B, H, n)
-            L.attention_cached(go, glse, c.dev(qkv), g_cache, c.dev32(cos), c.dev32(sin), H, G, g_pos)
+            L.attention_cached(go, glse, c.dev(qkv), g_cache, H, G, g_pos)
             label = f"attention_cached{c.tag} D={D} pos={ref_pos[0]} n={n}"
             out += [(label, rel_err(c.get(go), ref_o), c.tol), (f"{label} lse", rel_err(c.get(glse), ref_lse), c.tol)]
             R.advance_position(ref_pos, n)

@@ -20,6 +20,7 @@ Precision (`precision(name)` selects it for a block of calls; the Engine does th
   the arrays it is given.
 """
 import contextlib
+import ctypes
 import functools
 import math
 import pathlib
@@ -81,6 +82,58 @@ def _kernel(module, name, defines=(), dynamic_smem=0):
     if dynamic_smem > 48 * 1024:  # above the default limit a kernel has to opt in
         k.max_dynamic_shared_size_bytes = dynamic_smem
     return k
+
+
+# ------------------------------------------------------------------------- programmatic dependent launch
+# Decoding's kernels (the matrix-vector products, the cached attention, argmax, the position's advance) are
+# recorded into CUDA graphs with programmatic dependent launch on sm_90+: each may start while the one before
+# it finishes, loading its weights, and waits (common.cuh: wait_for_inputs) only for its inputs. CuPy's
+# launches cannot ask for it, so those go through the driver's cuLaunchKernelEx (ctypes).
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CTYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+           np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
+           np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+_dependent_launch = {"on": False}
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_launch():
+    """cuLaunchKernelEx, or None where programmatic dependent launch is not to be had (before sm_90)."""
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        return None
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return fn
+
+
+def _launch(kernel, grid, block, args, shared_mem=0):
+    """kernel(grid, block, args) on the current stream; while a decoding step is being recorded, with
+    programmatic dependent launch (the kernel must wait_for_inputs before touching its inputs)."""
+    launch = _driver_launch() if _dependent_launch["on"] else None
+    if launch is None:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else _CTYPES[np.dtype(type(a))](a)
+              for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value = (1).to_bytes(4, "little") + bytes(60)
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                           cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    status = launch(ctypes.byref(config), kernel.kernel.ptr, params, None)  # RawKernel -> its CUfunction
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
 
 
 def _act_defines(a):
@@ -146,10 +199,11 @@ def matmul_forward(out, x, w, accumulate=False):
         _matmul_small(out, x, w, accumulate)
 
 
-def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None):
-    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x: RMSNorm folded in when given its gain,
-    SwiGLU of the gate|up product into glu_out when given. Each output column takes `split` warps, the fewest
-    whose lanes load a row of w with at most _SMALL_LOADS loads each (all in flight at once)."""
+def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None):
+    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x: RMSNorm folded in when given its gain;
+    SwiGLU of the gate|up product into glu_out, or the rotary embedding (rope = (cos, sin, pos, T, rotated
+    rows, D/2)) of the qkv product, when given. Each output column takes `split` warps, the fewest whose
+    lanes load a row of w with at most _SMALL_LOADS loads each (all in flight at once)."""
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
     aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
     pack = 16 // x.itemsize
@@ -158,13 +212,16 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     split = 1
     while split < 8 and split * stretch * _SMALL_LOADS < I:
         split *= 2
-    columns = O // 2 if glu_out is not None else O
     null = np.uint64(0)
-    _kernel("matmul", "matmul_small_row" if N == 1 else "matmul_small", _act_defines(x))(
+    cos, sin, pos, T, rot, half = rope if rope is not None else (null, null, null, 1, 0, 0)
+    if glu_out is not None:
+        half = O // 2
+    columns = O // 2 if half else O
+    _launch(_kernel("matmul", "matmul_small_row" if N == 1 else "matmul_small", _act_defines(x)),
         (_blocks(columns, 8 // split),), (256,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(split), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
-         null if glu_out is None else glu_out))
+         _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(rot)))
 
 
 _SMALL_LOADS = 4  # kernels/matmul.cu MATMUL_SMALL_LOADS
@@ -180,6 +237,20 @@ def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
     _check(x, norm_w, w, act=x)
     _check(rstd)
     _matmul_small(out, x, w, False, norm_w, rstd, eps)
+
+
+def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos):
+    """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
+    embedding of its first n_rot_heads heads at positions pos[0] + t. A few rows (decoding) take one kernel."""
+    B, T, NH, D = qkv.shape
+    if B * T > MATMUL_SMALL_ROWS:
+        rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn)
+        rope_forward(qkv, cos, sin, n_rot_heads, pos)
+        return
+    _check(qkv, x, norm_w, w, act=x)
+    _check(rstd, cos, sin)
+    _matmul_small(qkv.reshape(B * T, -1), x, w, False, norm_w, rstd, eps,
+                  rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2))
 
 
 def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn):
@@ -296,19 +367,18 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
       (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
 
 
-def attention_cached(out, lse, qkv, cache, cos, sin, n_heads, n_kv_heads, pos):
-    """Decoding: rotary embedding of qkv (B, n, H+2G, D)'s q and k heads at positions pos[0] + t, its k and v
-    heads into the KV cache (B, S, 2G, D), and attention of its queries to the cache's positions 0..pos[0]+t.
-    out (B, n, H, D), lse (B, H, n). One kernel: it rotates on the way, leaving qkv as it was (the CPU layer
-    rotates qkv in place; decoding reads it no more either way); a block's warps split the keys."""
+def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
+    """Decoding: qkv (B, n, H+2G, D)'s k and v heads (k rotated already) into the KV cache (B, S, 2G, D) at
+    positions pos[0].., and attention of its queries to the cache's positions 0..pos[0]+t. out (B, n, H, D),
+    lse (B, H, n). One kernel; a block's warps split the keys."""
     _check(out, qkv, cache, act=qkv)
-    _check(lse, cos, sin)
+    _check(lse)
     B, n, NH, D = qkv.shape
     S = cache.shape[1]
     assert cache.shape == (B, S, 2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
-    _kernel("attention", f"attention_cached_d{D}", _act_defines(qkv))(
+    _launch(_kernel("attention", f"attention_cached_d{D}", _act_defines(qkv)),
         (n_heads, B * _blocks(n, _ATT_ROWS)), (32 * _ATT_WARPS,),
-        (out, lse, qkv, cache, cos, sin, _position(pos), _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads),
+        (out, lse, qkv, cache, _position(pos), _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads),
          _f32(1.0 / math.sqrt(D))))
 
 
@@ -397,14 +467,13 @@ def argmax(ids, logits, log=None, pos=None):
     _check(logits)
     assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
     null = np.uint64(0)
-    _kernel("matmul", "argmax_rows")((logits.shape[0],), (1024,),
-                                     (ids, logits, _i32(logits.shape[1]), null if log is None else log,
-                                      null if log is None else _position(pos)))
+    _launch(_kernel("matmul", "argmax_rows"), (logits.shape[0],), (1024,),
+            (ids, logits, _i32(logits.shape[1]), null if log is None else log, null if log is None else _position(pos)))
 
 
 def advance_position(pos, n):
     """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""
-    _kernel("attention", "advance_position")((1,), (1,), (_position(pos), _i32(n)))
+    _launch(_kernel("attention", "advance_position"), (1,), (1,), (_position(pos), _i32(n)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -429,9 +498,11 @@ def graph(step):
         step()  # the first run also compiles any kernel not compiled yet, which recording could not
         with stream:
             stream.begin_capture()
+            _dependent_launch["on"] = True
             try:
                 step()
             finally:
+                _dependent_launch["on"] = False
                 recording = stream.end_capture()
         recorded.append(recording)
 

@@ -640,28 +640,14 @@ ATTENTION_BACKWARD(32)
 // argument, so that a decoding step recorded once as a CUDA graph replays at every position.
 
 // *pos += n, the last node of a decoding step.
-extern "C" __global__ void advance_position(int* pos, int n) { *pos += n; }
-
-// The rotation of a (x1, x2) pair, rounded without FMA contraction: a new key rotated on the fly is then the
-// very value the cache stores for it (what later steps read), so decoding one token or several at a time
-// gives the same bits.
-__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1, float& y2) {
-    y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
-    y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+extern "C" __global__ void advance_position(int* pos, int n) {
+    wait_for_inputs();  // every kernel of the step has read the position
+    *pos += n;
 }
 
-// Element idx of a D-long key rotated (its pair's position given by cs, sn) and rounded as the cache stores it.
-__device__ __forceinline__ float rotated_key(const act_t* k, const float* cs, const float* sn, int idx, int half) {
-    const int i = idx < half ? idx : idx - half;
-    float y1, y2;
-    rotate_pair(to_float(k[i]), to_float(k[i + half]), cs[i], sn[i], y1, y2);
-    return to_float(from_float<act_t>(idx < half ? y1 : y2));
-}
-
-// Attention of the n new query rows of qkv (B, n, H + 2G, D), not yet rotated, at positions *pos + t, to
-// positions 0..*pos + t: the cache's rows before *pos, and the new rows' keys and values, read from qkv and
-// rotated on the way (so no block waits for another to store them). out (B, n, H, D), lse (B, H, n); cos_t,
-// sin_t (S, D/2).
+// Attention of the n new query rows of qkv (B, n, H + 2G, D), q and k heads rotated already (the qkv product
+// did it), at positions *pos + t, to positions 0..*pos + t: the cache's rows before *pos, and the new rows'
+// keys and values, read from qkv (so no block waits for another to store them). out (B, n, H, D), lse (B, H, n).
 //
 // A decoding step is a few rows against a few hundred keys: bound by the latency of its loads, not by
 // arithmetic. Block (h, b * tiles + tile) takes the tile's ATT_ROWS query rows of head h; its ATT_WARPS warps
@@ -670,14 +656,14 @@ __device__ __forceinline__ float rotated_key(const act_t* k, const float* cs, co
 // against its key, and the warp keeps each row's running softmax statistics and output over its chunks
 // (flash-decoding); the warps' results then meet in shared memory, merged in warp order. Every sum runs in
 // an order fixed by the key positions alone, so a row gets the same bits decoded alone or with others.
-// The blocks of the first query head of each kv group append the new rows' rotated k and v to the cache.
+// The blocks of the first query head of each kv group append the tile's new k and v rows to the cache.
 #define ATT_CHUNK 32
 #define ATT_ROWS 4
 #define ATT_WARPS 16
 #define ATT_CACHED_THREADS (32 * ATT_WARPS)
 
-// Raw bits of 16 bytes of act_t, unpacked to PACK floats and packed back.
-constexpr int ATT_PACK = 16 / sizeof(act_t);
+constexpr int ATT_PACK = 16 / sizeof(act_t);  // elements of a 16-byte load
+
 __device__ __forceinline__ void unpack16(float (&r)[ATT_PACK], uint4 u) {
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
     if constexpr (ATT_PACK == 8) {
@@ -687,17 +673,6 @@ __device__ __forceinline__ void unpack16(float (&r)[ATT_PACK], uint4 u) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) r[i] = __uint_as_float(w[i]);
     }
-}
-__device__ __forceinline__ uint4 pack16(const float (&r)[ATT_PACK]) {  // r: values act_t represents exactly
-    unsigned w[4];
-    if constexpr (ATT_PACK == 8) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = (__float_as_uint(r[2 * i]) >> 16) | (__float_as_uint(r[2 * i + 1]) & 0xffff0000u);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(r[i]);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // DL consecutive elements of a value row (a lane's dims of the output), kept as loaded: two bf16 in one
@@ -728,11 +703,9 @@ struct ValueSlice {
 template <int D>
 __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, float* __restrict__ lse,
                                                        const act_t* __restrict__ qkv, act_t* __restrict__ cache,
-                                                       const float* __restrict__ cos_t,
-                                                       const float* __restrict__ sin_t,
                                                        const int* __restrict__ pos, int n, int S, int H, int G,
                                                        float scale) {
-    constexpr int HALF = D / 2, DL = D / 32, KP = D / ATT_PACK;  // output dims a lane, 16-byte loads a key
+    constexpr int DL = D / 32, KP = D / ATT_PACK;  // output dims a lane, 16-byte loads a key
     __shared__ float q_s[ATT_ROWS][D];
     __shared__ float part_s[ATT_WARPS][ATT_ROWS][D + 2];  // each warp's (output, max, sum) of each row
     const int tiles = (n + ATT_ROWS - 1) / ATT_ROWS;
@@ -740,20 +713,18 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rows = min(ATT_ROWS, n - t0);
     const int p0 = *pos, kvh = h / (H / G), E = 2 * G * D, last_key = p0 + t0 + rows - 1;
     const long long NHD = (long long)(H + 2 * G) * D;
+    let_next_launch();
+    wait_for_inputs();
     act_t* cbase = cache + (long long)b * S * E + kvh * D;
     const act_t* nbase = qkv + (long long)b * n * NHD + H * D + kvh * D;  // row 0 of the new k heads
-    const bool appends = h % (H / G) == 0;
-    // the tile's query rows, rotated and scaled, a warp each
-    if (warp < rows) {
-        const int t = t0 + warp;
-        const act_t* qrow = qkv + ((long long)b * n + t) * NHD + h * D;
-        const float* cs = cos_t + (long long)(p0 + t) * HALF;
-        const float* sn = sin_t + (long long)(p0 + t) * HALF;
-        for (int i = lane; i < HALF; i += 32) {
-            float y1, y2;
-            rotate_pair(to_float(qrow[i]), to_float(qrow[i + HALF]), cs[i], sn[i], y1, y2);
-            q_s[warp][i] = y1 * scale, q_s[warp][i + HALF] = y2 * scale;
-        }
+    if (warp < rows) {  // the tile's query rows, scaled, a warp each
+        const act_t* qrow = qkv + ((long long)b * n + t0 + warp) * NHD + h * D;
+        for (int i = lane; i < D; i += 32) q_s[warp][i] = to_float(qrow[i]) * scale;
+    }
+    if (h % (H / G) == 0 && warp < rows) {  // the tile's new k and v rows into the cache
+        const uint4* src = reinterpret_cast<const uint4*>(nbase + (t0 + warp) * NHD);
+        uint4* dst = reinterpret_cast<uint4*>(cbase + (long long)(p0 + t0 + warp) * E);
+        if (lane < KP) dst[lane] = src[lane], dst[lane + G * KP] = src[lane + G * KP];  // k; v G heads on
     }
     float M[ATT_ROWS], L[ATT_ROWS], O[ATT_ROWS][DL];  // this warp's running statistics and output per row
 #pragma unroll
@@ -765,36 +736,13 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
     __syncthreads();
     for (int j0 = warp * ATT_CHUNK; j0 <= last_key; j0 += ATT_WARPS * ATT_CHUNK) {
         const int key = j0 + lane;
-        // the lane's key: from the cache, or a new row rotated and rounded as the cache stores it, or zeros
+        // the lane's key (from the cache, or a new row), and the chunk's values of the lane's dims (DL from
+        // lane * DL); zeros past the new rows (never weighted, but 0 * garbage could be NaN)
         uint4 kr[KP];
-        if (key < p0) {
-            const uint4* src = reinterpret_cast<const uint4*>(cbase + (long long)key * E);
+        const uint4* krow = reinterpret_cast<const uint4*>(key < p0 ? cbase + (long long)key * E
+                                                                    : nbase + (key - p0) * NHD);
 #pragma unroll
-            for (int p = 0; p < KP; ++p) kr[p] = src[p];
-        } else if (key < p0 + n) {
-            const act_t* k = nbase + (key - p0) * NHD;
-            const float* cs = cos_t + (long long)key * HALF;
-            const float* sn = sin_t + (long long)key * HALF;
-#pragma unroll
-            for (int p = 0; p < KP; ++p) {
-                float r[ATT_PACK];
-#pragma unroll
-                for (int e = 0; e < ATT_PACK; ++e) r[e] = rotated_key(k, cs, sn, p * ATT_PACK + e, HALF);
-                kr[p] = pack16(r);
-            }
-            if (appends && key - p0 >= t0 && key - p0 < t0 + rows) {  // the tile's own new rows
-                uint4* dst = reinterpret_cast<uint4*>(cbase + (long long)key * E);
-                const uint4* v = reinterpret_cast<const uint4*>(k + G * D);
-                uint4* dv = reinterpret_cast<uint4*>(cbase + (long long)key * E + G * D);
-#pragma unroll
-                for (int p = 0; p < KP; ++p) dst[p] = kr[p], dv[p] = v[p];
-            }
-        } else {
-#pragma unroll
-            for (int p = 0; p < KP; ++p) kr[p] = make_uint4(0u, 0u, 0u, 0u);
-        }
-        // the chunk's values of the lane's dims (DL from lane * DL), zeros past the new rows (never weighted, but
-        // 0 * garbage could be NaN)
+        for (int p = 0; p < KP; ++p) kr[p] = key < p0 + n ? krow[p] : make_uint4(0u, 0u, 0u, 0u);
         ValueSlice<DL> v[ATT_CHUNK];
 #pragma unroll
         for (int j = 0; j < ATT_CHUNK; ++j) {
@@ -866,9 +814,9 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
 
 #define ATTENTION_CACHED(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_CACHED_THREADS)                                          \
-        attention_cached_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const float* cos_t,    \
-                              const float* sin_t, const int* pos, int n, int S, int H, int G, float scale) {  \
-        attention_cached_block<D>(out, lse, qkv, cache, cos_t, sin_t, pos, n, S, H, G, scale);               \
+        attention_cached_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const int* pos, int n, \
+                              int S, int H, int G, float scale) {                                            \
+        attention_cached_block<D>(out, lse, qkv, cache, pos, n, S, H, G, scale);                             \
     }
 ATTENTION_CACHED(64)
 ATTENTION_CACHED(32)

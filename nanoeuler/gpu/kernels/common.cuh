@@ -115,3 +115,26 @@ __device__ __forceinline__ void store_vec(T* p, const float (&r)[V]) {
         for (int i = 0; i < V; ++i) p[i] = from_float<T>(r[i]);
     }
 }
+
+// The rotary embedding's rotation of a (x1, x2) pair, rounded without FMA contraction (the same bits however
+// the compiler schedules the caller).
+__device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1, float& y2) {
+    y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
+// Programmatic dependent launch (sm_90+; layers.py launches decoding's kernels so inside CUDA graphs): a
+// kernel may start while the one before it is still running. Everything it reads that the kernels before
+// it write, and everything it writes, comes after wait_for_inputs() (which returns once they have finished
+// and their writes are visible); before it, only what no kernel of the step writes (the weights, the
+// position, the cache's older rows). let_next_launch() lets the next kernel start. Elsewhere both do nothing.
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}

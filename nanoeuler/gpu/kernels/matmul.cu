@@ -11,9 +11,13 @@
 // With a gain g (norm != 0) the product is RMSNorm's folded in: out = (x * rstd * g) @ w^T, computed as
 // rstd * ((x * g) @ w^T), the rows' squares summed in the same pass over x (column 0 stores rstd).
 //
-// With glu (the feed-forward's gate|up product, w (2F, I)), column o < F takes w's rows o (gate) and F + o
-// (up), writes both to out (N, 2F) and SwiGLU's silu(gate) * up (from the rounded values, as swiglu_forward
-// computes it) to glu_out (N, F): decoding's feed-forward then takes one launch fewer.
+// Paired rows (half > 0): column o takes w's rows i and i + half, i = (o / half) * 2 half + o % half, writing
+// out's columns i and i + half, and then
+// - glu (the feed-forward's gate|up product, w (2F, I), half = F): also SwiGLU's silu(gate) * up (from the
+//   rounded values, as swiglu_forward computes it) to glu_out (N, F);
+// - rope (the attention's qkv product, half = D/2): the pair is rotated by the rotary embedding (rounded
+//   first, as rope_forward finds it in qkv) at position *pos + (row % T) when i < rot (the q and k heads).
+// Each saves decoding a launch a layer.
 #include "common.cuh"
 
 #define MATMUL_SMALL_ROWS 8
@@ -63,23 +67,56 @@ __device__ __forceinline__ void store_out(void* out, long long at, float v, int 
     else static_cast<act_t*>(out)[at] = from_float<act_t>(v);
 }
 
-// W: weight rows a column takes (2 with glu); R: the rows of x the kernel is built for (1, or up to
+// The rotary embedding of the pair product (rope: cos_t, sin_t (S, half), the first row's position *pos, T rows
+// a sequence, rotated rows below rot).
+struct Rope {
+    const float* cos_t;
+    const float* sin_t;
+    const int* pos;
+    int T, rot;
+};
+
+// W: weight rows a column takes (2 when paired); R: the rows of x the kernel is built for (1, or up to
 // MATMUL_SMALL_ROWS; with one, its loads join w's). packed: I is a multiple of PACK and x, w, gain start
 // 16-byte aligned (else V = 1, a load an element).
 template <int V, int W, int R>
 __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const act_t* __restrict__ x,
                                                    const act_t* __restrict__ w, int N, int O, int I, int split,
                                                    int out_f32, int accumulate, const act_t* __restrict__ gain,
-                                                   float* __restrict__ rstd, float eps, act_t* __restrict__ glu_out) {
+                                                   float* __restrict__ rstd, float eps, int half,
+                                                   act_t* __restrict__ glu_out, Rope rope) {
     constexpr int SLOTS = (W + 1) * R;  // per warp: W dot products and the squares, per row
     __shared__ float partial[8][SLOTS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % split;
     const int cols = O / W, o = blockIdx.x * (8 / split) + warp / split;
+    const int row0 = W == 1 ? o : o / half * 2 * half + o % half;  // w's (and out's) first row of the column
     const bool finisher = sub == 0 && o < cols && lane < N;  // lane r of the column's first warp ends row r
-    float prior[W];
+    let_next_launch();
+    const int stride = split * 32 * V;
+    int base = (sub * 32 + lane) * V;
+    Raw<V> wr[W][MAXP];  // the weights of a round of loads; the first round's go out before the wait
+    const auto load_weights = [&]() {
+#pragma unroll
+        for (int p = 0; p < MAXP; ++p) {
+            const int i = base + p * stride;
+            if (o < cols && i < I) {
+#pragma unroll
+                for (int k = 0; k < W; ++k) wr[k][p] = load_raw<V>(w + (long long)(row0 + k * half) * I + i);
+            }
+        }
+    };
+    load_weights();
+    float cs = 1.f, sn = 0.f;  // the rotation
+    const bool rotates = W == 2 && rope.cos_t && finisher && row0 < rope.rot;
+    if (rotates) {
+        const long long at = (long long)(*rope.pos + lane % rope.T) * half + o % half;
+        cs = rope.cos_t[at], sn = rope.sin_t[at];
+    }
+    wait_for_inputs();
+    float prior[W];  // what is accumulated onto
 #pragma unroll
     for (int k = 0; k < W; ++k)
-        prior[k] = finisher && accumulate ? load_out(out, (long long)lane * O + o + k * cols, out_f32) : 0.f;
+        prior[k] = finisher && accumulate ? load_out(out, (long long)lane * O + row0 + k * half, out_f32) : 0.f;
     float acc[W][R], ss[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -88,15 +125,13 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
         for (int k = 0; k < W; ++k) acc[k][r] = 0.f;
     }
     if (o < cols) {
-        const int stride = split * 32 * V;
-        for (int base = (sub * 32 + lane) * V; base < I; base += MAXP * stride) {
-            Raw<V> wr[W][MAXP], gr[MAXP], xr[R == 1 ? MAXP : 1];
+        for (bool first = true; base < I; base += MAXP * stride, first = false) {
+            if (!first) load_weights();
+            Raw<V> gr[MAXP], xr[R == 1 ? MAXP : 1];
 #pragma unroll
             for (int p = 0; p < MAXP; ++p) {
                 const int i = base + p * stride;
                 if (i < I) {
-#pragma unroll
-                    for (int k = 0; k < W; ++k) wr[k][p] = load_raw<V>(w + (long long)(o + k * cols) * I + i);
                     if (gain) gr[p] = load_raw<V>(gain + i);
                     if constexpr (R == 1) xr[p] = load_raw<V>(x + i);
                 }
@@ -165,32 +200,45 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
         if (o == 0) rstd[r] = rs;
     }
 #pragma unroll
-    for (int k = 0; k < W; ++k) store_out(out, (long long)r * O + o + k * cols, prior[k] + v[k], out_f32);
+    for (int k = 0; k < W; ++k) v[k] += prior[k];
     if constexpr (W == 2) {
-        const float g = to_float(from_float<act_t>(v[0])), u = to_float(from_float<act_t>(v[1]));
-        glu_out[(long long)r * cols + o] = from_float<act_t>(g / (1.f + expf(-g)) * u);
+        if (glu_out || rotates) {  // from the values as stored
+            v[0] = out_f32 ? v[0] : to_float(from_float<act_t>(v[0]));
+            v[1] = out_f32 ? v[1] : to_float(from_float<act_t>(v[1]));
+        }
+        if (glu_out) glu_out[(long long)r * cols + o] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
+        if (rotates) rotate_pair(v[0], v[1], cs, sn, v[0], v[1]);
     }
+#pragma unroll
+    for (int k = 0; k < W; ++k) store_out(out, (long long)r * O + row0 + k * half, v[k], out_f32);
 }
 
 template <int W, int R>
 __device__ __forceinline__ void matmul_small_rows(void* out, const act_t* x, const act_t* w, int N, int O, int I,
                                                   int split, int out_f32, int accumulate, int packed,
-                                                  const act_t* gain, float* rstd, float eps, act_t* glu_out) {
-    if (packed) matmul_small_block<PACK, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, glu_out);
-    else matmul_small_block<1, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, glu_out);
+                                                  const act_t* gain, float* rstd, float eps, int half,
+                                                  act_t* glu_out, Rope rope) {
+    if (packed)
+        matmul_small_block<PACK, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, half, glu_out, rope);
+    else
+        matmul_small_block<1, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, half, glu_out, rope);
 }
 
-// Grid: ceil(columns / (8 / split)) blocks of 256 threads; split in {1, 2, 4, 8}. glu_out: null, or SwiGLU's
-// output (then out is act_t, not accumulated). matmul_small_row takes one row (batch-1 decoding), built apart
-// so that its registers are not the many-row version's.
-#define MATMUL_SMALL(NAME, R)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(256)                                                             \
-        NAME(void* __restrict__ out, const act_t* __restrict__ x, const act_t* __restrict__ w, int N, int O, int I, \
-             int split, int out_f32, int accumulate, int packed, const act_t* __restrict__ gain,                  \
-             float* __restrict__ rstd, float eps, act_t* __restrict__ glu_out) {                                  \
-        if (glu_out) matmul_small_rows<2, R>(out, x, w, N, O, I, split, 0, 0, packed, gain, rstd, eps, glu_out);  \
-        else matmul_small_rows<1, R>(out, x, w, N, O, I, split, out_f32, accumulate, packed, gain, rstd, eps,     \
-                                     glu_out);                                                                    \
+// Grid: ceil(columns / (8 / split)) blocks of 256 threads; split in {1, 2, 4, 8}; half 0 (plain) or the
+// pairing distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). matmul_small_row takes
+// one row (batch-1 decoding), built apart so that its registers are not the many-row version's.
+#define MATMUL_SMALL(NAME, R)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                                            \
+        NAME(void* __restrict__ out, const act_t* __restrict__ x, const act_t* __restrict__ w, int N, int O,     \
+             int I, int split, int out_f32, int accumulate, int packed, const act_t* __restrict__ gain,          \
+             float* __restrict__ rstd, float eps, int half, act_t* __restrict__ glu_out,                         \
+             const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos,      \
+             int T, int rot) {                                                                                   \
+        const Rope rope{cos_t, sin_t, pos, T, rot};                                                              \
+        if (half) matmul_small_rows<2, R>(out, x, w, N, O, I, split, out_f32, accumulate, packed, gain, rstd,   \
+                                          eps, half, glu_out, rope);                                             \
+        else matmul_small_rows<1, R>(out, x, w, N, O, I, split, out_f32, accumulate, packed, gain, rstd, eps,   \
+                                     half, glu_out, rope);                                                       \
     }
 MATMUL_SMALL(matmul_small_row, 1)
 MATMUL_SMALL(matmul_small, MATMUL_SMALL_ROWS)
@@ -202,6 +250,8 @@ extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __res
                                        int* __restrict__ log, const int* __restrict__ pos) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
+    let_next_launch();
+    wait_for_inputs();
     const float* row = logits + (long long)blockIdx.x * V;
     float bv = neg_inf();
     int bi = 0x7fffffff;
