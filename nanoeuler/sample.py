@@ -79,7 +79,7 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
             elif greedy:  # up to LOOKAHEAD steps, each fed the last one's id on the device: one read back
                 steps = min(LOOKAHEAD, max_new_tokens - 1 - i, ctx - cache.pos)
                 ahead = eng.decode(cache, np.array([[token]], dtype=np.int32), argmax=True, repeat=steps)
-                ahead = ahead[0].tolist() if steps > 1 else [int(ahead[0])]
+                ahead = ahead.reshape(-1).tolist()
             else:
                 out = eng.decode(cache, np.array([[token]], dtype=np.int32))[0]
     finally:

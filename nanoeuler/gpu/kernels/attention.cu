@@ -662,19 +662,6 @@ extern "C" __global__ void advance_position(int* pos, int n) {
 #define ATT_WARPS 16
 #define ATT_CACHED_THREADS (32 * ATT_WARPS)
 
-constexpr int ATT_PACK = 16 / sizeof(act_t);  // elements of a 16-byte load
-
-__device__ __forceinline__ void unpack16(float (&r)[ATT_PACK], uint4 u) {
-    const unsigned w[4] = {u.x, u.y, u.z, u.w};
-    if constexpr (ATT_PACK == 8) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r[2 * i] = __uint_as_float(w[i] << 16), r[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r[i] = __uint_as_float(w[i]);
-    }
-}
-
 // DL consecutive elements of a value row (a lane's dims of the output), kept as loaded: two bf16 in one
 // register, or floats.
 template <int DL>
@@ -705,7 +692,7 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
                                                        const act_t* __restrict__ qkv, act_t* __restrict__ cache,
                                                        const int* __restrict__ pos, int n, int S, int H, int G,
                                                        float scale) {
-    constexpr int DL = D / 32, KP = D / ATT_PACK;  // output dims a lane, 16-byte loads a key
+    constexpr int DL = D / 32, KP = D / PACK;  // output dims a lane, 16-byte loads a key
     __shared__ float q_s[ATT_ROWS][D];
     __shared__ float part_s[ATT_WARPS][ATT_ROWS][D + 2];  // each warp's (output, max, sum) of each row
     const int tiles = (n + ATT_ROWS - 1) / ATT_ROWS;
@@ -758,10 +745,10 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
                 float s = 0.f;
 #pragma unroll
                 for (int p = 0; p < KP; ++p) {
-                    float kf[ATT_PACK];
+                    float kf[PACK];
                     unpack16(kf, kr[p]);
 #pragma unroll
-                    for (int e = 0; e < ATT_PACK; ++e) s += q_s[r][p * ATT_PACK + e] * kf[e];
+                    for (int e = 0; e < PACK; ++e) s += q_s[r][p * PACK + e] * kf[e];
                 }
                 const bool seen = key <= p0 + t;
                 s = seen ? s : neg_inf();

@@ -116,6 +116,17 @@ __device__ __forceinline__ void store_vec(T* p, const float (&r)[V]) {
     }
 }
 
+// The act_t elements of 16 bytes (8 bf16 or 4 float, as one uint4 load brought them) as floats.
+constexpr int PACK = 16 / sizeof(act_t);
+__device__ __forceinline__ void unpack16(float (&r)[PACK], uint4 u) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if constexpr (PACK == 8) r[2 * i] = __uint_as_float(w[i] << 16), r[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        else r[i] = __uint_as_float(w[i]);
+    }
+}
+
 // The rotary embedding's rotation of a (x1, x2) pair, rounded without FMA contraction (the same bits however
 // the compiler schedules the caller).
 __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1, float& y2) {

@@ -23,7 +23,6 @@
 #define MATMUL_SMALL_ROWS 8
 #define MATMUL_SMALL_LOADS 4  // MAXP: loads of w a lane has in flight (layers.py picks split to fit a row)
 
-constexpr int PACK = 16 / sizeof(act_t);  // elements a 16-byte load brings
 constexpr int MAXP = MATMUL_SMALL_LOADS;
 
 // The raw bits of V elements: one 16-byte load (V = PACK) or one element (V = 1, rows of odd length).
@@ -46,16 +45,8 @@ __device__ __forceinline__ Raw<V> load_raw(const act_t* p) {
 
 template <int V>
 __device__ __forceinline__ void unpack(float (&r)[V], const Raw<V>& raw) {
-    if constexpr (V == 1) {
-        r[0] = to_float(raw.e);
-    } else if constexpr (V == 8) {  // bf16
-        const unsigned w[4] = {raw.u.x, raw.u.y, raw.u.z, raw.u.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) r[2 * i] = __uint_as_float(w[i] << 16), r[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {  // float
-        r[0] = __uint_as_float(raw.u.x), r[1] = __uint_as_float(raw.u.y), r[2] = __uint_as_float(raw.u.z),
-        r[3] = __uint_as_float(raw.u.w);
-    }
+    if constexpr (V == 1) r[0] = to_float(raw.e);
+    else unpack16(r, raw.u);
 }
 
 __device__ __forceinline__ float load_out(const void* out, long long at, int out_f32) {

@@ -23,10 +23,7 @@ __device__ __forceinline__ void rope_pairs(act_t* __restrict__ qkv, const float*
     load_vec<V>(s, sin_t + (long long)p * half + j);
     float y1[V], y2[V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-        y1[k] = x1[k] * c[k] - x2[k] * sign * s[k];
-        y2[k] = x2[k] * c[k] + x1[k] * sign * s[k];
-    }
+    for (int k = 0; k < V; ++k) rotate_pair(x1[k], x2[k], c[k], sign * s[k], y1[k], y2[k]);
     store_vec<V>(row + j, y1);
     store_vec<V>(row + j + half, y2);
 }
