@@ -202,29 +202,31 @@ def matmul_forward(out, x, w, accumulate=False):
 def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None):
     """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x: RMSNorm folded in when given its gain;
     SwiGLU of the gate|up product into glu_out, or the rotary embedding (rope = (cos, sin, pos, T, rotated
-    rows, D/2)) of the qkv product, when given. Each output column takes `split` warps, the fewest whose
-    lanes load a row of w with at most _SMALL_LOADS loads each (all in flight at once)."""
+    rows, D/2)) of the qkv product, when given. The kernel is the one built for R >= N rows (1, 2, 4 or 8);
+    each output column takes `split` warps, the fewest whose lanes load a row of w with at most the R-row
+    kernel's loads each (all in flight at once)."""
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
     aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
     pack = 16 // x.itemsize
     packed = I % pack == 0 and all(aligned)
     stretch = 32 * (pack if packed else 1)  # elements a warp's lanes load at once
+    R = next(r for r in (1, 2, 4, MATMUL_SMALL_ROWS) if N <= r)
     split = 1
-    while split < 8 and split * stretch * _SMALL_LOADS < I:
+    while split < 8 and split * stretch * _SMALL_LOADS[R] < I:
         split *= 2
     null = np.uint64(0)
     cos, sin, pos, T, rot, half = rope if rope is not None else (null, null, null, 1, 0, 0)
     if glu_out is not None:
         half = O // 2
     columns = O // 2 if half else O
-    _launch(_kernel("matmul", "matmul_small_row" if N == 1 else "matmul_small", _act_defines(x)),
+    _launch(_kernel("matmul", f"matmul_small_r{R}", _act_defines(x)),
         (_blocks(columns, 8 // split),), (256,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(split), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
          _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(rot)))
 
 
-_SMALL_LOADS = 4  # kernels/matmul.cu MATMUL_SMALL_LOADS
+_SMALL_LOADS = {1: 4, 2: 2, 4: 1, 8: 1}  # kernels/matmul.cu loads(R): a lane's loads of w in flight
 
 
 def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):

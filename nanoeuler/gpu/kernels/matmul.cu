@@ -2,8 +2,8 @@
 // cuBLAS does the training products; at batch 1 a product is a matrix-vector product, bound by reading w
 // once, and cuBLAS through CuPy cannot be recorded into a CUDA graph. A decoding step is a chain of such
 // products, each too small to keep the memory busy for long, so what counts is the latency of one: every
-// lane issues all its loads of w (up to MAXP 16-byte loads, 8 bf16 or 4 float), and of x and the gain, before
-// it uses the first, and the whole matrix is in flight at once. `split` consecutive warps of a block (8
+// lane issues all its loads of w (up to loads(R) 16-byte loads, 8 bf16 or 4 float), and of x and the gain,
+// before it uses the first, and the whole matrix is in flight at once. `split` consecutive warps of a block (8
 // warps) own an output column o (a row of w), each taking every split-th 32 * PACK-element stretch of the
 // row; their float32 partial sums meet in shared memory in a fixed order. out is act_t or float32 (the
 // logits); with accumulate the product is added to it (the residual stream), the old value read at the start.
@@ -21,9 +21,10 @@
 #include "common.cuh"
 
 #define MATMUL_SMALL_ROWS 8
-#define MATMUL_SMALL_LOADS 4  // MAXP: loads of w a lane has in flight (layers.py picks split to fit a row)
 
-constexpr int MAXP = MATMUL_SMALL_LOADS;
+// The loads of w a lane has in flight, for a kernel built for R rows of x (whose loads are in flight too):
+// fewer as R grows, so the registers hold them. layers.py (_small_loads) picks split to fit a row.
+__host__ __device__ constexpr int loads(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
 // The raw bits of V elements: one 16-byte load (V = PACK) or one element (V = 1, rows of odd length).
 template <int V>
@@ -67,10 +68,10 @@ struct Rope {
     int T, rot;
 };
 
-// W: weight rows a column takes (2 when paired); R: the rows of x the kernel is built for (1, or up to
-// MATMUL_SMALL_ROWS; with one, its loads join w's). packed: I is a multiple of PACK and x, w, gain start
+// W: weight rows a column takes (2 when paired); R: the rows of x the kernel is built for (N <= R; their
+// loads join w's). packed: I is a multiple of PACK and x, w, gain start
 // 16-byte aligned (else V = 1, a load an element).
-template <int V, int W, int R>
+template <int V, int W, int R, int MAXP = loads(R)>
 __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const act_t* __restrict__ x,
                                                    const act_t* __restrict__ w, int N, int O, int I, int split,
                                                    int out_f32, int accumulate, const act_t* __restrict__ gain,
@@ -118,13 +119,15 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
     if (o < cols) {
         for (bool first = true; base < I; base += MAXP * stride, first = false) {
             if (!first) load_weights();
-            Raw<V> gr[MAXP], xr[R == 1 ? MAXP : 1];
+            Raw<V> gr[MAXP], xr[R][MAXP];
 #pragma unroll
             for (int p = 0; p < MAXP; ++p) {
                 const int i = base + p * stride;
                 if (i < I) {
                     if (gain) gr[p] = load_raw<V>(gain + i);
-                    if constexpr (R == 1) xr[p] = load_raw<V>(x + i);
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        if (r < N) xr[r][p] = load_raw<V>(x + (long long)r * I + i);
                 }
             }
 #pragma unroll
@@ -146,8 +149,7 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
                     for (int r = 0; r < R; ++r) {
                         if (r < N) {
                             float xv[V];
-                            if constexpr (R == 1) unpack(xv, xr[p]);
-                            else unpack(xv, load_raw<V>(x + (long long)r * I + i));
+                            unpack(xv, xr[r][p]);
 #pragma unroll
                             for (int e = 0; e < V; ++e) {
                                 ss[r] += xv[e] * xv[e];
@@ -216,8 +218,9 @@ __device__ __forceinline__ void matmul_small_rows(void* out, const act_t* x, con
 }
 
 // Grid: ceil(columns / (8 / split)) blocks of 256 threads; split in {1, 2, 4, 8}; half 0 (plain) or the
-// pairing distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). matmul_small_row takes
-// one row (batch-1 decoding), built apart so that its registers are not the many-row version's.
+// pairing distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). matmul_small_rR takes up
+// to R rows, built apart so that each has the registers it needs: r1 for batch-1 decoding, r4 for a
+// speculative verification of 4 tokens.
 #define MATMUL_SMALL(NAME, R)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
         NAME(void* __restrict__ out, const act_t* __restrict__ x, const act_t* __restrict__ w, int N, int O,     \
@@ -231,8 +234,10 @@ __device__ __forceinline__ void matmul_small_rows(void* out, const act_t* x, con
         else matmul_small_rows<1, R>(out, x, w, N, O, I, split, out_f32, accumulate, packed, gain, rstd, eps,   \
                                      half, glu_out, rope);                                                       \
     }
-MATMUL_SMALL(matmul_small_row, 1)
-MATMUL_SMALL(matmul_small, MATMUL_SMALL_ROWS)
+MATMUL_SMALL(matmul_small_r1, 1)
+MATMUL_SMALL(matmul_small_r2, 2)
+MATMUL_SMALL(matmul_small_r4, 4)
+MATMUL_SMALL(matmul_small_r8, MATMUL_SMALL_ROWS)
 
 // ids[r] = the index of the largest of logits (R, V)'s row r (the first of equal ones): greedy decoding on
 // the device, so a token costs the host one int, not V floats. With a log (S, R), also log[*pos, r]: the ids
