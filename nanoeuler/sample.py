@@ -156,7 +156,8 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                 stats["steps"] += 1
                 stats["drafted"] += len(drafts)
                 stats["accepted"] += len(kept) - 1
-                cache.pos = pos + len(kept)  # roll back past the rejected proposals
+                if len(kept) < K:  # roll back past the rejected proposals (a device write: only when needed)
+                    cache.pos = pos + len(kept)
                 heads = out[len(kept) - 1]
             for token in kept:
                 yield token
