@@ -23,7 +23,7 @@
 #define MATMUL_SMALL_ROWS 8
 
 // The loads of w a lane has in flight, for a kernel built for R rows of x (whose loads are in flight too):
-// fewer as R grows, so the registers hold them. layers.py (_small_loads) picks split to fit a row.
+// fewer as R grows, so the registers hold them. layers.py (_SMALL_LOADS) picks split to fit a row.
 __host__ __device__ constexpr int loads(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
 
 // The raw bits of V elements: one 16-byte load (V = PACK) or one element (V = 1, rows of odd length).
@@ -69,8 +69,8 @@ struct Rope {
 };
 
 // W: weight rows a column takes (2 when paired); R: the rows of x the kernel is built for (N <= R; their
-// loads join w's). packed: I is a multiple of PACK and x, w, gain start
-// 16-byte aligned (else V = 1, a load an element).
+// loads join w's). packed: I is a multiple of PACK and x, w, gain start 16-byte aligned (else V = 1, a load
+// an element).
 template <int V, int W, int R, int MAXP = loads(R)>
 __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const act_t* __restrict__ x,
                                                    const act_t* __restrict__ w, int N, int O, int I, int split,
