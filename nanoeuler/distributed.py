@@ -411,7 +411,7 @@ class DataParallel:
             self.total, self.shard = total, slice(r * size, (r + 1) * size)
 
             def mine(full):
-                padded = eng.xp.zeros(n * size, dtype=eng.dtype)
+                padded = eng.xp.zeros(n * size, dtype=full.dtype)
                 padded[:total] = full
                 return padded[self.shard].copy()
             self.m, self.v, self.mask = mine(eng.opt_m), mine(eng.opt_v), mine(eng.decay_mask)

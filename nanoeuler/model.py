@@ -71,7 +71,9 @@ class Engine:
         self.opt_m = xp.zeros(total, dtype=self.dtype)
         self.opt_v = xp.zeros(total, dtype=self.dtype)
         self.opt_step = 0  # AdamW steps taken (bias correction); saved in checkpoints for resume
-        mask = np.zeros(total, dtype=self.dtype)
+        # 1 where AdamW decays the weight (matrices), a byte each: every step reads it, and as float32 it was
+        # an eighth of the GPU AdamW pass's memory traffic
+        mask = np.zeros(total, dtype=np.uint8)
         for name, (off, shape) in layout.items():
             if is_matrix(name):
                 mask[off:off + math.prod(shape)] = 1
@@ -435,19 +437,40 @@ class Engine:
             raise ValueError("repeat > 1 takes greedy steps of one token a sequence (argmax, n = 1)")
         if cache.pos + n * repeat > self.cfg.context:
             raise ValueError(f"the KV cache holds {self.cfg.context} positions; {cache.pos} + {n * repeat} do not fit")
-        key = (B, n, every_head, argmax, self.graphs)
-        step = cache.steps.get(key)
-        if step is None:
-            step = self._decode_step(cache, B, n, every_head, argmax)
-            if B * n <= STEP_ROWS:
-                cache.steps[key] = step
         with self._mode():
-            out = step(tokens, repeat)
+            out = self._step(cache, B, n, every_head, argmax)(tokens, repeat)
         cache._pos += n * repeat  # the steps advanced cache.position on the device
         return out
 
-    def _decode_step(self, cache, B, n, every_head, argmax):
-        """A function tokens (B, n) -> decode's result, over buffers of its own."""
+    def verify_drafts(self, cache, tokens, repeat=1):
+        """Greedy self-speculative decoding's steps, chained on the device, for one sequence: tokens (1, K) are
+        the next token and K - 1 drafts after it. A step runs them through the model over the cache, keeps the
+        drafts that head 0's argmax agrees with and moves the cache past them and the first token; head 0's
+        next id and heads 1..K-1's drafts at the last kept row are the next step's tokens (the layer
+        accept_drafts). After `repeat` steps returns (the kept ids, the accepted drafts of each step, the next
+        step's tokens (K,)): one read back for them all."""
+        K = self.cfg.mtp_heads
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(1, K)
+        if cache.pos + K * repeat > self.cfg.context:
+            raise ValueError(f"the KV cache holds {self.cfg.context} positions; {cache.pos} + {K} x {repeat} "
+                             "may not fit")
+        with self._mode():
+            kept, accepted, following = self._step(cache, 1, K, True, True, verify=True)(tokens, repeat)
+        cache._pos += len(kept)  # accept_drafts moved cache.position on the device
+        return kept, accepted, following
+
+    def _step(self, cache, B, n, every_head, argmax, verify=False):
+        """The cache's step function of this shape, made by _decode_step the first time."""
+        key = (B, n, every_head, argmax, verify, self.graphs)
+        step = cache.steps.get(key)
+        if step is None:
+            step = self._decode_step(cache, B, n, every_head, argmax, verify)
+            if B * n <= STEP_ROWS:
+                cache.steps[key] = step
+        return step
+
+    def _decode_step(self, cache, B, n, every_head, argmax, verify=False):
+        """A function tokens (B, n) -> decode's result (verify_drafts' with verify), over buffers of its own."""
         cfg, L, p, xp = self.cfg, self.L, self.p, self.xp
         N, C, H, G, D, F, V = B * n, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.vocab_size
         heads = cfg.mtp_heads if every_head else 1
@@ -466,6 +489,8 @@ class Engine:
         feeds_back = argmax and not every_head and n == 1
         a["ids"] = a["tokens"].reshape(B) if feeds_back else xp.empty(rows * heads, dtype=np.int32)
         log = xp.empty((cfg.context, B), dtype=np.int32) if feeds_back else None
+        if verify:  # (kept id, accepted drafts of the step starting there) by position, and the next tokens
+            log = xp.zeros((cfg.context + n, 2), dtype=np.int32)
         held = {}  # the host copy of what a["tokens"] holds
 
         def run():
@@ -475,6 +500,10 @@ class Engine:
                 a["last"][...] = h.reshape(B, n, C)[:, -1]
                 h = a["last"]
             L.matmul_forward(a["logits"], h, p["heads"] if every_head else p["heads.0"])
+            if verify:
+                L.argmax(a["ids"], a["logits"].reshape(rows * heads, V))
+                L.accept_drafts(a["tokens"].reshape(n), a["ids"], log, cache.position)
+                return
             if argmax:
                 L.argmax(a["ids"], a["logits"].reshape(rows * heads, V), log, cache.position)
             L.advance_position(cache.position, n)
@@ -491,6 +520,15 @@ class Engine:
             start = cache.pos
             for _ in range(repeat):
                 run()
+            if verify:  # the steps kept 1 to n ids each: walk their accepted counts from the start
+                span = self._to_numpy(log[start:start + n * repeat + n])
+                end, accepted = 0, []
+                for _ in range(repeat):
+                    accepted.append(int(span[end, 1]))
+                    end += accepted[-1] + 1
+                following = span[end:end + n, 0].copy()
+                held["tokens"] = following[None]
+                return span[:end, 0].tolist(), accepted, following
             if not argmax:
                 held["tokens"] = tokens.copy()
                 return self._to_numpy(a["logits"]).astype(np.float32).reshape(shape + (V,))

@@ -94,10 +94,10 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     the first proposal failed, and the cache rolls back past the rejected positions.
 
     Greedy (temperature 0): a proposal is kept when it is head 0's argmax, so the output is plain greedy
-    decoding's (the argmaxes are taken on the device). Sampling: a proposal d drawn from head k's distribution
-    q is kept with probability min(1, p(d) / q(d)), p head 0's distribution at that position; otherwise the
-    token is drawn from max(0, p - q) normalised: the exact speculative-sampling rule, so the output follows p,
-    as plain sampling does. stats (a dict): `steps` (verifying forwards), `drafted`, `accepted`, `tokens`, and
+    decoding's; the steps run on the device, LOOKAHEAD of them chained between reads (Engine.verify_drafts).
+    Sampling: a proposal d drawn from head k's distribution q is kept with probability min(1, p(d) / q(d)), p
+    head 0's distribution at that position; otherwise the token is drawn from max(0, p - q) normalised: the
+    exact speculative-sampling rule, so the output follows p, as plain sampling does. stats (a dict): `steps` (verifying forwards), `drafted`, `accepted`, `tokens`, and
     `per_head`: for heads 1..K-1, [proposals verified, proposals accepted] (a head's proposal is verified when
     the ones before it were accepted)."""
     check_speculative(eng)
@@ -131,26 +131,32 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                 else:
                     heads = eng.decode(cache, np.array([kept], dtype=np.int32), every_head=True,
                                        argmax=greedy)[0, -1]
+            elif greedy:
+                # steps verified and chained on the device, LOOKAHEAD of them (each keeps at least one id)
+                # between reads, so the host never stands between a step and the next
+                steps = min(LOOKAHEAD, (ctx - cache.pos) // K, max_new_tokens - emitted)
+                kept, accepted, heads = eng.verify_drafts(cache, [[first] + [int(d) for d in heads[1:]]], steps)
+                for n in accepted:
+                    for j in range(min(n + 1, K - 1)):
+                        stats["per_head"][j][0] += 1
+                        stats["per_head"][j][1] += j < n
+                stats["steps"] += steps
+                stats["drafted"] += steps * (K - 1)
+                stats["accepted"] += sum(accepted)
+                replacement = None  # the next token is heads[0]
             else:
                 # the K-1 proposals after `first`, each from its head at the last cached position
-                q = [None if greedy else dist(heads[k]) for k in range(1, K)]
-                drafts = [int(heads[k]) if greedy else int(rng.choice(q[k - 1].size, p=q[k - 1]))
-                          for k in range(1, K)]
+                q = [dist(heads[k]) for k in range(1, K)]
+                drafts = [int(rng.choice(q[k - 1].size, p=q[k - 1])) for k in range(1, K)]
                 pos = cache.pos
-                out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True,
-                                 argmax=greedy)[0]  # (K, K) ids or (K, K, V) logits
+                out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True)[0]  # (K, K, V)
                 kept, replacement = [first], None
                 for j, d in enumerate(drafts):  # d proposes the token after kept[-1], at position pos + j + 1
                     stats["per_head"][j][0] += 1
-                    if greedy:
-                        if int(out[j, 0]) != d:
-                            replacement = int(out[j, 0])
-                            break
-                    else:
-                        p = dist(out[j, 0])
-                        if rng.random() * q[j][d] >= p[d]:
-                            replacement = _residual_draw(p, q[j], rng)
-                            break
+                    p = dist(out[j, 0])
+                    if rng.random() * q[j][d] >= p[d]:
+                        replacement = _residual_draw(p, q[j], rng)
+                        break
                     stats["per_head"][j][1] += 1
                     kept.append(d)
                 stats["steps"] += 1

@@ -17,9 +17,11 @@ def tiny_config(vocab_size):
                   mtp_heads=2)
 
 
-def sharp_params(cfg, seed, scale):
+def sharp_params(cfg, seed, scale, same_heads=False):
     """Parameters whose matrices are drawn N(0, scale): logits far from flat, so positions differ clearly and
-    greedy decoding has no near-ties."""
+    greedy decoding has no near-ties. same_heads: heads 1..K-1 are copies of head 0, so their speculative
+    drafts repeat head 0's next token and are accepted wherever the text repeats a token (random heads' drafts
+    almost never are)."""
     import numpy as np
     from nanoeuler.config import views
     flat = init_params(cfg, seed=seed)
@@ -27,6 +29,8 @@ def sharp_params(cfg, seed, scale):
     for name, view in views(flat, cfg).items():
         if not name.endswith("norm"):
             view[...] = rng.normal(0, scale, view.shape)
+        if same_heads and name.startswith("heads."):
+            view[...] = views(flat, cfg)["heads.0"]
     return flat
 
 

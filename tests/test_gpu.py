@@ -138,17 +138,41 @@ def test_gpu_training_repeats_and_resumes_bit_for_bit(gpu_preset, corpus, tokeni
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_a_verifying_step_gives_single_steps_bits(precision):
+    """A position decoded in a step of 4 rows (speculative verification) gets the logits, to the bit, that it
+    gets in a step of its own, for rows of odd and even length past one warp's loads: speculative greedy
+    decoding can only then be plain greedy decoding on any model (base's shapes, a few layers)."""
+    from nanoeuler.config import Config
+    from nanoeuler.model import make_engine
+
+    cfg = Config(dim=768, n_layers=2, n_heads=12, n_kv_heads=4, hidden=2048, vocab_size=300, context=64,
+                 mtp_heads=4)
+    eng = make_engine(cfg, device="gpu", precision=precision)
+    eng.load_params(sharp_params(cfg, seed=5, scale=0.05))
+    ids = np.random.default_rng(6).integers(0, cfg.vocab_size, 13).astype(np.int32)
+    one, four = eng.new_cache(1), eng.new_cache(1)
+    for cache in (one, four):
+        eng.decode(cache, ids[None, :9])
+    singles = np.stack([eng.decode(one, ids[None, t:t + 1], every_head=True)[0, 0] for t in range(9, 13)])
+    together = eng.decode(four, ids[None, 9:13], every_head=True)[0]
+    assert np.array_equal(singles, together)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_gpu_decoding_graphs_and_speculation_agree(precision):
     """On the GPU: decoding steps replayed as CUDA graphs give the logits of the same steps launched kernel by
     kernel, bit for bit; greedy generation through window slides is the same with and without graphs, and with
-    --speculative (a tiny model with sharp logits, K = 3, context 40: 100 tokens slide the window)."""
+    --speculative, its steps chained on the device or not (a tiny model with sharp logits, K = 3, heads 1-2
+    copies of head 0 so that some drafts are accepted, context 40: 100 tokens slide the window)."""
     from nanoeuler.config import Config
     from nanoeuler.model import make_engine
     from nanoeuler.sample import generate
 
     cfg = Config(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, hidden=96, vocab_size=50, context=40, mtp_heads=3)
     eng = make_engine(cfg, device="gpu", precision=precision)
-    eng.load_params(sharp_params(cfg, seed=3, scale=0.5))
+    eng.load_params(sharp_params(cfg, seed=1, scale=0.5, same_heads=True))
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 30).astype(np.int32)
     steps = {}
     for graphs in (True, False):
@@ -159,8 +183,9 @@ def test_gpu_decoding_graphs_and_speculation_agree(precision):
         steps[graphs] = np.stack(out)
         eng.release_cache(cache)
     assert np.array_equal(steps[True], steps[False])
-    runs = []
-    for graphs, speculative in ((True, False), (False, False), (True, True)):
+    runs, stats = [], {}
+    for graphs, speculative in ((True, False), (False, False), (True, True), (False, True)):
         eng.graphs = graphs
-        runs.append(list(generate(eng, [1, 2, 3], 100, temperature=0, speculative=speculative)))
-    assert runs[0] == runs[1] == runs[2]
+        runs.append(list(generate(eng, [1, 2, 3], 100, temperature=0, speculative=speculative, stats=stats)))
+    assert runs[0] == runs[1] == runs[2] == runs[3]
+    assert 0 < stats["accepted"] < stats["drafted"], stats

@@ -210,12 +210,12 @@ def test_gpu_refuses_a_head_size_its_kernels_lack_in_one_line():
 
 
 # ------------------------------------------------------------------------------- speculative decoding
-def _spec_engine(vocab, K, context, seed):
+def _spec_engine(vocab, K, context, seed, same_heads=False):
     from nanoeuler.config import Config
     cfg = Config(dim=32, n_layers=2, n_heads=1, n_kv_heads=1, hidden=64, vocab_size=vocab, context=context,
                  mtp_heads=K)
     e = make_engine(cfg)
-    e.load_params(sharp_params(cfg, seed=seed, scale=0.5))
+    e.load_params(sharp_params(cfg, seed=seed, scale=0.5, same_heads=same_heads))
     return e
 
 
@@ -229,15 +229,53 @@ def test_every_head_decode_matches_the_full_forward(eng):
     assert _rel(heads[:, 0], full[12:]) < 1e-5
 
 
+def test_a_verifying_step_gives_single_steps_bits():
+    """A position decoded in a step of K rows gets the logits of a step of its own to the bit (the CPU's
+    matrix products of a few rows are row by row): what makes speculative greedy decoding plain greedy."""
+    e = _spec_engine(vocab=50, K=3, context=40, seed=2)
+    ids = _ids(12, seed=4) % 50
+    one, three = e.new_cache(1), e.new_cache(1)
+    for cache in (one, three):
+        e.decode(cache, ids[None, :9])
+    singles = np.stack([e.decode(one, ids[None, t:t + 1], every_head=True)[0, 0] for t in range(9, 12)])
+    assert np.array_equal(singles, e.decode(three, ids[None, 9:12], every_head=True)[0])
+
+
 def test_speculative_greedy_is_plain_greedy_through_window_slides():
     """K = 3 heads drafting; 120 tokens from a 40-token context slide the window three times."""
-    e = _spec_engine(vocab=50, K=3, context=40, seed=1)
-    prompt = [1, 2, 3, 4, 5]
-    stats = {}
-    plain = list(generate(e, prompt, 120, temperature=0))
-    spec = list(generate(e, prompt, 120, temperature=0, speculative=True, stats=stats))
-    assert spec == plain
-    assert stats["tokens"] == 120 and stats["drafted"] == 2 * stats["steps"]
+    for same_heads in (False, True):
+        e = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=same_heads)
+        prompt = [1, 2, 3, 4, 5]
+        stats = {}
+        plain = list(generate(e, prompt, 120, temperature=0))
+        spec = list(generate(e, prompt, 120, temperature=0, speculative=True, stats=stats))
+        assert spec == plain
+        assert stats["tokens"] == 120 and stats["drafted"] == 2 * stats["steps"]
+        assert (stats["accepted"] > 20) == same_heads, stats
+
+
+def test_verify_drafts_chains_the_steps_a_host_would_take():
+    """verify_drafts' steps chained on the device keep what a host checking every head's argmax keeps, move
+    the cache to the same place, and hand on the same next tokens; some drafts accepted, some not."""
+    e = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=True)
+    chained, host = e.new_cache(1), e.new_cache(1)
+    for cache in (chained, host):
+        e.decode(cache, np.array([[1, 2, 3]], dtype=np.int32), argmax=True)
+        tokens = e.decode(cache, np.array([[4]], dtype=np.int32), every_head=True, argmax=True)[0, -1].tolist()
+    kept, accepted, following = e.verify_drafts(chained, [tokens], repeat=6)
+    expect, counts = [], []
+    for _ in range(6):
+        out = e.decode(host, np.array([tokens], dtype=np.int32), every_head=True, argmax=True)[0]  # (K, K)
+        n = 0
+        while n < 2 and out[n, 0] == tokens[n + 1]:
+            n += 1
+        expect += tokens[:n + 1]
+        counts.append(n)
+        host.pos -= 2 - n
+        tokens = [int(t) for t in out[n]]
+    assert kept == expect and accepted == counts and following.tolist() == tokens
+    assert chained.pos == host.pos == 4 + len(kept) and 0 < sum(counts) < 12
+    assert int(chained.position[0]) == chained.pos
 
 
 def test_speculative_sampling_follows_the_model_distribution():

@@ -65,12 +65,47 @@ def _exp_impl(x):
 
 
 # ---------------------------------------------------------------------------------------------- matmul
+# Products of up to this many rows (decoding) take _matmul_rows: BLAS's gemm of a few rows packs all of w
+# first (3-5x slower for 1-4 rows of `big`, measured), and its gemv reads w once a row.
+SMALL_ROWS = 8
+
+
 def matmul_forward(out, x, w, accumulate=False):
     """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
-    if accumulate:
+    if x.shape[0] <= SMALL_ROWS:
+        _matmul_rows(out, x, w, accumulate)
+    elif accumulate:
         out += x @ w.T
     else:
         np.matmul(x, w.T, out=out)
+
+
+@njit(**pjit)
+def _matmul_rows(out, x, w, accumulate):
+    """matmul_forward of a few rows: 4 rows at a time against each row of w, read once for them (a group short
+    of rows repeats its last one). Every row goes through the same arithmetic whatever the others are, so a
+    position gets the same bits in a speculative step of K rows as in a step of its own: speculative greedy
+    decoding stays plain greedy decoding to the bit. A decoding step of `big`: 1, 2 or 4 rows cost the same."""
+    M, I = x.shape
+    for o in prange(w.shape[0]):
+        for m in range(0, M, 4):
+            m1, m2, m3 = min(m + 1, M - 1), min(m + 2, M - 1), min(m + 3, M - 1)
+            s0 = s1 = s2 = s3 = ZERO
+            for i in range(I):
+                wi = w[o, i]
+                s0 += x[m, i] * wi
+                s1 += x[m1, i] * wi
+                s2 += x[m2, i] * wi
+                s3 += x[m3, i] * wi
+            if not accumulate:
+                out[m, o] = out[m1, o] = out[m2, o] = out[m3, o] = 0
+            out[m, o] += s0
+            if m + 1 < M:
+                out[m1, o] += s1
+            if m + 2 < M:
+                out[m2, o] += s2
+            if m + 3 < M:
+                out[m3, o] += s3
 
 
 def matmul_backward(dx, dw, dout, x, w):
@@ -546,8 +581,9 @@ def _adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight
 def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step,
                  compute_copy=None):
     """One AdamW step over the flat buffers, gradients first multiplied by grad_scale (the clip factor).
-    Decoupled weight decay, applied only where decay_mask is 1 (matrices, not norm gains). compute_copy is
-    the GPU's bf16 copy of the weights; the CPU engine computes on the master weights and has none."""
+    Decoupled weight decay, applied only where decay_mask is 1 (matrices, not norm gains; a byte each).
+    compute_copy is the GPU's bf16 copy of the weights; the CPU engine computes on the master weights and has
+    none."""
     assert compute_copy is None
     _adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step)
 
@@ -596,6 +632,25 @@ def argmax(ids, logits, log=None, pos=None):
 def advance_position(pos, n):
     """pos[0] += n: the KV cache's position after a decoding step of n tokens."""
     pos[0] += n
+
+
+def accept_drafts(tokens, ids, log, pos):
+    """The end of a greedy speculative step of one sequence: tokens (K,) were the input (the next token, then
+    K - 1 drafts), ids (K * K,) each head's argmax at each of the K rows (row-major). The n leading drafts that
+    head 0 agrees with are kept with the first token: log[p + j, 0] = the kept ids and log[p, 1] = n (p =
+    pos[0]); tokens becomes the next step's input (head 0's id and heads 1..K-1's drafts at the last kept
+    row), also written after the kept ids in log; pos[0] moves past the kept ids (the rejected rows' keys and
+    values are overwritten by the next step). Steps then chain with nothing read back in between."""
+    K, p = tokens.size, int(pos[0])
+    rows = ids.reshape(K, K)
+    n = 0
+    while n < K - 1 and rows[n, 0] == tokens[n + 1]:
+        n += 1
+    log[p:p + n + 1, 0] = tokens[:n + 1]
+    log[p, 1] = n
+    tokens[:] = rows[n]
+    log[p + n + 1:p + n + 1 + K, 0] = tokens
+    pos[0] = p + n + 1
 
 
 def graph(step):

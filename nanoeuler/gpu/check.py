@@ -337,13 +337,13 @@ def check_adamw(c, L, R):
     f32 = lambda a: np.asarray(a, dtype=np.float32)
     p, gr = f32(c.normal(n)), f32(c.normal(n))
     m, v = f32(c.normal(n, scale=0.1)), f32(np.abs(c.normal(n, scale=0.1)))
-    mask = f32(c.rng.random(n) < 0.9)
+    mask = (c.rng.random(n) < 0.9).astype(np.uint8)
     args = (3e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, 5)
     rp, rm, rv = p.copy(), m.copy(), v.copy()
     R.adamw_update(rp, gr, rm, rv, mask, *args)
     gp, gm, gv = c.dev32(p), c.dev32(m), c.dev32(v)
     copy = c.poisoned(n) if c.bf16 else None
-    L.adamw_update(gp, c.dev32(gr), gm, gv, c.dev32(mask), *args, compute_copy=copy)
+    L.adamw_update(gp, c.dev32(gr), gm, gv, c.cp.asarray(mask), *args, compute_copy=copy)
     step = lambda new: new.astype(np.float64) - p  # compare the step itself, not the parameters
     gr64 = gr.astype(np.float64)
     if c.bf16:  # the copy must be the updated master weights rounded to nearest: exactly, so error 0

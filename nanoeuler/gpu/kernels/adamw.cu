@@ -4,11 +4,12 @@
 #include "common.cuh"
 
 // g = grads * grad_scale (the clip factor); m, v moments; bias corrections bc1 = 1 - beta1^t, bc2 likewise;
-// decoupled weight decay where decay_mask is 1. compute_copy (nullable): the weights the layers read, when
+// decoupled weight decay where decay_mask (a byte a parameter: as float32 it was an eighth of this pass's
+// traffic) is 1. compute_copy (nullable): the weights the layers read, when
 // they are not the master weights themselves (bf16 training), rewritten in the same pass.
 extern "C" __global__ void adamw_update(float* __restrict__ params, const float* __restrict__ grads,
                                         float* __restrict__ m, float* __restrict__ v,
-                                        const float* __restrict__ decay_mask, long long n, double lr,
+                                        const unsigned char* __restrict__ decay_mask, long long n, double lr,
                                         double beta1, double beta2, double eps, double weight_decay,
                                         double grad_scale, double bc1, double bc2,
                                         act_t* __restrict__ compute_copy) {

@@ -645,6 +645,27 @@ extern "C" __global__ void advance_position(int* pos, int n) {
     *pos += n;
 }
 
+// The last node of a greedy speculative step (one sequence): tokens (K,) went in, the next token and K-1
+// drafts; ids (K, K) are every head's argmax at each of the K rows. Keep the drafts head 0 agrees with (n of
+// them), log the n + 1 kept ids by position, log[p] = (id, n at the step's first position), put head 0's
+// next id and heads 1..K-1's drafts of the last kept row into tokens and after the kept ids in the log (the
+// host reads them when it takes over), and move the position past the kept ids: the rejected rows' keys and
+// values are overwritten by the next step. So steps chain on the device with no host in between.
+extern "C" __global__ void accept_drafts(int* __restrict__ tokens, const int* __restrict__ ids,
+                                         int* __restrict__ log, int* __restrict__ pos, int K) {
+    wait_for_inputs();
+    const int p = *pos;
+    int n = 0;
+    while (n < K - 1 && ids[n * K] == tokens[n + 1]) ++n;
+    for (int j = 0; j <= n; ++j) log[2 * (p + j)] = tokens[j];
+    log[2 * p + 1] = n;
+    for (int h = 0; h < K; ++h) {
+        tokens[h] = ids[n * K + h];
+        log[2 * (p + n + 1 + h)] = tokens[h];
+    }
+    *pos = p + n + 1;
+}
+
 // Attention of the n new query rows of qkv (B, n, H + 2G, D), q and k heads rotated already (the qkv product
 // did it), at positions *pos + t, to positions 0..*pos + t: the cache's rows before *pos, and the new rows'
 // keys and values, read from qkv (so no block waits for another to store them). out (B, n, H, D), lse (B, H, n).

@@ -127,6 +127,15 @@ __device__ __forceinline__ void unpack16(float (&r)[PACK], uint4 u) {
     }
 }
 
+// PACK floats as the 16 bytes of act_t that unpack16 reads back (bf16 rounded to nearest even, as from_float).
+__device__ __forceinline__ uint4 pack16(const float (&r)[PACK]) {
+    if constexpr (PACK == 8)
+        return make_uint4(pack_bf16x2(r[0], r[1]), pack_bf16x2(r[2], r[3]), pack_bf16x2(r[4], r[5]),
+                          pack_bf16x2(r[6], r[7]));
+    else
+        return make_uint4(__float_as_uint(r[0]), __float_as_uint(r[1]), __float_as_uint(r[2]), __float_as_uint(r[3]));
+}
+
 // The rotary embedding's rotation of a (x1, x2) pair, rounded without FMA contraction (the same bits however
 // the compiler schedules the caller).
 __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s, float& y1, float& y2) {

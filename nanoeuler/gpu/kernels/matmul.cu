@@ -23,8 +23,10 @@
 #define MATMUL_SMALL_ROWS 8
 
 // The loads of w a lane has in flight, for a kernel built for R rows of x (whose loads are in flight too):
-// fewer as R grows, so the registers hold them. layers.py (_SMALL_LOADS) picks split to fit a row.
-__host__ __device__ constexpr int loads(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
+// 4, so that with the split layers.py (_matmul_small) picks, the same for every R (a lane's sums then run in
+// the same order for any number of rows), a lane loads its share of a row of up to 8 warps' loads at once;
+// 3 for 2 rows (4 spill there), 1 for 8 (prefill chunks, where the registers run out).
+__host__ __device__ constexpr int loads(int R) { return R == 2 ? 3 : R <= 4 ? 4 : 1; }
 
 // The raw bits of V elements: one 16-byte load (V = PACK) or one element (V = 1, rows of odd length).
 template <int V>

@@ -1,8 +1,156 @@
-// RMSNorm with a gain: one warp per row of C values (any C; rows of a multiple of 4 read and write 4 values a
-// lane at once), so the row's sum of squares is a warp reduction. The gain's gradient is reduced without
-// atomics (per-block partial sums, then one pass over the blocks in a fixed order), so the backward gives
-// the same bits on every run.
+// RMSNorm with a gain: one warp per row of C values, so the row's sum of squares is a warp reduction. The
+// gain's gradient is reduced without atomics (per-block partial sums, then one pass over the blocks in a
+// fixed order), so the backward gives the same bits on every run. Two builds of each pass: rows held in
+// registers (the *_k<K> kernels: C a multiple of 16 bytes of elements, up to 32 elements a lane), and the
+// generic kernels for any other C (rows of a multiple of 4 read and write 4 values a lane at once).
 #include "common.cuh"
+
+// ------------------------------------------------------------------------ rows held in registers
+// Lane l of a warp owns the 16-byte chunks l, l + 32, ..., l + 32 (K - 1) of every row (chunks past C masked
+// off): it issues the K loads of its share of a row at once (the generic kernels' loop over the row waits
+// for each load before the next: the memory latency C / 128 times a row, twice), keeps the row (bf16 still
+// packed) from the sum to the update instead of reading it again, and owns the same gain columns in every
+// row, so the backward keeps its share of the gain's gradient in registers across its rows rather than
+// adding into shared memory element by element.
+template <int K>
+__device__ __forceinline__ void load_chunks(uint4 (&u)[K], const act_t* __restrict__ row, int C, int lane) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = (k * 32 + lane) * PACK;
+        u[k] = c < C ? *reinterpret_cast<const uint4*>(row + c) : make_uint4(0u, 0u, 0u, 0u);  // 0 is 0.0f
+    }
+}
+
+// out (N, C) = x * rstd * w, rstd (N,) = 1 / sqrt(mean(x^2) + eps); the generic kernel's arithmetic.
+template <int K>
+__device__ __forceinline__ void rmsnorm_forward_regs(act_t* __restrict__ out, float* __restrict__ rstd,
+                                                     const act_t* __restrict__ x, const act_t* __restrict__ w,
+                                                     int N, int C, float eps) {
+    const int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= N) return;
+    uint4 xu[K], wu[K];
+    load_chunks<K>(xu, x + (long long)row * C, C, lane);
+    load_chunks<K>(wu, w, C, lane);
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        float v[PACK];
+        unpack16(v, xu[k]);
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) ss += v[i] * v[i];
+    }
+    ss = warp_sum(ss);
+    const float r = 1.f / sqrtf(ss / C + eps);
+    if (lane == 0) rstd[row] = r;
+    act_t* orow = out + (long long)row * C;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = (k * 32 + lane) * PACK;
+        if (c >= C) continue;
+        float v[PACK], g[PACK];
+        unpack16(v, xu[k]);
+        unpack16(g, wu[k]);
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) v[i] *= r * g[i];
+        *reinterpret_cast<uint4*>(orow + c) = pack16(v);
+    }
+}
+
+// The generic backward's arithmetic (below), the row's dx loaded with x and dout before the row's sum; the
+// lane's gain partials stay in registers over the warp's rows, then go to the warp's shared row (warps * C
+// floats) once, and the warps' rows are added in order.
+template <int K>
+__device__ __forceinline__ void rmsnorm_backward_regs(act_t* __restrict__ dx, float* __restrict__ dw_partial,
+                                                      const act_t* __restrict__ dout, const act_t* __restrict__ x,
+                                                      const act_t* __restrict__ w, const float* __restrict__ rstd,
+                                                      int N, int C, float* dw_part) {
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint4 wu[K];
+    load_chunks<K>(wu, w, C, lane);
+    float dw[K][PACK];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) dw[k][i] = 0.f;
+    for (int row = blockIdx.x * warps + warp; row < N; row += gridDim.x * warps) {
+        const long long off = (long long)row * C;
+        uint4 xu[K], du[K], au[K];
+        load_chunks<K>(xu, x + off, C, lane);
+        load_chunks<K>(du, dout + off, C, lane);
+        load_chunks<K>(au, dx + off, C, lane);
+        const float r = rstd[row];
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            float xv[PACK], dv[PACK], wv[PACK];
+            unpack16(xv, xu[k]);
+            unpack16(dv, du[k]);
+            unpack16(wv, wu[k]);
+#pragma unroll
+            for (int i = 0; i < PACK; ++i) dot += dv[i] * wv[i] * (xv[i] * r);
+        }
+        dot = warp_sum(dot) / C;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = (k * 32 + lane) * PACK;
+            if (c >= C) continue;
+            float xv[PACK], dv[PACK], wv[PACK], acc[PACK];
+            unpack16(xv, xu[k]);
+            unpack16(dv, du[k]);
+            unpack16(wv, wu[k]);
+            unpack16(acc, au[k]);
+#pragma unroll
+            for (int i = 0; i < PACK; ++i) {
+                const float xhat = xv[i] * r;
+                acc[i] += r * (dv[i] * wv[i] - xhat * dot);
+                dw[k][i] += dv[i] * xhat;
+            }
+            *reinterpret_cast<uint4*>(dx + off + c) = pack16(acc);
+        }
+    }
+    float* mine = dw_part + warp * C;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int c = (k * 32 + lane) * PACK;
+        if (c >= C) continue;
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) mine[c + i] = dw[k][i];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < warps; ++k) s += dw_part[k * C + c];
+        dw_partial[(long long)blockIdx.x * C + c] = s;
+    }
+}
+
+// One kernel per K (layers.py picks the smallest K that holds a row), each with the registers of its own K.
+// The backward runs 2 blocks of 256 threads an SM (at most 128 registers) where ptxas fits that without
+// spills: bf16 up to K = 3 (C = 768 takes all 128), float up to K = 4; above, 1 block (up to 220
+// registers). layers.py sizes the grid by the same rule.
+#define RMSNORM_BACKWARD_BLOCKS(K) ((K) <= (PACK == 8 ? 3 : 4) ? 2 : 1)
+#define RMSNORM_REGS(K)                                                                                          \
+    extern "C" __global__ void rmsnorm_forward_k##K(act_t* __restrict__ out, float* __restrict__ rstd,          \
+                                                    const act_t* __restrict__ x, const act_t* __restrict__ w,   \
+                                                    int N, int C, float eps) {                                  \
+        rmsnorm_forward_regs<K>(out, rstd, x, w, N, C, eps);                                                    \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, RMSNORM_BACKWARD_BLOCKS(K)) rmsnorm_backward_k##K(       \
+        act_t* __restrict__ dx, float* __restrict__ dw_partial, const act_t* __restrict__ dout,                 \
+        const act_t* __restrict__ x, const act_t* __restrict__ w, const float* __restrict__ rstd, int N, int C) {\
+        extern __shared__ float dw_part[];                                                                      \
+        rmsnorm_backward_regs<K>(dx, dw_partial, dout, x, w, rstd, N, C, dw_part);                             \
+    }
+RMSNORM_REGS(1)
+RMSNORM_REGS(2)
+RMSNORM_REGS(3)
+RMSNORM_REGS(4)
+#if !ACT_BF16  // float: 4 elements a chunk, so up to 8 chunks for 32 elements a lane
+RMSNORM_REGS(6)
+RMSNORM_REGS(8)
+#endif
+
+// ------------------------------------------------------------------------------------- any C
 
 // out (N, C) = x * rstd * w, rstd (N,) = 1 / sqrt(mean(x^2) + eps).
 template <int V>
@@ -101,22 +249,23 @@ extern "C" __global__ void rmsnorm_backward(act_t* __restrict__ dx, float* __res
     else rmsnorm_backward_rows<1>(dx, dw_partial, dout, x, w, rstd, N, C, dw_part);
 }
 
-// dw (C,) += sum over the blocks of dw_partial (blocks, C), in a fixed order: block (32, 8) threads; column
-// c = 32 * blockIdx.x + threadIdx.x, thread row y sums partial rows y, y + 8, ..., then the 8 sums are added
-// in order of y.
+// dw (C,) += sum over the blocks of dw_partial (blocks, C), in a fixed order: block (32, Y) threads; column
+// c = 32 * blockIdx.x + threadIdx.x, thread row y sums partial rows y, y + Y, ..., then the Y sums are added
+// in order of y. Y = 32 (layers.py) keeps 32 loads of a column in flight where 8 rows of threads each waited
+// for a long chain of them.
 extern "C" __global__ void rmsnorm_dw_reduce(float* __restrict__ dw, const float* __restrict__ dw_partial,
                                              int blocks, int C) {
-    __shared__ float sums[8][33];
+    __shared__ float sums[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
     float s = 0.f;
     if (c < C)
-        for (int k = threadIdx.y; k < blocks; k += 8) s += dw_partial[(long long)k * C + c];
+#pragma unroll 4
+        for (int k = threadIdx.y; k < blocks; k += blockDim.y) s += dw_partial[(long long)k * C + c];
     sums[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && c < C) {
         float total = 0.f;
-#pragma unroll
-        for (int y = 0; y < 8; ++y) total += sums[y][threadIdx.x];
+        for (int y = 0; y < (int)blockDim.y; ++y) total += sums[y][threadIdx.x];
         dw[c] += total;
     }
 }

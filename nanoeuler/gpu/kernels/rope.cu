@@ -1,9 +1,60 @@
 // Rotary position embedding (rotate-half pairing, element i with i + D/2), in place on the first n_rot heads
 // (the q and k heads) of the fused activation qkv (B, T, NH, D), positions *pos + t: read from device memory,
 // so that a decoding step recorded as a CUDA graph serves every position. The backward pass is the inverse
-// rotation, the same kernel with the sine negated (sign = -1). A thread rotates V = 4 consecutive pairs (one
+// rotation, the same kernel with the sine negated (sign = -1). rope_rotate_rows is the fast path (D/2 a
+// multiple of 16 bytes of elements); rope_rotate serves any D: a thread rotates V = 4 consecutive pairs (one
 // vector access per half) when D/2 is a multiple of 4, one pair otherwise.
 #include "common.cuh"
+
+// Heads a thread of rope_rotate_rows rotates (layers.py: ROPE_HEADS).
+#define ROPE_HEADS 4
+
+// Block (J * HG, rows): threadIdx.y picks a (b, t) row, threadIdx.x = hg * J + j. J = D / 2 / PACK 16-byte
+// chunks make half a head; the thread rotates chunk j of heads hg, hg + HG, ... (ROPE_HEADS of them, HG =
+// ceil(n_rot / ROPE_HEADS)). The per-element kernel below spent its time on index math (four 64-bit divisions
+// a thread, for 4 pairs) and read the position's cos and sin once per head; here the row's index math is a
+// 32-bit remainder, cos and sin are read once for ROPE_HEADS heads, and every access is 16 bytes, the
+// ROPE_HEADS heads' loads all in flight at once. Consecutive threads cover a half-head's contiguous chunks.
+extern "C" __global__ void rope_rotate_rows(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, int rows, int T, int NH, int n_rot,
+                                            int D, const int* __restrict__ pos, float sign) {
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    const int half = D >> 1, J = half / PACK, HG = (n_rot + ROPE_HEADS - 1) / ROPE_HEADS;
+    const int j = threadIdx.x % J, hg = threadIdx.x / J;
+    act_t* base = qkv + (long long)row * NH * D + j * PACK;
+    uint4 lo[ROPE_HEADS], hi[ROPE_HEADS];
+#pragma unroll
+    for (int g = 0; g < ROPE_HEADS; ++g) {
+        const int h = hg + g * HG;
+        if (h < n_rot) {
+            lo[g] = *reinterpret_cast<const uint4*>(base + h * D);
+            hi[g] = *reinterpret_cast<const uint4*>(base + h * D + half);
+        }
+    }
+    const int p = *pos + row % T;
+    const float* cp = cos_t + (long long)p * half + j * PACK;
+    const float* sp = sin_t + (long long)p * half + j * PACK;
+    float c[PACK], s[PACK];
+#pragma unroll
+    for (int q = 0; q < PACK; q += 4) {
+        const float4 cf = *reinterpret_cast<const float4*>(cp + q), sf = *reinterpret_cast<const float4*>(sp + q);
+        c[q] = cf.x, c[q + 1] = cf.y, c[q + 2] = cf.z, c[q + 3] = cf.w;
+        s[q] = sign * sf.x, s[q + 1] = sign * sf.y, s[q + 2] = sign * sf.z, s[q + 3] = sign * sf.w;
+    }
+#pragma unroll
+    for (int g = 0; g < ROPE_HEADS; ++g) {
+        const int h = hg + g * HG;
+        if (h >= n_rot) continue;
+        float x1[PACK], x2[PACK], y1[PACK], y2[PACK];
+        unpack16(x1, lo[g]);
+        unpack16(x2, hi[g]);
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) rotate_pair(x1[k], x2[k], c[k], s[k], y1[k], y2[k]);
+        *reinterpret_cast<uint4*>(base + h * D) = pack16(y1);
+        *reinterpret_cast<uint4*>(base + h * D + half) = pack16(y2);
+    }
+}
 
 template <int V>
 __device__ __forceinline__ void rope_pairs(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
