@@ -97,9 +97,9 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     decoding's; the steps run on the device, LOOKAHEAD of them chained between reads (Engine.verify_drafts).
     Sampling: a proposal d drawn from head k's distribution q is kept with probability min(1, p(d) / q(d)), p
     head 0's distribution at that position; otherwise the token is drawn from max(0, p - q) normalised: the
-    exact speculative-sampling rule, so the output follows p, as plain sampling does. stats (a dict): `steps` (verifying forwards), `drafted`, `accepted`, `tokens`, and
-    `per_head`: for heads 1..K-1, [proposals verified, proposals accepted] (a head's proposal is verified when
-    the ones before it were accepted)."""
+    exact speculative-sampling rule, so the output follows p, as plain sampling does. stats (a dict): `steps`
+    (verifying forwards), `drafted`, `accepted`, `tokens`, and `per_head`: for heads 1..K-1, [proposals
+    verified, proposals accepted] (a head's proposal is verified when the ones before it were accepted)."""
     check_speculative(eng)
     K, ctx = eng.cfg.mtp_heads, eng.cfg.context
     keep = ctx - ctx // 4
@@ -149,7 +149,7 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                 q = [dist(heads[k]) for k in range(1, K)]
                 drafts = [int(rng.choice(q[k - 1].size, p=q[k - 1])) for k in range(1, K)]
                 pos = cache.pos
-                out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True)[0]  # (K, K, V)
+                out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True)[0]  # K, K, V
                 kept, replacement = [first], None
                 for j, d in enumerate(drafts):  # d proposes the token after kept[-1], at position pos + j + 1
                     stats["per_head"][j][0] += 1
