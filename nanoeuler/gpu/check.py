@@ -308,23 +308,26 @@ def check_swiglu(c, L, R):
 
 @_precisions("fp32", "bf16")
 def check_crossentropy(c, L, R):
-    N, K, V = 97, 3, 1031
-    logits = c.act(c.normal(N, K * V, scale=3.0))
-    targets = c.rng.integers(0, V, (K, N)).astype(np.int32)
-    targets[:, 5] = -1
-    targets[2, 40:50] = -1
-    dscale = _f32(c.rng.uniform(-1.0, 1.0, (K, N)))  # a scale per head and row, signed as DPO's
-    ref_l = np.empty((K, N))
-    R.crossentropy_forward(ref_l, logits, targets)
-    gl = c.poisoned32(K, N)
-    L.crossentropy_forward(gl, c.dev(logits), c.cp.asarray(targets))
-    ref_l2, ref_d = np.empty((K, N)), logits.copy()
-    R.crossentropy_forward_backward(ref_l2, ref_d, targets, dscale)
-    gl2, gd = c.poisoned32(K, N), c.dev(logits)
-    L.crossentropy_forward_backward(gl2, gd, c.cp.asarray(targets), c.dev32(dscale))
-    return [(f"crossentropy_forward{c.tag} N={N} K={K} V={V}, -1 targets", rel_err(c.get(gl), ref_l), c.tol),
-            (f"crossentropy_forward_backward{c.tag} losses", rel_err(c.get(gl2), ref_l2), c.tol),
-            (f"crossentropy_forward_backward{c.tag} dlogits (in place)", rel_err(c.get(gd), ref_d), c.tol)]
+    # V = 1031 streams a row; 2048 and 4096 (base's) hold it in registers, 1, 2 or 4 pieces a thread
+    results = []
+    for N, K, V in ((97, 3, 1031), (21, 2, 2048), (13, 4, 4096)):
+        logits = c.act(c.normal(N, K * V, scale=3.0))
+        targets = c.rng.integers(0, V, (K, N)).astype(np.int32)
+        targets[:, 5] = -1
+        targets[K - 1, 7:10] = -1
+        dscale = _f32(c.rng.uniform(-1.0, 1.0, (K, N)))  # a scale per head and row, signed as DPO's
+        ref_l = np.empty((K, N))
+        R.crossentropy_forward(ref_l, logits, targets)
+        gl = c.poisoned32(K, N)
+        L.crossentropy_forward(gl, c.dev(logits), c.cp.asarray(targets))
+        ref_l2, ref_d = np.empty((K, N)), logits.copy()
+        R.crossentropy_forward_backward(ref_l2, ref_d, targets, dscale)
+        gl2, gd = c.poisoned32(K, N), c.dev(logits)
+        L.crossentropy_forward_backward(gl2, gd, c.cp.asarray(targets), c.dev32(dscale))
+        results += [(f"crossentropy_forward{c.tag} N={N} K={K} V={V}, -1 targets", rel_err(c.get(gl), ref_l), c.tol),
+                    (f"crossentropy_forward_backward{c.tag} losses", rel_err(c.get(gl2), ref_l2), c.tol),
+                    (f"crossentropy_forward_backward{c.tag} dlogits (in place)", rel_err(c.get(gd), ref_d), c.tol)]
+    return results
 
 
 @_precisions("fp32", "bf16")

@@ -421,10 +421,12 @@ _ATT_ROWS, _ATT_WARPS = 4, 16  # attention.cu: query rows and warps of a block o
 def _attention_backward_smem(D, defines):
     """Dynamic shared memory of the dK/dV and dQ kernels (attention.cu): four 64-row tiles of q, k, v, dout
     (bf16 on the bf16 tensor-core path, float32 otherwise) with 16 bytes of padding per row, plus lse and delta
-    of 64 queries for dK/dV."""
+    of 64 queries for dK/dV; the bf16 kernels double-buffer the tiles of their loop (AttStages): q, dout, lse
+    and delta for dK/dV, k and v for dQ."""
     E = 2 if "ACT_BF16=1" in defines and "ATT_PRECISE=1" not in defines else 4
-    tiles = 4 * _TILE * (E * D + 16)
-    return tiles + 2 * _TILE * 4, tiles
+    stages = 2 if E == 2 else 1
+    tile = _TILE * (E * D + 16)
+    return (2 + 2 * stages) * tile + stages * 2 * _TILE * 4, (2 + 2 * stages) * tile
 
 
 def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
@@ -468,6 +470,14 @@ def _ce_threads(V):
     return min(256, 32 * _blocks(V, 32))
 
 
+def _ce_chunks(logits, V):
+    """16-byte pieces of a row a thread when the rows split evenly into 1, 2 or 4 of them (crossentropy.cu
+    then holds a row in registers), else 0."""
+    piece = 16 // logits.itemsize * _ce_threads(V)
+    chunks = V // piece if V % piece == 0 and logits.data.ptr % 16 == 0 else 0
+    return chunks if chunks in (1, 2, 4) else 0
+
+
 def crossentropy_forward(losses, logits, targets):
     """losses (K, N) from logits (N, K*V) and targets (K, N), -1 ignored."""
     _check(losses)
@@ -475,8 +485,8 @@ def crossentropy_forward(losses, logits, targets):
     K, N = targets.shape
     V = logits.shape[1] // K
     targets = cupy.ascontiguousarray(targets, dtype=np.int32)
-    _kernel("crossentropy", "crossentropy_forward", _act_defines(logits))((N, K), (_ce_threads(V),),
-                                                    (losses, logits, targets, _i32(N), _i32(K), _i32(V)))
+    _kernel("crossentropy", "crossentropy_forward", _act_defines(logits))(
+        (N, K), (_ce_threads(V),), (losses, logits, targets, _i32(N), _i32(K), _i32(V), _i32(_ce_chunks(logits, V))))
 
 
 def crossentropy_forward_backward(losses, logits, targets, dscale):
@@ -490,7 +500,8 @@ def crossentropy_forward_backward(losses, logits, targets, dscale):
     V = logits.shape[1] // K
     targets = cupy.ascontiguousarray(targets, dtype=np.int32)
     _kernel("crossentropy", "crossentropy_forward_backward", _act_defines(logits))(
-        (N, K), (_ce_threads(V),), (losses, logits, targets, dscale, _i32(N), _i32(K), _i32(V)))
+        (N, K), (_ce_threads(V),),
+        (losses, logits, targets, dscale, _i32(N), _i32(K), _i32(V), _i32(_ce_chunks(logits, V))))
 
 
 # -------------------------------------------------------------------------------------------- decoding

@@ -198,21 +198,29 @@ typedef AttTf32<ATT_PRECISE> AttMma;
 
 // Load rows [row0, row0 + 64) of one head of a (rows, NH, D) act_t array into a (64, LDS) shared tile, zeros
 // past `rows`, as mma operands: converted to float (and rounded to TF32 in the fast build), or bf16 copied as
-// is, 16 bytes at a time.
+// is, 16 bytes at a time. bf16: a thread's loads all go out before its first store, so the tile costs one
+// trip to memory, not one a load.
 template <int D, class M>
 __device__ __forceinline__ void load_tile(typename M::elem_t* __restrict__ dst, const act_t* __restrict__ src,
                                           int row0, int rows, long long row_stride) {
     constexpr int LDS = AttTile<D, M>::LDS;
     if constexpr (sizeof(typename M::elem_t) == 2) {
         static_assert(sizeof(act_t) == sizeof(typename M::elem_t), "bf16 tiles need bf16 activations");
-        for (int i = threadIdx.x; i < ATT_TILE * D / 8; i += ATT_THREADS) {
-            const int r = i / (D / 8), c = (i % (D / 8)) * 8;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (row0 + r < rows) v = *reinterpret_cast<const uint4*>(src + (row0 + r) * row_stride + c);
-            *reinterpret_cast<uint4*>(dst + r * LDS + c) = v;
+        constexpr int PER = ATT_TILE * D / 8 / ATT_THREADS;
+        uint4 v[PER];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = threadIdx.x + j * ATT_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+            v[j] = row0 + r < rows ? *reinterpret_cast<const uint4*>(src + (row0 + r) * row_stride + c)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = threadIdx.x + j * ATT_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+            *reinterpret_cast<uint4*>(dst + r * LDS + c) = v[j];
         }
     } else {
-        for (int i = threadIdx.x; i < ATT_TILE * D / 4; i += ATT_THREADS) {
+        for (int i = threadIdx.x; i < ATT_TILE * D / 4; i += ATT_THREADS) {  // one at a time: more spill
             const int r = i / (D / 4), c = (i % (D / 4)) * 4;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (row0 + r < rows) v = load4(src + (row0 + r) * row_stride + c);
@@ -220,6 +228,42 @@ __device__ __forceinline__ void load_tile(typename M::elem_t* __restrict__ dst, 
                 make_float4(M::operand(v.x), M::operand(v.y), M::operand(v.z), M::operand(v.w));
         }
     }
+}
+
+// Tiles of the loop over the other side, double-buffered where the elements are bf16: the next tile's copy
+// (cp.async, straight into shared memory) runs while the current one is used. Float tiles are converted on
+// the way, so they load synchronously into one buffer (two would not fit the forward's static 48 KB).
+template <class M>
+struct AttStages {
+    static constexpr int N = sizeof(typename M::elem_t) == 2 ? 2 : 1;
+};
+
+// The bf16 tile copy of load_tile, issued and not waited for (cp.async.cg, 16 bytes, zeros past `rows`); the
+// caller commits the group and waits for it (att_copies_wait) before a barrier.
+template <int D, class M>
+__device__ __forceinline__ void load_tile_async(typename M::elem_t* __restrict__ dst, const act_t* __restrict__ src,
+                                                int row0, int rows, long long row_stride) {
+    if constexpr (AttStages<M>::N == 1) {
+        load_tile<D, M>(dst, src, row0, rows, row_stride);
+    } else {
+        constexpr int LDS = AttTile<D, M>::LDS, PER = ATT_TILE * D / 8 / ATT_THREADS;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = threadIdx.x + j * ATT_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+            const bool ok = row0 + r < rows;
+            const unsigned to = (unsigned)__cvta_generic_to_shared(dst + r * LDS + c);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
+                         "l"(src + (ok ? row0 + r : 0) * row_stride + c), "r"(ok ? 16 : 0));
+        }
+    }
+}
+
+__device__ __forceinline__ void att_copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait for every committed copy but the newest `pending` groups (0 or 1).
+__device__ __forceinline__ void att_copies_wait(int pending) {
+    if (pending) asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    else asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
 // ------------------------------------------------------------------------------------------------ forward
@@ -232,8 +276,9 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
                                                         float scale) {
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
-    __shared__ __align__(16) elem_t Ks[ATT_TILE * LDS];
-    __shared__ __align__(16) elem_t Vs[ATT_TILE * LDS];
+    constexpr int STAGES = AttStages<M>::N;
+    __shared__ __align__(16) elem_t Kbuf[STAGES][ATT_TILE * LDS];
+    __shared__ __align__(16) elem_t Vbuf[STAGES][ATT_TILE * LDS];
     const int NH = H + 2 * G;
     const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z, kvh = h / (H / G);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -257,11 +302,20 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
     const int first_pos = qt * ATT_TILE;
     const int last_pos = min(T, (qt + 1) * ATT_TILE) - 1;
     const int n_kt = last_pos / ATT_TILE + 1;
+    const auto issue = [&](int kt) {
+        load_tile_async<D, M>(Kbuf[kt % STAGES], base + (H + kvh) * D, kt * ATT_TILE, T, rs);
+        load_tile_async<D, M>(Vbuf[kt % STAGES], base + (H + G + kvh) * D, kt * ATT_TILE, T, rs);
+        att_copies_commit();
+    };
+    if (STAGES == 2) issue(0);
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * ATT_TILE;
-        __syncthreads();  // everyone is done with the previous tile
-        load_tile<D, M>(Ks, base + (H + kvh) * D, k0, T, rs);
-        load_tile<D, M>(Vs, base + (H + G + kvh) * D, k0, T, rs);
+        const elem_t* Ks = Kbuf[kt % STAGES];
+        const elem_t* Vs = Vbuf[kt % STAGES];
+        __syncthreads();  // everyone is done with the tile the next copy overwrites
+        if (STAGES == 1) issue(kt);
+        else if (kt + 1 < n_kt) issue(kt + 1);
+        att_copies_wait(STAGES == 2 && kt + 1 < n_kt);
         __syncthreads();
 
         float s[ATT_TILE / 8][4];  // S = Q K^T for 16 rows x 64 keys
@@ -399,15 +453,18 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
                                                               const float* __restrict__ delta,
                                                               const act_t* __restrict__ qkv, int T, int H, int G,
                                                               float scale) {
-    // dynamic smem: 4 * 64 * (E * D + 16) + 2 * 64 * 4 bytes, E = sizeof(elem_t): 4, or 2 in the bf16 build
+    // dynamic smem: (2 + 2 * STAGES) * 64 * (E * D + 16) + STAGES * 2 * 64 * 4 bytes, E = sizeof(elem_t): 4
+    // (STAGES 1), or 2 in the bf16 build (STAGES 2)
     typedef typename M::elem_t elem_t;
-    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
+    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS, STAGES = AttStages<M>::N;
     elem_t* Ks = reinterpret_cast<elem_t*>(att_smem);  // (64 keys, D)
     elem_t* Vs = Ks + ATT_TILE * LDS;                  // (64 keys, D)
-    elem_t* Qs = Vs + ATT_TILE * LDS;                  // (64 queries, D)
-    elem_t* dOs = Qs + ATT_TILE * LDS;                 // (64 queries, D)
-    float* lse_s = reinterpret_cast<float*>(dOs + ATT_TILE * LDS);  // (64,) log2 units; +inf past T so p = 0
-    float* delta_s = lse_s + ATT_TILE;                               // (64,)
+    elem_t* Qbuf = Vs + ATT_TILE * LDS;                // STAGES x (64 queries, D)
+    elem_t* dObuf = Qbuf + STAGES * ATT_TILE * LDS;    // STAGES x (64 queries, D)
+    // STAGES x (64,) each: lse and delta as stored, 0 past T (there q and dO are 0 too, so P^T dO and dS^T Q
+    // get exact zeros from those queries)
+    float* lse_buf = reinterpret_cast<float*>(dObuf + STAGES * ATT_TILE * LDS);
+    float* delta_buf = lse_buf + STAGES * ATT_TILE;
 
     const int NH = H + 2 * G, group = H / G;
     const int kvh = blockIdx.x, b = blockIdx.y, kt = blockIdx.z, k0 = kt * ATT_TILE;
@@ -429,17 +486,41 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
     // one flat loop over the (query head, query tile) pairs: with nested loops more state stays live across
     // iterations, and ptxas spilled at D = 32 (sm_90)
     const int n_q = (T + ATT_TILE - 1) / ATT_TILE - kt;  // query tiles kt .. last
-    for (int it = 0; it < group * n_q; ++it) {
-        const int h = kvh * group + it / n_q, qt = kt + it % n_q, q0 = qt * ATT_TILE;
+    const auto issue = [&](int it) {
+        const int h = kvh * group + it / n_q, q0 = (kt + it % n_q) * ATT_TILE, stage = it % STAGES;
         const long long bh = (long long)b * H + h;
-        __syncthreads();  // the previous iteration is done with Qs, dOs, lse_s, delta_s
-        load_tile<D, M>(Qs, base + h * D, q0, T, rs);
-        load_tile<D, M>(dOs, dout + ((long long)b * T * H + h) * D, q0, T, (long long)H * D);
+        load_tile_async<D, M>(Qbuf + stage * ATT_TILE * LDS, base + h * D, q0, T, rs);
+        load_tile_async<D, M>(dObuf + stage * ATT_TILE * LDS, dout + ((long long)b * T * H + h) * D, q0, T,
+                              (long long)H * D);
         for (int i = threadIdx.x; i < ATT_TILE; i += ATT_THREADS) {
             const bool ok = q0 + i < T;
-            lse_s[i] = ok ? lse[bh * T + q0 + i] * LOG2E : pos_inf();
-            delta_s[i] = ok ? delta[bh * T + q0 + i] : 0.f;
+            float* l = lse_buf + stage * ATT_TILE + i;
+            float* d = delta_buf + stage * ATT_TILE + i;
+            if (STAGES == 2) {
+                const long long at = ok ? bh * T + q0 + i : 0;
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                                 (unsigned)__cvta_generic_to_shared(l)), "l"(lse + at), "r"(ok ? 4 : 0));
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                                 (unsigned)__cvta_generic_to_shared(d)), "l"(delta + at), "r"(ok ? 4 : 0));
+            } else {
+                *l = ok ? lse[bh * T + q0 + i] : 0.f;
+                *d = ok ? delta[bh * T + q0 + i] : 0.f;
+            }
         }
+        att_copies_commit();
+    };
+    const int n_it = group * n_q;
+    if (STAGES == 2) issue(0);
+    for (int it = 0; it < n_it; ++it) {
+        const int qt = kt + it % n_q, q0 = qt * ATT_TILE, stage = it % STAGES;
+        const elem_t* Qs = Qbuf + stage * ATT_TILE * LDS;
+        const elem_t* dOs = dObuf + stage * ATT_TILE * LDS;
+        const float* lse_s = lse_buf + stage * ATT_TILE;
+        const float* delta_s = delta_buf + stage * ATT_TILE;
+        __syncthreads();  // everyone is done with the buffers the next copy overwrites (first: Ks, Vs in place)
+        if (STAGES == 1) issue(it);
+        else if (it + 1 < n_it) issue(it + 1);
+        att_copies_wait(STAGES == 2 && it + 1 < n_it);
         __syncthreads();
 
         // S^T = K Q^T and dP^T = V dO^T, 16 keys x 64 queries per warp; the warp's K, V rows are the A
@@ -469,7 +550,7 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int q = nt * 8 + 2 * t + (e & 1);
-                float pv = exp2f(p[nt][e] * sl2 - lse_s[q]);
+                float pv = exp2f(p[nt][e] * sl2 - __fmul_rn(lse_s[q], LOG2E));
                 if (diag && (e < 2 ? key0 : key1) > q0 + q) pv = 0.f;
                 ds[nt][e] = M::operand(pv * (ds[nt][e] - delta_s[q]));
                 p[nt][e] = M::operand(pv);
@@ -526,13 +607,15 @@ __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ 
                                                             const float* __restrict__ delta,
                                                             const act_t* __restrict__ qkv, int T, int H, int G,
                                                             float scale) {
-    // dynamic smem: 4 * 64 * (E * D + 16) bytes, E = sizeof(elem_t): 4, or 2 in the bf16 build
+    // dynamic smem: (2 + 2 * STAGES) * 64 * (E * D + 16) bytes, E = sizeof(elem_t): 4 (STAGES 1), or 2 in the
+    // bf16 build (STAGES 2)
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
+    constexpr int STAGES = AttStages<M>::N;
     elem_t* Qs = reinterpret_cast<elem_t*>(att_smem);  // (64 queries, D)
     elem_t* dOs = Qs + ATT_TILE * LDS;                 // (64 queries, D)
-    elem_t* Ks = dOs + ATT_TILE * LDS;                 // (64 keys, D)
-    elem_t* Vs = Ks + ATT_TILE * LDS;                  // (64 keys, D)
+    elem_t* Kbuf = dOs + ATT_TILE * LDS;               // STAGES x (64 keys, D)
+    elem_t* Vbuf = Kbuf + STAGES * ATT_TILE * LDS;     // STAGES x (64 keys, D)
 
     const int NH = H + 2 * G;
     const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z, kvh = h / (H / G);
@@ -554,11 +637,20 @@ __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ 
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) dq[dn][0] = dq[dn][1] = dq[dn][2] = dq[dn][3] = 0.f;
 
+    const auto issue = [&](int kt) {
+        load_tile_async<D, M>(Kbuf + kt % STAGES * ATT_TILE * LDS, base + (H + kvh) * D, kt * ATT_TILE, T, rs);
+        load_tile_async<D, M>(Vbuf + kt % STAGES * ATT_TILE * LDS, base + (H + G + kvh) * D, kt * ATT_TILE, T, rs);
+        att_copies_commit();
+    };
+    if (STAGES == 2) issue(0);
     for (int kt = 0; kt <= qt; ++kt) {
         const int k0 = kt * ATT_TILE;
-        __syncthreads();  // everyone is done with the previous tile (the first pass: Qs, dOs are in place)
-        load_tile<D, M>(Ks, base + (H + kvh) * D, k0, T, rs);
-        load_tile<D, M>(Vs, base + (H + G + kvh) * D, k0, T, rs);
+        const elem_t* Ks = Kbuf + kt % STAGES * ATT_TILE * LDS;
+        const elem_t* Vs = Vbuf + kt % STAGES * ATT_TILE * LDS;
+        __syncthreads();  // everyone is done with the tile the next copy overwrites (first: Qs, dOs in place)
+        if (STAGES == 1) issue(kt);
+        else if (kt + 1 <= qt) issue(kt + 1);
+        att_copies_wait(STAGES == 2 && kt + 1 <= qt);
         __syncthreads();
 
         // S = Q K^T and dP = dO V^T, 16 queries x 64 keys per warp; the warp's Q, dO rows are the A operands,

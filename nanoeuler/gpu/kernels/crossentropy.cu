@@ -1,6 +1,9 @@
 // Softmax cross-entropy over the K prediction heads' fused logits (N, K*V), one block per (row n, head k).
 // The backward variant overwrites the logits with d loss / d logits in the same launch, so the
 // probabilities are computed once and never stored next to the logits. Logits may be bf16; the math is float.
+// Where a row is `chunks` (1, 2 or 4) 16-byte pieces a thread (V = 4096 in bf16: 2 at 256 threads), the row
+// is read once into registers, all its loads in flight together; otherwise a thread streams its elements
+// with a running max and sum, and the backward reads the row again.
 #include "common.cuh"
 
 template <bool BACKWARD>
@@ -39,15 +42,69 @@ __device__ __forceinline__ void crossentropy_row(float* __restrict__ losses, act
     }
 }
 
+template <bool BACKWARD, int CHUNKS>
+__device__ __forceinline__ void crossentropy_row_held(float* __restrict__ losses, act_t* __restrict__ logits,
+                                                      const int* __restrict__ targets,
+                                                      const float* __restrict__ dscale, int N, int K, int V) {
+    __shared__ float scratch[32];
+    const int n = blockIdx.x, k = blockIdx.y;
+    act_t* row = logits + ((long long)n * K + k) * V;
+    const int t = targets[(long long)k * N + n];
+    float x[CHUNKS][PACK];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+        unpack16(x[c], *reinterpret_cast<const uint4*>(row + (c * blockDim.x + threadIdx.x) * PACK));
+    if (t < 0) {  // ignored position: no loss and, for every head, no gradient
+        if (BACKWARD)
+            for (int v = threadIdx.x; v < V; v += blockDim.x) row[v] = from_float<act_t>(0.f);
+        if (threadIdx.x == 0) losses[(long long)k * N + n] = 0.f;
+        return;
+    }
+    const float target_logit = to_float(row[t]);
+    float m = neg_inf();
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int e = 0; e < PACK; ++e) m = fmaxf(m, x[c][e]);
+    const float mx = block_max(m, scratch);
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+        for (int e = 0; e < PACK; ++e) s += expf(x[c][e] - mx);
+    const float lse = mx + logf(block_sum(s, scratch));
+    if (threadIdx.x == 0) losses[(long long)k * N + n] = lse - target_logit;
+    if (BACKWARD) {
+        const float sc = dscale[(long long)k * N + n];  // (the reductions' barriers: row[t] is read by all)
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int v0 = (c * blockDim.x + threadIdx.x) * PACK;
+#pragma unroll
+            for (int e = 0; e < PACK; ++e) x[c][e] = expf(x[c][e] - lse) * sc - (v0 + e == t ? sc : 0.f);
+            *reinterpret_cast<uint4*>(row + v0) = pack16(x[c]);
+        }
+    }
+}
+
+template <bool BACKWARD>
+__device__ __forceinline__ void crossentropy_rows(float* losses, act_t* logits, const int* targets,
+                                                  const float* dscale, int N, int K, int V, int chunks) {
+    if (chunks == 1) crossentropy_row_held<BACKWARD, 1>(losses, logits, targets, dscale, N, K, V);
+    else if (chunks == 2) crossentropy_row_held<BACKWARD, 2>(losses, logits, targets, dscale, N, K, V);
+    else if (chunks == 4) crossentropy_row_held<BACKWARD, 4>(losses, logits, targets, dscale, N, K, V);
+    else crossentropy_row<BACKWARD>(losses, logits, targets, dscale, N, K, V);
+}
+
 // losses (K, N); targets (K, N), -1 = ignored.
 extern "C" __global__ void crossentropy_forward(float* losses, act_t* logits, const int* targets, int N, int K,
-                                                int V) {
-    crossentropy_row<false>(losses, logits, targets, nullptr, N, K, V);
+                                                int V, int chunks) {
+    crossentropy_rows<false>(losses, logits, targets, nullptr, N, K, V, chunks);
 }
 
 // as crossentropy_forward, then logits := (softmax - onehot) * dscale[k, n]; dscale (K, N) float32: a scale
 // per head and row (DPO weights each sequence's rows on their own).
 extern "C" __global__ void crossentropy_forward_backward(float* losses, act_t* logits, const int* targets,
-                                                         const float* dscale, int N, int K, int V) {
-    crossentropy_row<true>(losses, logits, targets, dscale, N, K, V);
+                                                         const float* dscale, int N, int K, int V,
+                                                         int chunks) {
+    crossentropy_rows<true>(losses, logits, targets, dscale, N, K, V, chunks);
 }
