@@ -267,14 +267,15 @@ class NcclCommunicator:
     """One GPU per rank over NCCL (cupy.cuda.nccl.NcclCommunicator on device pointers, the current stream).
 
     Rendezvous as cupyx.distributed.NCCLBackend does it: rank 0 runs cupyx.distributed's TCPStore at
-    MASTER_ADDR:MASTER_PORT and puts the NCCL unique id there (shifted by 128 into bytes); the others read it
-    after the store's barrier. Host arrays (target counts, losses) are copied to the GPU and back. Waiting for a
+    MASTER_ADDR:MASTER_PORT and puts the NCCL unique id there; the others read it after the store's barrier.
+    Host arrays (target counts, losses) are copied to the GPU and back. Waiting for a
     collective polls its completion and ncclCommGetAsyncError; past the timeout the communicator is aborted
     and the run ends with a one-line error naming this rank. NVLink multicast (NVLS) is off unless
     NCCL_NVLS_ENABLE says otherwise (docs/multi-gpu.md).
 
-    NOT YET RUN ON GPUS: written against CuPy's sources (cupy/cuda/nccl.pyx, cupyx/distributed/_store.py,
-    _nccl_comm.py); docs/multi-gpu.md has the commands that verify it."""
+    NOT YET RUN THROUGH ON A GPU: written against CuPy's sources (cupy/cuda/nccl.pyx, cupyx/distributed/
+    _store.py, _nccl_comm.py). A world of one on the H100 (tests/test_distributed.py) found two faults in the
+    rendezvous, fixed since without a GPU to rerun on; docs/multi-gpu.md has the commands that verify it."""
 
     def __init__(self, world, wait=None):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -297,12 +298,18 @@ class NcclCommunicator:
                 store = _store.TCPStore(world.world_size)
                 store.run(world.master_addr, world.master_port)
                 uid = nccl.get_unique_id()
-                proxy["nccl_id"] = bytes(b + 128 for b in uid)  # the id's bytes come signed
+                # 128 bytes (the store's values are short): each int modulo 256, and whether CuPy gave them
+                # signed (NCCLBackend's shift by 128 fails where they come unsigned, as on the H100 machine)
+                proxy["nccl_id"] = bytes(b % 256 for b in uid)
+                proxy["nccl_id_signed"] = b"1" if min(uid) < 0 else b"0"
                 proxy.barrier()
             else:
                 proxy.barrier()
-                uid = tuple(int(b) - 128 for b in proxy["nccl_id"])
+                signed = bytes(proxy["nccl_id_signed"]) == b"1"
+                uid = tuple(b - 256 if signed and b > 127 else b for b in bytes(proxy["nccl_id"]))
         except RuntimeError as e:
+            if store is not None:
+                store.stop()  # else its server process outlives the run
             raise UserError(f"rank {world.rank}: no rendezvous at {world.master_addr}:{world.master_port} "
                             f"({e})") from None
         cupy.cuda.Device(world.local_rank).use()

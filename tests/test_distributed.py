@@ -113,10 +113,10 @@ def _run_ranks(n, work):
 STEPS, LR = 4, 3e-3
 
 
-def _train_steps(batch, comm=None, zero=False):
+def _train_steps(batch, comm=None, zero=False, device="cpu"):
     """STEPS optimizer steps of the tiny model; (losses, grad norms, last gradients, final weights)."""
     cfg = tiny_config(300)
-    eng = make_engine(cfg, seed=1)
+    eng = make_engine(cfg, device=device, seed=1, precision="fp32")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     source = RandomWindows(np.random.default_rng(0).integers(0, 300, 20000), batch, cfg.context, cfg.mtp_heads,
                            seed=7, rank=rank, world_size=world)
@@ -129,7 +129,7 @@ def _train_steps(batch, comm=None, zero=False):
         norms.append(parallel.step(LR, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2))
         losses.append((record["loss"], record["loss_all_heads"], tokens))
     assert parallel.any(rank == 1) == (world > 1)
-    grads = eng.grads.copy() if not parallel.zero else None  # the all-reduced gradients of the last step
+    grads = eng._to_numpy(eng.grads).copy() if not parallel.zero else None  # the last step's, all-reduced
     return losses, norms, grads, eng.params_numpy(), parallel.opt_state_numpy()
 
 
@@ -322,6 +322,40 @@ def _gpus():
         return 0
     import cupy
     return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_nccl_world_of_one_trains_like_a_single_process():
+    """What one GPU can show of the NCCL path: the TCP-store rendezvous and a communicator of one rank, each
+    collective on host and device buffers (with one rank each is a copy), and the tiny model's steps through
+    DataParallel over NCCL giving a single process's losses and weights: to the bit with the all-reduce, and
+    with ZeRO-1 (the AdamW kernel over the shard, the all-gather of the weights) to float32 rounding (its
+    gradient norm sums the padded shard)."""
+    import cupy
+    from nanoeuler.distributed import NcclCommunicator
+    comm = NcclCommunicator(World(0, 1, 0, "127.0.0.1", launch.free_port()), wait=60)
+    try:
+        host = np.array([1.5, -2.0, 3.25])
+        assert comm.all_reduce_sum(host.copy()).tolist() == host.tolist()
+        dev = cupy.arange(1000, dtype=np.float32)
+        out = cupy.full(1000, np.nan, dtype=np.float32)
+        comm.reduce_scatter_sum(dev, out)
+        assert cupy.array_equal(out, dev)
+        out[...] = np.nan
+        comm.all_gather(dev, out)
+        assert cupy.array_equal(out, dev)
+        assert comm.broadcast(np.array([7, 8], np.int64)).tolist() == [7, 8]
+        comm.barrier()
+        ref = _train_steps(8, device="gpu")
+        got = _train_steps(8, comm, device="gpu")
+        assert got[0] == ref[0] and got[1] == ref[1]
+        np.testing.assert_array_equal(got[3], ref[3])
+        got = _train_steps(8, comm, zero=True, device="gpu")
+        np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+        np.testing.assert_allclose(got[3], ref[3], rtol=0, atol=1e-6)
+    finally:
+        comm.close()
 
 
 @pytest.mark.gpu
