@@ -65,47 +65,25 @@ def _exp_impl(x):
 
 
 # ---------------------------------------------------------------------------------------------- matmul
-# Products of up to this many rows (decoding) take _matmul_rows: BLAS's gemm of a few rows packs all of w
-# first (3-5x slower for 1-4 rows of `big`, measured), and its gemv reads w once a row.
+# Products of up to this many rows (decoding) take one BLAS gemv a row: its gemm of 2 to 4 rows packs all of w
+# first (3-5x slower than gemv for `big`), and a row's result is then the same bits whatever the other rows,
+# so a speculative step of K rows gives each position the logits of a step of its own. (A numba kernel
+# reading w once for 4 rows cost 3x gemv inside a decoding step on the 2-core VM.)
 SMALL_ROWS = 8
 
 
 def matmul_forward(out, x, w, accumulate=False):
     """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
     if x.shape[0] <= SMALL_ROWS:
-        _matmul_rows(out, x, w, accumulate)
+        for n in range(x.shape[0]):
+            if accumulate:
+                out[n] += w @ x[n]
+            else:
+                np.matmul(w, x[n], out=out[n])
     elif accumulate:
         out += x @ w.T
     else:
         np.matmul(x, w.T, out=out)
-
-
-@njit(**pjit)
-def _matmul_rows(out, x, w, accumulate):
-    """matmul_forward of a few rows: 4 rows at a time against each row of w, read once for them (a group short
-    of rows repeats its last one). Every row goes through the same arithmetic whatever the others are, so a
-    position gets the same bits in a speculative step of K rows as in a step of its own: speculative greedy
-    decoding stays plain greedy decoding to the bit. A decoding step of `big`: 1, 2 or 4 rows cost the same."""
-    M, I = x.shape
-    for o in prange(w.shape[0]):
-        for m in range(0, M, 4):
-            m1, m2, m3 = min(m + 1, M - 1), min(m + 2, M - 1), min(m + 3, M - 1)
-            s0 = s1 = s2 = s3 = ZERO
-            for i in range(I):
-                wi = w[o, i]
-                s0 += x[m, i] * wi
-                s1 += x[m1, i] * wi
-                s2 += x[m2, i] * wi
-                s3 += x[m3, i] * wi
-            if not accumulate:
-                out[m, o] = out[m1, o] = out[m2, o] = out[m3, o] = 0
-            out[m, o] += s0
-            if m + 1 < M:
-                out[m1, o] += s1
-            if m + 2 < M:
-                out[m2, o] += s2
-            if m + 3 < M:
-                out[m3, o] += s3
 
 
 def matmul_backward(dx, dw, dout, x, w):
