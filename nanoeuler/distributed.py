@@ -263,6 +263,22 @@ def _attach(name):
     return shm
 
 
+def _id_to_store(uid):
+    """The NCCL unique id as 128 bytes (the store's values are short) and its kind: CuPy 14 gives (and takes)
+    bytes; earlier versions a tuple of ints, signed (NCCLBackend shifts them by 128 into bytes, which fails on
+    bytes: seen on the H100 machine's CuPy)."""
+    if isinstance(uid, bytes):
+        return uid, b"bytes"
+    return bytes(b % 256 for b in uid), b"signed" if min(uid) < 0 else b"unsigned"
+
+
+def _id_from_store(raw, kind):
+    """The id as get_unique_id gave it to rank 0 (all ranks run the same CuPy): the inverse of _id_to_store."""
+    if kind == b"bytes":
+        return raw
+    return tuple(b - 256 if kind == b"signed" and b > 127 else b for b in raw)
+
+
 class NcclCommunicator:
     """One GPU per rank over NCCL (cupy.cuda.nccl.NcclCommunicator on device pointers, the current stream).
 
@@ -275,7 +291,8 @@ class NcclCommunicator:
 
     NOT YET RUN THROUGH ON A GPU: written against CuPy's sources (cupy/cuda/nccl.pyx, cupyx/distributed/
     _store.py, _nccl_comm.py). A world of one on the H100 (tests/test_distributed.py) found two faults in the
-    rendezvous, fixed since without a GPU to rerun on; docs/multi-gpu.md has the commands that verify it."""
+    rendezvous; the fixed one round-trips the id through CuPy 14.2's TCPStore between two processes (no GPU
+    needed), and NcclCommunicator takes it. docs/multi-gpu.md has the commands that verify the rest."""
 
     def __init__(self, world, wait=None):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -298,15 +315,11 @@ class NcclCommunicator:
                 store = _store.TCPStore(world.world_size)
                 store.run(world.master_addr, world.master_port)
                 uid = nccl.get_unique_id()
-                # 128 bytes (the store's values are short): each int modulo 256, and whether CuPy gave them
-                # signed (NCCLBackend's shift by 128 fails where they come unsigned, as on the H100 machine)
-                proxy["nccl_id"] = bytes(b % 256 for b in uid)
-                proxy["nccl_id_signed"] = b"1" if min(uid) < 0 else b"0"
+                proxy["nccl_id"], proxy["nccl_id_kind"] = _id_to_store(uid)
                 proxy.barrier()
             else:
                 proxy.barrier()
-                signed = bytes(proxy["nccl_id_signed"]) == b"1"
-                uid = tuple(b - 256 if signed and b > 127 else b for b in bytes(proxy["nccl_id"]))
+                uid = _id_from_store(bytes(proxy["nccl_id"]), bytes(proxy["nccl_id_kind"]))
         except RuntimeError as e:
             if store is not None:
                 store.stop()  # else its server process outlives the run

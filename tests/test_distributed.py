@@ -153,6 +153,19 @@ def test_two_ranks_train_exactly_like_one_rank_at_twice_the_batch(zero):
     np.testing.assert_array_equal(got[0][4][0], got[1][4][0])
 
 
+def test_the_nccl_id_travels_in_every_form_cupy_gives_it():
+    """CuPy 14's get_unique_id gives 128 bytes and NcclCommunicator takes only bytes; earlier versions a tuple
+    of signed ints. The store carries 128 bytes and the kind, and every rank gets rank 0's id back as it was."""
+    from nanoeuler.distributed import _id_from_store, _id_to_store
+    rng = np.random.default_rng(3)
+    raw = bytes(rng.integers(0, 256, 128).tolist())
+    for uid in (raw, tuple(b - 256 if b > 127 else b for b in raw), tuple(raw)):
+        stored, kind = _id_to_store(uid)
+        assert isinstance(stored, bytes) and len(stored) == 128
+        back = _id_from_store(stored, kind)
+        assert back == uid and type(back) is type(uid)
+
+
 def test_shared_memory_collectives_grow_and_keep_rank_order():
     def work(comm):
         r = comm.rank
