@@ -179,7 +179,12 @@ class SharedMemoryCommunicator:
                         raise UserError(f"rank {self.rank}: rank 0 did not open {address[0]}:{address[1]} in "
                                         f"{self.wait} s") from None
                     time.sleep(0.05)
-            self._barrier = client.barrier()
+                except (ConnectionError, EOFError):  # rank 0 opened it and went away (it failed first)
+                    raise UserError(f"rank {self.rank}: lost rank 0 (it exited or crashed)") from None
+            try:
+                self._barrier = client.barrier()
+            except (ConnectionError, EOFError):
+                raise UserError(f"rank {self.rank}: lost rank 0 (it exited or crashed)") from None
         self._shm, self._generation, self._slot_bytes = None, 0, 0
         atexit.register(self.close)  # rank 0 unlinks the segment when its process ends
 
