@@ -115,7 +115,7 @@ STEPS, LR = 4, 3e-3
 
 def _train_steps(batch, comm=None, zero=False, device="cpu"):
     """STEPS optimizer steps of the tiny model; (losses, grad norms, last gradients, final weights)."""
-    cfg = tiny_config(300)
+    cfg = tiny_config(300, gpu=device == "gpu")
     eng = make_engine(cfg, device=device, seed=1, precision="fp32")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     source = RandomWindows(np.random.default_rng(0).integers(0, 300, 20000), batch, cfg.context, cfg.mtp_heads,
@@ -201,7 +201,7 @@ sys.path.insert(0, {tests!r})
 from conftest import tiny_config
 from nanoeuler import cli, train
 from nanoeuler.config import PRESETS
-PRESETS["small"] = tiny_config({vocab})
+PRESETS["small"] = tiny_config({vocab}, gpu={gpu})
 train.PRESET_HYPER["small"] = train.Hyper(**{hyper!r})
 cli.main(sys.argv[1:])
 """
@@ -210,14 +210,14 @@ HYPER = train.Hyper(steps=6, batch_size=4, lr=3e-3, warmup=2, eval_every=3, samp
                     eval_batches=2, min_lr_ratio=1.0, sample_tokens=4)
 
 
-@pytest.fixture
-def tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, tmp_path):
-    """(run in this process, run as 2 ranks): `nanoeuler train ARGS` on the tiny preset."""
+def _tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, gpu):
+    """(run in this process, run as 2 ranks): `nanoeuler train ARGS` on the tiny preset (heads of 32 for the
+    GPU)."""
     import dataclasses
     from nanoeuler.config import PRESETS
-    monkeypatch.setitem(PRESETS, "small", tiny_config(tokenizer.vocab_size))
+    monkeypatch.setitem(PRESETS, "small", tiny_config(tokenizer.vocab_size, gpu))
     monkeypatch.setitem(train.PRESET_HYPER, "small", HYPER)
-    script = WORKER.format(tests=os.path.join(ROOT, "tests"), vocab=tokenizer.vocab_size,
+    script = WORKER.format(tests=os.path.join(ROOT, "tests"), vocab=tokenizer.vocab_size, gpu=gpu,
                            hyper=dataclasses.asdict(HYPER))
     common = ["--data", str(corpus), "--tokenizer", str(tokenizer_file), "--device", "cpu"]
 
@@ -227,6 +227,16 @@ def tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, tmp_path):
     def two(*args):
         return launch.launch([sys.executable, "-c", script, "train", *common, *map(str, args), "--gpus", "2"], 2)
     return one, two
+
+
+@pytest.fixture
+def tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file):
+    return _tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, gpu=False)
+
+
+@pytest.fixture
+def tiny_gpu_runs(monkeypatch, tokenizer, corpus, tokenizer_file):
+    return _tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, gpu=True)
 
 
 def test_checkpoints_move_between_world_sizes(tiny_runs, tmp_path):
@@ -374,9 +384,9 @@ def test_nccl_world_of_one_trains_like_a_single_process():
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
 @pytest.mark.parametrize("zero", [0, 1])
-def test_two_gpus_train_like_one_gpu_at_twice_the_batch(tiny_runs, tmp_path, zero):
+def test_two_gpus_train_like_one_gpu_at_twice_the_batch(tiny_gpu_runs, tmp_path, zero):
     """NCCL: the tiny preset in fp32 on 2 GPUs at batch 2 against 1 GPU at batch 4, 6 steps."""
-    one, two = tiny_runs
+    one, two = tiny_gpu_runs
     gpu = ["--device", "gpu", "--precision", "fp32"]
     assert one(*gpu, "--out", tmp_path / "ref.bin") == 0
     assert two(*gpu, "--batch-size", 2, "--zero", zero, "--out", tmp_path / "a.bin") == 0

@@ -390,8 +390,17 @@ def _attention(out, lse, qkv, kv, k_head, n_heads, n_kv_heads, q_start):
             lse[b, h, t] = m[c] + math.log(total[c])
 
 
+def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads, cos=None, sin=None):
+    """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); with the rotary tables cos,
+    sin, dq and dk are the gradients of the unrotated q and k (rope_backward after it, positions 0..T-1; the
+    GPU folds it into the kernels' stores)."""
+    _attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads)
+    if cos is not None:
+        rope_backward(dqkv, cos, sin, n_heads + n_kv_heads, np.zeros(1, dtype=np.int32))
+
+
 @njit(**pjit)
-def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
+def _attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
     """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D).
 
     FlashAttention's recurrence: p_ij = exp(s_ij - lse_i), dp_ij = dout_i . v_j, delta_i = dout_i . out_i,

@@ -245,13 +245,17 @@ def check_attention(c, L, R):
         out.append((f"attention_forward{c.tag} lse", rel_err(c.get(glse), ref_lse), c.tol))
         # the backward pass reads the forward's output and lse: give both engines the GPU's
         dout, o, lse32 = c.act(c.normal(B, T, H, D)), c.get(go).astype(np.float64), c.get(glse).astype(np.float64)
-        ref_d = np.empty_like(qkv)
-        R.attention_backward(ref_d, dout, o, lse32, qkv, H, G)
-        gd = c.poisoned(B, T, NH, D)
-        L.attention_backward(gd, c.dev(dout), go, glse, gqkv, H, G)
-        gd = c.get(gd)
-        for part, sl in (("dq", slice(0, H)), ("dk", slice(H, H + G)), ("dv", slice(H + G, NH))):
-            out.append((f"attention_backward{c.tag} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]), c.tol))
+        # plain, and through the rotary embedding (rope_backward folded into the stores of dq and dk)
+        cos, sin = rope_tables(D, T, 10000.0, np.float64)
+        for rope, tables in (("", ()), (" +rope", (cos, sin))):
+            ref_d = np.empty_like(qkv)
+            R.attention_backward(ref_d, dout, o, lse32, qkv, H, G, *tables)
+            gd = c.poisoned(B, T, NH, D)
+            L.attention_backward(gd, c.dev(dout), go, glse, gqkv, H, G, *(c.dev32(t) for t in tables))
+            gd = c.get(gd)
+            for part, sl in (("dq", slice(0, H)), ("dk", slice(H, H + G)), ("dv", slice(H + G, NH))):
+                out.append((f"attention_backward{c.tag}{rope} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]),
+                            c.tol))
     # decoding: a prompt of 90, then 11 (across a 32-key chunk's end) and 1 new rows, appended to a KV cache
     # of 109 positions and attending to it (the cache's untouched tail stays poisoned on both sides)
     B, S, H, G = 2, 109, 6, 2

@@ -77,10 +77,20 @@ def _module(name, defines=()):
 
 
 @functools.lru_cache(maxsize=None)
+def _compiled(module, name, defines=()):
+    return _module(module, defines).get_function(name)
+
+
+_opted_in = {}  # kernel -> the dynamic shared memory it may launch with, where above the default 48 KB
+
+
 def _kernel(module, name, defines=(), dynamic_smem=0):
-    k = _module(module, defines).get_function(name)
-    if dynamic_smem > 48 * 1024:  # above the default limit a kernel has to opt in
+    """The kernel, allowed to launch with dynamic_smem bytes of dynamic shared memory: above 48 KB a kernel
+    has to opt in, and the limit only ever rises (it belongs to the kernel, not to one launch)."""
+    k = _compiled(module, name, defines)
+    if dynamic_smem > max(48 * 1024, _opted_in.get(k, 0)):
         k.max_dynamic_shared_size_bytes = dynamic_smem
+        _opted_in[k] = dynamic_smem
     return k
 
 
@@ -202,17 +212,21 @@ def matmul_forward(out, x, w, accumulate=False):
 def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None):
     """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x: RMSNorm folded in when given its gain;
     SwiGLU of the gate|up product into glu_out, or the rotary embedding (rope = (cos, sin, pos, T, rotated
-    rows, D/2)) of the qkv product, when given. The kernel is the one built for R >= N rows (1, 2, 4 or 8);
-    each output column takes `split` warps, the fewest (at most 8) whose lanes load a row of w with 4 loads
-    each, whatever R: a row's sums then run in the same order in a step of 1 row as of K, so a speculative
-    step's rows get plain decoding's bits, and its greedy tokens (with one load a lane, more warps, plain
-    decoding took 0.46 ms a token instead of 0.28 on the H100)."""
+    rows, D/2)) of the qkv product, when given. The kernel is the one built for R >= N rows (1, 2, 4 or 8),
+    with x's rows and the gain in shared memory where R > 1; each output column takes `split` warps, the fewest (at
+    most 8) whose lanes load a row of w with 4 loads each, whatever R: a row's sums then run in the same
+    order in a step of 1 row as of K, so a speculative step's rows get plain decoding's bits, and its greedy
+    tokens (with one load a lane, more warps, plain decoding took 0.46 ms a token instead of 0.28 on the H100)."""
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
+    R = next(r for r in (1, 2, 4, MATMUL_SMALL_ROWS) if N <= r)
+    staged = 0 if R == 1 else (N + (gain is not None)) * I * x.itemsize  # x's rows and the gain
+    if staged > _max_dynamic_smem():
+        raise ValueError(f"decoding {N} rows of {I} elements needs {staged} bytes of shared memory; this GPU "
+                         f"gives a block {_max_dynamic_smem()}")
     aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
     pack = 16 // x.itemsize
     packed = I % pack == 0 and all(aligned)
     stretch = 32 * (pack if packed else 1)  # elements a warp's lanes load at once
-    R = next(r for r in (1, 2, 4, MATMUL_SMALL_ROWS) if N <= r)
     split = 1
     while split < 8 and split * stretch * 4 < I:
         split *= 2
@@ -221,11 +235,21 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     if glu_out is not None:
         half = O // 2
     columns = O // 2 if half else O
-    _launch(_kernel("matmul", f"matmul_small_r{R}", _act_defines(x)),
+    _launch(_kernel("matmul", f"matmul_small_r{R}", _act_defines(x), staged),
         (_blocks(columns, 8 // split),), (256,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(split), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
-         _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(rot)))
+         _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(rot)),
+        shared_mem=staged)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_dynamic_smem():
+    """The dynamic shared memory a block of the matrix-vector kernel may ask for: the device's opt-in
+    limit less its static partial sums (8 warps x 3 x 8 floats) and 1 KB to spare."""
+    runtime = cupy.cuda.runtime
+    limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, cupy.cuda.Device().id)
+    return limit - 8 * 3 * MATMUL_SMALL_ROWS * 4 - 1024
 
 
 def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
@@ -429,10 +453,12 @@ def _attention_backward_smem(D, defines):
     return (2 + 2 * stages) * tile + stages * 2 * _TILE * 4, (2 + 2 * stages) * tile
 
 
-def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
+def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads, cos=None, sin=None):
     """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0).
     dK and dV come from one kernel (a block per kv head and key tile, looping over its query heads), dQ from
-    another (a block per query head and query tile): every element is written once, with no atomics."""
+    another (a block per query head and query tile): every element is written once, with no atomics. With
+    the rotary tables cos, sin, dq and dk are the gradients of the unrotated q and k (rope_backward folded
+    into the kernels' stores, positions 0..T-1)."""
     _check(dqkv, dout, out, qkv, act=qkv)
     _check(lse)
     B, T, NH, D = qkv.shape
@@ -440,7 +466,11 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads):
     delta = cupy.empty((B, n_heads, T), dtype=np.float32)
     _kernel("attention", "attention_backward_delta", defines)(
         (_blocks(B * T * n_heads, 8),), (256,), (delta, dout, out, _i32(B), _i32(T), _i32(n_heads), _i32(D)))
-    args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale)
+    if cos is not None:
+        _check(cos, sin)
+    null = np.uint64(0)
+    args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale,
+            null if cos is None else cos, null if sin is None else sin)
     smem_dkdv, smem_dq = _attention_backward_smem(D, defines)
     _kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem_dkdv)(
         (n_kv_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem_dkdv)

@@ -30,6 +30,10 @@
 
 #define ATT_TILE 64
 #define ATT_THREADS 128
+// Blocks an SM keeps of each backward kernel: 3 holds the bf16 dK/dV kernel to 168 registers (from 182, 2
+// blocks) without spills, 5% off the backward (H100, base, 32 x 512); 4 spills, and the forward (136
+// registers, 3 blocks) is slower held to 4.
+#define ATT_BACKWARD_BLOCKS 3
 // -DATT_PRECISE=1 for the 3xTF32 kernels of the checks.
 #ifndef ATT_PRECISE
 #define ATT_PRECISE 0
@@ -62,6 +66,33 @@ __device__ __forceinline__ void att_store2(float* p, float a, float b) {
 }
 __device__ __forceinline__ void att_store2(bf16* p, float a, float b) {
     *reinterpret_cast<unsigned*>(p) = pack_bf16x2(a, b);
+}
+
+// A row of a head's gradient from its accumulators c[D/8][4] (columns dn * 8 + 2t, +1; e0 = 0 for row g, 2
+// for row g + 8) times scale, into dst (the row's head in dqkv, plus 2t). With a rotary table (cos_t: training's
+// positions 0.., (T, D/2)) the rotary embedding's backward comes with it: the gradient of the unrotated q or k,
+// the inverse rotation (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin) of each pair (c, c + D/2), which sits in
+// this thread's accumulators dn and dn + D/16. It saves a pass over dqkv (rope_backward) a layer.
+template <int D>
+__device__ __forceinline__ void att_store_row(act_t* dst, const float (&c)[D / 8][4], int e0, float scale,
+                                              const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                              int pos) {
+    float v[D / 8][2];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) v[dn][0] = c[dn][e0] * scale, v[dn][1] = c[dn][e0 + 1] * scale;
+    if (cos_t) {
+        const int t = threadIdx.x & 3;
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const long long at = (long long)pos * (D / 2) + dn * 8 + 2 * t + e;
+                rotate_pair(v[dn][e], v[dn + D / 16][e], cos_t[at], -sin_t[at], v[dn][e], v[dn + D / 16][e]);
+            }
+        }
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, v[dn][0], v[dn][1]);
 }
 
 // ------------------------------------------------------------------------------------------ mma policies
@@ -445,14 +476,16 @@ extern __shared__ __align__(16) unsigned char att_smem[];  // the backward kerne
 // longest). The block keeps its keys' dK and dV in registers while it walks the group's H / G query heads
 // and, for each, the query tiles at and after the diagonal; warp w owns keys 16w .. 16w + 15, so S and dP
 // come out transposed (keys x queries) and P^T, dS^T are the A operands of dV += P^T dO, dK += dS^T Q.
-// Writes the k and v heads of dqkv (B, T, NH, D), each row once. lse natural-log, delta from the kernel above.
+// Writes the k and v heads of dqkv (B, T, NH, D), each row once (dK through att_store_row: with cos_t, of the
+// unrotated k). lse natural-log, delta from the kernel above.
 template <int D, class M>
 __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict__ dqkv,
                                                               const act_t* __restrict__ dout,
                                                               const float* __restrict__ lse,
                                                               const float* __restrict__ delta,
                                                               const act_t* __restrict__ qkv, int T, int H, int G,
-                                                              float scale) {
+                                                              float scale, const float* __restrict__ cos_t,
+                                                              const float* __restrict__ sin_t) {
     // dynamic smem: (2 + 2 * STAGES) * 64 * (E * D + 16) + STAGES * 2 * 64 * 4 bytes, E = sizeof(elem_t): 4
     // (STAGES 1), or 2 in the bf16 build (STAGES 2)
     typedef typename M::elem_t elem_t;
@@ -574,22 +607,12 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
     }
     act_t* dbase = dqkv + (long long)b * T * rs;
     if (key0 < T) {
-        act_t* dkr = dbase + key0 * rs + (H + kvh) * D + 2 * t;
-        act_t* dvr = dbase + key0 * rs + (H + G + kvh) * D + 2 * t;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            att_store2(dkr + dn * 8, dk[dn][0] * scale, dk[dn][1] * scale);
-            att_store2(dvr + dn * 8, dv[dn][0], dv[dn][1]);
-        }
+        att_store_row<D>(dbase + key0 * rs + (H + kvh) * D + 2 * t, dk, 0, scale, cos_t, sin_t, key0);
+        att_store_row<D>(dbase + key0 * rs + (H + G + kvh) * D + 2 * t, dv, 0, 1.f, nullptr, nullptr, 0);
     }
     if (key1 < T) {
-        act_t* dkr = dbase + key1 * rs + (H + kvh) * D + 2 * t;
-        act_t* dvr = dbase + key1 * rs + (H + G + kvh) * D + 2 * t;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            att_store2(dkr + dn * 8, dk[dn][2] * scale, dk[dn][3] * scale);
-            att_store2(dvr + dn * 8, dv[dn][2], dv[dn][3]);
-        }
+        att_store_row<D>(dbase + key1 * rs + (H + kvh) * D + 2 * t, dk, 2, scale, cos_t, sin_t, key1);
+        att_store_row<D>(dbase + key1 * rs + (H + G + kvh) * D + 2 * t, dv, 2, 1.f, nullptr, nullptr, 0);
     }
 }
 
@@ -599,14 +622,15 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
 // registers they would cost 8 D / KS more registers a thread, and the 3xTF32 build would spill); for each
 // key tile 0 .. diagonal: S = Q K^T, dP = dO V^T, P = exp(S - lse) (causal mask on the diagonal),
 // dS = P (dP - delta), and dQ += dS K with dS straight from the accumulators. dQ * scale is written once into
-// the q head of dqkv.
+// the q head of dqkv (att_store_row: with cos_t, the gradient of the unrotated q).
 template <int D, class M>
 __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ dqkv,
                                                             const act_t* __restrict__ dout,
                                                             const float* __restrict__ lse,
                                                             const float* __restrict__ delta,
                                                             const act_t* __restrict__ qkv, int T, int H, int G,
-                                                            float scale) {
+                                                            float scale, const float* __restrict__ cos_t,
+                                                            const float* __restrict__ sin_t) {
     // dynamic smem: (2 + 2 * STAGES) * 64 * (E * D + 16) bytes, E = sizeof(elem_t): 4 (STAGES 1), or 2 in the
     // bf16 build (STAGES 2)
     typedef typename M::elem_t elem_t;
@@ -700,28 +724,22 @@ __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ 
         }
     }
     act_t* dbase = dqkv + (long long)b * T * rs;
-    if (row0 < T) {
-        act_t* dst = dbase + row0 * rs + h * D + 2 * t;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, dq[dn][0] * scale, dq[dn][1] * scale);
-    }
-    if (row1 < T) {
-        act_t* dst = dbase + row1 * rs + h * D + 2 * t;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, dq[dn][2] * scale, dq[dn][3] * scale);
-    }
+    if (row0 < T) att_store_row<D>(dbase + row0 * rs + h * D + 2 * t, dq, 0, scale, cos_t, sin_t, row0);
+    if (row1 < T) att_store_row<D>(dbase + row1 * rs + h * D + 2 * t, dq, 2, scale, cos_t, sin_t, row1);
 }
 
 #define ATTENTION_BACKWARD(D)                                                                                \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BACKWARD_BLOCKS)                           \
         attention_backward_dkdv_d##D(act_t* dqkv, const act_t* dout, const float* lse, const float* delta,  \
-                                     const act_t* qkv, int T, int H, int G, float scale) {                  \
-        attention_backward_dkdv_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale);              \
+                                     const act_t* qkv, int T, int H, int G, float scale, const float* cos_t, \
+                                     const float* sin_t) {                                                  \
+        attention_backward_dkdv_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale, cos_t, sin_t); \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BACKWARD_BLOCKS)                           \
         attention_backward_dq_d##D(act_t* dqkv, const act_t* dout, const float* lse, const float* delta,    \
-                                   const act_t* qkv, int T, int H, int G, float scale) {                    \
-        attention_backward_dq_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale);                \
+                                   const act_t* qkv, int T, int H, int G, float scale, const float* cos_t,   \
+                                   const float* sin_t) {                                                    \
+        attention_backward_dq_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale, cos_t, sin_t);  \
     }
 ATTENTION_BACKWARD(64)
 ATTENTION_BACKWARD(32)

@@ -2,11 +2,16 @@
 // cuBLAS does the training products; at batch 1 a product is a matrix-vector product, bound by reading w
 // once, and cuBLAS through CuPy cannot be recorded into a CUDA graph. A decoding step is a chain of such
 // products, each too small to keep the memory busy for long, so what counts is the latency of one: every
-// lane issues all its loads of w (up to loads(R) 16-byte loads, 8 bf16 or 4 float), and of x and the gain,
-// before it uses the first, and the whole matrix is in flight at once. `split` consecutive warps of a block (8
-// warps) own an output column o (a row of w), each taking every split-th 32 * PACK-element stretch of the
-// row; their float32 partial sums meet in shared memory in a fixed order. out is act_t or float32 (the
-// logits); with accumulate the product is added to it (the residual stream), the old value read at the start.
+// lane issues all its loads of w (up to LOADS 16-byte loads, 8 bf16 or 4 float) before it uses the first, and
+// the whole matrix is in flight at once. x's rows (and the gain) are read by every warp of a block: the
+// builds for more than one row copy them into shared memory once (dynamic: N x I elements, and I for the
+// gain) rather than each lane holding its share of every row in registers beside w's loads (that cost the
+// 4-row build of a speculative step 179 registers and a block an SM, and its products 1.4 to 1.9x the
+// time of one row's); one row stays in registers, where the copy's barrier would cost a plain step 14%
+// (H100, `base`). `split` consecutive warps of a block (8 warps) own an output column o
+// (a row of w), each taking every split-th 32 * PACK-element stretch of the row; their float32 partial sums
+// meet in shared memory in a fixed order. out is act_t or float32 (the logits); with accumulate the product
+// is added to it (the residual stream), the old value read at the start.
 //
 // With a gain g (norm != 0) the product is RMSNorm's folded in: out = (x * rstd * g) @ w^T, computed as
 // rstd * ((x * g) @ w^T), the rows' squares summed in the same pass over x (column 0 stores rstd).
@@ -18,15 +23,13 @@
 // - rope (the attention's qkv product, half = D/2): the pair is rotated by the rotary embedding (rounded
 //   first, as rope_forward finds it in qkv) at position *pos + (row % T) when i < rot (the q and k heads).
 // Each saves decoding a launch a layer.
+//
+// A lane's sums run in the same order for any number of rows (the split layers.py picks depends on I only),
+// so a speculative step's rows get plain decoding's bits.
 #include "common.cuh"
 
 #define MATMUL_SMALL_ROWS 8
-
-// The loads of w a lane has in flight, for a kernel built for R rows of x (whose loads are in flight too):
-// 4, so that with the split layers.py (_matmul_small) picks, the same for every R (a lane's sums then run in
-// the same order for any number of rows), a lane loads its share of a row of up to 8 warps' loads at once;
-// 3 for 2 rows (4 spill there), 1 for 8 (prefill chunks, where the registers run out).
-__host__ __device__ constexpr int loads(int R) { return R == 2 ? 3 : R <= 4 ? 4 : 1; }
+#define LOADS 4  // the 16-byte loads of w a lane has in flight; layers.py picks split for it
 
 // The raw bits of V elements: one 16-byte load (V = PACK) or one element (V = 1, rows of odd length).
 template <int V>
@@ -61,6 +64,30 @@ __device__ __forceinline__ void store_out(void* out, long long at, float v, int 
     else static_cast<act_t*>(out)[at] = from_float<act_t>(v);
 }
 
+// n elements from src to dst in shared memory, by the whole block: 16 bytes a copy straight into shared memory
+// when packed (cp.async: all of a thread's copies in flight at once), else one element a copy. The caller
+// waits (staged_wait) and syncs the block.
+__device__ __forceinline__ void stage(act_t* dst, const act_t* src, int n, int packed) {
+    if (packed) {
+        for (int j = threadIdx.x * PACK; j < n; j += blockDim.x * PACK) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+            const unsigned to = (unsigned)__cvta_generic_to_shared(dst + j);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src + j));
+#else
+            *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(src + j);
+#endif
+        }
+    } else {
+        for (int j = threadIdx.x; j < n; j += blockDim.x) dst[j] = src[j];
+    }
+}
+
+__device__ __forceinline__ void staged_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // The rotary embedding of the pair product (rope: cos_t, sin_t (S, half), the first row's position *pos, T rows
 // a sequence, rotated rows below rot).
 struct Rope {
@@ -70,10 +97,9 @@ struct Rope {
     int T, rot;
 };
 
-// W: weight rows a column takes (2 when paired); R: the rows of x the kernel is built for (N <= R; their
-// loads join w's). packed: I is a multiple of PACK and x, w, gain start 16-byte aligned (else V = 1, a load
-// an element).
-template <int V, int W, int R, int MAXP = loads(R)>
+// W: weight rows a column takes (2 when paired); R: the rows of x the kernel is built for (N <= R). packed: I
+// is a multiple of PACK and x, w, gain start 16-byte aligned (else V = 1, a load an element).
+template <int V, int W, int R>
 __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const act_t* __restrict__ x,
                                                    const act_t* __restrict__ w, int N, int O, int I, int split,
                                                    int out_f32, int accumulate, const act_t* __restrict__ gain,
@@ -81,6 +107,9 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
                                                    act_t* __restrict__ glu_out, Rope rope) {
     constexpr int SLOTS = (W + 1) * R;  // per warp: W dot products and the squares, per row
     __shared__ float partial[8][SLOTS];
+    extern __shared__ __align__(16) unsigned char matmul_staged[];
+    act_t* xs = reinterpret_cast<act_t*>(matmul_staged);  // x (N, I), then the gain (I)
+    act_t* gs = xs + N * I;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % split;
     const int cols = O / W, o = blockIdx.x * (8 / split) + warp / split;
     const int row0 = W == 1 ? o : o / half * 2 * half + o % half;  // w's (and out's) first row of the column
@@ -88,10 +117,10 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
     let_next_launch();
     const int stride = split * 32 * V;
     int base = (sub * 32 + lane) * V;
-    Raw<V> wr[W][MAXP];  // the weights of a round of loads; the first round's go out before the wait
+    Raw<V> wr[W][LOADS];  // the weights of a round of loads; the first round's go out before the wait
     const auto load_weights = [&]() {
 #pragma unroll
-        for (int p = 0; p < MAXP; ++p) {
+        for (int p = 0; p < LOADS; ++p) {
             const int i = base + p * stride;
             if (o < cols && i < I) {
 #pragma unroll
@@ -107,6 +136,11 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
         cs = rope.cos_t[at], sn = rope.sin_t[at];
     }
     wait_for_inputs();
+    constexpr bool STAGED = R > 1;  // x's rows and the gain from shared memory, else from registers
+    if constexpr (STAGED) {
+        stage(xs, x, N * I, V > 1);
+        if (gain) stage(gs, gain, I, V > 1);
+    }
     float prior[W];  // what is accumulated onto
 #pragma unroll
     for (int k = 0; k < W; ++k)
@@ -118,22 +152,28 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
 #pragma unroll
         for (int k = 0; k < W; ++k) acc[k][r] = 0.f;
     }
+    if constexpr (STAGED) {
+        staged_wait();
+        __syncthreads();
+    }
     if (o < cols) {
-        for (bool first = true; base < I; base += MAXP * stride, first = false) {
+        for (bool first = true; base < I; base += LOADS * stride, first = false) {
             if (!first) load_weights();
-            Raw<V> gr[MAXP], xr[R][MAXP];
+            Raw<V> gr[LOADS], xr[R][LOADS];  // unstaged: a round's gain and x, loaded together
+            if constexpr (!STAGED) {
 #pragma unroll
-            for (int p = 0; p < MAXP; ++p) {
-                const int i = base + p * stride;
-                if (i < I) {
-                    if (gain) gr[p] = load_raw<V>(gain + i);
+                for (int p = 0; p < LOADS; ++p) {
+                    const int i = base + p * stride;
+                    if (i < I) {
+                        if (gain) gr[p] = load_raw<V>(gain + i);
 #pragma unroll
-                    for (int r = 0; r < R; ++r)
-                        if (r < N) xr[r][p] = load_raw<V>(x + (long long)r * I + i);
+                        for (int r = 0; r < R; ++r)
+                            if (r < N) xr[r][p] = load_raw<V>(x + (long long)r * I + i);
+                    }
                 }
             }
 #pragma unroll
-            for (int p = 0; p < MAXP; ++p) {
+            for (int p = 0; p < LOADS; ++p) {
                 const int i = base + p * stride;
                 if (i < I) {
                     float wv[W][V];
@@ -141,7 +181,7 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
                     for (int k = 0; k < W; ++k) unpack(wv[k], wr[k][p]);
                     if (gain) {
                         float g[V];
-                        unpack(g, gr[p]);
+                        unpack(g, STAGED ? load_raw<V>(gs + i) : gr[p]);
 #pragma unroll
                         for (int k = 0; k < W; ++k)
 #pragma unroll
@@ -151,7 +191,7 @@ __device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const
                     for (int r = 0; r < R; ++r) {
                         if (r < N) {
                             float xv[V];
-                            unpack(xv, xr[r][p]);
+                            unpack(xv, STAGED ? load_raw<V>(xs + r * I + i) : xr[r][p]);
 #pragma unroll
                             for (int e = 0; e < V; ++e) {
                                 ss[r] += xv[e] * xv[e];
@@ -219,10 +259,10 @@ __device__ __forceinline__ void matmul_small_rows(void* out, const act_t* x, con
         matmul_small_block<1, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, half, glu_out, rope);
 }
 
-// Grid: ceil(columns / (8 / split)) blocks of 256 threads; split in {1, 2, 4, 8}; half 0 (plain) or the
-// pairing distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). matmul_small_rR takes up
-// to R rows, built apart so that each has the registers it needs: r1 for batch-1 decoding, r4 for a
-// speculative verification of 4 tokens.
+// Grid: ceil(columns / (8 / split)) blocks of 256 threads, x's rows (and the gain) as dynamic shared memory
+// where R > 1; split in {1, 2, 4, 8}; half 0 (plain) or the pairing distance, with glu_out (SwiGLU's output)
+// or cos_t (the rotary embedding). matmul_small_rR takes up to R rows (its sums R a lane): r1 for batch-1 decoding, r4 for
+// a speculative verification of 4 tokens, r8 for a prompt's chunks.
 #define MATMUL_SMALL(NAME, R)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
         NAME(void* __restrict__ out, const act_t* __restrict__ x, const act_t* __restrict__ w, int N, int O,     \
