@@ -195,27 +195,30 @@ class Engine:
             resid, resid_mid = a["resid"][i], a["resid_mid"][i]
             qkv, att = a["qkv"][i], a["att"][i]
             # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
+            # the skip connections: the norm copies its input into the stream's next buffer (training keeps
+            # one a sublayer; decoding updates one in place), and the sublayer's matmul adds its output there
+            skip = resid_mid if resid_mid is not resid else None
+            resid_next = a["resid"][i + 1]
             position = self.zero_position if cache is None else cache.position
             L.rmsnorm_matmul_rope_forward(qkv, a["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"], cfg.norm_eps,
-                                          a["xn1"][i], self.cos, self.sin, H + G, position)
+                                          a["xn1"][i], self.cos, self.sin, H + G, position, skip)
             if cache is None:
                 L.attention_forward(att, a["lse"][i], qkv, H, G)
             else:  # k and v into the cache, attention over it
                 L.attention_cached(att, a["lse"][i], qkv, cache.kv[i], H, G, cache.position)
-            if resid_mid is not resid:
-                resid_mid[...] = resid  # the skip connection, then the block's output added by the matmul
             L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
             # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
             L.rmsnorm_matmul_swiglu_forward(a["sw"][i], a["gate_up"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"],
-                                            p[w + "w_gate_up"], cfg.norm_eps, a["xn2"][i])
-            if a["resid"][i + 1] is not resid_mid:
-                a["resid"][i + 1][...] = resid_mid
-            L.matmul_forward(a["resid"][i + 1], a["sw"][i], p[w + "w_down"], accumulate=True)
+                                            p[w + "w_gate_up"], cfg.norm_eps, a["xn2"][i],
+                                            resid_next if resid_next is not resid_mid else None)
+            L.matmul_forward(resid_next, a["sw"][i], p[w + "w_down"], accumulate=True)
         L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
 
     def _losses(self, a, targets, backward, counts):
-        """All K heads' logits (N, K*V) in one matmul, then the fused softmax cross-entropy. Each head's loss
-        is its sum over supervised targets divided by counts[k] (this batch's, or a larger batch's)."""
+        """All K heads' logits (N, K*V) in one matmul, then the fused softmax cross-entropy. Returns a function
+        that reads back (loss, loss0) (the caller queues the backward pass first, so the device does not wait
+        for the host in between): each head's loss is its sum over supervised targets divided by counts[k]
+        (this batch's, or a larger batch's)."""
         cfg, xp = self.cfg, self.xp
         K = cfg.mtp_heads
         targets = targets.reshape(K, -1)
@@ -229,8 +232,12 @@ class Engine:
                                                  xp.asarray(dscale.astype(self.dtype)))
         else:
             self.L.crossentropy_forward(a["losses"], a["logits"], targets)
-        per_head = self._to_numpy(a["losses"].sum(axis=1)).astype(np.float64) / np.maximum(counts, 1)
-        return float(per_head.mean()), float(per_head[0])
+        sums = a["losses"].sum(axis=1)
+
+        def read():
+            per_head = self._to_numpy(sums).astype(np.float64) / np.maximum(counts, 1)
+            return float(per_head.mean()), float(per_head[0])
+        return read
 
     def _tokens(self, inputs):
         """inputs as a (B, T) int32 array of the engine's library; refuses what does not fit the context (the
@@ -257,7 +264,7 @@ class Engine:
         a = self._activations(B, T)
         with self._mode():
             self._forward(inputs, a, B, T)
-            return self._losses(a, targets, backward=False, counts=counts)
+            return self._losses(a, targets, backward=False, counts=counts)()
 
     def sequence_logprobs(self, inputs, targets):
         """(B,) float64: each row's sum of head-0 log-probabilities of its supervised targets (targets[0] >= 0;
@@ -296,7 +303,7 @@ class Engine:
         counts = batch_counts if counts is None else counts
         loss = self._losses(a, targets, backward=True, counts=counts)  # a['logits'] now holds d loss / d logits
         self._backward(inputs, a, B, T, accumulate)
-        return loss
+        return loss()
 
     def _backward(self, inputs, a, B, T, accumulate):
         """From d loss / d logits in a['logits'] to every parameter's gradient (into self.grads, or added)."""

@@ -92,25 +92,29 @@ def matmul_backward(dx, dw, dout, x, w):
     dw += dout.T @ x
 
 
-def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
+def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):
     """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
-    here (on the GPU it is scratch: decoding's few rows are normalised inside the product, one kernel)."""
+    (on the GPU decoding's few rows are normalised inside the product, one kernel, and leave it untouched).
+    skip (N, C), where given, receives a copy of x: the residual stream's next buffer (the GPU copies it
+    on the norm's read of x)."""
+    if skip is not None:
+        skip[...] = x
     rmsnorm_forward(xn, rstd, x, norm_w, eps)
     matmul_forward(out, xn, w)
 
 
-def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos):
+def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
     """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
     embedding of its first n_rot_heads heads (q and k) at positions pos[0] + t (one GPU kernel for decoding's
-    few rows)."""
-    rmsnorm_matmul_forward(qkv.reshape(x.shape[0], -1), rstd, x, norm_w, w, eps, xn)
+    few rows); xn, skip as rmsnorm_matmul_forward."""
+    rmsnorm_matmul_forward(qkv.reshape(x.shape[0], -1), rstd, x, norm_w, w, eps, xn, skip)
     rope_forward(qkv, cos, sin, n_rot_heads, pos)
 
 
-def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn):
+def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
     """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, then out (N, F) =
-    silu(gate) * up (one kernel on the GPU for decoding's few rows)."""
-    rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn)
+    silu(gate) * up (one kernel on the GPU for decoding's few rows); xn, skip as rmsnorm_matmul_forward."""
+    rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
     swiglu_forward(out, gate_up)
 
 

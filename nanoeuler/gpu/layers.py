@@ -252,41 +252,51 @@ def _max_dynamic_smem():
     return limit - 8 * 3 * MATMUL_SMALL_ROWS * 4 - 1024
 
 
-def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn):
-    """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) is scratch. A few rows
-    (decoding) take one kernel that normalises its input on the way; more, rmsnorm_forward into xn then cuBLAS."""
+def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):
+    """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
+    (what the backward multiplies with). skip (N, C), where given, receives a copy of x: the next buffer of
+    the residual stream, which the sublayer's output is then added to; the copy rides on the norm's read of
+    x. A few rows (decoding) take one kernel that normalises its input on the way (xn untouched); more,
+    the norm into xn, then cuBLAS."""
     if x.shape[0] > MATMUL_SMALL_ROWS:
-        rmsnorm_forward(xn, rstd, x, norm_w, eps)
+        _rmsnorm_forward(xn, rstd, x, norm_w, eps, skip)
         matmul_forward(out, xn, w)
         return
     _check(x, norm_w, w, act=x)
     _check(rstd)
+    if skip is not None:
+        skip[...] = x
     _matmul_small(out, x, w, False, norm_w, rstd, eps)
 
 
-def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos):
+def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
     """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
-    embedding of its first n_rot_heads heads at positions pos[0] + t. A few rows (decoding) take one kernel."""
+    embedding of its first n_rot_heads heads at positions pos[0] + t; xn, skip as rmsnorm_matmul_forward. A
+    few rows (decoding) take one kernel."""
     B, T, NH, D = qkv.shape
     if B * T > MATMUL_SMALL_ROWS:
-        rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn)
+        rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
         rope_forward(qkv, cos, sin, n_rot_heads, pos)
         return
     _check(qkv, x, norm_w, w, act=x)
     _check(rstd, cos, sin)
+    if skip is not None:
+        skip[...] = x
     _matmul_small(qkv.reshape(B * T, -1), x, w, False, norm_w, rstd, eps,
                   rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2))
 
 
-def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn):
+def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
     """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
-    silu(gate) * up. A few rows (decoding) take one kernel for all of it."""
+    silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows (decoding) take one kernel for all of it."""
     if x.shape[0] > MATMUL_SMALL_ROWS:
-        rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn)
+        rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
         swiglu_forward(out, gate_up)
         return
     _check(out, gate_up, x, norm_w, w, act=x)
     _check(rstd)
+    if skip is not None:
+        skip[...] = x
     _matmul_small(gate_up, x, w, False, norm_w, rstd, eps, glu_out=out)
 
 
@@ -335,12 +345,20 @@ def _rmsnorm_chunks(C, *arrays):
 
 def rmsnorm_forward(out, rstd, x, w, eps):
     """out (N, C) = x / sqrt(mean(x^2) + eps) * w; rstd (N,)"""
+    _rmsnorm_forward(out, rstd, x, w, eps, None)
+
+
+def _rmsnorm_forward(out, rstd, x, w, eps, skip):
+    """rmsnorm_forward, and with skip (N, C) a copy of x there (rmsnorm_matmul_forward)."""
     _check(out, x, w, act=x)
     _check(rstd)
+    if skip is not None:
+        _check(skip, act=x)
     N, C = x.shape
-    K = _rmsnorm_chunks(C, out, x, w)
+    K = _rmsnorm_chunks(C, out, x, w, *(() if skip is None else (skip,)))
     _kernel("rmsnorm", "rmsnorm_forward" if K is None else f"rmsnorm_forward_k{K}", _act_defines(x))(
-        (_blocks(N, 8),), (256,), (out, rstd, x, w, _i32(N), _i32(C), _f32(eps)))
+        (_blocks(N, 8),), (256,),
+        (out, rstd, x, w, _i32(N), _i32(C), _f32(eps), np.uint64(0) if skip is None else skip))
 
 
 def rmsnorm_backward(dx, dw, dout, x, w, rstd):

@@ -21,11 +21,12 @@ __device__ __forceinline__ void load_chunks(uint4 (&u)[K], const act_t* __restri
     }
 }
 
-// out (N, C) = x * rstd * w, rstd (N,) = 1 / sqrt(mean(x^2) + eps); the generic kernel's arithmetic.
+// out (N, C) = x * rstd * w, rstd (N,) = 1 / sqrt(mean(x^2) + eps); the generic kernel's arithmetic. skip
+// (null or (N, C)) receives a copy of x: the residual stream's next buffer (layers.py: rmsnorm_matmul_forward).
 template <int K>
 __device__ __forceinline__ void rmsnorm_forward_regs(act_t* __restrict__ out, float* __restrict__ rstd,
                                                      const act_t* __restrict__ x, const act_t* __restrict__ w,
-                                                     int N, int C, float eps) {
+                                                     int N, int C, float eps, act_t* __restrict__ skip) {
     const int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= N) return;
     uint4 xu[K], wu[K];
@@ -53,6 +54,7 @@ __device__ __forceinline__ void rmsnorm_forward_regs(act_t* __restrict__ out, fl
 #pragma unroll
         for (int i = 0; i < PACK; ++i) v[i] *= r * g[i];
         *reinterpret_cast<uint4*>(orow + c) = pack16(v);
+        if (skip) *reinterpret_cast<uint4*>(skip + (long long)row * C + c) = xu[k];
     }
 }
 
@@ -132,8 +134,8 @@ __device__ __forceinline__ void rmsnorm_backward_regs(act_t* __restrict__ dx, fl
 #define RMSNORM_REGS(K)                                                                                          \
     extern "C" __global__ void rmsnorm_forward_k##K(act_t* __restrict__ out, float* __restrict__ rstd,          \
                                                     const act_t* __restrict__ x, const act_t* __restrict__ w,   \
-                                                    int N, int C, float eps) {                                  \
-        rmsnorm_forward_regs<K>(out, rstd, x, w, N, C, eps);                                                    \
+                                                    int N, int C, float eps, act_t* __restrict__ skip) {        \
+        rmsnorm_forward_regs<K>(out, rstd, x, w, N, C, eps, skip);                                              \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, RMSNORM_BACKWARD_BLOCKS(K)) rmsnorm_backward_k##K(       \
         act_t* __restrict__ dx, float* __restrict__ dw_partial, const act_t* __restrict__ dout,                 \
@@ -152,11 +154,11 @@ RMSNORM_REGS(8)
 
 // ------------------------------------------------------------------------------------- any C
 
-// out (N, C) = x * rstd * w, rstd (N,) = 1 / sqrt(mean(x^2) + eps).
+// out (N, C) = x * rstd * w, rstd (N,) = 1 / sqrt(mean(x^2) + eps); skip as rmsnorm_forward_regs.
 template <int V>
 __device__ __forceinline__ void rmsnorm_forward_row(act_t* __restrict__ out, float* __restrict__ rstd,
                                                     const act_t* __restrict__ x, const act_t* __restrict__ w,
-                                                    int row, int C, float eps) {
+                                                    int row, int C, float eps, act_t* __restrict__ skip) {
     const int lane = threadIdx.x & 31;
     const act_t* xr = x + (long long)row * C;
     float ss = 0.f;
@@ -174,6 +176,7 @@ __device__ __forceinline__ void rmsnorm_forward_row(act_t* __restrict__ out, flo
         float v[V], g[V];
         load_vec<V>(v, xr + c);
         load_vec<V>(g, w + c);
+        if (skip) store_vec<V>(skip + (long long)row * C + c, v);  // exact: the values as loaded
 #pragma unroll
         for (int i = 0; i < V; ++i) v[i] *= r * g[i];
         store_vec<V>(orow + c, v);
@@ -182,11 +185,11 @@ __device__ __forceinline__ void rmsnorm_forward_row(act_t* __restrict__ out, flo
 
 extern "C" __global__ void rmsnorm_forward(act_t* __restrict__ out, float* __restrict__ rstd,
                                            const act_t* __restrict__ x, const act_t* __restrict__ w,
-                                           int N, int C, float eps) {
+                                           int N, int C, float eps, act_t* __restrict__ skip) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= N) return;
-    if (C % 4 == 0) rmsnorm_forward_row<4>(out, rstd, x, w, row, C, eps);
-    else rmsnorm_forward_row<1>(out, rstd, x, w, row, C, eps);
+    if (C % 4 == 0) rmsnorm_forward_row<4>(out, rstd, x, w, row, C, eps, skip);
+    else rmsnorm_forward_row<1>(out, rstd, x, w, row, C, eps, skip);
 }
 
 // dx (N, C) += r * (g - xhat * mean(g * xhat)) with g = dout * w, xhat = x * r (the residual gradient
