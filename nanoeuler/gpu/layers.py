@@ -437,8 +437,9 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
     _check(lse)
     B, T, NH, D = qkv.shape
     assert out.shape == (B, T, n_heads, D) and lse.shape == (B, n_heads, T), (out.shape, lse.shape)
-    k = _kernel("attention", f"attention_forward_d{D}", _attention_defines(qkv))
-    k((n_heads, B, _blocks(T, _TILE)), (128,),
+    defines = _attention_defines(qkv)
+    k = _kernel("attention", f"attention_forward_d{D}", defines)
+    k((n_heads, B, _blocks(T, _TILE)), (64 if _bf16_tiles(defines) else 128,),  # attention.cu: AttForwardRows
       (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
 
 
@@ -460,12 +461,17 @@ def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
 _ATT_ROWS, _ATT_WARPS = 4, 16  # attention.cu: query rows and warps of a block of attention_cached
 
 
+def _bf16_tiles(defines):
+    """Whether the attention kernels of these defines run bf16 products (AttBf16), not TF32 / 3xTF32."""
+    return "ACT_BF16=1" in defines and "ATT_PRECISE=1" not in defines
+
+
 def _attention_backward_smem(D, defines):
     """Dynamic shared memory of the dK/dV and dQ kernels (attention.cu): four 64-row tiles of q, k, v, dout
     (bf16 on the bf16 tensor-core path, float32 otherwise) with 16 bytes of padding per row, plus lse and delta
     of 64 queries for dK/dV; the bf16 kernels double-buffer the tiles of their loop (AttStages): q, dout, lse
     and delta for dK/dV, k and v for dQ."""
-    E = 2 if "ACT_BF16=1" in defines and "ATT_PRECISE=1" not in defines else 4
+    E = 2 if _bf16_tiles(defines) else 4
     stages = 2 if E == 2 else 1
     tile = _TILE * (E * D + 16)
     return (2 + 2 * stages) * tile + stages * 2 * _TILE * 4, (2 + 2 * stages) * tile

@@ -14,7 +14,8 @@
 // are float always. Layout: the fused activation qkv (B, T, H + 2G, D) with q heads, then k heads, then
 // v heads; query head h reads kv head h / (H / G).
 //
-// A block is 4 warps; each warp owns 16 rows of a 64-row tile and loops over 64-wide tiles of the other side.
+// A block is 4 warps; each warp owns 16 rows of a 64-row tile and loops over 64-wide tiles of the other side
+// (the bf16 forward: 2 warps of 32 rows, AttForwardRows).
 // The kernels are written once over an "mma policy" (AttTf32, AttBf16 below) that holds the mma primitive and
 // the fragment loaders; g = lane / 4, t = lane % 4.
 //   m16n8k8 TF32 (one value a register): A rows g, g+8 x cols t, t+4; B rows (k) t, t+4 x col (n) g;
@@ -231,27 +232,27 @@ typedef AttTf32<ATT_PRECISE> AttMma;
 // past `rows`, as mma operands: converted to float (and rounded to TF32 in the fast build), or bf16 copied as
 // is, 16 bytes at a time. bf16: a thread's loads all go out before its first store, so the tile costs one
 // trip to memory, not one a load.
-template <int D, class M>
+template <int D, class M, int THREADS = ATT_THREADS>
 __device__ __forceinline__ void load_tile(typename M::elem_t* __restrict__ dst, const act_t* __restrict__ src,
                                           int row0, int rows, long long row_stride) {
     constexpr int LDS = AttTile<D, M>::LDS;
     if constexpr (sizeof(typename M::elem_t) == 2) {
         static_assert(sizeof(act_t) == sizeof(typename M::elem_t), "bf16 tiles need bf16 activations");
-        constexpr int PER = ATT_TILE * D / 8 / ATT_THREADS;
+        constexpr int PER = ATT_TILE * D / 8 / THREADS;
         uint4 v[PER];
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int i = threadIdx.x + j * ATT_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+            const int i = threadIdx.x + j * THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
             v[j] = row0 + r < rows ? *reinterpret_cast<const uint4*>(src + (row0 + r) * row_stride + c)
                                    : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int i = threadIdx.x + j * ATT_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+            const int i = threadIdx.x + j * THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
             *reinterpret_cast<uint4*>(dst + r * LDS + c) = v[j];
         }
     } else {
-        for (int i = threadIdx.x; i < ATT_TILE * D / 4; i += ATT_THREADS) {  // one at a time: more spill
+        for (int i = threadIdx.x; i < ATT_TILE * D / 4; i += THREADS) {  // one at a time: more spill
             const int r = i / (D / 4), c = (i % (D / 4)) * 4;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
             if (row0 + r < rows) v = load4(src + (row0 + r) * row_stride + c);
@@ -271,16 +272,16 @@ struct AttStages {
 
 // The bf16 tile copy of load_tile, issued and not waited for (cp.async.cg, 16 bytes, zeros past `rows`); the
 // caller commits the group and waits for it (att_copies_wait) before a barrier.
-template <int D, class M>
+template <int D, class M, int THREADS = ATT_THREADS>
 __device__ __forceinline__ void load_tile_async(typename M::elem_t* __restrict__ dst, const act_t* __restrict__ src,
                                                 int row0, int rows, long long row_stride) {
     if constexpr (AttStages<M>::N == 1) {
-        load_tile<D, M>(dst, src, row0, rows, row_stride);
+        load_tile<D, M, THREADS>(dst, src, row0, rows, row_stride);
     } else {
-        constexpr int LDS = AttTile<D, M>::LDS, PER = ATT_TILE * D / 8 / ATT_THREADS;
+        constexpr int LDS = AttTile<D, M>::LDS, PER = ATT_TILE * D / 8 / THREADS;
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
-            const int i = threadIdx.x + j * ATT_THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
+            const int i = threadIdx.x + j * THREADS, r = i / (D / 8), c = (i % (D / 8)) * 8;
             const bool ok = row0 + r < rows;
             const unsigned to = (unsigned)__cvta_generic_to_shared(dst + r * LDS + c);
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to),
@@ -298,16 +299,25 @@ __device__ __forceinline__ void att_copies_wait(int pending) {
 }
 
 // ------------------------------------------------------------------------------------------------ forward
+// Query rows a warp of the forward owns, in m-tiles of 16: 2 in the bf16 build, so that each K and V fragment
+// it reads from shared memory serves 32 rows (with 16, a block's warps read every K/V fragment once per 16
+// rows, and the shared-memory reads were as many as the products); a block (64 rows) is then 2 warps. The
+// float builds keep 1 (their fragments take twice the registers).
+template <class M>
+struct AttForwardRows {
+    static constexpr int MT = sizeof(typename M::elem_t) == 2 ? 2 : 1;
+};
+
 // out (B, T, H, D), lse (B, H, T) natural-log logsumexp of the scaled scores, from qkv (B, T, NH, D) (training
 // and a full forward; decoding over the KV cache is attention_cached below). Grid (H, B, query tiles), the
-// tiles with the most keys first.
+// tiles with the most keys first; ATT_THREADS / MT threads a block.
 template <int D, class M>
 __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out, float* __restrict__ lse,
                                                         const act_t* __restrict__ qkv, int T, int H, int G,
                                                         float scale) {
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
-    constexpr int STAGES = AttStages<M>::N;
+    constexpr int STAGES = AttStages<M>::N, MT = AttForwardRows<M>::MT, THREADS = ATT_THREADS / MT;
     __shared__ __align__(16) elem_t Kbuf[STAGES][ATT_TILE * LDS];
     __shared__ __align__(16) elem_t Vbuf[STAGES][ATT_TILE * LDS];
     const int NH = H + 2 * G;
@@ -315,27 +325,36 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const long long rs = (long long)NH * D;  // row stride
     const act_t* base = qkv + b * T * rs;
-    const int row0 = qt * ATT_TILE + warp * 16 + g, row1 = row0 + 8;  // this thread's query rows
+    int row0[MT], row1[MT];  // this thread's query rows: g and g + 8 of each m-tile
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) row0[mt] = qt * ATT_TILE + (warp * MT + mt) * 16 + g, row1[mt] = row0[mt] + 8;
     const float sl2 = scale * LOG2E;  // scores in log2 units, for exp2
 
-    unsigned qf[D / KS][4];  // the warp's 16 query rows as A fragments
-    {
-        const act_t* q0 = base + row0 * rs + h * D;
+    unsigned qf[MT][D / KS][4];  // the warp's query rows as A fragments
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const act_t* q0 = base + row0[mt] * rs + h * D;
         const act_t* q1 = q0 + 8 * rs;
 #pragma unroll
-        for (int kk = 0; kk < D / KS; ++kk) M::a_global(qf[kk], q0 + kk * KS, q1 + kk * KS, row0 < T, row1 < T);
+        for (int kk = 0; kk < D / KS; ++kk)
+            M::a_global(qf[mt][kk], q0 + kk * KS, q1 + kk * KS, row0[mt] < T, row1[mt] < T);
     }
-    float o[D / 8][4];
+    float o[MT][D / 8][4];
+    float m0[MT], m1[MT], l0[MT], l1[MT];  // running max (log2 units) and sum per row
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
-    float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;  // running max (log2 units) and sum per row
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.f;
+        m0[mt] = m1[mt] = neg_inf();
+        l0[mt] = l1[mt] = 0.f;
+    }
 
     const int first_pos = qt * ATT_TILE;
     const int last_pos = min(T, (qt + 1) * ATT_TILE) - 1;
     const int n_kt = last_pos / ATT_TILE + 1;
     const auto issue = [&](int kt) {
-        load_tile_async<D, M>(Kbuf[kt % STAGES], base + (H + kvh) * D, kt * ATT_TILE, T, rs);
-        load_tile_async<D, M>(Vbuf[kt % STAGES], base + (H + G + kvh) * D, kt * ATT_TILE, T, rs);
+        load_tile_async<D, M, THREADS>(Kbuf[kt % STAGES], base + (H + kvh) * D, kt * ATT_TILE, T, rs);
+        load_tile_async<D, M, THREADS>(Vbuf[kt % STAGES], base + (H + G + kvh) * D, kt * ATT_TILE, T, rs);
         att_copies_commit();
     };
     if (STAGES == 2) issue(0);
@@ -349,93 +368,104 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
         att_copies_wait(STAGES == 2 && kt + 1 < n_kt);
         __syncthreads();
 
-        float s[ATT_TILE / 8][4];  // S = Q K^T for 16 rows x 64 keys
+        float s[MT][ATT_TILE / 8][4];  // S = Q K^T for 16 rows x 64 keys, each m-tile
+        unsigned pa[MT][ATT_TILE / KS][4];  // P as the A operands of P V
 #pragma unroll
         for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < D / KS; ++kk) {
                 unsigned bk[2];
                 M::b_cols(bk, Ks + nt * 8 * LDS + kk * KS, LDS);
-                M::mma(s[nt], qf[kk], bk);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) M::mma(s[mt][nt], qf[mt][kk], bk);
             }
         }
         // causal mask and the end of the keys, only on tiles that reach them
         const bool edge = k0 + ATT_TILE - 1 > first_pos || k0 + ATT_TILE > T;
-        float mx0 = m0, mx1 = m1;
 #pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) {
+            float mx0 = m0[mt], mx1 = m1[mt];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v = s[nt][e] * sl2;
-                if (edge) {
-                    const int key = k0 + nt * 8 + 2 * t + (e & 1);
-                    if (key > (e < 2 ? row0 : row1) || key >= T) v = neg_inf();
+            for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float v = s[mt][nt][e] * sl2;
+                    if (edge) {
+                        const int key = k0 + nt * 8 + 2 * t + (e & 1);
+                        if (key > (e < 2 ? row0[mt] : row1[mt]) || key >= T) v = neg_inf();
+                    }
+                    s[mt][nt][e] = v;
+                    if (e < 2) mx0 = fmaxf(mx0, v);
+                    else mx1 = fmaxf(mx1, v);
                 }
-                s[nt][e] = v;
-                if (e < 2) mx0 = fmaxf(mx0, v);
-                else mx1 = fmaxf(mx1, v);
             }
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
-        // a row with every key so far masked keeps max -inf; exponentiate against 0 then (all terms are 0)
-        const float ref0 = mx0 == neg_inf() ? 0.f : mx0, ref1 = mx1 == neg_inf() ? 0.f : mx1;
-        const float c0 = exp2f(m0 - ref0), c1 = exp2f(m1 - ref1);
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= c0;
-        l1 *= c1;
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
+            // a row with every key so far masked keeps max -inf; exponentiate against 0 then (all terms are 0)
+            const float ref0 = mx0 == neg_inf() ? 0.f : mx0, ref1 = mx1 == neg_inf() ? 0.f : mx1;
+            const float c0 = exp2f(m0[mt] - ref0), c1 = exp2f(m1[mt] - ref1);
+            m0[mt] = mx0;
+            m1[mt] = mx1;
+            l0[mt] *= c0;
+            l1[mt] *= c1;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            o[dn][0] *= c0;
-            o[dn][1] *= c0;
-            o[dn][2] *= c1;
-            o[dn][3] *= c1;
-        }
+            for (int dn = 0; dn < D / 8; ++dn) {
+                o[mt][dn][0] *= c0;
+                o[mt][dn][1] *= c0;
+                o[mt][dn][2] *= c1;
+                o[mt][dn][3] *= c1;
+            }
 #pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-            s[nt][0] = exp2f(s[nt][0] - ref0);
-            s[nt][1] = exp2f(s[nt][1] - ref0);
-            s[nt][2] = exp2f(s[nt][2] - ref1);
-            s[nt][3] = exp2f(s[nt][3] - ref1);
-            l0 += s[nt][0] + s[nt][1];  // the sum of the unrounded P; P V uses its operand rounding
-            l1 += s[nt][2] + s[nt][3];
+            for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+                s[mt][nt][0] = exp2f(s[mt][nt][0] - ref0);
+                s[mt][nt][1] = exp2f(s[mt][nt][1] - ref0);
+                s[mt][nt][2] = exp2f(s[mt][nt][2] - ref1);
+                s[mt][nt][3] = exp2f(s[mt][nt][3] - ref1);
+                l0[mt] += s[mt][nt][0] + s[mt][nt][1];  // the sum of the unrounded P; P V uses its operand rounding
+                l1[mt] += s[mt][nt][2] + s[mt][nt][3];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = M::operand(s[nt][e]);
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = M::operand(s[mt][nt][e]);
+            }
+#pragma unroll
+            for (int ks = 0; ks < ATT_TILE / KS; ++ks) M::a_acc(pa[mt][ks], s[mt], ks);  // bf16: half the registers
         }
         // O += P V: P's accumulator fragments are the A operand
 #pragma unroll
         for (int ks = 0; ks < ATT_TILE / KS; ++ks) {
-            unsigned pa[4];
-            M::a_acc(pa, s, ks);
 #pragma unroll
             for (int dn = 0; dn < D / 8; ++dn) {
                 unsigned bv[2];
                 M::b_rows(bv, Vs + ks * KS * LDS + dn * 8, LDS);
-                M::mma(o[dn], pa, bv);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) M::mma(o[mt][dn], pa[mt][ks], bv);
             }
         }
     }
-    l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
-    l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
-    l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
-    l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
-    if (row0 < T) {
-        const float inv = 1.f / l0;
-        act_t* dst = out + (((long long)b * T + row0) * H + h) * D + 2 * t;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[dn][0] * inv, o[dn][1] * inv);
-        if (t == 0) lse[((long long)b * H + h) * T + row0] = (m0 + log2f(l0)) * LN2;
-    }
-    if (row1 < T) {
-        const float inv = 1.f / l1;
-        act_t* dst = out + (((long long)b * T + row1) * H + h) * D + 2 * t;
+    for (int mt = 0; mt < MT; ++mt) {
+        float s0 = l0[mt], s1 = l1[mt];
+        s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
+        s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
+        s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
+        s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
+        if (row0[mt] < T) {
+            const float inv = 1.f / s0;
+            act_t* dst = out + (((long long)b * T + row0[mt]) * H + h) * D + 2 * t;
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[dn][2] * inv, o[dn][3] * inv);
-        if (t == 0) lse[((long long)b * H + h) * T + row1] = (m1 + log2f(l1)) * LN2;
+            for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[mt][dn][0] * inv, o[mt][dn][1] * inv);
+            if (t == 0) lse[((long long)b * H + h) * T + row0[mt]] = (m0[mt] + log2f(s0)) * LN2;
+        }
+        if (row1[mt] < T) {
+            const float inv = 1.f / s1;
+            act_t* dst = out + (((long long)b * T + row1[mt]) * H + h) * D + 2 * t;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[mt][dn][2] * inv, o[mt][dn][3] * inv);
+            if (t == 0) lse[((long long)b * H + h) * T + row1[mt]] = (m1[mt] + log2f(s1)) * LN2;
+        }
     }
 }
 
