@@ -69,11 +69,12 @@ __device__ __forceinline__ void att_store2(bf16* p, float a, float b) {
     *reinterpret_cast<unsigned*>(p) = pack_bf16x2(a, b);
 }
 
-// A row of a head's gradient from its accumulators c[D/8][4] (columns dn * 8 + 2t, +1; e0 = 0 for row g, 2
-// for row g + 8) times scale, into dst (the row's head in dqkv, plus 2t). With a rotary table (cos_t: training's
-// positions 0.., (T, D/2)) the rotary embedding's backward comes with it: the gradient of the unrotated q or k,
-// the inverse rotation (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin) of each pair (c, c + D/2), which sits in
-// this thread's accumulators dn and dn + D/16. It saves a pass over dqkv (rope_backward) a layer.
+// A row of a head from its accumulators c[D/8][4] (columns dn * 8 + 2t, +1; e0 = 0 for row g, 2 for row
+// g + 8) times scale, into dst (the row's head, plus 2t): the forward's output, or a gradient in dqkv. With a
+// rotary table (cos_t: training's positions 0.., (T, D/2)) the rotary embedding's backward comes with a q or k
+// gradient: the gradient of the unrotated q or k, the inverse rotation (d1, d2) -> (d1 cos + d2 sin, d2 cos -
+// d1 sin) of each pair (c, c + D/2), which sits in this thread's accumulators dn and dn + D/16. It saves a
+// pass over dqkv (rope_backward) a layer.
 template <int D>
 __device__ __forceinline__ void att_store_row(act_t* dst, const float (&c)[D / 8][4], int e0, float scale,
                                               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
@@ -447,24 +448,16 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        float s0 = l0[mt], s1 = l1[mt];
-        s0 += __shfl_xor_sync(FULL_MASK, s0, 1);
-        s0 += __shfl_xor_sync(FULL_MASK, s0, 2);
-        s1 += __shfl_xor_sync(FULL_MASK, s1, 1);
-        s1 += __shfl_xor_sync(FULL_MASK, s1, 2);
-        if (row0[mt] < T) {
-            const float inv = 1.f / s0;
-            act_t* dst = out + (((long long)b * T + row0[mt]) * H + h) * D + 2 * t;
 #pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[mt][dn][0] * inv, o[mt][dn][1] * inv);
-            if (t == 0) lse[((long long)b * H + h) * T + row0[mt]] = (m0[mt] + log2f(s0)) * LN2;
-        }
-        if (row1[mt] < T) {
-            const float inv = 1.f / s1;
-            act_t* dst = out + (((long long)b * T + row1[mt]) * H + h) * D + 2 * t;
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) att_store2(dst + dn * 8, o[mt][dn][2] * inv, o[mt][dn][3] * inv);
-            if (t == 0) lse[((long long)b * H + h) * T + row1[mt]] = (m1[mt] + log2f(s1)) * LN2;
+        for (int e0 = 0; e0 < 4; e0 += 2) {  // row g (accumulator elements 0, 1), then g + 8 (2, 3)
+            const int row = e0 ? row1[mt] : row0[mt];
+            float l = e0 ? l1[mt] : l0[mt];
+            l += __shfl_xor_sync(FULL_MASK, l, 1);
+            l += __shfl_xor_sync(FULL_MASK, l, 2);
+            if (row >= T) continue;
+            att_store_row<D>(out + (((long long)b * T + row) * H + h) * D + 2 * t, o[mt], e0, 1.f / l, nullptr,
+                             nullptr, 0);
+            if (t == 0) lse[((long long)b * H + h) * T + row] = ((e0 ? m1[mt] : m0[mt]) + log2f(l)) * LN2;
         }
     }
 }
