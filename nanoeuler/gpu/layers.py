@@ -209,14 +209,18 @@ def matmul_forward(out, x, w, accumulate=False):
         _matmul_small(out, x, w, accumulate)
 
 
-def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None):
+def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None):
     """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x: RMSNorm folded in when given its gain;
     SwiGLU of the gate|up product into glu_out, or the rotary embedding (rope = (cos, sin, pos, T, rotated
     rows, D/2)) of the qkv product, when given. The kernel is the one built for R >= N rows (1, 2, 4 or 8),
     with x's rows and the gain in shared memory where R > 1; each output column takes `split` warps, the fewest (at
     most 8) whose lanes load a row of w with 4 loads each, whatever R: a row's sums then run in the same
     order in a step of 1 row as of K, so a speculative step's rows get plain decoding's bits, and its greedy
-    tokens (with one load a lane, more warps, plain decoding took 0.46 ms a token instead of 0.28 on the H100)."""
+    tokens (with one load a lane, more warps, plain decoding took 0.46 ms a token instead of 0.28 on the H100).
+    skip: where given, receives a copy of x first (rmsnorm_matmul_forward's residual copy, for a full forward
+    of a few rows; decoding updates its stream in place)."""
+    if skip is not None:
+        skip[...] = x
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
     R = next(r for r in (1, 2, 4, MATMUL_SMALL_ROWS) if N <= r)
     staged = 0 if R == 1 else (N + (gain is not None)) * I * x.itemsize  # x's rows and the gain
@@ -264,9 +268,7 @@ def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):
         return
     _check(x, norm_w, w, act=x)
     _check(rstd)
-    if skip is not None:
-        skip[...] = x
-    _matmul_small(out, x, w, False, norm_w, rstd, eps)
+    _matmul_small(out, x, w, False, norm_w, rstd, eps, skip=skip)
 
 
 def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
@@ -280,10 +282,8 @@ def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_ro
         return
     _check(qkv, x, norm_w, w, act=x)
     _check(rstd, cos, sin)
-    if skip is not None:
-        skip[...] = x
     _matmul_small(qkv.reshape(B * T, -1), x, w, False, norm_w, rstd, eps,
-                  rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2))
+                  rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2), skip=skip)
 
 
 def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
@@ -295,9 +295,7 @@ def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn, ski
         return
     _check(out, gate_up, x, norm_w, w, act=x)
     _check(rstd)
-    if skip is not None:
-        skip[...] = x
-    _matmul_small(gate_up, x, w, False, norm_w, rstd, eps, glu_out=out)
+    _matmul_small(gate_up, x, w, False, norm_w, rstd, eps, glu_out=out, skip=skip)
 
 
 def matmul_backward(dx, dw, dout, x, w):
