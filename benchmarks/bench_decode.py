@@ -2,18 +2,19 @@
 on the same weights, in one run, with the greedy tokens compared.
 
 Random weights from the preset's initialisation (scaled up, so the logits are not flat), a short random
-prompt, greedy decoding of --tokens new tokens; ms/token is the whole call (prefill of the 8-token prompt
+prompt, greedy decoding of --tokens new tokens; ms/token is the whole call (prefill of the prompt
 included) over the tokens. Hugging Face runs `LlamaForCausalLM` built from our exported tensors (head 0 as
 lm_head, export.hf_tensors) with its KV cache: eagerly, and on the GPU also with a static cache and
 torch.compile, in the precision ours runs in (bf16 or float32). On the GPU "plain" is ours with each step's
 kernels launched one by one from Python, "graph" the same steps replayed as CUDA graphs (the default).
 Speculative decoding on random weights accepts few drafts (the heads were never trained to agree): it
-measures the machinery's overhead, not its gain; a trained checkpoint (--ckpt) shows the gain, and the
-acceptance rate of each head.
+measures the machinery's overhead, not its gain; a trained checkpoint (--ckpt; --prompt to continue text of
+its own rather than random tokens) shows the gain, and the acceptance rate of each head.
 
     PYTHONPATH=. python3 benchmarks/bench_decode.py --preset small --device cpu
     PYTHONPATH=. python3 benchmarks/bench_decode.py --preset base --device gpu
     PYTHONPATH=. python3 benchmarks/bench_decode.py --ckpt nanoeuler.bin --device cpu
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --ckpt base.bin --device gpu --prompt "ROMEO:" --no-hf
 """
 import argparse
 import time
@@ -72,7 +73,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--precision", choices=("bf16", "tf32", "fp32"), help="the GPU's (default bf16)")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
+    ap.add_argument("--prompt", help="with --ckpt: text to continue (default: 8 random tokens)")
     args = ap.parse_args()
+    if args.prompt is not None and not args.ckpt:
+        ap.error("--prompt needs --ckpt (random weights have no tokenizer)")
 
     if args.ckpt:
         from nanoeuler import checkpoint
@@ -85,8 +89,10 @@ def main():
             if not name.endswith("norm"):
                 view *= 3.0  # random weights with logits that are not flat
         what = f"{args.preset}, random weights"
-    n = min(args.tokens, cfg.context - 8)
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 8).tolist()
+    if args.prompt is not None:
+        prompt = ck.tokenizer().encode(args.prompt)[: cfg.context // 2] or prompt
+    n = min(args.tokens, cfg.context - len(prompt))
     precision = "fp32" if args.device == "cpu" else args.precision or "bf16"
     eng = make_engine(cfg, device=args.device, precision=precision)
     eng.load_params(params)
@@ -107,10 +113,12 @@ def main():
         rows.append(("nanoeuler --speculative", seconds, spec,
                      f"accepted {stats['accepted']}/{stats['drafted']} drafts in {stats['steps']} forwards "
                      f"({per_head})"))
-    print(f"{what}: batch 1, greedy, {n} new tokens after an 8-token prompt, {args.device} ({precision})")
+    print(f"{what}: batch 1, greedy, {n} new tokens after a {len(prompt)}-token prompt, {args.device} ({precision})")
     print(f"{'decoder':<38} {'ms/token':>9} {'vs first row':>13} {'tokens = first row':>19}  notes")
     for row in rows:
         report(row, rows[0], n)
+    if cfg.mtp_heads > 1:
+        print(f"--speculative: {rows[-2][1] / rows[-1][1]:.2f}x the tokens/s of {rows[-2][0]}", flush=True)
     if not args.no_hf:
         bf16 = precision == "bf16"
         hf, seconds = hugging_face(cfg, params, prompt, n, args.device, None, bf16)

@@ -134,7 +134,8 @@ def check_matmul(c, L, R):
     out += [(f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
             (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
     # decoding's few rows (the matrix-vector kernel): 16-byte loads, and an odd row length without them, rows
-    # split over 1 to 8 warps; the same kernel with RMSNorm (C = I) folded in front, and with SwiGLU after
+    # split over 1 to 16 warps, in 1 to 4 rounds; the same kernel with RMSNorm (C = I) folded in front, and
+    # with SwiGLU after
     for N, I, O in ((1, 64, 77), (8, 136, 33), (3, 45, 51), (2, 1000, 40), (1, 2048, 24), (1, 8192, 16), (3, 4100, 9)):
         x, w, lines = _matmul_forward_lines(c, L, R, N, I, O, f"{N} rows (matrix-vector) I={I} O={O}")
         gain = c.act(1 + c.normal(I, scale=0.3))

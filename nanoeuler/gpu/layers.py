@@ -193,6 +193,7 @@ def _gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate):
 
 
 MATMUL_SMALL_ROWS = 8  # kernels/matmul.cu
+_MATMUL_SMALL_WARPS, _MATMUL_SMALL_LOADS = 16, 4  # and its MATMUL_SMALL_WARPS, LOADS
 
 
 def matmul_forward(out, x, w, accumulate=False):
@@ -210,50 +211,30 @@ def matmul_forward(out, x, w, accumulate=False):
 
 
 def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None):
-    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x: RMSNorm folded in when given its gain;
-    SwiGLU of the gate|up product into glu_out, or the rotary embedding (rope = (cos, sin, pos, T, rotated
-    rows, D/2)) of the qkv product, when given. The kernel is the one built for R >= N rows (1, 2, 4 or 8),
-    with x's rows and the gain in shared memory where R > 1; each output column takes `split` warps, the fewest (at
-    most 8) whose lanes load a row of w with 4 loads each, whatever R: a row's sums then run in the same
-    order in a step of 1 row as of K, so a speculative step's rows get plain decoding's bits, and its greedy
-    tokens (with one load a lane, more warps, plain decoding took 0.46 ms a token instead of 0.28 on the H100).
-    skip: where given, receives a copy of x first (rmsnorm_matmul_forward's residual copy, for a full forward
-    of a few rows; decoding updates its stream in place)."""
+    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x (tensor-core products, kernels/matmul.cu):
+    RMSNorm folded in when given its gain; SwiGLU of the gate|up product into glu_out, or the rotary embedding
+    (rope = (cos, sin, pos, T, rotated rows, D/2)) of the qkv product, when given. A block takes 8 rows of w,
+    its warps (from the row length I alone, so a row's sums run in the same order whatever N is, and a
+    speculative step's rows get plain decoding's bits) as many as give each thread MATMUL_SMALL_LOADS 16-byte
+    loads of w, at most 16. skip: where given, receives a copy of x first (rmsnorm_matmul_forward's residual
+    copy, for a full forward of a few rows; decoding updates its stream in place)."""
     if skip is not None:
         skip[...] = x
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
-    R = next(r for r in (1, 2, 4, MATMUL_SMALL_ROWS) if N <= r)
-    staged = 0 if R == 1 else (N + (gain is not None)) * I * x.itemsize  # x's rows and the gain
-    if staged > _max_dynamic_smem():
-        raise ValueError(f"decoding {N} rows of {I} elements needs {staged} bytes of shared memory; this GPU "
-                         f"gives a block {_max_dynamic_smem()}")
     aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
     pack = 16 // x.itemsize
     packed = I % pack == 0 and all(aligned)
-    stretch = 32 * (pack if packed else 1)  # elements a warp's lanes load at once
-    split = 1
-    while split < 8 and split * stretch * 4 < I:
-        split *= 2
+    k_blocks = -(-I // (4 * pack))  # a warp's 4 threads x 16 bytes at a time
+    warps = min(_MATMUL_SMALL_WARPS, -(-k_blocks // _MATMUL_SMALL_LOADS))
     null = np.uint64(0)
     cos, sin, pos, T, rot, half = rope if rope is not None else (null, null, null, 1, 0, 0)
     if glu_out is not None:
         half = O // 2
-    columns = O // 2 if half else O
-    _launch(_kernel("matmul", f"matmul_small_r{R}", _act_defines(x), staged),
-        (_blocks(columns, 8 // split),), (256,),
-        (out, x, w, _i32(N), _i32(O), _i32(I), _i32(split), _i32(out.dtype == F32 and x.dtype != F32),
+    tiles = _blocks(O // 2, 4) if half else _blocks(O, 8)
+    _launch(_kernel("matmul", "matmul_small", _act_defines(x)), (tiles,), (32 * warps,),
+        (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
-         _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(rot)),
-        shared_mem=staged)
-
-
-@functools.lru_cache(maxsize=None)
-def _max_dynamic_smem():
-    """The dynamic shared memory a block of the matrix-vector kernel may ask for: the device's opt-in
-    limit less its static partial sums (8 warps x 3 x 8 floats) and 1 KB to spare."""
-    runtime = cupy.cuda.runtime
-    limit = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, cupy.cuda.Device().id)
-    return limit - 8 * 3 * MATMUL_SMALL_ROWS * 4 - 1024
+         _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(rot)))
 
 
 def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):
@@ -456,7 +437,7 @@ def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
          _f32(1.0 / math.sqrt(D))))
 
 
-_ATT_ROWS, _ATT_WARPS = 4, 16  # attention.cu: query rows and warps of a block of attention_cached
+_ATT_ROWS, _ATT_WARPS = 1, 16  # attention.cu: query rows and warps of a block of attention_cached
 
 
 def _bf16_tiles(defines):

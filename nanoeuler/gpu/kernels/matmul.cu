@@ -2,58 +2,41 @@
 // cuBLAS does the training products; at batch 1 a product is a matrix-vector product, bound by reading w
 // once, and cuBLAS through CuPy cannot be recorded into a CUDA graph. A decoding step is a chain of such
 // products, each too small to keep the memory busy for long, so what counts is the latency of one: every
-// lane issues all its loads of w (up to LOADS 16-byte loads, 8 bf16 or 4 float) before it uses the first, and
-// the whole matrix is in flight at once. x's rows (and the gain) are read by every warp of a block: the
-// builds for more than one row copy them into shared memory once (dynamic: N x I elements, and I for the
-// gain) rather than each lane holding its share of every row in registers beside w's loads (that cost the
-// 4-row build of a speculative step 179 registers and a block an SM, and its products 1.4 to 1.9x the
-// time of one row's); one row stays in registers, where the copy's barrier would cost a plain step 14%
-// (H100, `base`). `split` consecutive warps of a block (8 warps) own an output column o
-// (a row of w), each taking every split-th 32 * PACK-element stretch of the row; their float32 partial sums
-// meet in shared memory in a fixed order. out is act_t or float32 (the logits); with accumulate the product
-// is added to it (the residual stream), the old value read at the start.
+// thread issues all its 16-byte loads of w (LOADS) before it uses the first, and the whole matrix is in flight
+// at once.
+//
+// The arithmetic runs on the tensor cores: x's rows are the A operand of mma.sync (row g of the 16; rows 8..15
+// zero), 8 rows of w the B operand. So a speculative step's 4 rows cost a thread the same instructions as one
+// row (with float32 FMAs, 4 rows took 1.1 to 1.6x the time of one on the H100: the arithmetic grew, not the
+// memory traffic), and every output element is its own dot product, summed in the same order whatever N is:
+// a speculative step's rows get plain decoding's bits. A block takes 8 rows of w and `warps` warps (layers.py
+// picks them from I alone) split the row length: a thread (g, t) loads 16 bytes of w's row g and of x's row g
+// at a time, which are two mma k-steps (the k index numbered so that a thread's own elements are the ones its
+// fragments want; the same numbering for both operands, so the sum is the dot product). A warp's LOADS loads
+// of a row are consecutive (256 bytes of bf16), and the warps' float32 partial sums meet in shared memory in a
+// fixed order. bf16 takes m16n8k16 products; float32 takes m16n8k8 TF32 ones in the 3xTF32 split, each
+// k-step's sum added in float32 (float32 accuracy). out is act_t or float32 (the logits); with accumulate the
+// product is added to it (the residual stream), the old value read at the start.
 //
 // With a gain g (norm != 0) the product is RMSNorm's folded in: out = (x * rstd * g) @ w^T, computed as
-// rstd * ((x * g) @ w^T), the rows' squares summed in the same pass over x (column 0 stores rstd).
+// rstd * (x @ act_t(w * g)^T), the rows' squares summed from the same loads of x (the first block stores
+// rstd). w * g is formed from the weights' loads before the kernel waits for x (w and g are no kernel's
+// output): scaling x instead put that arithmetic between x's arrival and the products, and a plain step took
+// 4% longer (H100, `base`); so did a warp's loads interleaved with the other warps' rather than consecutive.
 //
-// Paired rows (half > 0): column o takes w's rows i and i + half, i = (o / half) * 2 half + o % half, writing
-// out's columns i and i + half, and then
+// Paired rows (half > 0): pair p takes w's rows i and i + half, i = (p / half) * 2 half + p % half, writing
+// out's columns i and i + half (a block's 8 rows are 4 pairs, interleaved: the accumulator's columns 2t, 2t +
+// 1 are a pair, in one thread), and then
 // - glu (the feed-forward's gate|up product, w (2F, I), half = F): also SwiGLU's silu(gate) * up (from the
 //   rounded values, as swiglu_forward computes it) to glu_out (N, F);
 // - rope (the attention's qkv product, half = D/2): the pair is rotated by the rotary embedding (rounded
 //   first, as rope_forward finds it in qkv) at position *pos + (row % T) when i < rot (the q and k heads).
 // Each saves decoding a launch a layer.
-//
-// A lane's sums run in the same order for any number of rows (the split layers.py picks depends on I only),
-// so a speculative step's rows get plain decoding's bits.
 #include "common.cuh"
 
 #define MATMUL_SMALL_ROWS 8
-#define LOADS 4  // the 16-byte loads of w a lane has in flight; layers.py picks split for it
-
-// The raw bits of V elements: one 16-byte load (V = PACK) or one element (V = 1, rows of odd length).
-template <int V>
-struct Raw {
-    uint4 u;
-};
-template <>
-struct Raw<1> {
-    act_t e;
-};
-
-template <int V>
-__device__ __forceinline__ Raw<V> load_raw(const act_t* p) {
-    Raw<V> r;
-    if constexpr (V == 1) r.e = *p;
-    else r.u = *reinterpret_cast<const uint4*>(p);
-    return r;
-}
-
-template <int V>
-__device__ __forceinline__ void unpack(float (&r)[V], const Raw<V>& raw) {
-    if constexpr (V == 1) r[0] = to_float(raw.e);
-    else unpack16(r, raw.u);
-}
+#define MATMUL_SMALL_WARPS 16  // the most warps a tile; layers.py picks warps for LOADS loads a thread
+#define LOADS 4                // the 16-byte loads of w a thread has in flight (layers.py: _MATMUL_SMALL_LOADS)
 
 __device__ __forceinline__ float load_out(const void* out, long long at, int out_f32) {
     return out_f32 ? static_cast<const float*>(out)[at] : to_float(static_cast<const act_t*>(out)[at]);
@@ -64,28 +47,42 @@ __device__ __forceinline__ void store_out(void* out, long long at, float v, int 
     else static_cast<act_t*>(out)[at] = from_float<act_t>(v);
 }
 
-// n elements from src to dst in shared memory, by the whole block: 16 bytes a copy straight into shared memory
-// when packed (cp.async: all of a thread's copies in flight at once), else one element a copy. The caller
-// waits (staged_wait) and syncs the block.
-__device__ __forceinline__ void stage(act_t* dst, const act_t* src, int n, int packed) {
-    if (packed) {
-        for (int j = threadIdx.x * PACK; j < n; j += blockDim.x * PACK) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-            const unsigned to = (unsigned)__cvta_generic_to_shared(dst + j);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(to), "l"(src + j));
+// acc (x's rows g, g + 8 x w's rows 2t, 2t + 1) += the products of a thread's 16 bytes of x's row g (a) and
+// of w's row g (b): two k-steps, the first two 32-bit words in the first.
+__device__ __forceinline__ void mma_chunk(float (&acc)[4], uint4 a, uint4 b) {
+#if ACT_BF16
+    const unsigned a0[4] = {a.x, 0u, a.y, 0u}, b0[2] = {b.x, b.y}, a1[4] = {a.z, 0u, a.w, 0u}, b1[2] = {b.z, b.w};
+    mma_bf16(acc, a0, b0);
+    mma_bf16(acc, a1, b1);
 #else
-            *reinterpret_cast<uint4*>(dst + j) = *reinterpret_cast<const uint4*>(src + j);
-#endif
-        }
-    } else {
-        for (int j = threadIdx.x; j < n; j += blockDim.x) dst[j] = src[j];
+    const unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int s = 0; s < 4; s += 2) {  // 3xTF32: the residuals' products first, then the main one
+        const unsigned A0 = to_tf32(__uint_as_float(av[s])), A1 = to_tf32(__uint_as_float(av[s + 1]));
+        const unsigned B0 = to_tf32(__uint_as_float(bv[s])), B1 = to_tf32(__uint_as_float(bv[s + 1]));
+        // a k-step's sum, then added in float32: accumulated by the tensor cores, whose additions truncate,
+        // the error grew with I (4e-6 relative at I = 8192)
+        float step[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_tf32(step, to_tf32(__uint_as_float(av[s]) - __uint_as_float(A0)), 0u,
+                 to_tf32(__uint_as_float(av[s + 1]) - __uint_as_float(A1)), 0u, B0, B1);
+        mma_tf32(step, A0, 0u, A1, 0u, to_tf32(__uint_as_float(bv[s]) - __uint_as_float(B0)),
+                 to_tf32(__uint_as_float(bv[s + 1]) - __uint_as_float(B1)));
+        mma_tf32(step, A0, 0u, A1, 0u, B0, B1);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j] += step[j];
     }
+#endif
 }
 
-__device__ __forceinline__ void staged_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
+// PACK elements of a row from element i on, as the 16 bytes one load brings: packed, one load (or zeros past
+// the row's end, whole chunks only); else an element at a time, zero past n.
+template <bool PACKED>
+__device__ __forceinline__ uint4 load_chunk(const act_t* row, int i, int n) {
+    if constexpr (PACKED) return i < n ? *reinterpret_cast<const uint4*>(row + i) : make_uint4(0u, 0u, 0u, 0u);
+    float v[PACK];
+#pragma unroll
+    for (int e = 0; e < PACK; ++e) v[e] = i + e < n ? to_float(row[i + e]) : 0.f;
+    return pack16(v);
 }
 
 // The rotary embedding of the pair product (rope: cos_t, sin_t (S, half), the first row's position *pos, T rows
@@ -97,189 +94,137 @@ struct Rope {
     int T, rot;
 };
 
-// W: weight rows a column takes (2 when paired); R: the rows of x the kernel is built for (N <= R). packed: I
-// is a multiple of PACK and x, w, gain start 16-byte aligned (else V = 1, a load an element).
-template <int V, int W, int R>
-__device__ __forceinline__ void matmul_small_block(void* __restrict__ out, const act_t* __restrict__ x,
-                                                   const act_t* __restrict__ w, int N, int O, int I, int split,
-                                                   int out_f32, int accumulate, const act_t* __restrict__ gain,
-                                                   float* __restrict__ rstd, float eps, int half,
-                                                   act_t* __restrict__ glu_out, Rope rope) {
-    constexpr int SLOTS = (W + 1) * R;  // per warp: W dot products and the squares, per row
-    __shared__ float partial[8][SLOTS];
-    extern __shared__ __align__(16) unsigned char matmul_staged[];
-    act_t* xs = reinterpret_cast<act_t*>(matmul_staged);  // x (N, I), then the gain (I)
-    act_t* gs = xs + N * I;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, sub = warp % split;
-    const int cols = O / W, o = blockIdx.x * (8 / split) + warp / split;
-    const int row0 = W == 1 ? o : o / half * 2 * half + o % half;  // w's (and out's) first row of the column
-    const bool finisher = sub == 0 && o < cols && lane < N;  // lane r of the column's first warp ends row r
+// W: 1 (a block's 8 rows of w are 8 columns) or 2 (4 pairs). Grid: a block 8 rows, `warps` warps of 32 threads.
+template <int W, bool PACKED>
+__device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const act_t* __restrict__ x,
+                                                  const act_t* __restrict__ w, int N, int O, int I, int out_f32,
+                                                  int accumulate, const act_t* __restrict__ gain,
+                                                  float* __restrict__ rstd, float eps, int half,
+                                                  act_t* __restrict__ glu_out, Rope rope,
+                                                  float (*partial)[MATMUL_SMALL_ROWS][9]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int cols = O / W;  // columns, or pairs
+    // the row of w this thread loads: the block's column g
+    const int lcol = W == 1 ? blockIdx.x * 8 + g : blockIdx.x * 4 + g / 2;
+    const int lrow = W == 1 ? lcol : lcol / half * 2 * half + lcol % half + (g & 1) * half;
+    const act_t* wrow = w + (long long)lrow * I;
+    const bool loads_w = lcol < cols, loads_x = g < N;
+    // what this thread finishes: x's row g, tile columns 2t and 2t + 1 (a column pair or a pair's two rows)
+    const int fcol = W == 1 ? blockIdx.x * 8 + 2 * t : blockIdx.x * 4 + t;
+    const int frow = W == 1 ? fcol : fcol / half * 2 * half + fcol % half;  // out's first column written
+    const int fstep = W == 1 ? 1 : half;                                     // and the second's distance
+    const bool finisher = warp == 0 && loads_x && fcol < cols;
     let_next_launch();
-    const int stride = split * 32 * V;
-    int base = (sub * 32 + lane) * V;
-    Raw<V> wr[W][LOADS];  // the weights of a round of loads; the first round's go out before the wait
-    const auto load_weights = [&]() {
+    // a round: LOADS consecutive k-blocks a warp (4 threads x PACK elements each), the warps side by side
+    const int step = 4 * PACK, stride = warps * LOADS * step, warp_own = warp * LOADS * step, own = warp_own + t * PACK;
+    uint4 wr[LOADS];
+    const auto load_weights = [&](int r0) {  // with the gain: w * g, rounded to act_t
 #pragma unroll
-        for (int p = 0; p < LOADS; ++p) {
-            const int i = base + p * stride;
-            if (o < cols && i < I) {
+        for (int p = 0; p < LOADS; ++p)
+            wr[p] = loads_w ? load_chunk<PACKED>(wrow, r0 + own + p * step, I) : make_uint4(0u, 0u, 0u, 0u);
+        if (gain && loads_w) {
 #pragma unroll
-                for (int k = 0; k < W; ++k) wr[k][p] = load_raw<V>(w + (long long)(row0 + k * half) * I + i);
+            for (int p = 0; p < LOADS; ++p) {
+                float wv[PACK], gv[PACK];
+                unpack16(wv, wr[p]);
+                unpack16(gv, load_chunk<PACKED>(gain, r0 + own + p * step, I));
+#pragma unroll
+                for (int e = 0; e < PACK; ++e) wv[e] *= gv[e];
+                wr[p] = pack16(wv);
             }
         }
     };
-    load_weights();
+    load_weights(0);  // before the wait: w and the gain are no kernel's output
     float cs = 1.f, sn = 0.f;  // the rotation
-    const bool rotates = W == 2 && rope.cos_t && finisher && row0 < rope.rot;
+    const bool rotates = W == 2 && rope.cos_t && finisher && frow < rope.rot;
     if (rotates) {
-        const long long at = (long long)(*rope.pos + lane % rope.T) * half + o % half;
+        const long long at = (long long)(*rope.pos + g % rope.T) * half + fcol % half;
         cs = rope.cos_t[at], sn = rope.sin_t[at];
     }
     wait_for_inputs();
-    constexpr bool STAGED = R > 1;  // x's rows and the gain from shared memory, else from registers
-    if constexpr (STAGED) {
-        stage(xs, x, N * I, V > 1);
-        if (gain) stage(gs, gain, I, V > 1);
+    float prior[2] = {0.f, 0.f};  // what is accumulated onto
+    if (finisher && accumulate) {
+        prior[0] = load_out(out, (long long)g * O + frow, out_f32);
+        if (W == 2 || fcol + 1 < cols) prior[1] = load_out(out, (long long)g * O + frow + fstep, out_f32);
     }
-    float prior[W];  // what is accumulated onto
+    const act_t* xrow = x + (long long)g * I;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, ss = 0.f;
+    for (int r0 = 0; r0 < I; r0 += stride) {
+        if (r0) load_weights(r0);
+        uint4 xr[LOADS];
 #pragma unroll
-    for (int k = 0; k < W; ++k)
-        prior[k] = finisher && accumulate ? load_out(out, (long long)lane * O + row0 + k * half, out_f32) : 0.f;
-    float acc[W][R], ss[R];
+        for (int p = 0; p < LOADS; ++p)
+            xr[p] = loads_x ? load_chunk<PACKED>(xrow, r0 + own + p * step, I) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        ss[r] = 0.f;
-#pragma unroll
-        for (int k = 0; k < W; ++k) acc[k][r] = 0.f;
-    }
-    if constexpr (STAGED) {
-        staged_wait();
-        __syncthreads();
-    }
-    if (o < cols) {
-        for (bool first = true; base < I; base += LOADS * stride, first = false) {
-            if (!first) load_weights();
-            Raw<V> gr[LOADS], xr[R][LOADS];  // unstaged: a round's gain and x, loaded together
-            if constexpr (!STAGED) {
-#pragma unroll
-                for (int p = 0; p < LOADS; ++p) {
-                    const int i = base + p * stride;
-                    if (i < I) {
-                        if (gain) gr[p] = load_raw<V>(gain + i);
-#pragma unroll
-                        for (int r = 0; r < R; ++r)
-                            if (r < N) xr[r][p] = load_raw<V>(x + (long long)r * I + i);
-                    }
-                }
-            }
+        for (int p = 0; p < LOADS; ++p)
+            if (r0 + warp_own + p * step < I) mma_chunk(acc, xr[p], wr[p]);  // the warp's block holds some of I
+        if (gain && loads_x) {  // the squares of x, off the products' path
 #pragma unroll
             for (int p = 0; p < LOADS; ++p) {
-                const int i = base + p * stride;
-                if (i < I) {
-                    float wv[W][V];
+                float xv[PACK];
+                unpack16(xv, xr[p]);
 #pragma unroll
-                    for (int k = 0; k < W; ++k) unpack(wv[k], wr[k][p]);
-                    if (gain) {
-                        float g[V];
-                        unpack(g, STAGED ? load_raw<V>(gs + i) : gr[p]);
-#pragma unroll
-                        for (int k = 0; k < W; ++k)
-#pragma unroll
-                            for (int e = 0; e < V; ++e) wv[k][e] *= g[e];
-                    }
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        if (r < N) {
-                            float xv[V];
-                            unpack(xv, STAGED ? load_raw<V>(xs + r * I + i) : xr[r][p]);
-#pragma unroll
-                            for (int e = 0; e < V; ++e) {
-                                ss[r] += xv[e] * xv[e];
-#pragma unroll
-                                for (int k = 0; k < W; ++k) acc[k][r] += wv[k][e] * xv[e];
-                            }
-                        }
-                    }
-                }
+                for (int e = 0; e < PACK; ++e) ss += xv[e] * xv[e];
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        if (r < N) {
-#pragma unroll
-            for (int k = 0; k < W; ++k) acc[k][r] = warp_sum(acc[k][r]);
-            if (gain) ss[r] = warp_sum(ss[r]);
-            if (lane == 0) {
-#pragma unroll
-                for (int k = 0; k < W; ++k) partial[warp][k * R + r] = acc[k][r];
-                partial[warp][W * R + r] = ss[r];
-            }
-        }
-    }
+    ss += __shfl_xor_sync(FULL_MASK, ss, 1);
+    ss += __shfl_xor_sync(FULL_MASK, ss, 2);
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    if (t == 0) partial[warp][g][8] = ss;
     __syncthreads();
     if (!finisher) return;
-    const int r = lane;
-    float v[W], s = 0.f;
-#pragma unroll
-    for (int k = 0; k < W; ++k) v[k] = 0.f;
-    for (int j = 0; j < split; ++j) {
-#pragma unroll
-        for (int k = 0; k < W; ++k) v[k] += partial[warp + j][k * R + r];
-        s += partial[warp + j][W * R + r];
+    float v[2] = {0.f, 0.f}, s = 0.f;
+    for (int j = 0; j < warps; ++j) {
+        v[0] += partial[j][g][2 * t];
+        v[1] += partial[j][g][2 * t + 1];
+        s += partial[j][g][8];
     }
     if (gain) {
         const float rs = 1.f / sqrtf(s / I + eps);
-#pragma unroll
-        for (int k = 0; k < W; ++k) v[k] *= rs;
-        if (o == 0) rstd[r] = rs;
+        v[0] *= rs, v[1] *= rs;
+        if (blockIdx.x == 0 && t == 0) rstd[g] = rs;
     }
-#pragma unroll
-    for (int k = 0; k < W; ++k) v[k] += prior[k];
+    v[0] += prior[0], v[1] += prior[1];
     if constexpr (W == 2) {
         if (glu_out || rotates) {  // from the values as stored
             v[0] = out_f32 ? v[0] : to_float(from_float<act_t>(v[0]));
             v[1] = out_f32 ? v[1] : to_float(from_float<act_t>(v[1]));
         }
-        if (glu_out) glu_out[(long long)r * cols + o] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
+        if (glu_out) glu_out[(long long)g * cols + fcol] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
         if (rotates) rotate_pair(v[0], v[1], cs, sn, v[0], v[1]);
     }
-#pragma unroll
-    for (int k = 0; k < W; ++k) store_out(out, (long long)r * O + row0 + k * half, v[k], out_f32);
+    store_out(out, (long long)g * O + frow, v[0], out_f32);
+    if (W == 2 || fcol + 1 < cols) store_out(out, (long long)g * O + frow + fstep, v[1], out_f32);
 }
 
-template <int W, int R>
-__device__ __forceinline__ void matmul_small_rows(void* out, const act_t* x, const act_t* w, int N, int O, int I,
-                                                  int split, int out_f32, int accumulate, int packed,
-                                                  const act_t* gain, float* rstd, float eps, int half,
-                                                  act_t* glu_out, Rope rope) {
-    if (packed)
-        matmul_small_block<PACK, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, half, glu_out, rope);
-    else
-        matmul_small_block<1, W, R>(out, x, w, N, O, I, split, out_f32, accumulate, gain, rstd, eps, half, glu_out, rope);
+// Grid: ceil(columns / 8) blocks (ceil(pairs / 4) when paired) of 32 x warps threads, warps <= 16; half 0
+// (plain) or the pairing distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). Registers
+// held to 80 (89 unbounded): 4 blocks of 6 warps an SM, so that the largest product of `base`, gate|up's 512
+// blocks, runs in one wave on 132 SMs (CUDA 12.4+; older compilers bound the block size only).
+#if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204
+#define MATMUL_SMALL_BOUNDS __maxnreg__(80)
+#else
+#define MATMUL_SMALL_BOUNDS __launch_bounds__(32 * MATMUL_SMALL_WARPS, 1)
+#endif
+extern "C" __global__ void MATMUL_SMALL_BOUNDS
+    matmul_small(void* __restrict__ out, const act_t* __restrict__ x, const act_t* __restrict__ w, int N, int O,
+                 int I, int out_f32, int accumulate, int packed, const act_t* __restrict__ gain,
+                 float* __restrict__ rstd, float eps, int half, act_t* __restrict__ glu_out,
+                 const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos, int T,
+                 int rot) {
+    __shared__ float partial[MATMUL_SMALL_WARPS][MATMUL_SMALL_ROWS][9];  // a warp's 8 x 8 sums, and the squares
+    const Rope rope{cos_t, sin_t, pos, T, rot};
+#define MATMUL_SMALL_TILE(W, PACKED)                                                                               \
+    matmul_small_tile<W, PACKED>(out, x, w, N, O, I, out_f32, accumulate, gain, rstd, eps, half, glu_out, rope,  \
+                                 partial)
+    if (half && packed) MATMUL_SMALL_TILE(2, true);
+    else if (half) MATMUL_SMALL_TILE(2, false);
+    else if (packed) MATMUL_SMALL_TILE(1, true);
+    else MATMUL_SMALL_TILE(1, false);
 }
-
-// Grid: ceil(columns / (8 / split)) blocks of 256 threads, x's rows (and the gain) as dynamic shared memory
-// where R > 1; split in {1, 2, 4, 8}; half 0 (plain) or the pairing distance, with glu_out (SwiGLU's output)
-// or cos_t (the rotary embedding). matmul_small_rR takes up to R rows (its sums R a lane): r1 for batch-1 decoding, r4 for
-// a speculative verification of 4 tokens, r8 for a prompt's chunks.
-#define MATMUL_SMALL(NAME, R)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256)                                                            \
-        NAME(void* __restrict__ out, const act_t* __restrict__ x, const act_t* __restrict__ w, int N, int O,     \
-             int I, int split, int out_f32, int accumulate, int packed, const act_t* __restrict__ gain,          \
-             float* __restrict__ rstd, float eps, int half, act_t* __restrict__ glu_out,                         \
-             const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos,      \
-             int T, int rot) {                                                                                   \
-        const Rope rope{cos_t, sin_t, pos, T, rot};                                                              \
-        if (half) matmul_small_rows<2, R>(out, x, w, N, O, I, split, out_f32, accumulate, packed, gain, rstd,   \
-                                          eps, half, glu_out, rope);                                             \
-        else matmul_small_rows<1, R>(out, x, w, N, O, I, split, out_f32, accumulate, packed, gain, rstd, eps,   \
-                                     half, glu_out, rope);                                                       \
-    }
-MATMUL_SMALL(matmul_small_r1, 1)
-MATMUL_SMALL(matmul_small_r2, 2)
-MATMUL_SMALL(matmul_small_r4, 4)
-MATMUL_SMALL(matmul_small_r8, MATMUL_SMALL_ROWS)
 
 // ids[r] = the index of the largest of logits (R, V)'s row r (the first of equal ones): greedy decoding on
 // the device, so a token costs the host one int, not V floats. With a log (S, R), also log[*pos, r]: the ids
