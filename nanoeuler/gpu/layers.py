@@ -425,19 +425,19 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
 def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
     """Decoding: qkv (B, n, H+2G, D)'s k and v heads (k rotated already) into the KV cache (B, S, 2G, D) at
     positions pos[0].., and attention of its queries to the cache's positions 0..pos[0]+t. out (B, n, H, D),
-    lse (B, H, n). One kernel; a block's warps split the keys."""
+    lse (B, H, n). One kernel, a block a query row and head, whose warps split the keys."""
     _check(out, qkv, cache, act=qkv)
     _check(lse)
     B, n, NH, D = qkv.shape
     S = cache.shape[1]
     assert cache.shape == (B, S, 2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
     _launch(_kernel("attention", f"attention_cached_d{D}", _act_defines(qkv)),
-        (n_heads, B * _blocks(n, _ATT_ROWS)), (32 * _ATT_WARPS,),
+        (n_heads, B * n), (32 * _ATT_WARPS,),
         (out, lse, qkv, cache, _position(pos), _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads),
          _f32(1.0 / math.sqrt(D))))
 
 
-_ATT_ROWS, _ATT_WARPS = 1, 16  # attention.cu: query rows and warps of a block of attention_cached
+_ATT_WARPS = 16  # attention.cu: the warps of a block (a query row) of attention_cached
 
 
 def _bf16_tiles(defines):

@@ -783,19 +783,17 @@ extern "C" __global__ void accept_drafts(int* __restrict__ tokens, const int* __
 // keys and values, read from qkv (so no block waits for another to store them). out (B, n, H, D), lse (B, H, n).
 //
 // A decoding step is a few rows against a few hundred keys: bound by the latency of its loads, not by
-// arithmetic. Block (h, b * tiles + tile) takes the tile's ATT_ROWS query rows of head h; its ATT_WARPS warps
-// split the keys in chunks of 32, chunk c to warp c % ATT_WARPS, a key a lane: the lane loads its key's row
-// and the chunk's value rows of its dims (all at once, into registers), scores every query row of the tile
-// against its key, and the warp keeps each row's running softmax statistics and output over its chunks
-// (flash-decoding); the warps' results then meet in shared memory, merged in warp order. Every sum runs in
-// an order fixed by the key positions alone, so a row gets the same bits decoded alone or with others.
-// The blocks of the first query head of each kv group append the tile's new k and v rows to the cache.
-// A tile is one row: a speculative step's 4 rows then take 4 blocks a head, each as quick as a plain step's
-// one (H100, `base`, 260 keys: 5.6 us for 1 row and for 4; with 4 rows a block, 4 rows took 7.8 us, and a
-// whole verifying step 1.20x a plain one instead of 1.08x). Reading the keys once for a tile's rows does not
-// pay at a step's few hundred keys.
+// arithmetic. Block (h, b * n + t) takes query row t of sequence b, head h; its ATT_WARPS warps split the keys
+// in chunks of 32, chunk c to warp c % ATT_WARPS, a key a lane: the lane loads its key's row and the chunk's
+// value rows of its dims (all at once, into registers), scores the query against its key, and the warp keeps
+// running softmax statistics and output over its chunks (flash-decoding); the warps' results then meet in
+// shared memory, merged in warp order. Every sum runs in an order fixed by the key positions alone, so a row
+// gets the same bits decoded alone or with others. The blocks of the first query head of each kv group
+// append their row's new k and v to the cache. A block a row: a speculative step's 4 rows take 4 blocks a
+// head, each as quick as a plain step's one (H100, `base`, 260 keys: 5.1 us for 1 row, 5.3 for 4); blocks of 4
+// rows, which read the keys once for all 4 but score them one row after another, took 7.8 us for 4 rows, and a
+// whole verifying step 1.20x a plain one instead of 1.08x (2 rows a block: 6.4 us).
 #define ATT_CHUNK 32
-#define ATT_ROWS 1
 #define ATT_WARPS 16
 #define ATT_CACHED_THREADS (32 * ATT_WARPS)
 
@@ -830,106 +828,91 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
                                                        const int* __restrict__ pos, int n, int S, int H, int G,
                                                        float scale) {
     constexpr int DL = D / 32, KP = D / PACK;  // output dims a lane, 16-byte loads a key
-    __shared__ float q_s[ATT_ROWS][D];
-    __shared__ float part_s[ATT_WARPS][ATT_ROWS][D + 2];  // each warp's (output, max, sum) of each row
-    const int tiles = (n + ATT_ROWS - 1) / ATT_ROWS;
-    const int h = blockIdx.x, b = blockIdx.y / tiles, t0 = blockIdx.y % tiles * ATT_ROWS;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, rows = min(ATT_ROWS, n - t0);
-    const int p0 = *pos, kvh = h / (H / G), E = 2 * G * D, last_key = p0 + t0 + rows - 1;
+    __shared__ float q_s[D];
+    __shared__ float part_s[ATT_WARPS][D + 2];  // each warp's (output, max, sum)
+    const int h = blockIdx.x, b = blockIdx.y / n, t = blockIdx.y % n;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int p0 = *pos, kvh = h / (H / G), E = 2 * G * D, last_key = p0 + t;
     const long long NHD = (long long)(H + 2 * G) * D;
     let_next_launch();
     wait_for_inputs();
     act_t* cbase = cache + (long long)b * S * E + kvh * D;
     const act_t* nbase = qkv + (long long)b * n * NHD + H * D + kvh * D;  // row 0 of the new k heads
-    if (warp < rows) {  // the tile's query rows, scaled, a warp each
-        const act_t* qrow = qkv + ((long long)b * n + t0 + warp) * NHD + h * D;
-        for (int i = lane; i < D; i += 32) q_s[warp][i] = to_float(qrow[i]) * scale;
+    if (warp == 0) {  // the query row, scaled
+        const act_t* qrow = qkv + ((long long)b * n + t) * NHD + h * D;
+        for (int i = lane; i < D; i += 32) q_s[i] = to_float(qrow[i]) * scale;
     }
-    if (h % (H / G) == 0 && warp < rows) {  // the tile's new k and v rows into the cache
-        const uint4* src = reinterpret_cast<const uint4*>(nbase + (t0 + warp) * NHD);
-        uint4* dst = reinterpret_cast<uint4*>(cbase + (long long)(p0 + t0 + warp) * E);
+    if (h % (H / G) == 0 && warp == 1) {  // the row's new k and v into the cache
+        const uint4* src = reinterpret_cast<const uint4*>(nbase + t * NHD);
+        uint4* dst = reinterpret_cast<uint4*>(cbase + (long long)(p0 + t) * E);
         if (lane < KP) dst[lane] = src[lane], dst[lane + G * KP] = src[lane + G * KP];  // k; v G heads on
     }
-    float M[ATT_ROWS], L[ATT_ROWS], O[ATT_ROWS][DL];  // this warp's running statistics and output per row
+    float M = neg_inf(), L = 0.f, O[DL];  // this warp's running statistics and output
 #pragma unroll
-    for (int r = 0; r < ATT_ROWS; ++r) {
-        M[r] = neg_inf(), L[r] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DL; ++i) O[r][i] = 0.f;
-    }
+    for (int i = 0; i < DL; ++i) O[i] = 0.f;
     __syncthreads();
     for (int j0 = warp * ATT_CHUNK; j0 <= last_key; j0 += ATT_WARPS * ATT_CHUNK) {
         const int key = j0 + lane;
         // the lane's key (from the cache, or a new row), and the chunk's values of the lane's dims (DL from
-        // lane * DL); zeros past the new rows (never weighted, but 0 * garbage could be NaN)
+        // lane * DL); zeros past the row's keys (never weighted, but 0 * garbage could be NaN)
         uint4 kr[KP];
         const uint4* krow = reinterpret_cast<const uint4*>(key < p0 ? cbase + (long long)key * E
                                                                     : nbase + (key - p0) * NHD);
 #pragma unroll
-        for (int p = 0; p < KP; ++p) kr[p] = key < p0 + n ? krow[p] : make_uint4(0u, 0u, 0u, 0u);
+        for (int p = 0; p < KP; ++p) kr[p] = key <= last_key ? krow[p] : make_uint4(0u, 0u, 0u, 0u);
         ValueSlice<DL> v[ATT_CHUNK];
 #pragma unroll
         for (int j = 0; j < ATT_CHUNK; ++j) {
             const int kj = j0 + j;
             const act_t* src = kj < p0 ? cbase + (long long)kj * E + G * D : nbase + (kj - p0) * NHD + G * D;
-            if (kj < p0 + n) v[j].load(src + lane * DL);
+            if (kj <= last_key) v[j].load(src + lane * DL);
             else v[j].zero();
         }
+        float s = 0.f;
 #pragma unroll
-        for (int r = 0; r < ATT_ROWS; ++r) {
-            const int t = t0 + r;
-            if (r < rows && j0 <= p0 + t) {
-                float s = 0.f;
+        for (int p = 0; p < KP; ++p) {
+            float kf[PACK];
+            unpack16(kf, kr[p]);
 #pragma unroll
-                for (int p = 0; p < KP; ++p) {
-                    float kf[PACK];
-                    unpack16(kf, kr[p]);
-#pragma unroll
-                    for (int e = 0; e < PACK; ++e) s += q_s[r][p * PACK + e] * kf[e];
-                }
-                const bool seen = key <= p0 + t;
-                s = seen ? s : neg_inf();
-                const float m = warp_max(s), pr = seen ? expf(s - m) : 0.f, l = warp_sum(pr);
-                float o[DL];
-#pragma unroll
-                for (int i = 0; i < DL; ++i) o[i] = 0.f;
-#pragma unroll
-                for (int j = 0; j < ATT_CHUNK; ++j) {
-                    const float pj = __shfl_sync(FULL_MASK, pr, j);
-#pragma unroll
-                    for (int i = 0; i < DL; ++i) o[i] += pj * v[j].get(i);
-                }
-                // into the running statistics (with one chunk a warp, as for contexts up to 512, exactly)
-                const float Mn = fmaxf(M[r], m), a = expf(M[r] - Mn), c = expf(m - Mn);
-                L[r] = L[r] * a + l * c;
-#pragma unroll
-                for (int i = 0; i < DL; ++i) O[r][i] = O[r][i] * a + o[i] * c;
-                M[r] = Mn;
-            }
+            for (int e = 0; e < PACK; ++e) s += q_s[p * PACK + e] * kf[e];
         }
+        const bool seen = key <= last_key;
+        s = seen ? s : neg_inf();
+        const float m = warp_max(s), pr = seen ? expf(s - m) : 0.f, l = warp_sum(pr);
+        float o[DL];
+#pragma unroll
+        for (int i = 0; i < DL; ++i) o[i] = 0.f;
+#pragma unroll
+        for (int j = 0; j < ATT_CHUNK; ++j) {
+            const float pj = __shfl_sync(FULL_MASK, pr, j);
+#pragma unroll
+            for (int i = 0; i < DL; ++i) o[i] += pj * v[j].get(i);
+        }
+        // into the running statistics (with one chunk a warp, as for contexts up to 512, exactly)
+        const float Mn = fmaxf(M, m), a = expf(M - Mn), c = expf(m - Mn);
+        L = L * a + l * c;
+#pragma unroll
+        for (int i = 0; i < DL; ++i) O[i] = O[i] * a + o[i] * c;
+        M = Mn;
     }
 #pragma unroll
-    for (int r = 0; r < ATT_ROWS; ++r) {
-#pragma unroll
-        for (int i = 0; i < DL; ++i) part_s[warp][r][lane * DL + i] = O[r][i];
-        if (lane == 0) part_s[warp][r][D] = M[r], part_s[warp][r][D + 1] = L[r];
-    }
+    for (int i = 0; i < DL; ++i) part_s[warp][lane * DL + i] = O[i];
+    if (lane == 0) part_s[warp][D] = M, part_s[warp][D + 1] = L;
     __syncthreads();
-    if (warp >= rows) return;
-    // row t0 + warp: the warps' results merged in warp order (warps with no key of the row hold max -inf)
-    const int r = warp, t = t0 + r;
+    if (warp != 0) return;
+    // the warps' results merged in warp order (warps with no key of the row hold max -inf)
     float Mx = neg_inf();
-    for (int w = 0; w < ATT_WARPS; ++w) Mx = fmaxf(Mx, part_s[w][r][D]);
+    for (int w = 0; w < ATT_WARPS; ++w) Mx = fmaxf(Mx, part_s[w][D]);
     float Ls = 0.f, o[DL];
 #pragma unroll
     for (int i = 0; i < DL; ++i) o[i] = 0.f;
     for (int w = 0; w < ATT_WARPS; ++w) {
-        const float m = part_s[w][r][D];
+        const float m = part_s[w][D];
         if (m == neg_inf()) continue;
         const float c = expf(m - Mx);
-        Ls += part_s[w][r][D + 1] * c;
+        Ls += part_s[w][D + 1] * c;
 #pragma unroll
-        for (int i = 0; i < DL; ++i) o[i] += part_s[w][r][lane * DL + i] * c;
+        for (int i = 0; i < DL; ++i) o[i] += part_s[w][lane * DL + i] * c;
     }
 #pragma unroll
     for (int i = 0; i < DL; ++i) out[(((long long)b * n + t) * H + h) * D + lane * DL + i] = from_float<act_t>(o[i] / Ls);
