@@ -9,7 +9,8 @@ torch.compile, in the precision ours runs in (bf16 or float32). On the GPU "plai
 kernels launched one by one from Python, "graph" the same steps replayed as CUDA graphs (the default).
 Speculative decoding on random weights accepts few drafts (the heads were never trained to agree): it
 measures the machinery's overhead, not its gain; a trained checkpoint (--ckpt; --prompt to continue text of
-its own rather than random tokens) shows the gain, and the acceptance rate of each head.
+its own rather than random tokens) shows the gain, and the acceptance rate of each head. --temperature T
+times sampling (top-p 0.95, as `infer`) instead, ours only.
 
     PYTHONPATH=. python3 benchmarks/bench_decode.py --preset small --device cpu
     PYTHONPATH=. python3 benchmarks/bench_decode.py --preset base --device gpu
@@ -27,9 +28,10 @@ from nanoeuler.model import make_engine
 from nanoeuler.sample import generate
 
 
-def ours(eng, prompt, n, speculative):
+def ours(eng, prompt, n, speculative, temperature=0.0):
     stats, t0 = {}, time.perf_counter()
-    tokens = list(generate(eng, prompt, n, temperature=0, speculative=speculative, stats=stats))
+    tokens = list(generate(eng, prompt, n, temperature=temperature, top_p=0.95, rng=np.random.default_rng(0),
+                           speculative=speculative, stats=stats))
     return tokens, time.perf_counter() - t0, stats
 
 
@@ -74,6 +76,8 @@ def main():
     ap.add_argument("--precision", choices=("bf16", "tf32", "fp32"), help="the GPU's (default bf16)")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
     ap.add_argument("--prompt", help="with --ckpt: text to continue (default: 8 random tokens)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (top-p 0.95, as infer) instead of greedy; no peers")
     args = ap.parse_args()
     if args.prompt is not None and not args.ckpt:
         ap.error("--prompt needs --ckpt (random weights have no tokenizer)")
@@ -96,30 +100,32 @@ def main():
     precision = "fp32" if args.device == "cpu" else args.precision or "bf16"
     eng = make_engine(cfg, device=args.device, precision=precision)
     eng.load_params(params)
-    ours(eng, prompt, 8, False)  # warm-up (numba compilation, kernel compilation)
+    T = args.temperature
+    ours(eng, prompt, 8, False, T)  # warm-up (numba compilation, kernel compilation)
     if cfg.mtp_heads > 1:
-        ours(eng, prompt, 8, True)
+        ours(eng, prompt, 8, True, T)
     rows = []
     if args.device == "gpu":
         eng.graphs = False
-        tokens, seconds, _ = ours(eng, prompt, n, False)
+        tokens, seconds, _ = ours(eng, prompt, n, False, T)
         rows.append(("nanoeuler plain (kernel by kernel)", seconds, tokens, ""))
         eng.graphs = True
-    plain, seconds, _ = ours(eng, prompt, n, False)
+    plain, seconds, _ = ours(eng, prompt, n, False, T)
     rows.append(("nanoeuler graph" if args.device == "gpu" else "nanoeuler plain", seconds, plain, ""))
     if cfg.mtp_heads > 1:
-        spec, seconds, stats = ours(eng, prompt, n, True)
+        spec, seconds, stats = ours(eng, prompt, n, True, T)
         per_head = ", ".join(f"head {k + 1} {a / max(v, 1):.0%}" for k, (v, a) in enumerate(stats["per_head"]))
         rows.append(("nanoeuler --speculative", seconds, spec,
                      f"accepted {stats['accepted']}/{stats['drafted']} drafts in {stats['steps']} forwards "
                      f"({per_head})"))
-    print(f"{what}: batch 1, greedy, {n} new tokens after a {len(prompt)}-token prompt, {args.device} ({precision})")
+    how = f"temperature {T}, top-p 0.95 (sampled: the tokens differ)" if T > 0 else "greedy"
+    print(f"{what}: batch 1, {how}, {n} new tokens after a {len(prompt)}-token prompt, {args.device} ({precision})")
     print(f"{'decoder':<38} {'ms/token':>9} {'vs first row':>13} {'tokens = first row':>19}  notes")
     for row in rows:
         report(row, rows[0], n)
     if cfg.mtp_heads > 1:
         print(f"--speculative: {rows[-2][1] / rows[-1][1]:.2f}x the tokens/s of {rows[-2][0]}", flush=True)
-    if not args.no_hf:
+    if not args.no_hf and T == 0:
         bf16 = precision == "bf16"
         hf, seconds = hugging_face(cfg, params, prompt, n, args.device, None, bf16)
         report(("transformers eager", seconds, hf, ""), rows[0], n)

