@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_cli, sharp_params, tiny_config
 from nanoeuler.model import make_engine
-from nanoeuler.sample import TextStream, generate, pick
+from nanoeuler.sample import TextStream, distribution, generate, pick
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,24 @@ def test_greedy_and_filters():
     cold = [pick(logits, 0.01, 0, 1.0, rng) for _ in range(200)]  # e^-10 odds for token 3
     hot = [pick(logits, 100.0, 0, 1.0, rng) for _ in range(2000)]
     assert cold.count(1) == 200 and 0.1 < hot.count(4) / 2000 < 0.3
+
+
+def test_nucleus_keeps_the_likeliest_tokens_lowest_ids_first_on_ties():
+    """top-p keeps the fewest likeliest tokens whose mass reaches top_p; among equal probabilities at the cut,
+    the lowest ids (the order of a stable sort of the ids by probability, which distribution no longer does)."""
+    p = distribution(np.array([1.0, 2.0, 2.0, 2.0, 0.0], dtype=np.float32), 1.0, 0, 0.5)
+    assert np.count_nonzero(p) == 2 and p[1] == p[2] == 0.5  # ids 1, 2 of the three tied ones
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        logits = np.round(rng.standard_normal(int(rng.integers(1, 60))) * 2).astype(np.float32)  # ties
+        temperature, top_p = float(rng.uniform(0.3, 2)), float(rng.choice([0.1, 0.5, 0.9, 0.999999]))
+        z = np.exp(logits.astype(np.float64) / temperature - logits.max() / temperature)
+        z /= z.sum()
+        order = np.argsort(-z, kind="stable")
+        keep = int(np.searchsorted(np.cumsum(z[order]), top_p)) + 1
+        want = np.zeros_like(z)
+        want[order[:keep]] = z[order[:keep]]
+        np.testing.assert_allclose(distribution(logits, temperature, 0, top_p), want / want.sum(), rtol=1e-12)
 
 
 def test_seed_reproduces_samples(eng):
