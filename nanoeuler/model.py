@@ -485,8 +485,8 @@ class Engine:
         layers = cfg.n_layers
         xn = e(N, C)
         a = dict(resid=[x] * (layers + 1), resid_mid=[x] * layers, xn1=[xn] * layers, xn2=[xn] * layers,
-                 rstd1=[rstd] * layers, rstd2=[rstd] * layers, qkv=[qkv] * layers, att=[att] * layers, lse=[lse] * layers,
-                 gate_up=[e(N, 2 * F)] * layers, sw=[e(N, F)] * layers, hf=e(N, C), rstdf=f(N),
+                 rstd1=[rstd] * layers, rstd2=[rstd] * layers, qkv=[qkv] * layers, att=[att] * layers,
+                 lse=[lse] * layers, gate_up=[e(N, 2 * F)] * layers, sw=[e(N, F)] * layers, hf=e(N, C), rstdf=f(N),
                  last=e(B, C), logits=f(rows, heads * V), tokens=xp.empty((B, n), dtype=np.int32))
         # Greedy single steps write the chosen ids over their own input: when the next call feeds them back,
         # as generation does, they are on the device already and nothing is copied there. They also log

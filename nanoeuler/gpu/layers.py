@@ -215,7 +215,7 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     RMSNorm folded in when given its gain; SwiGLU of the gate|up product into glu_out, or the rotary embedding
     (rope = (cos, sin, pos, T, rotated rows, D/2)) of the qkv product, when given. A block takes 8 rows of w,
     its warps (from the row length I alone, so a row's sums run in the same order whatever N is, and a
-    speculative step's rows get plain decoding's bits) as many as give each thread MATMUL_SMALL_LOADS 16-byte
+    speculative step's rows get plain decoding's bits) as many as give each thread _MATMUL_SMALL_LOADS 16-byte
     loads of w, at most 16. skip: where given, receives a copy of x first (rmsnorm_matmul_forward's residual
     copy, for a full forward of a few rows; decoding updates its stream in place)."""
     if skip is not None:

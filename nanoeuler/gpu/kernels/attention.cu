@@ -137,18 +137,8 @@ struct AttTf32 {
         b[1] = __float_as_uint(X[(2 * t + 1) * ld + g]);
     }
     static __device__ __forceinline__ void mma(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-        if (PRECISE) {  // 3xTF32: small terms first, then the main product
-            const float a0 = __uint_as_float(a[0]), a1 = __uint_as_float(a[1]), a2 = __uint_as_float(a[2]),
-                        a3 = __uint_as_float(a[3]), b0 = __uint_as_float(b[0]), b1 = __uint_as_float(b[1]);
-            const unsigned A0 = to_tf32(a0), A1 = to_tf32(a1), A2 = to_tf32(a2), A3 = to_tf32(a3);
-            const unsigned B0 = to_tf32(b0), B1 = to_tf32(b1);
-            mma_tf32(c, to_tf32(a0 - __uint_as_float(A0)), to_tf32(a1 - __uint_as_float(A1)),
-                     to_tf32(a2 - __uint_as_float(A2)), to_tf32(a3 - __uint_as_float(A3)), B0, B1);
-            mma_tf32(c, A0, A1, A2, A3, to_tf32(b0 - __uint_as_float(B0)), to_tf32(b1 - __uint_as_float(B1)));
-            mma_tf32(c, A0, A1, A2, A3, B0, B1);
-        } else {
-            mma_tf32(c, a[0], a[1], a[2], a[3], b[0], b[1]);
-        }
+        if (PRECISE) mma_3xtf32(c, a, b);
+        else mma_tf32(c, a[0], a[1], a[2], a[3], b[0], b[1]);
     }
 };
 
@@ -915,7 +905,8 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
         for (int i = 0; i < DL; ++i) o[i] += part_s[w][lane * DL + i] * c;
     }
 #pragma unroll
-    for (int i = 0; i < DL; ++i) out[(((long long)b * n + t) * H + h) * D + lane * DL + i] = from_float<act_t>(o[i] / Ls);
+    for (int i = 0; i < DL; ++i)
+        out[(((long long)b * n + t) * H + h) * D + lane * DL + i] = from_float<act_t>(o[i] / Ls);
     if (lane == 0) lse[((long long)b * H + h) * n + t] = Mx + logf(Ls);
 }
 

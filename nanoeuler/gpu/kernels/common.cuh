@@ -159,6 +159,25 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], unsigned a0, unsigned a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// c += a b to float32 accuracy on the TF32 tensor cores ("3xTF32"): each operand (float32 bits) split into a
+// TF32 high part and a TF32 residual, three products, the residuals' first.
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    unsigned hi[4], lo[4], bhi[2], blo[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        hi[i] = to_tf32(__uint_as_float(a[i]));
+        lo[i] = to_tf32(__uint_as_float(a[i]) - __uint_as_float(hi[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        bhi[i] = to_tf32(__uint_as_float(b[i]));
+        blo[i] = to_tf32(__uint_as_float(b[i]) - __uint_as_float(bhi[i]));
+    }
+    mma_tf32(c, lo[0], lo[1], lo[2], lo[3], bhi[0], bhi[1]);
+    mma_tf32(c, hi[0], hi[1], hi[2], hi[3], blo[0], blo[1]);
+    mma_tf32(c, hi[0], hi[1], hi[2], hi[3], bhi[0], bhi[1]);
+}
+
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"

@@ -50,28 +50,21 @@ __device__ __forceinline__ void store_out(void* out, long long at, float v, int 
 // acc (x's rows g, g + 8 x w's rows 2t, 2t + 1) += the products of a thread's 16 bytes of x's row g (a) and
 // of w's row g (b): two k-steps, the first two 32-bit words in the first.
 __device__ __forceinline__ void mma_chunk(float (&acc)[4], uint4 a, uint4 b) {
-#if ACT_BF16
-    const unsigned a0[4] = {a.x, 0u, a.y, 0u}, b0[2] = {b.x, b.y}, a1[4] = {a.z, 0u, a.w, 0u}, b1[2] = {b.z, b.w};
-    mma_bf16(acc, a0, b0);
-    mma_bf16(acc, a1, b1);
-#else
     const unsigned av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-    for (int s = 0; s < 4; s += 2) {  // 3xTF32: the residuals' products first, then the main one
-        const unsigned A0 = to_tf32(__uint_as_float(av[s])), A1 = to_tf32(__uint_as_float(av[s + 1]));
-        const unsigned B0 = to_tf32(__uint_as_float(bv[s])), B1 = to_tf32(__uint_as_float(bv[s + 1]));
-        // a k-step's sum, then added in float32: accumulated by the tensor cores, whose additions truncate,
-        // the error grew with I (4e-6 relative at I = 8192)
+    for (int s = 0; s < 4; s += 2) {
+        const unsigned as[4] = {av[s], 0u, av[s + 1], 0u}, bs[2] = {bv[s], bv[s + 1]};  // x's rows 8..15 zero
+#if ACT_BF16
+        mma_bf16(acc, as, bs);
+#else
+        // the k-step's sum added in float32: accumulated by the tensor cores, whose additions truncate, the
+        // error grew with I (4e-6 relative at I = 8192)
         float step[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_tf32(step, to_tf32(__uint_as_float(av[s]) - __uint_as_float(A0)), 0u,
-                 to_tf32(__uint_as_float(av[s + 1]) - __uint_as_float(A1)), 0u, B0, B1);
-        mma_tf32(step, A0, 0u, A1, 0u, to_tf32(__uint_as_float(bv[s]) - __uint_as_float(B0)),
-                 to_tf32(__uint_as_float(bv[s + 1]) - __uint_as_float(B1)));
-        mma_tf32(step, A0, 0u, A1, 0u, B0, B1);
+        mma_3xtf32(step, as, bs);
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[j] += step[j];
-    }
 #endif
+    }
 }
 
 // PACK elements of a row from element i on, as the 16 bytes one load brings: packed, one load (or zeros past
