@@ -26,8 +26,8 @@ import time
 import numpy as np
 import torch
 
-from nanoeuler.config import PRESETS, init_params, param_count
-from nanoeuler.model import make_engine
+from nanoeuler.model.config import PRESETS, init_params, param_count
+from nanoeuler.model.engine import make_engine
 from reference import Reference, batches
 
 

@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import PRESETS, init_params, views
-from nanoeuler.export import hf_tensors
-from nanoeuler.model import make_engine
-from nanoeuler.sample import generate
+from nanoeuler.model.config import PRESETS, init_params, views
+from nanoeuler.io.export import hf_tensors
+from nanoeuler.model.engine import make_engine
+from nanoeuler.infer.generate import generate
 
 
 def ours(eng, prompt, n, speculative, temperature=0.0):
@@ -83,7 +83,7 @@ def main():
         ap.error("--prompt needs --ckpt (random weights have no tokenizer)")
 
     if args.ckpt:
-        from nanoeuler import checkpoint
+        from nanoeuler.io import checkpoint
         ck = checkpoint.load(args.ckpt)
         cfg, params, what = ck.cfg, ck.params, args.ckpt
     else:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import PRESETS, flops_per_token, init_params, param_count
+from nanoeuler.model.config import PRESETS, flops_per_token, init_params, param_count
 from reference import Reference, batches
 
 
@@ -42,7 +42,7 @@ def time_steps(step, sync, warmup, steps):
 
 def bench_ours(cfg, inputs, targets, args):
     import cupy
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.engine import make_engine
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
@@ -103,7 +103,7 @@ def main():
     ap.add_argument("--pytorch", choices=["eager", "compiled", "both"], default="both",
                     help="the PyTorch side: eager, torch.compile, or one row of each (default both)")
     args = ap.parse_args()
-    from nanoeuler.gpu import device_name, peak_flops
+    from nanoeuler.model.gpu import device_name, peak_flops
 
     cfg = PRESETS[args.preset]
     T = cfg.context

@@ -30,9 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def random_checkpoint(preset, folder):
-    from nanoeuler import checkpoint
-    from nanoeuler.config import PRESETS, init_params
-    from nanoeuler.tokenizer import Tokenizer
+    from nanoeuler.io import checkpoint
+    from nanoeuler.model.config import PRESETS, init_params
+    from nanoeuler.tokenizer.bpe import Tokenizer
 
     cfg = PRESETS[preset]
     tok = Tokenizer.train(os.path.join(ROOT, "shakespeare.txt"), cfg.vocab_size, progress=False)
@@ -45,7 +45,7 @@ def in_process(ckpt, device, requests, max_tokens):
     """tokens/s of `generate` on the bench's request shapes, one request at a time, in this process."""
     import numpy as np
 
-    from nanoeuler.sample import generate, load_model
+    from nanoeuler.infer.generate import generate, load_model
 
     eng, tok, _ = load_model(ckpt, device)
     run = lambda i, n: len(list(generate(eng, tok.encode(f"Client 0, request {i}:\n"), n, 0.8, 0, 0.95,

@@ -19,7 +19,7 @@ import time
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from nanoeuler.tokenizer import Tokenizer
+from nanoeuler.tokenizer.bpe import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

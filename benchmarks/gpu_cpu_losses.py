@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import PRESETS
-from nanoeuler.model import make_engine
+from nanoeuler.model.config import PRESETS
+from nanoeuler.model.engine import make_engine
 from reference import batches
 
 

@@ -1,6 +1,6 @@
 """Where a GPU training step's time goes: CUDA events around every layer call of the engine.
 
-Each layer function of nanoeuler.gpu.layers is wrapped with a pair of CUDA events (on the current stream,
+Each layer function of nanoeuler.model.gpu.layers is wrapped with a pair of CUDA events (on the current stream,
 so the timing adds no synchronisation inside the step); after the timed steps the per-function totals are
 printed, sorted, as ms per step and share of the step. The events themselves cost a few microseconds per
 call, so the sum is a little above the plain step time that bench_gpu_train.py reports.
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import PRESETS
+from nanoeuler.model.config import PRESETS
 from reference import batches
 
 LAYER_FUNCTIONS = ("matmul_forward", "matmul_backward", "embedding_forward", "embedding_backward",
@@ -51,8 +51,8 @@ def main():
     args = ap.parse_args()
 
     import cupy
-    from nanoeuler.gpu import layers as L
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.gpu import layers as L
+    from nanoeuler.model.engine import make_engine
 
     cfg = PRESETS[args.preset]
     eng = make_engine(cfg, device="gpu", precision=args.precision)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanoeuler.config import is_matrix, param_layout, views
+from nanoeuler.model.config import is_matrix, param_layout, views
 
 
 def batches(cfg, batch_size, seed=0, steps=None, tokens=None):

@@ -9,4 +9,4 @@
 set -e
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
-exec "${PYTHON:-python3}" -m nanoeuler.fetch alpaca "$@"
+exec "${PYTHON:-python3}" -m nanoeuler.data.fetch alpaca "$@"

@@ -10,4 +10,4 @@
 set -e
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
-exec "${PYTHON:-python3}" -m nanoeuler.fetch web "$@"
+exec "${PYTHON:-python3}" -m nanoeuler.data.fetch web "$@"

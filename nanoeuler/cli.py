@@ -223,17 +223,17 @@ def build_parser():
 
 
 def _tokenizer_for(args):
-    from nanoeuler.tokenizer import Tokenizer
+    from nanoeuler.tokenizer.bpe import Tokenizer
 
     if args.tokenizer:
         return Tokenizer.load(args.tokenizer)
-    from nanoeuler.checkpoint import read_tokenizer
+    from nanoeuler.io.checkpoint import read_tokenizer
     return read_tokenizer(args.ckpt or "nanoeuler.bin")
 
 
 def tokenizer_command(args):
     """`nanoeuler tokenizer train|encode|decode`."""
-    from nanoeuler.tokenizer import Tokenizer
+    from nanoeuler.tokenizer.bpe import Tokenizer
 
     if args.action == "train":
         tok = Tokenizer.train(args.file, args.vocab_size, max_bytes=args.sample_mb << 20)
@@ -273,24 +273,24 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if (getattr(args, "gpus", None) or 1) > 1 and "RANK" not in os.environ:
-            from nanoeuler.launch import launch_self  # the launcher; each worker it starts runs the command
+            from nanoeuler.train.launch import launch_self  # the launcher; each worker it starts runs the command
             sys.exit(launch_self(args.gpus, sys.argv[1:] if argv is None else list(argv)))
         if args.command == "check":
-            from nanoeuler.check import main as run
+            from nanoeuler.check.gradients import main as run
         elif args.command == "train":
-            from nanoeuler.train import main as run
+            from nanoeuler.train.pretrain import main as run
         elif args.command == "infer":
-            from nanoeuler.sample import main as run
+            from nanoeuler.infer.generate import main as run
         elif args.command == "sft":
-            from nanoeuler.sft import main as run
+            from nanoeuler.train.sft import main as run
         elif args.command == "dpo":
-            from nanoeuler.dpo import main as run
+            from nanoeuler.train.dpo import main as run
         elif args.command == "chat":
-            from nanoeuler.chat import main as run
+            from nanoeuler.infer.chat import main as run
         elif args.command == "serve":
-            from nanoeuler.serve import main as run
+            from nanoeuler.infer.serve import main as run
         elif args.command == "export":
-            from nanoeuler.export import main as run
+            from nanoeuler.io.export import main as run
         elif args.command == "tokenizer":
             run = tokenizer_command
         else:  # pragma: no cover - argparse rejects unknown commands

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from nanoeuler import checkpoint
-from nanoeuler.config import Config, init_params
+from nanoeuler.io import checkpoint
+from nanoeuler.model.config import Config, init_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +24,7 @@ def sharp_params(cfg, seed, scale, same_heads=False):
     drafts repeat head 0's next token and are accepted wherever the text repeats a token (random heads' drafts
     almost never are)."""
     import numpy as np
-    from nanoeuler.config import views
+    from nanoeuler.model.config import views
     flat = init_params(cfg, seed=seed)
     rng = np.random.default_rng(seed + 1)
     for name, view in views(flat, cfg).items():
@@ -53,7 +53,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer(corpus):
-    from nanoeuler.tokenizer import Tokenizer
+    from nanoeuler.tokenizer.bpe import Tokenizer
     return Tokenizer.train(corpus, 300, progress=False)
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save as serialize
 
-from nanoeuler import checkpoint, files
-from nanoeuler.config import Config, init_params, param_count, param_shapes
+from nanoeuler.io import checkpoint, files
+from nanoeuler.model.config import Config, init_params, param_count, param_shapes
 from nanoeuler.errors import UserError
 
 CFG = Config(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=64, vocab_size=300, context=16, mtp_heads=2)
@@ -156,8 +156,8 @@ def test_process_killed_during_save_leaves_old_checkpoint(tmp_path):
     old = _save(path, seed=0)
     script = textwrap.dedent(f"""
         import os, signal
-        from nanoeuler import checkpoint
-        from nanoeuler.config import init_params
+        from nanoeuler.io import checkpoint
+        from nanoeuler.model.config import init_params
         from tests.test_checkpoint import CFG, TOK
         os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
         checkpoint.save({str(path)!r}, CFG, init_params(CFG, 1), TOK, step=8)

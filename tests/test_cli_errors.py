@@ -12,8 +12,8 @@ import pytest
 from safetensors.numpy import load_file, save as serialize
 
 from conftest import ROOT, run_cli
-from nanoeuler import checkpoint
-from nanoeuler.device import gpu_available
+from nanoeuler.io import checkpoint
+from nanoeuler.model.device import gpu_available
 
 
 def _one_line_error(r, *needles):

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, tiny_config
-from nanoeuler import launch, train
-from nanoeuler.data import RandomWindows
-from nanoeuler.distributed import DataParallel, SharedMemoryCommunicator, World
+from nanoeuler.train import launch, pretrain as train
+from nanoeuler.data.corpus import RandomWindows
+from nanoeuler.train.distributed import DataParallel, SharedMemoryCommunicator, World
 from nanoeuler.errors import UserError
-from nanoeuler.model import make_engine
-from nanoeuler.sft import ExampleBatches
+from nanoeuler.model.engine import make_engine
+from nanoeuler.train.sft import ExampleBatches
 from test_train import _log, _train
 
 ENV = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
@@ -156,7 +156,7 @@ def test_two_ranks_train_exactly_like_one_rank_at_twice_the_batch(zero):
 def test_the_nccl_id_travels_in_every_form_cupy_gives_it():
     """CuPy 14's get_unique_id gives 128 bytes and NcclCommunicator takes only bytes; earlier versions a tuple
     of signed ints. The store carries 128 bytes and the kind, and every rank gets rank 0's id back as it was."""
-    from nanoeuler.distributed import _id_from_store, _id_to_store
+    from nanoeuler.train.distributed import _id_from_store, _id_to_store
     rng = np.random.default_rng(3)
     raw = bytes(rng.integers(0, 256, 128).tolist())
     for uid in (raw, tuple(b - 256 if b > 127 else b for b in raw), tuple(raw)):
@@ -199,8 +199,9 @@ WORKER = """
 import sys
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config
-from nanoeuler import cli, train
-from nanoeuler.config import PRESETS
+from nanoeuler import cli
+from nanoeuler.train import pretrain as train
+from nanoeuler.model.config import PRESETS
 PRESETS["small"] = tiny_config({vocab}, gpu={gpu})
 train.PRESET_HYPER["small"] = train.Hyper(**{hyper!r})
 cli.main(sys.argv[1:])
@@ -214,7 +215,7 @@ def _tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, gpu):
     """(run in this process, run as 2 ranks): `nanoeuler train ARGS` on the tiny preset (heads of 32 for the
     GPU)."""
     import dataclasses
-    from nanoeuler.config import PRESETS
+    from nanoeuler.model.config import PRESETS
     monkeypatch.setitem(PRESETS, "small", tiny_config(tokenizer.vocab_size, gpu))
     monkeypatch.setitem(train.PRESET_HYPER, "small", HYPER)
     script = WORKER.format(tests=os.path.join(ROOT, "tests"), vocab=tokenizer.vocab_size, gpu=gpu,
@@ -258,7 +259,7 @@ def test_checkpoints_move_between_world_sizes(tiny_runs, tmp_path):
         for r, want in zip(log, ref):  # the same validation windows, batched per rank (train.eval_limits)
             if "val_loss" in want:
                 assert r["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), (name, r["step"])
-    from nanoeuler import checkpoint
+    from nanoeuler.io import checkpoint
     ck = checkpoint.load(tmp_path / "b.bin", with_opt=True)
     assert ck.train_state["world_size"] == 2 and ck.train_state["hyper"]["batch_size"] == 2
     np.testing.assert_allclose(ck.params, checkpoint.load(tmp_path / "ref.bin").params, atol=1e-5)
@@ -340,8 +341,8 @@ def test_the_command_line_starts_the_launcher(tmp_path):
 
 # --------------------------------------------------------------------------- GPUs (run on 2 GPUs later)
 def _gpus():
-    import nanoeuler.gpu
-    if not nanoeuler.gpu.available():
+    import nanoeuler.model.gpu
+    if not nanoeuler.model.gpu.available():
         return 0
     import cupy
     return cupy.cuda.runtime.getDeviceCount()
@@ -356,7 +357,7 @@ def test_nccl_world_of_one_trains_like_a_single_process():
     with ZeRO-1 (the AdamW kernel over the shard, the all-gather of the weights) to float32 rounding (its
     gradient norm sums the padded shard)."""
     import cupy
-    from nanoeuler.distributed import NcclCommunicator
+    from nanoeuler.train.distributed import NcclCommunicator
     comm = NcclCommunicator(World(0, 1, 0, "127.0.0.1", launch.free_port()), wait=60)
     try:
         host = np.array([1.5, -2.0, 3.25])

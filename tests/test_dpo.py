@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from nanoeuler import checkpoint, dpo, sft, template, train
-from nanoeuler.check import CHECK_CONFIGS, THRESHOLD, dpo_gradient_check
-from nanoeuler.config import PRESETS, Config
-from nanoeuler.model import Engine, make_engine
-from nanoeuler.sample import generate
+from nanoeuler.io import checkpoint
+from nanoeuler.train import dpo, sft, pretrain as train
+from nanoeuler.data import template
+from nanoeuler.check.gradients import CHECK_CONFIGS, THRESHOLD, dpo_gradient_check
+from nanoeuler.model.config import PRESETS, Config
+from nanoeuler.model.engine import Engine, make_engine
+from nanoeuler.infer.generate import generate
 from test_sft import FINETUNE, PRETRAIN, TINY, _cli, _main  # the SFT pipeline test's model and stages
 from test_train import _interrupt_at
 
@@ -50,7 +52,7 @@ def test_dpo_loss_matches_its_definition_and_accumulates():
     """The loss against a direct computation from the logits, and two accumulated halves = the whole."""
     cfg = Config(dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden=32, vocab_size=40, context=24, mtp_heads=2)
     rng = np.random.default_rng(0)
-    from nanoeuler.check import dpo_problem
+    from nanoeuler.check.gradients import dpo_problem
     flat, inputs, targets, beta = dpo_problem(cfg, rng, pairs=4)
     eng = make_engine(cfg, dtype=np.float64)
     eng.load_params(flat)

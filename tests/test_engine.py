@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanoeuler.check import CHECK_CONFIGS, gradient_check
-from nanoeuler.config import PRESETS, Config, param_count, param_layout, rope_tables, views
-from nanoeuler.cpu import layers as L
-from nanoeuler.model import make_engine
-from nanoeuler.problems import random_problem, relative_error
+from nanoeuler.check.gradients import CHECK_CONFIGS, gradient_check
+from nanoeuler.model.config import PRESETS, Config, param_count, param_layout, rope_tables, views
+from nanoeuler.model.cpu import layers as L
+from nanoeuler.model.engine import make_engine
+from nanoeuler.check.problems import random_problem, relative_error
 
 rng = np.random.default_rng(1234)
 

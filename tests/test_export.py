@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, tiny_config
-from nanoeuler import checkpoint
-from nanoeuler.config import init_params, views
-from nanoeuler.model import make_engine
-from nanoeuler.sample import generate
+from nanoeuler.io import checkpoint
+from nanoeuler.model.config import init_params, views
+from nanoeuler.model.engine import make_engine
+from nanoeuler.infer.generate import generate
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

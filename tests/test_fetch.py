@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanoeuler.fetch import gutenberg_text, parse_size
+from nanoeuler.data.fetch import gutenberg_text, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 LICENCE = "LICENCE-SENTINEL: the Project Gutenberg License"
@@ -366,7 +366,7 @@ def test_preferences_from_hh_rlhf_dropped_connection_and_rerun(tmp_path, server)
     assert run("get_preferences.sh", *args, env=env).returncode == 0
     assert server.requests() == []
     # what `nanoeuler dpo` reads is exactly this
-    from nanoeuler.dpo import read_pairs
+    from nanoeuler.train.dpo import read_pairs
     assert [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in read_pairs(str(out))] == pairs
 
 

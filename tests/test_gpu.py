@@ -9,13 +9,13 @@ import subprocess
 import numpy as np
 import pytest
 
-import nanoeuler.gpu
-from nanoeuler.gpu.check import BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TOL, _Case, model_check
+import nanoeuler.model.gpu
+from nanoeuler.check.gpu import BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TOL, _Case, model_check
 from conftest import sharp_params
 from test_train import HYPER, _interrupt_at, _log, _train
 
-KERNELS = pathlib.Path(nanoeuler.gpu.__file__).parent / "kernels"
-needs_gpu = pytest.mark.skipif(not nanoeuler.gpu.available(),
+KERNELS = pathlib.Path(nanoeuler.model.gpu.__file__).parent / "kernels"
+needs_gpu = pytest.mark.skipif(not nanoeuler.model.gpu.available(),
                                reason="needs a CUDA GPU (compute capability 8.0+) and cupy")
 
 
@@ -45,8 +45,8 @@ def test_cuda_sources_compile(tmp_path):
 @pytest.mark.parametrize("check,precision", [(c, p) for c in KERNEL_CHECKS for p in c.precisions],
                          ids=lambda v: v if isinstance(v, str) else v.__name__[len("check_"):])
 def test_kernel_matches_cpu_layer(check, precision):
-    from nanoeuler.cpu import layers as R
-    from nanoeuler.gpu import layers as L
+    from nanoeuler.model.cpu import layers as R
+    from nanoeuler.model.gpu import layers as L
 
     with L.precision(precision):
         for label, err, tol in check(_Case(np.random.default_rng(11), precision), L, R):
@@ -68,9 +68,9 @@ def test_model_gradients_match_cpu_engine(precision, bound):
 @pytest.mark.parametrize("precision,tol", [("tf32", 2e-3), ("bf16", 2e-2)])
 def test_training_steps_agree_across_engines(precision, tol):
     """Same init, same batches, same AdamW steps: the losses track each other to the precision's rounding."""
-    from nanoeuler.gpu.check import MODEL_CONFIG
-    from nanoeuler.model import make_engine
-    from nanoeuler.problems import random_problem
+    from nanoeuler.check.gpu import MODEL_CONFIG
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.check.problems import random_problem
 
     rng = np.random.default_rng(8)
     cpu, gpu = make_engine(MODEL_CONFIG, device="cpu"), make_engine(MODEL_CONFIG, device="gpu", precision=precision)
@@ -87,9 +87,9 @@ def test_training_steps_agree_across_engines(precision, tol):
 @needs_gpu
 def test_grad_accumulation_matches_one_large_batch():
     """Four micro-batches of 2 with the global target counts give the gradients of one batch of 8."""
-    from nanoeuler.gpu.check import MODEL_CONFIG
-    from nanoeuler.model import make_engine
-    from nanoeuler.problems import random_problem
+    from nanoeuler.check.gpu import MODEL_CONFIG
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.check.problems import random_problem
 
     _, inputs, targets = random_problem(MODEL_CONFIG, np.random.default_rng(4), batch=8)
     eng = make_engine(MODEL_CONFIG, device="gpu", precision="fp32")
@@ -107,8 +107,8 @@ def test_grad_accumulation_matches_one_large_batch():
 @pytest.fixture
 def gpu_preset(monkeypatch, tokenizer):
     """A tiny `small` whose head size the GPU attention kernels take (32)."""
-    from nanoeuler import train
-    from nanoeuler.config import PRESETS, Config
+    from nanoeuler.train import pretrain as train
+    from nanoeuler.model.config import PRESETS, Config
 
     cfg = Config(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, hidden=128, vocab_size=tokenizer.vocab_size,
                  context=32, mtp_heads=2)
@@ -142,8 +142,8 @@ def test_gpu_a_verifying_step_gives_single_steps_bits(precision):
     """A position decoded in a step of 4 rows (speculative verification) gets the logits, to the bit, that it
     gets in a step of its own, for rows of odd and even length past one warp's loads: speculative greedy
     decoding can only then be plain greedy decoding on any model (base's shapes, a few layers)."""
-    from nanoeuler.config import Config
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.config import Config
+    from nanoeuler.model.engine import make_engine
 
     cfg = Config(dim=768, n_layers=2, n_heads=12, n_kv_heads=4, hidden=2048, vocab_size=300, context=64,
                  mtp_heads=4)
@@ -166,9 +166,9 @@ def test_gpu_decoding_graphs_and_speculation_agree(precision):
     kernel, bit for bit; greedy generation through window slides is the same with and without graphs, and with
     --speculative, its steps chained on the device or not (a tiny model with sharp logits, K = 3, heads 1-2
     copies of head 0 so that some drafts are accepted, context 40: 100 tokens slide the window)."""
-    from nanoeuler.config import Config
-    from nanoeuler.model import make_engine
-    from nanoeuler.sample import generate
+    from nanoeuler.model.config import Config
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.infer.generate import generate
 
     cfg = Config(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, hidden=96, vocab_size=50, context=40, mtp_heads=3)
     eng = make_engine(cfg, device="gpu", precision=precision)

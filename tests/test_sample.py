@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, sharp_params, tiny_config
-from nanoeuler.model import make_engine
-from nanoeuler.sample import TextStream, distribution, generate, pick
+from nanoeuler.model.engine import make_engine
+from nanoeuler.infer.generate import TextStream, distribution, generate, pick
 
 
 @pytest.fixture(scope="module")
@@ -218,9 +218,9 @@ def test_every_entry_refuses_sequences_longer_than_the_context(eng):
 
 
 def test_gpu_refuses_a_head_size_its_kernels_lack_in_one_line():
-    from nanoeuler.config import Config
+    from nanoeuler.model.config import Config
     from nanoeuler.errors import UserError
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.engine import make_engine
 
     cfg = Config(dim=48, n_layers=1, n_heads=3, n_kv_heads=1, hidden=64, vocab_size=50, context=16)  # head_dim 16
     with pytest.raises(UserError, match="head_dim 32 or 64, not 16"):
@@ -229,7 +229,7 @@ def test_gpu_refuses_a_head_size_its_kernels_lack_in_one_line():
 
 # ------------------------------------------------------------------------------- speculative decoding
 def _spec_engine(vocab, K, context, seed, same_heads=False):
-    from nanoeuler.config import Config
+    from nanoeuler.model.config import Config
     cfg = Config(dim=32, n_layers=2, n_heads=1, n_kv_heads=1, hidden=64, vocab_size=vocab, context=context,
                  mtp_heads=K)
     e = make_engine(cfg)

@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 
-from nanoeuler import checkpoint
-from nanoeuler.config import init_params
-from nanoeuler.sample import generate, load_model, start_ids
-from nanoeuler.scheduler import held_back, stop_at
-from nanoeuler.template import render_prompt
+from nanoeuler.io import checkpoint
+from nanoeuler.model.config import init_params
+from nanoeuler.infer.generate import generate, load_model, start_ids
+from nanoeuler.infer.scheduler import held_back, stop_at
+from nanoeuler.data.template import render_prompt
 
 from conftest import ROOT, run_cli, tiny_config
 

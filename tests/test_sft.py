@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from nanoeuler import checkpoint, cli, sft, train
-from nanoeuler.check import random_problem
-from nanoeuler.config import PRESETS, Config
-from nanoeuler.model import make_engine
-from nanoeuler.sample import generate
+from nanoeuler.io import checkpoint
+from nanoeuler import cli
+from nanoeuler.train import sft, pretrain as train
+from nanoeuler.check.gradients import random_problem
+from nanoeuler.model.config import PRESETS, Config
+from nanoeuler.model.engine import make_engine
+from nanoeuler.infer.generate import generate
 from test_train import _interrupt_at
 
 GREETINGS = os.path.join(ROOT, "tests", "data", "sft_greetings.json")
@@ -30,7 +32,9 @@ def _expected_mask(ids, n_prompt, K, T):
 
 def test_templates_are_the_standard_alpaca_ones():
     # one template module for sft, dpo and chat
-    from nanoeuler import chat, dpo, template
+    from nanoeuler.infer import chat
+    from nanoeuler.train import dpo
+    from nanoeuler.data import template
     assert sft.render_prompt is template.render_prompt is chat.render_prompt and dpo.template is template
     assert sft.render_prompt("Name a colour.") == (
         "Below is an instruction that describes a task. Write a response that appropriately completes the "

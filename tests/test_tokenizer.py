@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from nanoeuler.cli import main as cli_main
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer import UNICODE_VERSION, Tokenizer, _split, bytes_to_unicode, class_table, read_token_file
+from nanoeuler.tokenizer.bpe import UNICODE_VERSION, Tokenizer, _split, bytes_to_unicode, class_table, read_token_file
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -273,7 +273,7 @@ def test_streaming_never_changes_ids(tok, data, chunk, allow_special):
 def test_a_token_file_is_the_training_cache_format(tok, tmp_path, monkeypatch):
     """One `.tok` format: a file written by encode_file is what the training data loader reads (here it
     takes it as its cache of the corpus: no re-encoding) and round-trips to the text."""
-    from nanoeuler import data
+    from nanoeuler.data import corpus as data
     text = ("\n".join(SAMPLES) * 3).encode()
     src = write(tmp_path, "corpus.txt", text)
     n = tok.encode_file(src, data.cache_path(src), progress=False)
@@ -305,8 +305,8 @@ def test_imports_go_one_way_checkpoint_to_tokenizer():
                 names.add(node.module)
                 names.update(f"{node.module}.{a.name}" for a in node.names)
         return names
-    assert "nanoeuler.tokenizer" in imported("checkpoint")
-    assert not {n for n in imported("tokenizer") if n.startswith("nanoeuler.checkpoint")}
+    assert "nanoeuler.tokenizer.bpe" in imported("checkpoint")
+    assert not {n for n in imported("tokenizer") if n.startswith("nanoeuler.io.checkpoint")}
 
 
 def test_token_file_errors(tok, tmp_path):
@@ -347,7 +347,7 @@ def test_json_forms_round_trip(tok, tmp_path):
 
 
 def test_unicode_table_agrees_with_unicodedata():
-    with open(os.path.join(ROOT, "nanoeuler", "unicode_classes.txt")) as f:
+    with open(os.path.join(ROOT, "nanoeuler", "tokenizer", "unicode_classes.txt")) as f:
         assert f"Unicode {UNICODE_VERSION}" in f.read()
     table = class_table()
     for cp in range(0x110000):

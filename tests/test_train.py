@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, tiny_config
-from nanoeuler import checkpoint, device, train
+from nanoeuler.io import checkpoint
+from nanoeuler.model import device
+from nanoeuler.train import pretrain as train
 from nanoeuler.cli import build_parser
-from nanoeuler.config import PRESETS, param_count
-from nanoeuler.data import RandomWindows, eval_batches, open_corpus
+from nanoeuler.model.config import PRESETS, param_count
+from nanoeuler.data.corpus import RandomWindows, eval_batches, open_corpus
 from nanoeuler.errors import UserError
 
 HYPER = train.Hyper(steps=12, batch_size=4, lr=3e-3, warmup=3, eval_every=4, sample_every=6, ckpt_every=5,
@@ -158,7 +160,7 @@ def test_evaluate_weights_batches_by_their_targets():
 
 
 def test_token_cache_is_rebuilt_when_stale(corpus, tokenizer, tmp_path):
-    from nanoeuler.tokenizer import Tokenizer
+    from nanoeuler.tokenizer.bpe import Tokenizer
     path = tmp_path / "c.txt"
     path.write_bytes(corpus.read_bytes()[:20000])
     first = np.array(open_corpus(path, tokenizer, progress=False).tokens)
@@ -231,7 +233,7 @@ def test_ctrl_c_from_the_terminal_saves_and_exits_cleanly(corpus, tmp_path):
 
 
 def test_gradient_norm_accumulates_in_float64():
-    from nanoeuler.cpu import layers as L
+    from nanoeuler.model.cpu import layers as L
     x = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)  # not a multiple of a chunk
     exact = math.fsum((x.astype(np.float64) ** 2).tolist())  # float32 squares are exact in float64
     assert L.sum_squares(x) == pytest.approx(exact, rel=1e-12)
@@ -255,7 +257,7 @@ def test_device_rule(monkeypatch):
 
 
 def test_train_and_sft_resolve_the_device_by_the_model(monkeypatch, corpus, tiny_ckpt, tmp_path):
-    from nanoeuler import sft
+    from nanoeuler.train import sft
     seen = []
 
     def spy(dev, cfg=None):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nanoeuler.sample import generate, start_ids
+from nanoeuler.infer.generate import generate, start_ids
 
 
 class Overloaded(Exception):

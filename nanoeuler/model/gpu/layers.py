@@ -1,4 +1,4 @@
-"""The GPU engine's layers: the functions of nanoeuler.cpu.layers, same names and signatures, over CuPy arrays.
+"""The GPU engine's layers: the functions of nanoeuler.model.cpu.layers, same names and signatures, over CuPy arrays.
 
 Each is a thin launcher: the work happens in a raw CUDA kernel from kernels/*.cu (compiled on first use by
 NVRTC through CuPy and cached by CuPy on disk) or, for every matrix product, in cuBLAS. Shapes and the

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from nanoeuler.distributed import env_int
+from nanoeuler.train.distributed import env_int
 from nanoeuler.errors import UserError
 
 STEP_TIMEOUT = 1800  # seconds without a step, once training began: evaluation and saving on rank 0 included

@@ -3,7 +3,7 @@
     pip install '.[serve]'
     nanoeuler serve --ckpt nanoeuler_chat.bin [--host 127.0.0.1] [--port 8000] [--device auto|cpu|gpu]
 
-    GET  /                      the web chat page (nanoeuler/web/index.html: one file, no network)
+    GET  /                      the web chat page (nanoeuler/infer/web/index.html: one file, no network)
     GET  /v1/models             the one model, named after the checkpoint file (`nanoeuler_chat`)
     POST /v1/completions        continue a prompt (any checkpoint)
     POST /v1/chat/completions   answer the last user message in the chat template (chat checkpoints)
@@ -46,9 +46,9 @@ try:
 except ImportError:
     raise UserError("nanoeuler serve needs its extra: pip install '.[serve]'") from None
 
-from nanoeuler.sample import generate, load_model
-from nanoeuler.scheduler import Job, Overloaded, Params, Scheduler
-from nanoeuler.template import render_prompt
+from nanoeuler.infer.generate import generate, load_model
+from nanoeuler.infer.scheduler import Job, Overloaded, Params, Scheduler
+from nanoeuler.data.template import render_prompt
 
 MAX_BODY = 1 << 20  # bytes of a request body
 MAX_TOKENS = 4096  # the largest max_tokens a request may ask for
@@ -258,7 +258,7 @@ def _error_body(message, kind="server_error"):
 
 # ------------------------------------------------------------------------------------------ the app
 def build_app(scheduler, model):
-    page = files("nanoeuler").joinpath("web/index.html").read_text(encoding="utf-8")
+    page = files("nanoeuler.infer").joinpath("web/index.html").read_text(encoding="utf-8")
 
     def submit(prompt, params):
         """A job for the scheduler whose events land in an asyncio queue of this event loop."""

@@ -21,10 +21,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save as serialize
 
-from nanoeuler.config import Config, param_layout, param_shapes, views
+from nanoeuler.model.config import Config, param_layout, param_shapes, views
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_write
-from nanoeuler.tokenizer import Tokenizer
+from nanoeuler.io.files import atomic_write
+from nanoeuler.tokenizer.bpe import Tokenizer
 
 FORMAT = "nanoeuler"
 MAX_HEADER = 100 * 2**20  # a real header is a few KB of names plus the tokenizer JSON

@@ -32,11 +32,12 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from nanoeuler import checkpoint, template
-from nanoeuler.config import param_count
+from nanoeuler.io import checkpoint
+from nanoeuler.data import template
+from nanoeuler.model.config import param_count
 from nanoeuler.errors import UserError
-from nanoeuler.sft import ExampleBatches, make_batch, split
-from nanoeuler.train import (Hyper, batch_text, fit, output_paths, replace_note,
+from nanoeuler.train.sft import ExampleBatches, make_batch, split
+from nanoeuler.train.pretrain import (Hyper, batch_text, fit, output_paths, replace_note,
                              resume_checkpoint, run_device, run_engine, run_hyper, schedule_text)
 
 DEFAULT_DATA = "data/preferences.jsonl"
@@ -214,8 +215,8 @@ class DPO:
 
 # ------------------------------------------------------------------------------------------ the command
 def main(args):
-    from nanoeuler.device import wants_gpu
-    from nanoeuler.distributed import World
+    from nanoeuler.model.device import wants_gpu
+    from nanoeuler.train.distributed import World
 
     if World.from_env().world_size > 1:
         raise UserError("nanoeuler dpo runs in one process; data parallelism (--gpus) is for train and sft")

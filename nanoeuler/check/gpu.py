@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import Config, param_layout, rope_tables
+from nanoeuler.model.config import Config, param_layout, rope_tables
 
 FP32_TOL = 1e-5   # float32 kernels against the float64 reference
 TF32_TOL = 5e-3   # TF32 tensor-core mode (10-bit mantissa inputs)
@@ -371,8 +371,8 @@ KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check
 def _engines(seed, cfg, precision):
     """A CPU engine (float64) and a GPU engine in `precision` on the same float32-representable random
     parameters, and a batch with some -1 targets."""
-    from nanoeuler.model import make_engine
-    from nanoeuler.problems import random_problem
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.check.problems import random_problem
 
     flat, inputs, targets = random_problem(cfg, np.random.default_rng(seed), batch=3, scale=0.05)
     cpu = make_engine(cfg, device="cpu", dtype=np.float64)
@@ -423,8 +423,8 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
 
 
 def run_gpu_check(seed=0):
-    from nanoeuler.cpu import layers as R
-    from nanoeuler.gpu import device_name, layers as L
+    from nanoeuler.model.cpu import layers as R
+    from nanoeuler.model.gpu import device_name, layers as L
 
     start = time.time()
     print(f"GPU check on {device_name()}: kernels vs the CPU layers (float64), outputs poisoned with NaN, "

@@ -17,10 +17,10 @@ import os
 import numpy as np
 from safetensors.numpy import save as serialize
 
-from nanoeuler import checkpoint
-from nanoeuler.config import views
+from nanoeuler.io import checkpoint
+from nanoeuler.model.config import views
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_write, check_writable
+from nanoeuler.io.files import atomic_write, check_writable
 
 LAYER_NAMES = {  # ours -> Hugging Face Llama, within layer i
     "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",

@@ -31,12 +31,13 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from nanoeuler import checkpoint, template
-from nanoeuler.config import param_count
-from nanoeuler.data import windows_to_batch
+from nanoeuler.io import checkpoint
+from nanoeuler.data import template
+from nanoeuler.model.config import param_count
+from nanoeuler.data.corpus import windows_to_batch
 from nanoeuler.errors import UserError
-from nanoeuler.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT, render_prompt  # noqa: F401 (sft.render_prompt)
-from nanoeuler.train import (batch_text, eval_limits, fit, output_paths, replace_note, resume_checkpoint,
+from nanoeuler.data.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT, render_prompt  # noqa: F401 (sft.render_prompt)
+from nanoeuler.train.pretrain import (batch_text, eval_limits, fit, output_paths, replace_note, resume_checkpoint,
                              run_device, run_engine, run_hyper, run_world, schedule_text,
                              Hyper)  # noqa: F401 (Hyper: sft.Hyper)
 
@@ -128,7 +129,7 @@ def eval_batches(examples, byte_len, batch, context, K, limit=None):
 
 def read_data(path):
     """The examples of an Alpaca JSON file; every way it can be wrong is a one-line UserError."""
-    from nanoeuler.fetch import read_alpaca
+    from nanoeuler.data.fetch import read_alpaca
     if not os.path.exists(path):
         hint = " (fetch Alpaca with `sh data/get_alpaca.sh`)" if path == DEFAULT_DATA else ""
         raise UserError(f"instruction data {path} not found{hint}")
@@ -227,8 +228,8 @@ def show(args):
 def main(args):
     if args.show is not None:
         return show(args)
-    from nanoeuler.device import wants_gpu
-    from nanoeuler.distributed import DataParallel, make_communicator
+    from nanoeuler.model.device import wants_gpu
+    from nanoeuler.train.distributed import DataParallel, make_communicator
 
     world = run_world(args)
     say = print if world.is_main else (lambda *a, **k: None)

@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from nanoeuler.errors import UserError
-from nanoeuler.model import clip_scale
+from nanoeuler.model.engine import clip_scale
 
 # A collective that does not complete in this many seconds means a rank died or hangs; the run ends with an
 # error instead of waiting forever. Evaluation, sampling and checkpoints run on rank 0 while the others wait

@@ -33,7 +33,7 @@ from importlib import resources
 import numpy as np
 
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_write
+from nanoeuler.io.files import atomic_write
 
 UNICODE_VERSION = "16.0.0"  # of unicode_classes.txt, and of the `tokenizers` library's regex engine
 MAX_VOCAB = 1 << 16  # token files are uint16
@@ -53,7 +53,7 @@ TOKENS_HEADER_BYTES = 128
 @functools.cache
 def _kernels():
     """The numba kernels, imported on first use (numba's import and compilation are not free)."""
-    from nanoeuler import bpe_kernels
+    from nanoeuler.tokenizer import kernels as bpe_kernels
 
     return bpe_kernels
 
@@ -62,7 +62,7 @@ def _kernels():
 def class_table():
     """uint8 class of every code point (unicode_classes.txt, Unicode 16): GPT-2's \\p{L}, \\p{N}, \\s."""
     table = np.zeros(0x110000, np.uint8)
-    text = resources.files("nanoeuler").joinpath("unicode_classes.txt").read_text("ascii")
+    text = resources.files("nanoeuler.tokenizer").joinpath("unicode_classes.txt").read_text("ascii")
     for line in text.splitlines():
         if line and not line.startswith("#"):
             span, cls = line.split(";")

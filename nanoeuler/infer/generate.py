@@ -241,9 +241,9 @@ def sample_text(eng, tok, prompt, max_new_tokens, temperature=0.8, top_k=0, top_
 
 def load_model(ckpt, device):
     """Checkpoint path -> (engine, tokenizer, checkpoint), on the resolved device."""
-    from nanoeuler import checkpoint
-    from nanoeuler.device import resolve
-    from nanoeuler.model import make_engine
+    from nanoeuler.io import checkpoint
+    from nanoeuler.model.device import resolve
+    from nanoeuler.model.engine import make_engine
     ck = checkpoint.load(ckpt)
     tok = ck.tokenizer()
     eng = make_engine(ck.cfg, device=resolve(device))

@@ -22,7 +22,7 @@ import tempfile
 import numpy as np
 
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer import read_token_file
+from nanoeuler.tokenizer.bpe import read_token_file
 
 VAL_FRACTION = 0.1
 

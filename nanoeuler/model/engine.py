@@ -1,12 +1,12 @@
 """The model, composed once for both engines.
 
 `Engine` runs the forward pass, the hand-written backward pass, the AdamW step and KV-cache decoding by
-calling a *layer module* (`nanoeuler.cpu.layers`, numba; or `nanoeuler.gpu.layers`, CUDA kernels + cuBLAS)
+calling a *layer module* (`nanoeuler.model.cpu.layers`, numba; or `nanoeuler.model.gpu.layers`, CUDA kernels + cuBLAS)
 that has the same functions with the same signatures, over arrays of that module's array library
 (NumPy or CuPy). So the CPU and GPU engines differ only in their layers, and everything above them
 (training, sampling, checkpoints) is written once against this class.
 
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.engine import make_engine
     eng = make_engine(cfg, device="cpu")          # float32; dtype=np.float64 for the gradient check
     loss, loss0 = eng.forward_backward(inputs, targets)
     eng.step(lr=1e-3, weight_decay=0.1, grad_clip=1.0)
@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from nanoeuler.config import init_params, is_matrix, param_layout, rope_tables, views
+from nanoeuler.model.config import init_params, is_matrix, param_layout, rope_tables, views
 from nanoeuler.errors import UserError
 
 
@@ -565,15 +565,15 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None):
     if device == "cpu":
         if precision != "fp32":
             raise UserError(f"--precision {precision}: the CPU engine computes in fp32 only")
-        from nanoeuler.cpu import layers
+        from nanoeuler.model.cpu import layers
         return Engine(cfg, layers, np, dtype, seed, precision)
     if device == "gpu":
-        from nanoeuler.gpu import check_config
+        from nanoeuler.model.gpu import check_config
         try:
             check_config(cfg)
         except ValueError as e:
             raise UserError(str(e)) from None
         import cupy
-        from nanoeuler.gpu import layers
+        from nanoeuler.model.gpu import layers
         return Engine(cfg, layers, cupy, dtype, seed, precision)
     raise ValueError(f"unknown device {device!r}")

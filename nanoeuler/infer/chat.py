@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from nanoeuler.sample import TextStream, check_speculative, generate, load_model, stats_line
-from nanoeuler.template import render_prompt
+from nanoeuler.infer.generate import TextStream, check_speculative, generate, load_model, stats_line
+from nanoeuler.data.template import render_prompt
 
 HELP = "/reset clears the text so far, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"
 HISTORY = os.path.expanduser("~/.nanoeuler_history")

@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from nanoeuler.config import Config, param_layout
-from nanoeuler.problems import random_problem, relative_error
+from nanoeuler.model.config import Config, param_layout
+from nanoeuler.check.problems import random_problem, relative_error
 
 THRESHOLD = 1e-6
 # The small preset's structure at reduced width; head_dim 8. K = 1 is the shipped `small`, K = 2 checks the
@@ -39,7 +39,7 @@ CHECK_CONFIGS = (Config(**_SHAPE, mtp_heads=1), Config(**_SHAPE, mtp_heads=2))
 def gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print):
     """Finite differences of one model (float64, CPU engine) against its backward pass.
     Returns {tensor name: max relative error over its sampled entries}."""
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.engine import make_engine
 
     rng = np.random.default_rng(seed)
     eng = make_engine(cfg, device="cpu", dtype=np.float64)
@@ -77,7 +77,7 @@ def dpo_problem(cfg, rng, pairs=2, beta=0.5):
 def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5):
     """Finite differences of the DPO objective (Engine.dpo_forward_backward) against its analytic gradient,
     float64 CPU engine, as gradient_check does for the training loss."""
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.engine import make_engine
 
     rng = np.random.default_rng(seed + 1)
     eng = make_engine(cfg, device="cpu", dtype=np.float64)
@@ -152,10 +152,10 @@ def describe(cfg):
 def main(args):
     if args.gpu:
         from nanoeuler.errors import UserError
-        from nanoeuler.gpu import available
+        from nanoeuler.model.gpu import available
         if not available():
             raise UserError("--gpu: no CUDA GPU is available (cupy could not find a device)")
-        from nanoeuler.gpu.check import run_gpu_check
+        from nanoeuler.check.gpu import run_gpu_check
         return run_gpu_check(args.seed)
     _quick_parallel_regions()
     c = CHECK_CONFIGS[0]

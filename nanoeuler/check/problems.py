@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from nanoeuler.config import param_layout
+from nanoeuler.model.config import param_layout
 
 
 def random_problem(cfg, rng, batch=2, scale=0.15):

@@ -8,7 +8,7 @@ Run through the scripts in data/ (they cd to the repo root, so relative paths be
     sh data/get_alpaca.sh    [--url URL] [--out F] [--cache-dir D]
     sh data/get_preferences.sh [--url URL] [--out F] [--cache-dir D]
 
-which call `python -m nanoeuler.fetch gutenberg|web|alpaca ...`. Every download goes through download():
+which call `python -m nanoeuler.data.fetch gutenberg|web|alpaca ...`. Every download goes through download():
 streamed to `<name>.part` in the cache dir, resumed with an HTTP Range request after a dropped connection,
 retried with exponential backoff, size checked against Content-Length, then renamed. A finished file in the
 cache is never fetched again, so a re-run costs no requests for what it already has. Outputs are written
@@ -34,7 +34,7 @@ import requests
 from tqdm import tqdm
 
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_output
+from nanoeuler.io.files import atomic_output
 
 GUTENBERG_MIRROR = "https://www.gutenberg.org"
 GUTENBERG_BOOK_URL = "{mirror}/cache/epub/{id}/pg{id}.txt"
@@ -541,7 +541,7 @@ def fetch_preferences(out, url, cache_dir, net):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m nanoeuler.fetch",
+    parser = argparse.ArgumentParser(prog="python -m nanoeuler.data.fetch",
                                      description="Download and build the corpora of the nanoeuler pipeline.")
     sub = parser.add_subparsers(dest="corpus", required=True, metavar="CORPUS")
     cache_help = "where downloads are kept between runs (default data/cache)"

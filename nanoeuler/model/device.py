@@ -5,12 +5,12 @@ on the CPU engine (the `small` preset: its batches are too small to keep a GPU b
 the reference), a larger one on the GPU when there is one (`big`, `base`), else on the CPU, slowly.
 Inference (`infer`, `chat`) takes the GPU whenever there is one.
 
-The probe is nanoeuler.gpu.available(), which imports cupy only inside a try, so the CPU path works (and
+The probe is nanoeuler.model.gpu.available(), which imports cupy only inside a try, so the CPU path works (and
 never loads cupy) on a machine without CUDA.
 """
-from nanoeuler.config import param_count
+from nanoeuler.model.config import param_count
 from nanoeuler.errors import UserError
-from nanoeuler.gpu import available as gpu_available
+from nanoeuler.model.gpu import available as gpu_available
 
 # small has 1.1M parameters (2.0M with a 4096-token vocabulary), big 14.2M: the line falls between them.
 CPU_MAX_PARAMS = 4_000_000

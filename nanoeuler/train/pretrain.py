@@ -26,12 +26,12 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from nanoeuler import checkpoint
-from nanoeuler.config import PRESETS, flops_per_token, param_count
-from nanoeuler.distributed import DataParallel, SingleProcess, heartbeat
+from nanoeuler.io import checkpoint
+from nanoeuler.model.config import PRESETS, flops_per_token, param_count
+from nanoeuler.train.distributed import DataParallel, SingleProcess, heartbeat
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_write, check_writable
-from nanoeuler.sample import sample_text
+from nanoeuler.io.files import atomic_write, check_writable
+from nanoeuler.infer.generate import sample_text
 
 
 @dataclasses.dataclass
@@ -187,7 +187,7 @@ def _peak_flops(eng):
     card."""
     if eng.xp is np:
         return None
-    from nanoeuler.gpu import peak_flops
+    from nanoeuler.model.gpu import peak_flops
     return peak_flops(eng.precision)
 
 
@@ -341,7 +341,7 @@ def run_device(args, cfg, out, log_path, world_size=1):
     """The run's device for a model like cfg (several ranks: the GPU whenever there is one, as --gpus says); a
     precision the device lacks and outputs that cannot be written are refused here, before any work
     (tokenizer training, data loading) starts."""
-    from nanoeuler.device import resolve
+    from nanoeuler.model.device import resolve
     device = resolve(args.device, cfg if world_size == 1 else None)
     if device == "cpu" and args.precision not in (None, "fp32"):
         raise UserError(f"--precision {args.precision}: the CPU engine computes in fp32 only")
@@ -404,7 +404,7 @@ def run_hyper(args, ck, fresh, world_size=1):
 def run_world(args):
     """This process's distributed.World: from the torchrun-style environment that `--gpus N` (launch.py) or
     another launcher sets, else a world of one; --gpus, when given, must agree with it."""
-    from nanoeuler.distributed import World
+    from nanoeuler.train.distributed import World
     world = World.from_env()
     if args.gpus is not None and args.gpus != world.world_size:
         raise UserError(f"--gpus {args.gpus} but WORLD_SIZE is {world.world_size}")
@@ -422,7 +422,7 @@ def eval_limits(hp, world):
 def run_engine(cfg, device, args, hp, ck, source, params=None):
     """The engine of a run: the weights of `params` (a new run that starts from a checkpoint) or of the
     resumed checkpoint ck, whose AdamW moments, step count and batch order are restored too."""
-    from nanoeuler.model import make_engine
+    from nanoeuler.model.engine import make_engine
     eng = make_engine(cfg, device=device, seed=hp.seed, precision=engine_precision(args, device, ck))
     if ck is not None:
         eng.load_params(ck.params)
@@ -441,10 +441,10 @@ def replace_note(out, ck):
 
 
 def main(args):
-    from nanoeuler.data import RandomWindows, check_corpus, eval_batches, open_corpus
-    from nanoeuler.device import wants_gpu
-    from nanoeuler.distributed import DataParallel, broadcast_text, make_communicator
-    from nanoeuler.tokenizer import Tokenizer
+    from nanoeuler.data.corpus import RandomWindows, check_corpus, eval_batches, open_corpus
+    from nanoeuler.model.device import wants_gpu
+    from nanoeuler.train.distributed import DataParallel, broadcast_text, make_communicator
+    from nanoeuler.tokenizer.bpe import Tokenizer
 
     world = run_world(args)
     say = print if world.is_main else (lambda *a, **k: None)

@@ -1,1 +1,0 @@
-"""The CPU engine: numba layers (layers.py) driven by the shared nanoeuler.model.Engine."""
