@@ -331,7 +331,7 @@ def test_presets_parameter_counts():
 @by_heads
 def test_engine_matches_pytorch_reference(cfg):
     """The CPU engine (float64) against autograd: the PyTorch model that the benchmarks time ours against
-    (benchmarks/reference.py) gives the same losses and gradients. Skipped without PyTorch ('.[bench]')."""
+    (benchmarks/reference.py) gives the same losses and gradients. PyTorch is in the test extra ('.[test]')."""
     torch = pytest.importorskip("torch")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:

@@ -10,11 +10,19 @@ from nanoeuler.model.config import init_params, views
 from nanoeuler.model.engine import make_engine
 from nanoeuler.infer.generate import generate
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
 TEXTS = ["ROMEO: But soft, what light through yonder window breaks?", "  two  spaces, tabs\tand\nnewlines\n\n",
          "caf\u00e9 \u2603 \U0001f600 \u65e5\u672c\u8a9e", "don't we'll 1234567", ""]
+
+
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    """In the test extra; only the round-trip tests need it (and torch), so only they skip without."""
+    return pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +41,7 @@ def exported(tokenizer, tmp_path_factory):
     return eng, d / "hf"
 
 
-def test_logits_match_transformers(exported, tokenizer):
+def test_logits_match_transformers(exported, tokenizer, torch, transformers):
     eng, out = exported
     model = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     assert not model.config.tie_word_embeddings
@@ -48,7 +56,7 @@ def test_logits_match_transformers(exported, tokenizer):
     assert hf_ids == list(generate(eng, ids[0, :8], 12, temperature=0))
 
 
-def test_tokenizer_gives_our_ids(exported, tokenizer):
+def test_tokenizer_gives_our_ids(exported, tokenizer, transformers):
     _, out = exported
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     auto = transformers.AutoTokenizer.from_pretrained(out)

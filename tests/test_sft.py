@@ -31,11 +31,6 @@ def _expected_mask(ids, n_prompt, K, T):
 
 
 def test_templates_are_the_standard_alpaca_ones():
-    # one template module for sft, dpo and chat
-    from nanoeuler.infer import chat
-    from nanoeuler.train import dpo
-    from nanoeuler.data import template
-    assert sft.render_prompt is template.render_prompt is chat.render_prompt and dpo.template is template
     assert sft.render_prompt("Name a colour.") == (
         "Below is an instruction that describes a task. Write a response that appropriately completes the "
         "request.\n\n### Instruction:\nName a colour.\n\n### Response:\n")
@@ -43,6 +38,45 @@ def test_templates_are_the_standard_alpaca_ones():
         "Below is an instruction that describes a task, paired with an input that provides further context. "
         "Write a response that appropriately completes the request.\n\n### Instruction:\nTranslate to "
         "French.\n\n### Input:\nthe {cat}\n\n### Response:\n")
+
+
+def test_sft_dpo_chat_and_serve_prompt_alike(tokenizer, monkeypatch):
+    """One template for every stage: an instruction becomes the same prompt tokens in what sft trains on, what
+    dpo scores, what `nanoeuler chat` hands the model and what the server prompts with."""
+    from types import SimpleNamespace
+    from nanoeuler.data.preferences import encode_pair  # the pairs that dpo scores
+    from nanoeuler.infer import chat, serve
+    tok, odd = tokenizer, "Say {hi}\n\n### Response:\n and </s>"
+    for instruction in (NO_INPUT["instruction"], odd):
+        ids, n_prompt = sft.encode_example(tok, {"instruction": instruction, "input": "", "output": "Blue."})
+        assert tok.decode(ids[:n_prompt]) == sft.render_prompt(instruction).encode()
+        (chosen, n_chosen), (rejected, n_rejected) = encode_pair(
+            tok, {"prompt": instruction, "chosen": "Blue.", "rejected": "No."})
+        assert n_chosen == n_rejected == n_prompt and chosen.tolist() == ids.tolist()
+        assert rejected[:n_prompt].tolist() == ids[:n_prompt].tolist()
+        messages = [{"role": "system", "content": "x"}, {"role": "user", "content": instruction}]
+        assert tok.encode(serve.chat_prompt(messages)) == ids[:n_prompt].tolist()
+    # the REPL of a chat checkpoint: the ids it gives generate() for each line
+    given, lines = [], iter([NO_INPUT["instruction"], odd])
+
+    def fake_generate(eng, ids, *args, **kwargs):
+        given.append(list(ids))
+        yield tok.eos_id
+
+    def fake_input(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    eng = SimpleNamespace(cfg=SimpleNamespace(context=4096))
+    monkeypatch.setattr(chat, "load_model", lambda ckpt, device: (eng, tok, SimpleNamespace(chat=True, step=0)))
+    monkeypatch.setattr(chat, "generate", fake_generate)
+    monkeypatch.setattr("builtins.input", fake_input)
+    args = SimpleNamespace(ckpt="c.bin", device="cpu", speculative=0, seed=0, max_new_tokens=4, temperature=0,
+                           top_k=0, top_p=1.0, stats=False)
+    assert chat.main(args) == 0
+    assert given == [sft.encode_example(tok, {"instruction": i, "input": "", "output": ""})[0][:-1].tolist()
+                     for i in (NO_INPUT["instruction"], odd)]
 
 
 @pytest.mark.parametrize("example", [WITH_INPUT, NO_INPUT], ids=["with-input", "no-input"])

@@ -16,8 +16,6 @@ from nanoeuler.cli import main as cli_main
 from nanoeuler.errors import UserError
 from nanoeuler.tokenizer.bpe import UNICODE_VERSION, Tokenizer, _split, bytes_to_unicode, class_table, read_token_file
 
-tokenizers = pytest.importorskip("tokenizers")
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -57,7 +55,13 @@ def tok(varied_corpus):
 
 
 @pytest.fixture(scope="module")
-def hf(tok, tmp_path_factory):
+def tokenizers():
+    """The `tokenizers` library (in the test extra): only the parity tests need it, so only they skip without."""
+    return pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def hf(tok, tokenizers, tmp_path_factory):
     """Ours, loaded by `tokenizers`, and the same with special tokens read as plain text."""
     path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
     tok.save_hf(path)
@@ -176,7 +180,7 @@ def test_small_corpus_gives_what_it_can(tmp_path, capsys):
 # --------------------------------------------------------------------------------- HF parity
 
 
-def hf_pieces(text):
+def hf_pieces(tokenizers, text):
     """Byte offsets of the ends of the pretokens that `tokenizers` ByteLevel makes of text."""
     pre = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     return np.cumsum([len(piece) for piece, _ in pre.pre_tokenize_str(text)]).tolist()  # one char a byte
@@ -184,11 +188,11 @@ def hf_pieces(text):
 
 @HYP
 @given(st.binary(max_size=200))
-def test_pretokenization_matches_tokenizers_on_any_bytes(data):
+def test_pretokenization_matches_tokenizers_on_any_bytes(tokenizers, data):
     # bytes that are not UTF-8 are single "other" characters: like "#", which is also one byte
     text = "".join("#" if "\udc80" <= ch <= "\udcff" else ch for ch in data.decode("utf-8", "surrogateescape"))
     _, ends, n = _split(data)
-    assert ends[:n].tolist() == hf_pieces(text)
+    assert ends[:n].tolist() == hf_pieces(tokenizers, text)
 
 
 @HYP
@@ -209,7 +213,7 @@ def test_same_ids_as_tokenizers_on_varied_text(tok, hf):
     assert with_special.decode(tok.encode(SAMPLES[1]), skip_special_tokens=False) == SAMPLES[1]
 
 
-def test_merge_that_remakes_an_existing_token(tmp_path):
+def test_merge_that_remakes_an_existing_token(tokenizers, tmp_path):
     # "abc" made twice: a+b, ab+c, then b+c and a+bc, whose bytes are those of ab+c: the same id,
     # as `tokenizers` does it
     tok = Tokenizer([(97, 98), (256, 99), (98, 99), (97, 258)])
@@ -290,23 +294,30 @@ def test_a_token_file_is_the_training_cache_format(tok, tmp_path, monkeypatch):
 
 
 def test_imports_go_one_way_checkpoint_to_tokenizer():
-    """checkpoint.py builds Tokenizers; tokenizer.py needs nothing of checkpoint.py (no import cycle, not even
-    inside a function: the CLI glue that reads a checkpoint's tokenizer lives in cli.py)."""
+    """io/checkpoint.py builds Tokenizers; the tokenizer package needs nothing of checkpoint.py (no import
+    cycle, not even inside a function: the CLI glue that reads a checkpoint's tokenizer lives in cli.py)."""
     import ast
+    import glob
 
-    def imported(module):
-        with open(os.path.join(ROOT, "nanoeuler", f"{module}.py")) as f:
-            tree = ast.parse(f.read())
+    def imported(*paths):
         names = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                names.add(node.module)
-                names.update(f"{node.module}.{a.name}" for a in node.names)
+        for path in paths:
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom):  # a relative one resolved from the file's package
+                    package = os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
+                    module = (".".join(package[:len(package) + 1 - node.level] + [node.module or ""]).strip(".")
+                              if node.level else node.module)
+                    names.add(module)
+                    names.update(f"{module}.{a.name}" for a in node.names)
         return names
-    assert "nanoeuler.tokenizer.bpe" in imported("checkpoint")
-    assert not {n for n in imported("tokenizer") if n.startswith("nanoeuler.io.checkpoint")}
+    tokenizer_files = glob.glob(os.path.join(ROOT, "nanoeuler", "tokenizer", "*.py"))
+    assert len(tokenizer_files) >= 2
+    assert "nanoeuler.tokenizer.bpe" in imported(os.path.join(ROOT, "nanoeuler", "io", "checkpoint.py"))
+    assert not {n for n in imported(*tokenizer_files) if n.startswith("nanoeuler.io.checkpoint")}
 
 
 def test_token_file_errors(tok, tmp_path):
