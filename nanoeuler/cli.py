@@ -24,7 +24,7 @@ import os
 import sys
 
 from nanoeuler import configure_cpu_runtime
-from nanoeuler.errors import UserError
+from nanoeuler.errors import ENDINGS, UserError, exit_status
 
 
 def _int_at_least(minimum):
@@ -296,13 +296,6 @@ def main(argv=None):
         else:  # pragma: no cover - argparse rejects unknown commands
             parser.error(f"unknown command {args.command}")
         status = run(args)
-    except UserError as e:
-        print(f"nanoeuler: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("\nnanoeuler: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except BrokenPipeError:  # `nanoeuler ... | head`: the reader left; stop quietly, as a Unix tool does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the final flush cannot fail
-        sys.exit(141)
+    except ENDINGS as e:  # one line and exit 2, 130 on Ctrl-C, 141 on a closed pipe (errors.exit_status)
+        sys.exit(exit_status(e))
     sys.exit(status or 0)

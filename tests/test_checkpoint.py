@@ -2,7 +2,6 @@
 nanoeuler/files.py, which every file nanoeuler writes goes through)."""
 import json
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -78,7 +77,7 @@ def test_garbage_is_not_a_checkpoint(tmp_path):
 def test_unreadable_header(tmp_path):
     path = tmp_path / "a.bin"
     header = b"{not json" + b" " * 7
-    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(UserError, match="unreadable header"):
         checkpoint.load(path)
 
@@ -103,6 +102,16 @@ def test_tensor_shape_disagrees_with_config(tmp_path):
     tensors["layers.0.w_up"] = np.zeros((CFG.hidden + 1, CFG.dim), np.float32)
     _rewrite(path, tensors)
     with pytest.raises(UserError, match="layers.0.w_up has shape"):
+        checkpoint.load(path)
+
+
+def test_tensor_of_another_dtype(tmp_path):
+    path = tmp_path / "a.bin"
+    _save(path)
+    tensors = load_file(path)
+    tensors["layers.1.wq"] = tensors["layers.1.wq"].astype(np.float16)
+    _rewrite(path, tensors)
+    with pytest.raises(UserError, match="corrupt .tensor layers.1.wq is F16, not float32"):
         checkpoint.load(path)
 
 

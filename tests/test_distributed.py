@@ -153,17 +153,36 @@ def test_two_ranks_train_exactly_like_one_rank_at_twice_the_batch(zero):
     np.testing.assert_array_equal(got[0][4][0], got[1][4][0])
 
 
-def test_the_nccl_id_travels_in_every_form_cupy_gives_it():
-    """CuPy 14's get_unique_id gives 128 bytes and NcclCommunicator takes only bytes; earlier versions a tuple
-    of signed ints. The store carries 128 bytes and the kind, and every rank gets rank 0's id back as it was."""
-    from nanoeuler.train.distributed import _id_from_store, _id_to_store
-    rng = np.random.default_rng(3)
-    raw = bytes(rng.integers(0, 256, 128).tolist())
-    for uid in (raw, tuple(b - 256 if b > 127 else b for b in raw), tuple(raw)):
-        stored, kind = _id_to_store(uid)
-        assert isinstance(stored, bytes) and len(stored) == 128
-        back = _id_from_store(stored, kind)
-        assert back == uid and type(back) is type(uid)
+def test_the_nccl_id_travels_between_processes_in_every_form_cupy_gives_it(monkeypatch):
+    """CuPy 14's get_unique_id gives 128 bytes, earlier versions a tuple of signed ints, and NcclCommunicator
+    takes back only its own kind: rank 0 (this process) serves every form through the real rendezvous, and
+    rank 1, another process, gets each back as it was and meets rank 0 at the barrier."""
+    from nanoeuler.train.distributed import rendezvous
+    raw = bytes(np.random.default_rng(3).integers(0, 256, 128).tolist())
+    ids = (raw, tuple(b - 256 if b > 127 else b for b in raw), tuple(raw))
+    port, key = launch.free_port(), "a key of this test"
+    monkeypatch.setenv("NANOEULER_RDZV_KEY", key)
+    barrier, mine = rendezvous(World(0, 2, 0, "127.0.0.1", port), 60, ids)
+    assert mine is ids
+    rank1 = subprocess.Popen(
+        [sys.executable, "-c", "from nanoeuler.train.distributed import World, rendezvous\n"
+         f"barrier, ids = rendezvous(World(1, 2, 1, '127.0.0.1', {port}), 60)\nbarrier.wait(60)\nprint(repr(ids))"],
+        env=dict(os.environ, NANOEULER_RDZV_KEY=key), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    barrier.wait(60)
+    assert rank1.communicate(timeout=60)[0].strip() == repr(ids) and rank1.returncode == 0
+
+
+def test_a_rendezvous_without_rank_0_and_bad_numbers_are_one_line_errors(monkeypatch):
+    from nanoeuler.train.distributed import heartbeat, rendezvous, timeout
+    with pytest.raises(UserError, match=r"^rank 1: rank 0 did not open 127.0.0.1:\d+ in 0.2 s$"):
+        rendezvous(World(1, 2, 1, "127.0.0.1", launch.free_port()), 0.2)
+    for name, call in (("NANOEULER_TIMEOUT", timeout), ("NANOEULER_HEARTBEAT_FD", heartbeat)):
+        monkeypatch.setenv(name, "soon")
+        with pytest.raises(UserError, match=f"^{name}='soon' is not an integer$"):
+            call()
+    monkeypatch.setenv("NANOEULER_TIMEOUT", "0")
+    with pytest.raises(UserError, match="^NANOEULER_TIMEOUT=0 must be at least 1$"):
+        timeout()
 
 
 def test_shared_memory_collectives_grow_and_keep_rank_order():
@@ -351,7 +370,7 @@ def _gpus():
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
 def test_nccl_world_of_one_trains_like_a_single_process():
-    """What one GPU can show of the NCCL path: the TCP-store rendezvous and a communicator of one rank, each
+    """What one GPU can show of the NCCL path: the rendezvous and a communicator of one rank, each
     collective on host and device buffers (with one rank each is a copy), and the tiny model's steps through
     DataParallel over NCCL giving a single process's losses and weights: to the bit with the all-reduce, and
     with ZeRO-1 (the AdamW kernel over the shard, the all-gather of the weights) to float32 rounding (its

@@ -33,7 +33,8 @@ from urllib.parse import urlsplit
 import requests
 from tqdm import tqdm
 
-from nanoeuler.errors import UserError
+from nanoeuler.env import env_float, env_int
+from nanoeuler.errors import ENDINGS, UserError, exit_status
 from nanoeuler.io.files import atomic_output
 
 GUTENBERG_MIRROR = "https://www.gutenberg.org"
@@ -81,24 +82,11 @@ class _Retry(Exception):
 # ---------------------------------------------------------------------------------------------------- settings
 
 
-def _env_number(name, default, kind, minimum):
-    text = os.environ.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        raise UserError(f"{name} must be a number, got {text!r}") from None
-    if not value >= minimum or value == float("inf"):
-        raise UserError(f"{name} must be at least {minimum}, got {text}")
-    return value
-
-
 def net_settings():
     return NetSettings(
-        timeout=_env_number("NANOEULER_FETCH_TIMEOUT", NetSettings.timeout, float, 0.01),
-        attempts=_env_number("NANOEULER_FETCH_RETRIES", NetSettings.attempts, int, 1),
-        backoff=_env_number("NANOEULER_FETCH_BACKOFF", NetSettings.backoff, float, 0.0),
+        timeout=env_float("NANOEULER_FETCH_TIMEOUT", NetSettings.timeout, minimum=0.01),
+        attempts=env_int("NANOEULER_FETCH_RETRIES", NetSettings.attempts, minimum=1),
+        backoff=env_float("NANOEULER_FETCH_BACKOFF", NetSettings.backoff, minimum=0.0),
     )
 
 
@@ -127,7 +115,7 @@ def human(n):
 
 
 def output_file(path):
-    """atomic_output (nanoeuler/files.py) for a corpus file, creating its directory first: the block writes
+    """atomic_output (nanoeuler/io/files.py) for a corpus file, creating its directory first: the block writes
     a temporary sibling (web.txt -> web.tmp<pid>.txt, so the corpus ignore rules cover it too) that is
     renamed over `path` only if the block succeeds."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -603,16 +591,8 @@ def main(argv=None):
         else:
             url = args.url or os.environ.get("NANOEULER_PREFERENCES_URL", "").strip() or PREFERENCES_URL
             fetch_preferences(args.out, url, args.cache_dir, net)
-    except UserError as e:
-        print(f"nanoeuler: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # disk full, unwritable output, ...: the system's own one-line reason
-        where = f": {e.filename}" if e.filename else ""
-        print(f"nanoeuler: error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("nanoeuler: interrupted; re-run to resume the downloads", file=sys.stderr)
-        return 130
+    except ENDINGS as e:  # as the command line ends: one line, and 2, 130 or 141 (errors.exit_status)
+        return exit_status(e, interrupted="; re-run to resume the downloads")
     return 0
 
 

@@ -6,16 +6,14 @@ Layout (docs/design.md, "Checkpoint format"): the tensors under their model name
 training loop needs to continue exactly: hyperparameters, data position, RNG state).
 `safetensors.numpy.load_file` opens it, and so does any other safetensors reader.
 
-Writes are atomic (nanoeuler/files.py): the file is written under a temporary name in the same directory,
-fsynced, renamed over the old one and the directory fsynced, so a crash or Ctrl-C at any moment leaves either
-the old checkpoint or the new one, never a mixture. Reads validate the file before trusting it and turn every
-way it can be bad (missing, truncated, corrupt, tensors disagreeing with the config) into a one-line UserError.
+Writes are atomic (nanoeuler/io/files.py): a crash or Ctrl-C at any moment leaves either the old checkpoint
+or the new one, never a mixture. Reads go through safetensors' own reader (safe_open), which validates the
+file's layout; this module checks the rest (format, config, tensor names, shapes and dtypes) and turns every
+way a file can be bad (missing, truncated, corrupt, disagreeing with its config) into a one-line UserError.
 """
 import dataclasses
 import json
-import math
 import os
-import struct
 
 import numpy as np
 from safetensors import safe_open
@@ -27,7 +25,6 @@ from nanoeuler.io.files import atomic_write
 from nanoeuler.tokenizer.bpe import Tokenizer
 
 FORMAT = "nanoeuler"
-MAX_HEADER = 100 * 2**20  # a real header is a few KB of names plus the tokenizer JSON
 
 
 @dataclasses.dataclass
@@ -73,46 +70,41 @@ def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, ch
 
 
 def _header(path):
-    """Parse and sanity-check the safetensors header without reading any tensor data."""
+    """The metadata and {tensor name: shape} of a checkpoint, validated, without reading any tensor data."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise UserError(f"checkpoint {path} not found")
     if os.path.isdir(path):
         raise UserError(f"checkpoint {path} is a directory, not a file")
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise UserError(f"checkpoint {path} is truncated or not a checkpoint ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise UserError(f"checkpoint {path} is truncated or corrupt (header of {n} bytes in a "
-                                f"{size}-byte file)")
-            raw = f.read(n)
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata() or {}
+            entries = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+                       for name in f.keys()}
     except OSError as e:
         raise UserError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-        assert isinstance(header, dict)
-    except (ValueError, AssertionError):
-        raise UserError(f"checkpoint {path} is corrupt (unreadable header)") from None
-    meta = header.pop("__metadata__", None) or {}
+    except Exception as e:  # safetensors' SafetensorError: a damaged file
+        raise UserError(_damage(path, e)) from None
     if meta.get("format") != FORMAT:
         raise UserError(f"{path} is not a nanoeuler checkpoint (no format=nanoeuler in its metadata)")
-    data_size = size - 8 - n
-    for name, info in header.items():
-        try:
-            start, end = info["data_offsets"]
-            shape = tuple(info["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"checkpoint {path} is corrupt (bad entry for tensor {name})") from None
-        if end > data_size:
-            raise UserError(f"checkpoint {path} is truncated (tensor {name} ends at byte {end} of a "
-                            f"{data_size}-byte data section)")
-        if info.get("dtype") != "F32" or end - start != 4 * math.prod(shape):
-            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is not float32 of shape {shape})")
-    return meta, header
+    for name, (dtype, shape) in entries.items():
+        if dtype != "F32":
+            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is {dtype}, not float32)")
+    return meta, {name: shape for name, (_, shape) in entries.items()}
+
+
+def _damage(path, e):
+    """The one-line error for a file that safetensors cannot open: its header's JSON, or lengths that do not
+    fit the file."""
+    size = os.path.getsize(path)
+    if size < 8:  # not even the header's length
+        return f"checkpoint {path} is truncated or not a checkpoint ({size} bytes)"
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    detail = detail.split("deserializing header: ", 1)[-1]
+    # newer safetensors say "invalid JSON in header", older ones "InvalidHeaderDeserialization"
+    if "json" in detail.lower() or "deserialization" in detail.lower():
+        return f"checkpoint {path} is corrupt (unreadable header)"
+    return f"checkpoint {path} is truncated or corrupt ({detail}; a {size}-byte file)"
 
 
 def read_metadata(path):
@@ -153,8 +145,8 @@ def load(path, with_opt=False):
             if name.startswith("opt."):
                 raise UserError(f"checkpoint {path} has no optimizer state to resume from")
             raise UserError(f"checkpoint {path} has no tensor {name}, which its config requires")
-        if tuple(header[name]["shape"]) != tuple(shape):
-            raise UserError(f"checkpoint {path}: tensor {name} has shape {tuple(header[name]['shape'])} "
+        if header[name] != tuple(shape):
+            raise UserError(f"checkpoint {path}: tensor {name} has shape {header[name]} "
                             f"but its config says {tuple(shape)}")
     known = {prefix + name for prefix in ("", "opt.m.", "opt.v.") for name, _ in param_shapes(cfg)}
     extra = sorted(set(header) - known)
@@ -180,3 +172,14 @@ def load(path, with_opt=False):
                       chat=meta.get("chat") == "1",
                       opt=(flats["opt.m."], flats["opt.v."]) if with_opt else None,
                       train_state=train_state)
+
+
+def load_model(ckpt, device):
+    """Checkpoint path -> (engine, tokenizer, checkpoint), on the resolved device."""
+    from nanoeuler.model.device import resolve
+    from nanoeuler.model.engine import make_engine
+    ck = load(ckpt)
+    tok = ck.tokenizer()
+    eng = make_engine(ck.cfg, device=resolve(device))
+    eng.load_params(ck.params)
+    return eng, tok, ck

@@ -1,7 +1,7 @@
 """Data-parallel training: which rank this process is, the few collectives training needs, and the optimizer
 step of N ranks (`nanoeuler train|sft ... --gpus N`; docs/multi-gpu.md).
 
-A run of N ranks is N processes. `--gpus N` starts them itself (nanoeuler/launch.py); any other launcher
+A run of N ranks is N processes. `--gpus N` starts them itself (nanoeuler/train/launch.py); any other launcher
 (torchrun, Slurm, a script per host) starts them with the torchrun-style environment variables that
 World.from_env reads: RANK, WORLD_SIZE, LOCAL_RANK (which GPU of its host; default RANK), MASTER_ADDR and
 MASTER_PORT (where rank 0 holds the rendezvous). Without them the process is a world of one.
@@ -9,7 +9,7 @@ MASTER_PORT (where rank 0 holds the rendezvous). Without them the process is a w
     world = World.from_env()
     comm = make_communicator(world, device)     # SingleProcess, SharedMemoryCommunicator or NcclCommunicator
     parallel = DataParallel(eng, comm, zero=True)
-    grad_norm = parallel.step(lr, hp)           # after every rank's forward_backward
+    grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2)  # after forward_backward
 
 A communicator has exactly the collectives the training loop uses, all blocking, all called by every rank in
 the same order: all_reduce_sum (in place; the flat float32 gradients, or small float64 host arrays of target
@@ -19,12 +19,15 @@ barrier. Three implementations:
 - SingleProcess: a world of one; every collective is the identity, so a one-process run computes bit for bit
   what it computed before data parallelism existed.
 - SharedMemoryCommunicator: CPU ranks on one host (the CPU engine with --gpus N). Each rank writes its
-  buffer into its slot of a shared-memory segment and reads the others'; a threading.Barrier served by rank
-  0 over multiprocessing's manager protocol orders the steps. It exists so that the whole data-parallel path
-  (launcher, rendezvous, sums, ZeRO shards, checkpoints) runs and is tested without a GPU.
+  buffer into its slot of a shared-memory segment and reads the others'; the rendezvous's barrier orders the
+  steps. It exists so that the whole data-parallel path (launcher, rendezvous, sums, ZeRO shards,
+  checkpoints) runs and is tested without a GPU.
 - NcclCommunicator: one GPU per rank, NCCL over device pointers (cupy.cuda.nccl); the NCCL unique id travels
-  through cupyx.distributed's TCP store, exactly as cupyx.distributed.NCCLBackend does it. cupy is imported
-  only here, only for GPU ranks. NOT YET RUN ON GPUS (docs/multi-gpu.md lists what to run).
+  through the rendezvous. cupy is imported only here, only for GPU ranks. Run on one GPU, not yet on two
+  (docs/multi-gpu.md lists what to run).
+
+Both meet through rendezvous(): rank 0 serves a barrier and a value at MASTER_ADDR:MASTER_PORT over the
+standard library's multiprocessing.managers.
 
 Every rank sums in the same order, so all ranks hold bit-identical gradients, take bit-identical AdamW steps
 and their weights never drift apart.
@@ -39,6 +42,7 @@ import time
 
 import numpy as np
 
+from nanoeuler.env import env_int
 from nanoeuler.errors import UserError
 from nanoeuler.model.engine import clip_scale
 
@@ -50,22 +54,7 @@ DEFAULT_TIMEOUT = 1800
 
 def timeout():
     """NANOEULER_TIMEOUT (seconds) or DEFAULT_TIMEOUT."""
-    return env_int(os.environ, "NANOEULER_TIMEOUT", DEFAULT_TIMEOUT, minimum=1)
-
-
-def env_int(env, name, default=None, minimum=0):
-    text = env.get(name)
-    if text is None or text == "":
-        if default is None:
-            raise UserError(f"{name} is not set")
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise UserError(f"{name}={text!r} is not an integer") from None
-    if value < minimum:
-        raise UserError(f"{name}={value} must be at least {minimum}")
-    return value
+    return env_int("NANOEULER_TIMEOUT", DEFAULT_TIMEOUT, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,31 +79,77 @@ class World:
         env = os.environ if env is None else env
         if "RANK" not in env and "WORLD_SIZE" not in env:
             return cls()
-        size = env_int(env, "WORLD_SIZE", minimum=1)
-        rank = env_int(env, "RANK")
+        size = env_int("WORLD_SIZE", minimum=1, env=env)
+        rank = env_int("RANK", env=env)
         if rank >= size:
             raise UserError(f"RANK={rank} must be below WORLD_SIZE={size}")
-        local = env_int(env, "LOCAL_RANK", default=rank)
+        local = env_int("LOCAL_RANK", default=rank, env=env)
         if size == 1:
             return cls(rank, size, local)
         addr = env.get("MASTER_ADDR")
         if not addr:
             raise UserError(f"WORLD_SIZE={size} needs MASTER_ADDR, the address of rank 0's host")
-        port = env_int(env, "MASTER_PORT", minimum=1)
+        port = env_int("MASTER_PORT", minimum=1, env=env)
         if port > 65535:
             raise UserError(f"MASTER_PORT={port} is not a port number")
         return cls(rank, size, local, addr, port)
 
 
 def heartbeat():
-    """Tell the launcher (nanoeuler/launch.py) that this rank finished a step: one byte down the pipe it
+    """Tell the launcher (nanoeuler/train/launch.py) that this rank finished a step: one byte down the pipe it
     passed in NANOEULER_HEARTBEAT_FD. Nothing without a launcher."""
-    fd = os.environ.get("NANOEULER_HEARTBEAT_FD")
-    if fd:
+    fd = env_int("NANOEULER_HEARTBEAT_FD", -1)
+    if fd >= 0:
         try:
-            os.write(int(fd), b".")
+            os.write(fd, b".")
         except OSError:
             pass  # the launcher is gone; it stops the ranks itself when it can
+
+
+def rendezvous(world, wait, value=None):
+    """Meet every rank at rank 0's MASTER_ADDR:MASTER_PORT; returns (a barrier of all ranks, rank 0's value).
+
+    Rank 0 serves a threading.Barrier and `value` (any picklable object, e.g. the NCCL unique id) over the
+    standard library's multiprocessing.managers, authenticated with NANOEULER_RDZV_KEY (the launcher draws
+    one at random), from a daemon thread that lives as long as its process; the others connect, retrying
+    until rank 0 listens. A rank 0 that never listens, or is gone, is a one-line UserError."""
+    from multiprocessing.managers import BarrierProxy, BaseManager, DictProxy
+
+    address = (world.master_addr, world.master_port)
+    key = os.environ.get("NANOEULER_RDZV_KEY", "nanoeuler").encode()
+
+    class Rendezvous(BaseManager):
+        pass
+
+    if world.is_main:
+        barrier, shared = threading.Barrier(world.world_size), {"value": value}
+        Rendezvous.register("barrier", callable=lambda: barrier, proxytype=BarrierProxy)
+        Rendezvous.register("shared", callable=lambda: shared, proxytype=DictProxy)
+        try:
+            server = Rendezvous(address=address, authkey=key).get_server()
+        except OSError as e:
+            raise UserError(f"rank 0 cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from None
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return barrier, value
+    Rendezvous.register("barrier", proxytype=BarrierProxy)
+    Rendezvous.register("shared", proxytype=DictProxy)
+    client = Rendezvous(address=address, authkey=key)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            client.connect()
+            break
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise UserError(f"rank {world.rank}: rank 0 did not open {address[0]}:{address[1]} in "
+                                f"{wait} s") from None
+            time.sleep(0.05)
+        except (ConnectionError, EOFError):  # rank 0 opened it and went away (it failed first)
+            raise UserError(f"rank {world.rank}: lost rank 0 (it exited or crashed)") from None
+    try:
+        return client.barrier(), client.shared()["value"]
+    except (ConnectionError, EOFError):
+        raise UserError(f"rank {world.rank}: lost rank 0 (it exited or crashed)") from None
 
 
 # ------------------------------------------------------------------------------------------ communicators
@@ -140,51 +175,15 @@ class SingleProcess:
 
 class SharedMemoryCommunicator:
     """CPU ranks on one host. Buffers travel through a shared-memory segment of world_size slots (created by
-    rank 0, grown when a larger buffer comes, its name derived from the rendezvous port); a barrier served by
-    rank 0 (multiprocessing.managers over MASTER_ADDR:MASTER_PORT, authenticated with NANOEULER_RDZV_KEY,
-    which the launcher draws at random) separates writing the slots from reading them. Each rank sums the
-    slots in rank order itself, so every rank gets the same bits. A barrier that waits longer than the
-    timeout breaks for every rank: a dead or hung rank ends the run with an error, never a hang."""
+    rank 0, grown when a larger buffer comes, its name derived from the rendezvous port); the rendezvous's
+    barrier separates writing the slots from reading them. Each rank sums the slots in rank order itself, so
+    every rank gets the same bits. A barrier that waits longer than the timeout breaks for every rank: a dead
+    or hung rank ends the run with an error, never a hang."""
 
     def __init__(self, world, wait=None):
-        from multiprocessing.managers import BarrierProxy, BaseManager
-
         self.rank, self.world_size, self.wait = world.rank, world.world_size, wait or timeout()
         self._prefix = f"nanoeuler{world.master_port}_"  # one run per rendezvous port at a time
-        address = (world.master_addr, world.master_port)
-        key = os.environ.get("NANOEULER_RDZV_KEY", "nanoeuler").encode()
-
-        class Rendezvous(BaseManager):
-            pass
-
-        if world.is_main:
-            barrier = threading.Barrier(world.world_size)
-            Rendezvous.register("barrier", callable=lambda: barrier, proxytype=BarrierProxy)
-            try:
-                server = Rendezvous(address=address, authkey=key).get_server()
-            except OSError as e:
-                raise UserError(f"rank 0 cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from None
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-            self._barrier = barrier
-        else:
-            Rendezvous.register("barrier", proxytype=BarrierProxy)
-            client = Rendezvous(address=address, authkey=key)
-            deadline = time.monotonic() + self.wait
-            while True:
-                try:
-                    client.connect()
-                    break
-                except (ConnectionRefusedError, FileNotFoundError):
-                    if time.monotonic() > deadline:
-                        raise UserError(f"rank {self.rank}: rank 0 did not open {address[0]}:{address[1]} in "
-                                        f"{self.wait} s") from None
-                    time.sleep(0.05)
-                except (ConnectionError, EOFError):  # rank 0 opened it and went away (it failed first)
-                    raise UserError(f"rank {self.rank}: lost rank 0 (it exited or crashed)") from None
-            try:
-                self._barrier = client.barrier()
-            except (ConnectionError, EOFError):
-                raise UserError(f"rank {self.rank}: lost rank 0 (it exited or crashed)") from None
+        self._barrier, _ = rendezvous(world, self.wait)
         self._shm, self._generation, self._slot_bytes = None, 0, 0
         atexit.register(self.close)  # rank 0 unlinks the segment when its process ends
 
@@ -268,42 +267,20 @@ def _attach(name):
     return shm
 
 
-def _id_to_store(uid):
-    """The NCCL unique id as 128 bytes (the store's values are short) and its kind: CuPy 14 gives (and takes)
-    bytes; earlier versions a tuple of ints, signed (NCCLBackend shifts them by 128 into bytes, which fails on
-    bytes: seen on the H100 machine's CuPy)."""
-    if isinstance(uid, bytes):
-        return uid, b"bytes"
-    return bytes(b % 256 for b in uid), b"signed" if min(uid) < 0 else b"unsigned"
-
-
-def _id_from_store(raw, kind):
-    """The id as get_unique_id gave it to rank 0 (all ranks run the same CuPy): the inverse of _id_to_store."""
-    if kind == b"bytes":
-        return raw
-    return tuple(b - 256 if kind == b"signed" and b > 127 else b for b in raw)
-
-
 class NcclCommunicator:
     """One GPU per rank over NCCL (cupy.cuda.nccl.NcclCommunicator on device pointers, the current stream).
 
-    Rendezvous as cupyx.distributed.NCCLBackend does it: rank 0 runs cupyx.distributed's TCPStore at
-    MASTER_ADDR:MASTER_PORT and puts the NCCL unique id there; the others read it after the store's barrier.
-    Host arrays (target counts, losses) are copied to the GPU and back. Waiting for a
-    collective polls its completion and ncclCommGetAsyncError; past the timeout the communicator is aborted
-    and the run ends with a one-line error naming this rank. NVLink multicast (NVLS) is off unless
-    NCCL_NVLS_ENABLE says otherwise (docs/multi-gpu.md).
-
-    NOT YET RUN THROUGH ON A GPU: written against CuPy's sources (cupy/cuda/nccl.pyx, cupyx/distributed/
-    _store.py, _nccl_comm.py). A world of one on the H100 (tests/test_distributed.py) found two faults in the
-    rendezvous; the fixed one round-trips the id through CuPy 14.2's TCPStore between two processes (no GPU
-    needed), and NcclCommunicator takes it. docs/multi-gpu.md has the commands that verify the rest."""
+    Rank 0 draws the NCCL unique id and hands it to the others through rendezvous(), as get_unique_id gave
+    it (CuPy 14 gives bytes, earlier versions a tuple of ints: NcclCommunicator takes back its own kind).
+    Host arrays (target counts, losses) are copied to the GPU and back. Waiting for a collective polls its
+    completion and ncclCommGetAsyncError; past the timeout the communicator is aborted and the run ends with
+    a one-line error naming this rank. NVLink multicast (NVLS) is off unless NCCL_NVLS_ENABLE says otherwise
+    (docs/multi-gpu.md, which also says what has run on GPUs and what has not)."""
 
     def __init__(self, world, wait=None):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         import cupy
         from cupy.cuda import nccl
-        from cupyx.distributed import _store
 
         self.rank, self.world_size, self.wait = world.rank, world.world_size, wait or timeout()
         self._cupy, self._nccl = cupy, nccl
@@ -313,27 +290,9 @@ class NcclCommunicator:
         if world.local_rank >= cupy.cuda.runtime.getDeviceCount():
             raise UserError(f"rank {world.rank} needs GPU {world.local_rank} (LOCAL_RANK), but this host has "
                             f"{cupy.cuda.runtime.getDeviceCount()}")
-        store = None
-        proxy = _store.TCPStoreProxy(world.master_addr, world.master_port)
-        try:
-            if world.is_main:
-                store = _store.TCPStore(world.world_size)
-                store.run(world.master_addr, world.master_port)
-                uid = nccl.get_unique_id()
-                proxy["nccl_id"], proxy["nccl_id_kind"] = _id_to_store(uid)
-                proxy.barrier()
-            else:
-                proxy.barrier()
-                uid = _id_from_store(bytes(proxy["nccl_id"]), bytes(proxy["nccl_id_kind"]))
-        except RuntimeError as e:
-            if store is not None:
-                store.stop()  # else its server process outlives the run
-            raise UserError(f"rank {world.rank}: no rendezvous at {world.master_addr}:{world.master_port} "
-                            f"({e})") from None
+        _, uid = rendezvous(world, self.wait, nccl.get_unique_id() if world.is_main else None)
         cupy.cuda.Device(world.local_rank).use()
         self._comm = nccl.NcclCommunicator(world.world_size, uid, world.rank)
-        if store is not None:
-            store.stop()  # every rank has the id: the communicator's creation waits for all of them
         self._flag = cupy.zeros(1, dtype=np.float32)
 
     def _on_device(self, a):

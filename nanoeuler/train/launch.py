@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from nanoeuler.train.distributed import env_int
+from nanoeuler.env import env_int
 from nanoeuler.errors import UserError
 
 STEP_TIMEOUT = 1800  # seconds without a step, once training began: evaluation and saving on rank 0 included
@@ -55,7 +55,7 @@ class _Rank:
 def launch(command, n, step_timeout=None):
     """Run `command` as ranks 0..n-1 and watch them (see the module's docstring). Returns 0 when every rank
     finished, 130 when they stopped on Ctrl-C; raises UserError naming the rank that failed or hung."""
-    step_timeout = step_timeout or env_int(os.environ, "NANOEULER_STEP_TIMEOUT", STEP_TIMEOUT, minimum=1)
+    step_timeout = step_timeout or env_int("NANOEULER_STEP_TIMEOUT", STEP_TIMEOUT, minimum=1)
     port, key = free_port(), secrets.token_hex(16)
     ranks = []
     try:
