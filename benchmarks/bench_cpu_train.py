@@ -28,6 +28,8 @@ import torch
 
 from nanoeuler.model.config import PRESETS, init_params, param_count
 from nanoeuler.model.engine import make_engine
+from nanoeuler.model.optimizer import AdamW
+from nanoeuler.train.objectives import cross_entropy_backward
 from reference import Reference, batches
 
 
@@ -49,13 +51,14 @@ def main():
     lr, wd, clip = 1e-3, 0.1, 1.0
 
     eng = make_engine(cfg)
+    optimizer = AdamW(eng)
     eng.load_params(flat)
     model = Reference(cfg, flat, split_matmuls=True)  # a matmul per weight, as separate Linear layers: faster here
     opt = torch.optim.AdamW(model.param_groups(wd), lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
     def ours(inputs, targets):
-        loss = eng.forward_backward(inputs, targets)[0]
-        eng.step(lr, wd, clip)
+        loss = cross_entropy_backward(eng, inputs, targets)[0]
+        optimizer.step(eng, lr, wd, clip)
         return loss
 
     def theirs(inputs, targets):

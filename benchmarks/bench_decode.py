@@ -106,10 +106,10 @@ def main():
         ours(eng, prompt, 8, True, T)
     rows = []
     if args.device == "gpu":
-        eng.graphs = False
+        eng.decoder.graphs = False
         tokens, seconds, _ = ours(eng, prompt, n, False, T)
         rows.append(("nanoeuler plain (kernel by kernel)", seconds, tokens, ""))
-        eng.graphs = True
+        eng.decoder.graphs = True
     plain, seconds, _ = ours(eng, prompt, n, False, T)
     rows.append(("nanoeuler graph" if args.device == "gpu" else "nanoeuler plain", seconds, plain, ""))
     if cfg.mtp_heads > 1:

@@ -22,6 +22,8 @@ import time
 import numpy as np
 
 from nanoeuler.model.config import PRESETS, flops_per_token, init_params, param_count
+from nanoeuler.model.optimizer import AdamW
+from nanoeuler.train.objectives import cross_entropy_backward
 from reference import Reference, batches
 
 
@@ -47,10 +49,11 @@ def bench_ours(cfg, inputs, targets, args):
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
     eng = make_engine(cfg, device="gpu", seed=0, precision=args.precision)
+    opt = AdamW(eng)
 
     def step():
-        loss = eng.forward_backward(inputs, targets)[0]
-        eng.step(lr=1e-4, weight_decay=0.1, grad_clip=1.0)
+        loss = cross_entropy_backward(eng, inputs, targets)[0]
+        opt.step(eng, lr=1e-4, weight_decay=0.1, grad_clip=1.0)
         return loss
 
     med, best, loss = time_steps(step, cupy.cuda.Device().synchronize, args.warmup, args.steps)

@@ -45,7 +45,8 @@ def in_process(ckpt, device, requests, max_tokens):
     """tokens/s of `generate` on the bench's request shapes, one request at a time, in this process."""
     import numpy as np
 
-    from nanoeuler.infer.generate import generate, load_model
+    from nanoeuler.infer.generate import generate
+    from nanoeuler.io.checkpoint import load_model
 
     eng, tok, _ = load_model(ckpt, device)
     run = lambda i, n: len(list(generate(eng, tok.encode(f"Client 0, request {i}:\n"), n, 0.8, 0, 0.95,

@@ -15,6 +15,8 @@ import numpy as np
 
 from nanoeuler.model.config import PRESETS
 from nanoeuler.model.engine import make_engine
+from nanoeuler.model.optimizer import AdamW
+from nanoeuler.train.objectives import cross_entropy_backward
 from reference import batches
 
 
@@ -34,6 +36,7 @@ def main():
     engines = {"gpu": make_engine(cfg, device="gpu", seed=0, precision=args.precision)}
     if not args.gpu_only:
         engines["cpu"] = make_engine(cfg, device="cpu", seed=0)
+    optimizers = {name: AdamW(eng) for name, eng in engines.items()}
     print(f"{args.preset}: batch {args.batch_size} x {cfg.context} of {args.data} bytes, GPU {args.precision}, "
           f"lr {args.lr}, AdamW, clip 1.0; head-0 loss (nats/token)")
     print(f"{'step':>5} {'gpu loss':>10}" + ("" if args.gpu_only else f" {'cpu loss':>10} {'rel diff':>9}"))
@@ -42,8 +45,8 @@ def main():
     for step, (inputs, targets) in enumerate(batches(cfg, args.batch_size, seed=0, steps=args.steps, tokens=data), 1):
         losses = {}
         for name, eng in engines.items():
-            losses[name] = eng.forward_backward(inputs, targets)[1]
-            eng.step(lr=args.lr, weight_decay=0.1, grad_clip=1.0)
+            losses[name] = cross_entropy_backward(eng, inputs, targets)[1]
+            optimizers[name].step(eng, lr=args.lr, weight_decay=0.1, grad_clip=1.0)
         if step % args.every == 0 or step == 1:
             line = f"{step:5d} {losses['gpu']:10.5f}"
             if "cpu" in losses:

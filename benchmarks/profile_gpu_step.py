@@ -16,6 +16,8 @@ import time
 import numpy as np
 
 from nanoeuler.model.config import PRESETS
+from nanoeuler.model.optimizer import AdamW
+from nanoeuler.train.objectives import cross_entropy_backward
 from reference import batches
 
 LAYER_FUNCTIONS = ("matmul_forward", "matmul_backward", "embedding_forward", "embedding_backward",
@@ -56,11 +58,12 @@ def main():
 
     cfg = PRESETS[args.preset]
     eng = make_engine(cfg, device="gpu", precision=args.precision)
+    opt = AdamW(eng)
     inputs, targets = next(batches(cfg, args.batch_size, seed=0))
 
     def step():
-        eng.forward_backward(inputs, targets)
-        eng.step(lr=1e-4, weight_decay=0.1, grad_clip=1.0)
+        cross_entropy_backward(eng, inputs, targets)
+        opt.step(eng, lr=1e-4, weight_decay=0.1, grad_clip=1.0)
     for _ in range(3):
         step()
     cupy.cuda.Device().synchronize()

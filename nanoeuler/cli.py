@@ -1,7 +1,7 @@
 """The `nanoeuler` command line: one subcommand per stage of the pipeline.
 
     nanoeuler check [--gpu]                 gradient check of the hand-written backward passes
-    nanoeuler train [small|big|base] ...    pretrain (CPU or GPU engine; --gpus N: data parallel)
+    nanoeuler train [small|big|base|large]  pretrain (CPU or GPU engine; --gpus N: data parallel)
     nanoeuler infer "PROMPT" ...            sample from a checkpoint
     nanoeuler sft ...                       supervised fine-tuning on Alpaca
     nanoeuler dpo ...                       preference tuning (DPO) of a chat model
@@ -12,14 +12,15 @@
 
 Each subcommand's work lives in its own module, imported only when it runs, so `nanoeuler tokenizer`
 never pays for numba compilation and the CPU path never imports cupy; `nanoeuler tokenizer`'s own glue
-(reading a tokenizer from a file or a checkpoint) is here, so that tokenizer.py needs nothing of
-checkpoint.py. Bad input raises UserError, which is printed here as one line on stderr with a non-zero exit
+(reading a tokenizer from a file or a checkpoint) is here, so that the tokenizer needs nothing of
+the checkpoint module. Bad input raises UserError, which is printed here as one line on stderr with a non-zero exit
 and no traceback.
 
 This module imports neither NumPy nor numba at its top, and main() calls configure_cpu_runtime() before
 importing any subcommand: some of those settings are read only when OpenBLAS (through NumPy) or numba load.
 """
 import argparse
+import importlib
 import os
 import sys
 
@@ -266,6 +267,12 @@ def tokenizer_command(args):
     return 0
 
 
+# the module whose main(args) runs each command, imported only when it runs
+COMMANDS = {"check": "nanoeuler.check.gradients", "train": "nanoeuler.train.pretrain",
+            "infer": "nanoeuler.infer.generate", "sft": "nanoeuler.train.sft", "dpo": "nanoeuler.train.dpo",
+            "chat": "nanoeuler.infer.chat", "serve": "nanoeuler.infer.serve", "export": "nanoeuler.io.export"}
+
+
 def main(argv=None):
     # Before any subcommand imports NumPy or numba (see nanoeuler/__init__.py for what and why).
     configure_cpu_runtime()
@@ -275,26 +282,10 @@ def main(argv=None):
         if (getattr(args, "gpus", None) or 1) > 1 and "RANK" not in os.environ:
             from nanoeuler.train.launch import launch_self  # the launcher; each worker it starts runs the command
             sys.exit(launch_self(args.gpus, sys.argv[1:] if argv is None else list(argv)))
-        if args.command == "check":
-            from nanoeuler.check.gradients import main as run
-        elif args.command == "train":
-            from nanoeuler.train.pretrain import main as run
-        elif args.command == "infer":
-            from nanoeuler.infer.generate import main as run
-        elif args.command == "sft":
-            from nanoeuler.train.sft import main as run
-        elif args.command == "dpo":
-            from nanoeuler.train.dpo import main as run
-        elif args.command == "chat":
-            from nanoeuler.infer.chat import main as run
-        elif args.command == "serve":
-            from nanoeuler.infer.serve import main as run
-        elif args.command == "export":
-            from nanoeuler.io.export import main as run
-        elif args.command == "tokenizer":
+        if args.command == "tokenizer":
             run = tokenizer_command
-        else:  # pragma: no cover - argparse rejects unknown commands
-            parser.error(f"unknown command {args.command}")
+        else:
+            run = importlib.import_module(COMMANDS[args.command]).main
         status = run(args)
     except ENDINGS as e:  # one line and exit 2, 130 on Ctrl-C, 141 on a closed pipe (errors.exit_status)
         sys.exit(exit_status(e))

@@ -95,23 +95,17 @@ def _rewrite(path, tensors, **meta_changes):
     path.write_bytes(serialize(tensors, metadata=meta))
 
 
-def test_tensor_shape_disagrees_with_config(tmp_path):
+@pytest.mark.parametrize("name,change,message", [
+    ("layers.0.w_up", lambda t: np.zeros((CFG.hidden + 1, CFG.dim), np.float32), "layers.0.w_up has shape"),
+    ("layers.1.wq", lambda t: t.astype(np.float16), "corrupt .tensor layers.1.wq is F16, not float32")])
+def test_tensor_that_disagrees_with_the_config(tmp_path, name, change, message):
+    """A tensor of another shape than the config's, or of another dtype than float32."""
     path = tmp_path / "a.bin"
     _save(path)
     tensors = load_file(path)
-    tensors["layers.0.w_up"] = np.zeros((CFG.hidden + 1, CFG.dim), np.float32)
+    tensors[name] = change(tensors[name])
     _rewrite(path, tensors)
-    with pytest.raises(UserError, match="layers.0.w_up has shape"):
-        checkpoint.load(path)
-
-
-def test_tensor_of_another_dtype(tmp_path):
-    path = tmp_path / "a.bin"
-    _save(path)
-    tensors = load_file(path)
-    tensors["layers.1.wq"] = tensors["layers.1.wq"].astype(np.float16)
-    _rewrite(path, tensors)
-    with pytest.raises(UserError, match="corrupt .tensor layers.1.wq is F16, not float32"):
+    with pytest.raises(UserError, match=message):
         checkpoint.load(path)
 
 

@@ -15,11 +15,14 @@ import pytest
 
 from conftest import ROOT, tiny_config
 from nanoeuler.train import launch, pretrain as train
+from nanoeuler.train.loop import Hyperparameters
+from nanoeuler.train.objectives import CrossEntropy
 from nanoeuler.data.corpus import RandomWindows
 from nanoeuler.train.distributed import DataParallel, SharedMemoryCommunicator, World
 from nanoeuler.errors import UserError
-from nanoeuler.model.engine import make_engine
-from nanoeuler.train.sft import ExampleBatches
+from nanoeuler.model.engine import make_engine, to_numpy
+from nanoeuler.model.optimizer import AdamW
+from nanoeuler.data.instructions import ExampleBatches
 from test_train import _log, _train
 
 ENV = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
@@ -120,16 +123,17 @@ def _train_steps(batch, comm=None, zero=False, device="cpu"):
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     source = RandomWindows(np.random.default_rng(0).integers(0, 300, 20000), batch, cfg.context, cfg.mtp_heads,
                            seed=7, rank=rank, world_size=world)
-    objective, parallel = train.CrossEntropy(comm), DataParallel(eng, comm, zero=zero)
-    hp = train.Hyper(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
-                     grad_accum=2 if world == 1 else 1)  # one rank in 2 passes: the accumulation path too
+    hp = Hyperparameters(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
+                         grad_accum=2 if world == 1 else 1)  # one rank in 2 passes: the accumulation path too
+    parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=zero)
+    objective = CrossEntropy(parallel.comm)  # comm, or the world of one DataParallel makes of None
     losses, norms = [], []
     for _ in range(STEPS):
         record, tokens = objective.train_step(eng, source.next(), hp)
-        norms.append(parallel.step(LR, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2))
+        norms.append(parallel.step(LR, hp.weight_decay, hp.grad_clip))
         losses.append((record["loss"], record["loss_all_heads"], tokens))
     assert parallel.any(rank == 1) == (world > 1)
-    grads = eng._to_numpy(eng.grads).copy() if not parallel.zero else None  # the last step's, all-reduced
+    grads = to_numpy(eng.grads).copy() if not parallel.zero else None  # the last step's, all-reduced
     return losses, norms, grads, eng.params_numpy(), parallel.opt_state_numpy()
 
 
@@ -220,14 +224,15 @@ sys.path.insert(0, {tests!r})
 from conftest import tiny_config
 from nanoeuler import cli
 from nanoeuler.train import pretrain as train
+from nanoeuler.train.loop import Hyperparameters
 from nanoeuler.model.config import PRESETS
 PRESETS["small"] = tiny_config({vocab}, gpu={gpu})
-train.PRESET_HYPER["small"] = train.Hyper(**{hyper!r})
+train.PRESET_HYPER["small"] = Hyperparameters(**{hyper!r})
 cli.main(sys.argv[1:])
 """
 # a constant learning rate after the warmup: runs of 4 and 6 steps take the same first 4 steps
-HYPER = train.Hyper(steps=6, batch_size=4, lr=3e-3, warmup=2, eval_every=3, sample_every=100, ckpt_every=100,
-                    eval_batches=2, min_lr_ratio=1.0, sample_tokens=4)
+HYPER = Hyperparameters(steps=6, batch_size=4, lr=3e-3, warmup=2, eval_every=3, sample_every=100, ckpt_every=100,
+                        eval_batches=2, min_lr_ratio=1.0, sample_tokens=4)
 
 
 def _tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, gpu):
@@ -275,7 +280,7 @@ def test_checkpoints_move_between_world_sizes(tiny_runs, tmp_path):
         assert [r["step"] for r in log] == list(range(1, 7))
         for key in ("loss", "loss_all_heads", "grad_norm"):
             np.testing.assert_allclose([r[key] for r in log], [r[key] for r in ref], rtol=1e-5, err_msg=name)
-        for r, want in zip(log, ref):  # the same validation windows, batched per rank (train.eval_limits)
+        for r, want in zip(log, ref):  # the same validation windows, batched per rank (Run.eval_limits)
             if "val_loss" in want:
                 assert r["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), (name, r["step"])
     from nanoeuler.io import checkpoint

@@ -11,11 +11,12 @@ import pytest
 
 from conftest import ROOT, run_cli
 from nanoeuler.io import checkpoint
-from nanoeuler.train import dpo, sft, pretrain as train
-from nanoeuler.data import template
+from nanoeuler.train import dpo, loop, objectives, sft, pretrain as train
+from nanoeuler.train.objectives import dpo_backward, sequence_logprobs
+from nanoeuler.data import instructions, preferences, template
 from nanoeuler.check.gradients import CHECK_CONFIGS, THRESHOLD, dpo_gradient_check
 from nanoeuler.model.config import PRESETS, Config
-from nanoeuler.model.engine import Engine, make_engine
+from nanoeuler.model.engine import make_engine
 from nanoeuler.infer.generate import generate
 from test_sft import FINETUNE, PRETRAIN, TINY, _cli, _main  # the SFT pipeline test's model and stages
 from test_train import _interrupt_at
@@ -34,16 +35,17 @@ def test_dpo_gradient_check_passes_for_both_models():
 
 @pytest.mark.parametrize("wrong", ["sign", "beta", "rejected sign"])
 def test_dpo_gradient_check_catches_a_wrong_weight(wrong, monkeypatch):
-    real = Engine.dpo_weights
+    real = objectives.dpo_row_weights
 
-    def broken(self, z, beta, pairs):
-        w_c, w_r = real(self, z, beta, pairs)
+    def broken(z, beta, pairs):
+        w = real(z, beta, pairs)  # (2P,): the chosen rows' weights, then the rejected rows' (their negatives)
         if wrong == "sign":
-            return -w_c, -w_r
+            return -w
         if wrong == "beta":
-            return real(self, z, 2 * beta, pairs)
-        return w_c, -w_r
-    monkeypatch.setattr(Engine, "dpo_weights", broken)
+            return real(z, 2 * beta, pairs)
+        P = len(w) // 2
+        return np.concatenate([w[:P], -w[P:]])
+    monkeypatch.setattr(objectives, "dpo_row_weights", broken)
     errors = dpo_gradient_check(CHECK_CONFIGS[1], samples=2, report=lambda *a: None)
     assert _worst(errors) > 1e-2, errors
 
@@ -60,16 +62,16 @@ def test_dpo_loss_matches_its_definition_and_accumulates():
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     pi = np.array([sum(logp[b, t, targets[0, b, t]] for t in range(inputs.shape[1]) if targets[0, b, t] >= 0)
                    for b in range(len(inputs))])
-    np.testing.assert_allclose(eng.sequence_logprobs(inputs, targets), pi, rtol=1e-5)
+    np.testing.assert_allclose(sequence_logprobs(eng, inputs, targets), pi, rtol=1e-5)
     ref = pi + rng.normal(0, 1, pi.shape)
     z = beta * ((pi[:4] - ref[:4]) - (pi[4:] - ref[4:]))
-    loss, stats = eng.dpo_forward_backward(inputs, targets, ref, beta)
+    loss, _ = dpo_backward(eng, inputs, targets, ref, beta)
     assert loss == pytest.approx(np.mean(np.log1p(np.exp(-z))), rel=1e-5)
     whole = eng.grads.copy()
     total = 0.0
     for i, rows in enumerate(([0, 1, 4, 5], [2, 3, 6, 7])):
-        total += eng.dpo_forward_backward(inputs[rows], targets[:, rows], ref[rows], beta, pairs=4,
-                                          accumulate=i > 0)[0]
+        total += dpo_backward(eng, inputs[rows], targets[:, rows], ref[rows], beta, pairs=4,
+                              accumulate=i > 0)[0]
     assert total == pytest.approx(loss, rel=1e-12)
     np.testing.assert_allclose(eng.grads, whole, rtol=1e-9, atol=1e-14)
 
@@ -106,8 +108,8 @@ def test_resume_without_a_checkpoint(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ the CPU pipeline
-PREFER = train.Hyper(steps=40, batch_size=8, lr=1e-3, warmup=5, eval_every=10, sample_every=40,
-                     ckpt_every=40, sample_tokens=8)
+PREFER = loop.Hyperparameters(steps=40, batch_size=8, lr=1e-3, warmup=5, eval_every=10, sample_every=40,
+                              ckpt_every=40, sample_tokens=8)
 NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", "Banquo", "Othello", "Iago",
          "Portia", "Shylock", "Viola", "Orsino", "Puck", "Oberon", "Titania", "Prospero", "Miranda", "Ariel",
          "Caliban", "Rosalind", "Orlando", "Beatrice", "Benedick", "Falstaff", "Hal", "Brutus", "Cassius",
@@ -162,7 +164,7 @@ def test_pipeline_dpo_learns_the_preferred_trait(pipeline):
     first, last = evals[0], evals[-1]
     assert {"val_loss", "val_reward_accuracy", "val_reward_margin"} <= set(last)
     # the starting model gives every pair the same reward (0): 50% by the tie rule; then >= 90% held out
-    start = dpo.DPO(0.1).evaluate(*_start_eval(pipeline))
+    start = objectives.DPO(0.1).evaluate(*_start_eval(pipeline))
     assert start["val_reward_accuracy"] == 0.5 and start["val_reward_margin"] == 0.0
     assert last["val_reward_accuracy"] >= 0.9 and last["val_reward_margin"] > 0
     assert last["val_loss"] < first["val_loss"] or first["val_reward_accuracy"] >= 0.9
@@ -186,11 +188,11 @@ def _start_eval(pipeline):
     ck = checkpoint.load(pipeline["chat"])
     tok, eng = ck.tokenizer(), make_engine(ck.cfg)
     eng.load_params(ck.params)
-    data = dpo.read_pairs(pipeline["prefs"])
-    tr, va = sft.split(len(data), 8)
-    _, val, _ = dpo.prepare(data, tr, va, tok, ck.cfg.context, progress=False)
+    data = preferences.read_pairs(pipeline["prefs"])
+    tr, va = instructions.split(len(data), 8)
+    _, val, _ = preferences.prepare(data, tr, va, tok, ck.cfg.context, progress=False)
     ref = dpo.reference_logps(eng, val, 8, progress=False)
-    return eng, dpo.pair_eval_batches(val, ref, 8, ck.cfg.context, ck.cfg.mtp_heads)
+    return eng, preferences.pair_eval_batches(val, ref, 8, ck.cfg.context, ck.cfg.mtp_heads)
 
 
 def test_dpo_resume_after_interrupt_is_bit_identical_without_recomputing_the_reference(pipeline, tmp_path,
@@ -200,7 +202,7 @@ def test_dpo_resume_after_interrupt_is_bit_identical_without_recomputing_the_ref
               "--sample-every", 8, "--ckpt-every", 5]
     assert _main(dpo, "dpo", "--out", tmp_path / "a.bin", *common) == 0
     with monkeypatch.context() as m:
-        _interrupt_at(m, 4, dpo.PairBatches)
+        _interrupt_at(m, 4, preferences.PairBatches)
         assert _main(dpo, "dpo", "--out", tmp_path / "b.bin", *common) == 130
     assert checkpoint.load(tmp_path / "b.bin").step == 4
 

@@ -366,7 +366,7 @@ def test_preferences_from_hh_rlhf_dropped_connection_and_rerun(tmp_path, server)
     assert run("get_preferences.sh", *args, env=env).returncode == 0
     assert server.requests() == []
     # what `nanoeuler dpo` reads is exactly this
-    from nanoeuler.train.dpo import read_pairs
+    from nanoeuler.data.preferences import read_pairs
     assert [{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in read_pairs(str(out))] == pairs
 
 

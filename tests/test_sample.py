@@ -7,7 +7,9 @@ import pytest
 
 from conftest import run_cli, sharp_params, tiny_config
 from nanoeuler.model.engine import make_engine
-from nanoeuler.infer.generate import TextStream, distribution, generate, pick
+from nanoeuler.infer.generate import TextStream, generate
+from nanoeuler.infer.sampling import distribution, pick
+from nanoeuler.train.objectives import cross_entropy, cross_entropy_backward
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +33,10 @@ def test_kv_cache_decode_matches_full_forward(eng):
     T = eng.cfg.context
     ids = _ids(T)
     full = eng.logits(ids[None])[0]  # (T, V)
-    cache = eng.new_cache(1)
-    got = [eng.decode(cache, ids[None, :5])[0]]  # a prefill of 5, then one token at a time
+    cache = eng.decoder.new_cache(1)
+    got = [eng.decoder.logits(cache, ids[None, :5])[0]]  # a prefill of 5, then one token at a time
     for t in range(5, T):
-        got.append(eng.decode(cache, ids[None, t:t + 1])[0])
+        got.append(eng.decoder.logits(cache, ids[None, t:t + 1])[0])
     assert cache.pos == T
     for t, logits in zip(range(4, T), got):
         assert _rel(logits, full[t]) < 1e-5, t
@@ -45,55 +47,55 @@ def test_kv_cache_holds_keys_and_values_only_and_rolls_back(eng):
     """The cache keeps the G k heads and G v heads of each position (no queries); setting pos back and
     decoding again overwrites what was past it, and a released cache comes back empty."""
     cfg = eng.cfg
-    cache = eng.new_cache(1)
+    cache = eng.decoder.new_cache(1)
     assert cache.kv.shape == (cfg.n_layers, 1, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim)
     ids = _ids(12, seed=5)
-    eng.decode(cache, ids[None, :8])
-    cache.pos = 5  # roll back 3 positions
-    again = eng.decode(cache, ids[None, 5:12])
+    eng.decoder.logits(cache, ids[None, :8])
+    cache.rewind(5)  # roll back 3 positions
+    again = eng.decoder.logits(cache, ids[None, 5:12])
     assert cache.pos == 12 and int(cache.position[0]) == 12
     assert _rel(again, eng.logits(ids[None])[0, -1]) < 1e-5
-    eng.release_cache(cache)
-    reused = eng.new_cache(1)
+    eng.decoder.release(cache)
+    reused = eng.decoder.new_cache(1)
     assert reused is cache and reused.pos == 0 and int(reused.position[0]) == 0
 
 
 def test_argmax_decode_is_the_logits_argmax(eng):
     ids = _ids(10, seed=6)
-    logits = eng.decode(eng.new_cache(1), ids[None])
-    assert eng.decode(eng.new_cache(1), ids[None], argmax=True).tolist() == [int(logits[0].argmax())]
-    cache = eng.new_cache(1)
-    eng.decode(cache, ids[None, :6])
-    every = eng.decode(cache, ids[None, 6:], every_head=True)
-    cache.pos = 6
-    assert np.array_equal(eng.decode(cache, ids[None, 6:], every_head=True, argmax=True), every.argmax(axis=-1))
+    logits = eng.decoder.logits(eng.decoder.new_cache(1), ids[None])
+    assert eng.decoder.greedy(eng.decoder.new_cache(1), ids[None]).tolist() == [int(logits[0].argmax())]
+    cache = eng.decoder.new_cache(1)
+    eng.decoder.logits(cache, ids[None, :6])
+    every = eng.decoder.logits(cache, ids[None, 6:], all_heads=True)
+    cache.rewind(6)
+    assert np.array_equal(eng.decoder.greedy(cache, ids[None, 6:], all_heads=True), every.argmax(axis=-1))
 
 
 def test_repeated_greedy_steps_are_single_steps_in_a_row(eng):
-    """decode(..., repeat=R) runs R greedy steps fed back on the device and reads their ids once: the same
-    ids, for each of two sequences, as R single steps; repeat needs greedy one-token steps."""
+    """decoder.greedy(..., steps=R) runs R greedy steps fed back on the device and reads their ids once: the same
+    ids, for each of two sequences, as R single steps; steps > 1 need one-token steps."""
     prompt = np.stack([_ids(6, seed=7), _ids(6, seed=8)])
-    cache = eng.new_cache(2)
-    first = eng.decode(cache, prompt, argmax=True)
-    many = eng.decode(cache, first[:, None], argmax=True, repeat=5)
+    cache = eng.decoder.new_cache(2)
+    first = eng.decoder.greedy(cache, prompt)
+    many = eng.decoder.greedy(cache, first[:, None], steps=5)
     assert many.shape == (2, 5) and cache.pos == 11
-    cache = eng.new_cache(2)
-    one = eng.decode(cache, prompt, argmax=True)
+    cache = eng.decoder.new_cache(2)
+    one = eng.decoder.greedy(cache, prompt)
     singles = []
     for _ in range(5):
-        one = eng.decode(cache, one[:, None], argmax=True)
+        one = eng.decoder.greedy(cache, one[:, None])
         singles.append(one)
     assert np.array_equal(many, np.stack(singles, axis=1))
-    with pytest.raises(ValueError, match="repeat"):
-        eng.decode(cache, prompt[:, :2], argmax=True, repeat=2)
+    with pytest.raises(ValueError, match="greedy steps > 1 take one token a sequence"):
+        eng.decoder.greedy(cache, prompt[:, :2], steps=2)
 
 
 def test_kv_cache_batches_and_chunks(eng):
     ids = np.stack([_ids(20, 1), _ids(20, 2)])
     full = eng.logits(ids)
-    cache = eng.new_cache(2)
-    eng.decode(cache, ids[:, :7])
-    out = eng.decode(cache, ids[:, 7:20])  # a chunk of 13 after a prefill of 7
+    cache = eng.decoder.new_cache(2)
+    eng.decoder.logits(cache, ids[:, :7])
+    out = eng.decoder.logits(cache, ids[:, 7:20])  # a chunk of 13 after a prefill of 7
     assert _rel(out, full[:, 19]) < 1e-5
 
 
@@ -209,11 +211,11 @@ def test_every_entry_refuses_sequences_longer_than_the_context(eng):
     with pytest.raises(ValueError, match="do not fit"):
         eng.logits(ids)
     with pytest.raises(ValueError, match="do not fit"):
-        eng.forward_loss(ids, targets)
+        cross_entropy(eng, ids, targets)
     with pytest.raises(ValueError, match="do not fit"):
-        eng.forward_backward(ids, targets)
+        cross_entropy_backward(eng, ids, targets)
     with pytest.raises(ValueError, match="KV cache"):
-        eng.decode(eng.new_cache(), ids)
+        eng.decoder.logits(eng.decoder.new_cache(), ids)
     assert eng.logits(ids[:, :-1]).shape == (1, T - 1, eng.cfg.vocab_size)  # the context itself fits
 
 
@@ -239,9 +241,9 @@ def _spec_engine(vocab, K, context, seed, same_heads=False):
 
 def test_every_head_decode_matches_the_full_forward(eng):
     ids = _ids(20, seed=3)
-    cache = eng.new_cache(1)
-    eng.decode(cache, ids[None, :12])
-    heads = eng.decode(cache, ids[None, 12:], every_head=True)[0]  # (8, K, V)
+    cache = eng.decoder.new_cache(1)
+    eng.decoder.logits(cache, ids[None, :12])
+    heads = eng.decoder.logits(cache, ids[None, 12:], all_heads=True)[0]  # (8, K, V)
     full = eng.logits(ids[None])[0]
     assert heads.shape == (8, eng.cfg.mtp_heads, eng.cfg.vocab_size)
     assert _rel(heads[:, 0], full[12:]) < 1e-5
@@ -252,11 +254,11 @@ def test_a_verifying_step_gives_single_steps_bits():
     matrix products of a few rows are row by row): what makes speculative greedy decoding plain greedy."""
     e = _spec_engine(vocab=50, K=3, context=40, seed=2)
     ids = _ids(12, seed=4) % 50
-    one, three = e.new_cache(1), e.new_cache(1)
+    one, three = e.decoder.new_cache(1), e.decoder.new_cache(1)
     for cache in (one, three):
-        e.decode(cache, ids[None, :9])
-    singles = np.stack([e.decode(one, ids[None, t:t + 1], every_head=True)[0, 0] for t in range(9, 12)])
-    assert np.array_equal(singles, e.decode(three, ids[None, 9:12], every_head=True)[0])
+        e.decoder.logits(cache, ids[None, :9])
+    singles = np.stack([e.decoder.logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 12)])
+    assert np.array_equal(singles, e.decoder.logits(three, ids[None, 9:12], all_heads=True)[0])
 
 
 def test_speculative_greedy_is_plain_greedy_through_window_slides():
@@ -273,23 +275,23 @@ def test_speculative_greedy_is_plain_greedy_through_window_slides():
 
 
 def test_verify_drafts_chains_the_steps_a_host_would_take():
-    """verify_drafts' steps chained on the device keep what a host checking every head's argmax keeps, move
+    """decoder.verify's steps chained on the device keep what a host checking every head's argmax keeps, move
     the cache to the same place, and hand on the same next tokens; some drafts accepted, some not."""
     e = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=True)
-    chained, host = e.new_cache(1), e.new_cache(1)
+    chained, host = e.decoder.new_cache(1), e.decoder.new_cache(1)
     for cache in (chained, host):
-        e.decode(cache, np.array([[1, 2, 3]], dtype=np.int32), argmax=True)
-        tokens = e.decode(cache, np.array([[4]], dtype=np.int32), every_head=True, argmax=True)[0, -1].tolist()
-    kept, accepted, following = e.verify_drafts(chained, [tokens], repeat=6)
+        e.decoder.greedy(cache, np.array([[1, 2, 3]], dtype=np.int32))
+        tokens = e.decoder.greedy(cache, np.array([[4]], dtype=np.int32), all_heads=True)[0, -1].tolist()
+    kept, accepted, following = e.decoder.verify(chained, [tokens], steps=6)
     expect, counts = [], []
     for _ in range(6):
-        out = e.decode(host, np.array([tokens], dtype=np.int32), every_head=True, argmax=True)[0]  # (K, K)
+        out = e.decoder.greedy(host, np.array([tokens], dtype=np.int32), all_heads=True)[0]  # (K, K)
         n = 0
         while n < 2 and out[n, 0] == tokens[n + 1]:
             n += 1
         expect += tokens[:n + 1]
         counts.append(n)
-        host.pos -= 2 - n
+        host.rewind(host.pos - (2 - n))
         tokens = [int(t) for t in out[n]]
     assert kept == expect and accepted == counts and following.tolist() == tokens
     assert chained.pos == host.pos == 4 + len(kept) and 0 < sum(counts) < 12
@@ -303,15 +305,15 @@ def test_speculative_sampling_follows_the_model_distribution():
     V, n = 6, 3000
     e = _spec_engine(vocab=V, K=2, context=16, seed=7)
     prompt = [1, 2, 3]
-    cache = e.new_cache(1)
-    first = e.decode(cache, np.array([prompt]), every_head=True)[0, -1]  # (K, V)
+    cache = e.decoder.new_cache(1)
+    first = e.decoder.logits(cache, np.array([prompt]), all_heads=True)[0, -1]  # (K, V)
     softmax = lambda z: np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     p1, q2 = softmax(first[0].astype(np.float64)), softmax(first[1].astype(np.float64))
     exact = np.zeros((V, V))
     for t1 in range(V):
-        c = e.new_cache(1)
-        e.decode(c, np.array([prompt]))
-        exact[t1] = p1[t1] * softmax(e.decode(c, np.array([[t1]]))[0].astype(np.float64))
+        c = e.decoder.new_cache(1)
+        e.decoder.logits(c, np.array([prompt]))
+        exact[t1] = p1[t1] * softmax(e.decoder.logits(c, np.array([[t1]]))[0].astype(np.float64))
     rng = np.random.default_rng(0)
     counts = np.zeros((V, V))
     for _ in range(n):

@@ -17,7 +17,8 @@ import pytest
 
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import init_params
-from nanoeuler.infer.generate import generate, load_model, start_ids
+from nanoeuler.infer.generate import generate, start_ids
+from nanoeuler.io.checkpoint import load_model
 from nanoeuler.infer.scheduler import held_back, stop_at
 from nanoeuler.data.template import render_prompt
 

@@ -12,7 +12,10 @@ import pytest
 from conftest import ROOT, run_cli
 from nanoeuler.io import checkpoint
 from nanoeuler import cli
-from nanoeuler.train import sft, pretrain as train
+from nanoeuler.train import loop, sft, pretrain as train
+from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.data import instructions
+from nanoeuler.data.template import render_prompt
 from nanoeuler.check.gradients import random_problem
 from nanoeuler.model.config import PRESETS, Config
 from nanoeuler.model.engine import make_engine
@@ -82,16 +85,16 @@ def test_sft_dpo_chat_and_serve_prompt_alike(tokenizer, monkeypatch):
 @pytest.mark.parametrize("example", [WITH_INPUT, NO_INPUT], ids=["with-input", "no-input"])
 def test_mask_covers_exactly_the_response_and_eos(tokenizer, example):
     tok, K = tokenizer, 3
-    ids, n_prompt = sft.encode_example(tok, example)
-    prompt = sft.render_prompt(example["instruction"], example["input"])
+    ids, n_prompt = instructions.encode_example(tok, example)
+    prompt = render_prompt(example["instruction"], example["input"])
     assert tok.decode(ids[:n_prompt]) == prompt.encode()
     assert tok.decode(ids[n_prompt:]) == (example["output"] + "</s>").encode() and ids[-1] == tok.eos_id
     # one row alone, and next to a longer example (so this row has padding after its end)
-    other = sft.encode_example(tok, {**example, "output": example["output"] * 4})
+    other = instructions.encode_example(tok, {**example, "output": example["output"] * 4})
     for batch in ([(ids, n_prompt)], [(ids, n_prompt), other]):
-        inputs, targets = sft.make_batch(batch, context=256, K=K)
+        inputs, targets = instructions.make_batch(batch, context=256, K=K)
         T = inputs.shape[1]
-        assert T % sft.PAD_MULTIPLE == 0 and T >= len(batch[-1][0]) - 1
+        assert T % instructions.PAD_MULTIPLE == 0 and T >= len(batch[-1][0]) - 1
         assert targets.shape == (K, len(batch), T)
         np.testing.assert_array_equal(inputs[0, :len(ids)], ids[:T])
         np.testing.assert_array_equal(targets[:, 0], _expected_mask(ids, n_prompt, K, T))
@@ -104,23 +107,23 @@ def test_mask_covers_exactly_the_response_and_eos(tokenizer, example):
 def test_truncation_keeps_the_mask_aligned(tokenizer):
     tok, K = tokenizer, 2
     example = {**NO_INPUT, "output": "la di da " * 40}
-    full, n_prompt = sft.encode_example(tok, example)
-    context = len(sft.encode_example(tok, WITH_INPUT)[0]) + 4  # WITH_INPUT fits, `example` does not
-    ids, status = sft.fit_example(full, n_prompt, context, K)
+    full, n_prompt = instructions.encode_example(tok, example)
+    context = len(instructions.encode_example(tok, WITH_INPUT)[0]) + 4  # WITH_INPUT fits, `example` does not
+    ids, status = instructions.fit_example(full, n_prompt, context, K)
     assert status == "truncated" and len(ids) == context + K
     np.testing.assert_array_equal(ids, full[:context + K])
-    inputs, targets = sft.make_batch([(ids, n_prompt)], context, K)
+    inputs, targets = instructions.make_batch([(ids, n_prompt)], context, K)
     assert inputs.shape == (1, context)
     np.testing.assert_array_equal(targets[:, 0], _expected_mask(full, n_prompt, K, context))
     assert tok.eos_id not in targets  # a cut response never teaches the model to stop there
     assert all((targets[k, 0] >= 0).sum() == context + k + 1 - n_prompt for k in range(K))
     # what cannot be truncated usefully is skipped
-    assert sft.fit_example(full, n_prompt, n_prompt, K) == (None, "skipped")      # the prompt fills it
-    assert sft.fit_example(full, n_prompt, context, K, long="skip") == (None, "skipped")
-    assert sft.fit_example(full, n_prompt, len(full) - K, K)[1] == "ok"           # exactly the window
+    assert instructions.fit_example(full, n_prompt, n_prompt, K) == (None, "skipped")  # the prompt fills it
+    assert instructions.fit_example(full, n_prompt, context, K, long="skip") == (None, "skipped")
+    assert instructions.fit_example(full, n_prompt, len(full) - K, K)[1] == "ok"  # exactly the window
     data = [example, NO_INPUT, {**WITH_INPUT, "instruction": "Say it. " * 40}, WITH_INPUT]
-    train_idx, val_idx = sft.split(len(data), 1)
-    _, _, counts = sft.prepare(data, train_idx, val_idx, tok, context, K, "truncate", progress=False)
+    train_idx, val_idx = instructions.split(len(data), 1)
+    _, _, counts = instructions.prepare(data, train_idx, val_idx, tok, context, K, "truncate", progress=False)
     assert counts == {"train": 2, "val": 1, "truncated": 1, "skipped": 1}
 
 
@@ -133,8 +136,8 @@ def test_masked_positions_contribute_no_gradient():
     eng = make_engine(cfg, dtype=np.float64)
     eng.load_params(random_problem(cfg, rng)[0])
     examples = [(rng.integers(0, 39, 22), 9), (rng.integers(0, 39, 12), 5)]  # row 1 is padded
-    inputs, targets = sft.make_batch(examples, cfg.context, cfg.mtp_heads)
-    loss, loss0 = eng.forward_backward(inputs, targets)
+    inputs, targets = instructions.make_batch(examples, cfg.context, cfg.mtp_heads)
+    loss, loss0 = cross_entropy_backward(eng, inputs, targets)
     full = eng.grads.copy()
     # loss0 is head 0's mean cross-entropy over the supervised positions only
     logits = eng.logits(inputs).astype(np.float64)
@@ -148,16 +151,16 @@ def test_masked_positions_contribute_no_gradient():
         for b, t in valid:
             one = np.full_like(targets, -1)
             one[k, b, t] = targets[k, b, t]
-            eng.forward_backward(inputs, one)
+            cross_entropy_backward(eng, inputs, one)
             total += eng.grads / len(valid)
     assert np.linalg.norm(total - full) <= 1e-12 * np.linalg.norm(full)
 
 
 def test_batches_cover_each_epoch_and_resume_exactly():
     examples = [(np.full(i + 2, i), 1) for i in range(7)]  # example i: tokens i, i, ...
-    a = sft.ExampleBatches(examples, 3, 16, 2, seed=4)
+    a = instructions.ExampleBatches(examples, 3, 16, 2, seed=4)
     drawn = [a.next()[0] for _ in range(2)]
-    b = sft.ExampleBatches(examples, 3, 16, 2, seed=99)
+    b = instructions.ExampleBatches(examples, 3, 16, 2, seed=99)
     b.load_state(json.loads(json.dumps(a.state())))
     for _ in range(5):  # across two epoch boundaries
         (ia, ta), (ib, tb) = a.next(), b.next()
@@ -204,10 +207,10 @@ def test_every_example_too_long(tiny_ckpt, tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------- the CPU pipeline
 TINY = Config(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden=96, vocab_size=512, context=160, mtp_heads=2)
-PRETRAIN = train.Hyper(steps=60, batch_size=4, lr=3e-3, warmup=10, eval_every=60, sample_every=60,
-                       ckpt_every=60, eval_batches=2, final_eval_batches=2, sample_tokens=16)
-FINETUNE = train.Hyper(steps=100, batch_size=8, lr=1e-2, warmup=10, eval_every=50, sample_every=100,
-                       ckpt_every=100, eval_batches=2, sample_tokens=8)
+PRETRAIN = loop.Hyperparameters(steps=60, batch_size=4, lr=3e-3, warmup=10, eval_every=60, sample_every=60,
+                                ckpt_every=60, eval_batches=2, final_eval_batches=2, sample_tokens=16)
+FINETUNE = loop.Hyperparameters(steps=100, batch_size=8, lr=1e-2, warmup=10, eval_every=50, sample_every=100,
+                                ckpt_every=100, eval_batches=2, sample_tokens=8)
 SFT_FLAGS = ["--data", GREETINGS, "--device", "cpu", "--val-examples", 4]
 REPLY = r"Hello, [^\n]+!"  # the shape of every response in sft_greetings.json
 
@@ -250,10 +253,10 @@ def test_pipeline_chat_model_answers_in_the_template_and_stops(pipeline):
     # end in </s>
     with open(GREETINGS) as f:
         data = json.load(f)
-    held_out = [(data[i]["instruction"], data[i]["input"]) for i in sft.split(len(data), 4)[1]]
+    held_out = [(data[i]["instruction"], data[i]["input"]) for i in instructions.split(len(data), 4)[1]]
     for instruction, input in [("Greet Romeo.", ""), ("Welcome Titania.", ""), ("Say hello to Bob.", ""),
                                ("Greet the person named below.", "Kate")] + held_out:
-        ids = tok.encode(sft.render_prompt(instruction, input))
+        ids = tok.encode(render_prompt(instruction, input))
         reply = list(generate(eng, ids, 30, temperature=0, stop_ids=(tok.eos_id,)))
         assert reply[-1] == tok.eos_id and len(reply) < 30, tok.decode(reply)
         assert re.fullmatch(REPLY, tok.decode(reply[:-1]).decode()), tok.decode(reply)
@@ -274,7 +277,7 @@ def test_sft_resume_after_interrupt_is_bit_identical(pipeline, tmp_path, monkeyp
               "--sample-every", 6, "--ckpt-every", 5, *SFT_FLAGS]
     assert _main(sft, "sft", "--out", tmp_path / "a.bin", *common) == 0
     with monkeypatch.context() as m:
-        _interrupt_at(m, 7, sft.ExampleBatches)
+        _interrupt_at(m, 7, instructions.ExampleBatches)
         assert _main(sft, "sft", "--out", tmp_path / "b.bin", *common) == 130
     assert checkpoint.load(tmp_path / "b.bin").step == 7
     assert _main(sft, "sft", "--resume", "--out", tmp_path / "b.bin", "--device", "cpu") == 0
@@ -299,7 +302,7 @@ def test_show_marks_the_supervised_tokens(pipeline, tiny_ckpt, monkeypatch, caps
     with open(GREETINGS) as f:
         data = json.load(f)
     for ex in data[:4]:  # brackets when stdout is not a terminal
-        assert sft.render_prompt(ex["instruction"], ex["input"]) + f"[[{ex['output']}</s>]]" in out
+        assert render_prompt(ex["instruction"], ex["input"]) + f"[[{ex['output']}</s>]]" in out
     assert "=== example 3 (with input)" in out and "\x1b[" not in out
     term = _Terminal()
     monkeypatch.setattr(sys, "stdout", term)

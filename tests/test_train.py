@@ -13,14 +13,15 @@ import pytest
 from conftest import run_cli, tiny_config
 from nanoeuler.io import checkpoint
 from nanoeuler.model import device
-from nanoeuler.train import pretrain as train
+from nanoeuler.train import loop, pretrain as train
+from nanoeuler.train.objectives import bits_per_byte
 from nanoeuler.cli import build_parser
 from nanoeuler.model.config import PRESETS, param_count
 from nanoeuler.data.corpus import RandomWindows, eval_batches, open_corpus
 from nanoeuler.errors import UserError
 
-HYPER = train.Hyper(steps=12, batch_size=4, lr=3e-3, warmup=3, eval_every=4, sample_every=6, ckpt_every=5,
-                    eval_batches=2, sample_tokens=8)
+HYPER = loop.Hyperparameters(steps=12, batch_size=4, lr=3e-3, warmup=3, eval_every=4, sample_every=6, ckpt_every=5,
+                             eval_batches=2, sample_tokens=8)
 
 
 @pytest.fixture
@@ -149,12 +150,12 @@ def test_final_evaluation_of_each_preset():
 
 
 def test_evaluate_weights_batches_by_their_targets():
-    class Stub:  # loss0 = the mean of the valid targets themselves
-        def forward_loss(self, inputs, targets):
-            return 0.0, float(targets[0][targets[0] >= 0].mean())
+    class Stub:  # each position's loss is its target itself (0 where masked): loss0 = the mean of the valid ones
+        def forward(self, inputs, targets):
+            return np.where(targets >= 0, targets, 0).reshape(len(targets), -1).astype(np.float64)
     t1 = np.array([[[1, 1, -1]]]), np.array([[[4, -1, -1]]])
     batches = [(None, t1[0], 2), (None, t1[1], 6)]
-    loss, bpb = train.evaluate(Stub(), batches)
+    loss, bpb = bits_per_byte(Stub(), batches)
     assert loss == pytest.approx((1 + 1 + 4) / 3)
     assert bpb == pytest.approx((1 + 1 + 4) / math.log(2) / 8)
 
@@ -192,18 +193,18 @@ def test_random_windows_resume_from_state(tokenizer, corpus):
 
 
 def test_learning_rate_schedule():
-    hp = train.Hyper(steps=100, batch_size=1, lr=1.0, warmup=10, eval_every=1, sample_every=1, ckpt_every=1)
-    lrs = [train.lr_at(hp, s) for s in range(100)]
+    hp = loop.Hyperparameters(steps=100, batch_size=1, lr=1.0, warmup=10, eval_every=1, sample_every=1, ckpt_every=1)
+    lrs = [loop.lr_at(hp, s) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(x >= y for x, y in zip(lrs[9:], lrs[10:]))
-    assert train.lr_at(hp, 100) == pytest.approx(hp.min_lr_ratio)
+    assert loop.lr_at(hp, 100) == pytest.approx(hp.min_lr_ratio)
     assert lrs[55] == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-2)
 
 
 def test_learning_rate_holds_its_peak_before_a_late_decay():
-    hp = train.Hyper(steps=100, batch_size=1, lr=1.0, warmup=10, eval_every=1, sample_every=1, ckpt_every=1,
-                     min_lr_ratio=0.0, decay_frac=0.4)
-    lrs = [train.lr_at(hp, s) for s in range(101)]
+    hp = loop.Hyperparameters(steps=100, batch_size=1, lr=1.0, warmup=10, eval_every=1, sample_every=1, ckpt_every=1,
+                              min_lr_ratio=0.0, decay_frac=0.4)
+    lrs = [loop.lr_at(hp, s) for s in range(101)]
     assert lrs[9:61] == [1.0] * 52                      # the peak until the last 40% of the steps
     assert lrs[80] == pytest.approx(0.5)                # halfway down the cosine
     assert all(x > y for x, y in zip(lrs[60:], lrs[61:])) and lrs[100] == 0.0
@@ -257,13 +258,13 @@ def test_device_rule(monkeypatch):
 
 
 def test_train_and_sft_resolve_the_device_by_the_model(monkeypatch, corpus, tiny_ckpt, tmp_path):
-    from nanoeuler.train import sft
+    from nanoeuler.train import run, sft
     seen = []
 
     def spy(dev, cfg=None):
         seen.append((dev, cfg))
         raise UserError("stop here")
-    monkeypatch.setattr(device, "resolve", spy)
+    monkeypatch.setattr(run, "resolve", spy)  # the one call, in the shared skeleton (train/run.py)
     for module, args in ((train, ["train", "big", "--data", corpus]), (sft, ["sft", "--ckpt", tiny_ckpt])):
         with pytest.raises(UserError, match="stop here"):
             module.main(build_parser()[0].parse_args([*map(str, args), "--out", str(tmp_path / "o.bin")]))

@@ -28,6 +28,8 @@ import numpy as np
 
 from nanoeuler.model.config import Config, param_layout
 from nanoeuler.check.problems import random_problem, relative_error
+from nanoeuler.train.objectives import (cross_entropy, cross_entropy_backward, dpo_backward, dpo_loss, dpo_margins,
+                                        sequence_logprobs)
 
 THRESHOLD = 1e-6
 # The small preset's structure at reduced width; head_dim 8. K = 1 is the shipped `small`, K = 2 checks the
@@ -45,12 +47,12 @@ def gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print):
     eng = make_engine(cfg, device="cpu", dtype=np.float64)
     flat, inputs, targets = random_problem(cfg, rng)
     eng.load_params(flat)
-    eng.forward_backward(inputs, targets)
+    cross_entropy_backward(eng, inputs, targets)
     analytic = eng.grads.copy()
 
     def loss_at(index, delta):
         eng.params[index] = flat[index] + delta
-        loss = eng.forward_loss(inputs, targets)[0]
+        loss = cross_entropy(eng, inputs, targets)[0]
         eng.params[index] = flat[index]
         return loss
 
@@ -75,7 +77,7 @@ def dpo_problem(cfg, rng, pairs=2, beta=0.5):
 
 
 def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5):
-    """Finite differences of the DPO objective (Engine.dpo_forward_backward) against its analytic gradient,
+    """Finite differences of the DPO objective (objectives.dpo_backward) against its analytic gradient,
     float64 CPU engine, as gradient_check does for the training loss."""
     from nanoeuler.model.engine import make_engine
 
@@ -83,14 +85,15 @@ def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5):
     eng = make_engine(cfg, device="cpu", dtype=np.float64)
     flat, inputs, targets, beta = dpo_problem(cfg, rng, beta=beta)
     eng.load_params(flat)
-    pi = eng.sequence_logprobs(inputs, targets)
+    pi = sequence_logprobs(eng, inputs, targets)
     ref = pi + rng.normal(0.0, 2.0, pi.shape)  # a reference model a little away from the policy
-    eng.dpo_forward_backward(inputs, targets, ref, beta)
+    dpo_backward(eng, inputs, targets, ref, beta)
     analytic = eng.grads.copy()
 
     def loss_at(index, delta):
         eng.params[index] = flat[index] + delta
-        loss = eng.dpo_loss(inputs, targets, ref, beta)
+        z = dpo_margins(sequence_logprobs(eng, inputs, targets), ref, beta)
+        loss = dpo_loss(z, len(z))
         eng.params[index] = flat[index]
         return loss
 

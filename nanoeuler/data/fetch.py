@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import requests
 from tqdm import tqdm
 
+from nanoeuler.data.instructions import read_alpaca
 from nanoeuler.env import env_float, env_int
 from nanoeuler.errors import ENDINGS, UserError, exit_status
 from nanoeuler.io.files import atomic_output
@@ -422,25 +423,6 @@ def fetch_web(out, shards, max_bytes, cache_dir, net):
 
 
 # ---------------------------------------------------------------------------------------------------- alpaca
-
-
-def read_alpaca(path):
-    """The examples of an Alpaca file, checked to be a non-empty JSON list of {instruction, input, output}
-    strings (`nanoeuler sft` reads its data through this too)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"not JSON ({e})") from None
-    if not isinstance(data, list) or not data:
-        raise UserError("expected a non-empty JSON list of examples")
-    for i, item in enumerate(data):
-        if not isinstance(item, dict):
-            raise UserError(f"example {i} is not an object")
-        for key in ("instruction", "input", "output"):
-            if not isinstance(item.get(key), str):
-                raise UserError(f"example {i} has no string {key!r}")
-    return data
 
 
 def download_to_cache(url, cache_dir, kind, net):

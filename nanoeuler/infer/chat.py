@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from nanoeuler.infer.generate import TextStream, check_speculative, generate, load_model, stats_line
+from nanoeuler.infer.generate import TextStream, check_speculative, generate, stats_line
+from nanoeuler.io.checkpoint import load_model
 from nanoeuler.data.template import render_prompt
 
 HELP = "/reset clears the text so far, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"

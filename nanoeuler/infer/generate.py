@@ -16,37 +16,12 @@ import time
 
 import numpy as np
 
+from nanoeuler.infer.sampling import distribution, pick, residual_draw
+from nanoeuler.io.checkpoint import load_model
+
 # Greedy generation decodes up to this many tokens before reading their ids back: the device never waits for
 # the host between them. A stop id among them wastes at most LOOKAHEAD - 1 steps.
 LOOKAHEAD = 8
-
-
-def distribution(logits, temperature, top_k, top_p):
-    """The sampling distribution (V,) float64 of logits (V,) at temperature > 0, restricted to the top_k most
-    likely tokens (0: all) and to the smallest set whose probability reaches top_p (nucleus)."""
-    z = logits.astype(np.float64) / temperature
-    if 0 < top_k < z.size:
-        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1:
-        # the `keep` likeliest tokens (ties: the lower ids first), found from the sorted values rather than a
-        # stable argsort of the ids (4x faster, and sampling's host work a token is mostly this)
-        desc = np.sort(p)[::-1]
-        keep = min(int(np.searchsorted(np.cumsum(desc), top_p)) + 1, p.size)
-        edge = desc[keep - 1]
-        p[np.flatnonzero(p == edge)[keep - int(np.count_nonzero(p > edge)):]] = 0
-        p[p < edge] = 0
-        p /= p.sum()
-    return p
-
-
-def pick(logits, temperature, top_k, top_p, rng):
-    """Choose the next token id from logits (V,): greedy at temperature 0, else a draw from `distribution`."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    p = distribution(logits, temperature, top_k, top_p)
-    return int(rng.choice(p.size, p=p))
 
 
 def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=(),
@@ -64,9 +39,10 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
     greedy = temperature == 0
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
-    cache = eng.new_cache(1)
+    decoder = eng.decoder
+    cache = decoder.new_cache(1)
     try:
-        out = _prefill(eng, cache, history[-ctx:], False, greedy)
+        out = _prefill(decoder, cache, history[-ctx:], False, greedy)
         ahead = [int(out)] if greedy else []  # greedy ids decoded and not yet yielded
         for i in range(max_new_tokens):
             token = ahead.pop(0) if greedy else pick(out, temperature, top_k, top_p, rng)
@@ -76,18 +52,18 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
             history.append(token)
             if ahead:
                 continue
-            if cache.pos == ctx:  # the cache is full: slide the window (back to position 0: a fresh cache)
-                cache.pos = 0
-                out = _prefill(eng, cache, history[-keep:], False, greedy)
+            if cache.free == 0:  # the cache is full: slide the window (back to position 0: a fresh cache)
+                cache.rewind(0)
+                out = _prefill(decoder, cache, history[-keep:], False, greedy)
                 ahead = [int(out)] if greedy else []
             elif greedy:  # up to LOOKAHEAD steps, each fed the last one's id on the device: one read back
-                steps = min(LOOKAHEAD, max_new_tokens - 1 - i, ctx - cache.pos)
-                ahead = eng.decode(cache, np.array([[token]], dtype=np.int32), argmax=True, repeat=steps)
+                steps = min(LOOKAHEAD, max_new_tokens - 1 - i, cache.free)
+                ahead = decoder.greedy(cache, np.array([[token]], dtype=np.int32), steps=steps)
                 ahead = ahead.reshape(-1).tolist()
             else:
-                out = eng.decode(cache, np.array([[token]], dtype=np.int32))[0]
+                out = decoder.logits(cache, np.array([[token]], dtype=np.int32))[0]
     finally:
-        eng.release_cache(cache)
+        decoder.release(cache)
 
 
 def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=(),
@@ -98,7 +74,7 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     the first proposal failed, and the cache rolls back past the rejected positions.
 
     Greedy (temperature 0): a proposal is kept when it is head 0's argmax, so the output is plain greedy
-    decoding's; the steps run on the device, LOOKAHEAD of them chained between reads (Engine.verify_drafts).
+    decoding's; the rounds run on the device, LOOKAHEAD of them chained between reads (Decoder.verify).
     Sampling: a proposal d drawn from head k's distribution q is kept with probability min(1, p(d) / q(d)), p
     head 0's distribution at that position; otherwise the token is drawn from max(0, p - q) normalised: the
     exact speculative-sampling rule, so the output follows p, as plain sampling does. stats (a dict): `steps`
@@ -117,29 +93,30 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     stats.setdefault("per_head", [[0, 0] for _ in range(K - 1)])
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
-    cache = eng.new_cache(1)
+    decoder = eng.decoder
+    cache = decoder.new_cache(1)
     try:
-        heads = _prefill(eng, cache, history[-ctx:], True, greedy)  # (K,) ids or (K, V) logits
+        heads = _prefill(decoder, cache, history[-ctx:], True, greedy)  # (K,) ids or (K, V) logits
         first = None  # the next token when already decided (a replacement for a rejected proposal)
         emitted = 0
         while True:
             if first is None:
                 first = choose(heads[0])
-            if cache.pos + K > ctx:
+            if cache.free < K:
                 # No room to verify K tokens: one plain step, sliding the window exactly when plain decoding
                 # does (when the cache is full), so greedy output stays plain greedy's.
                 kept, replacement = [first], None
-                if cache.pos == ctx:
-                    cache.pos = 0
-                    heads = _prefill(eng, cache, (history + kept)[-keep:], True, greedy)
+                if cache.free == 0:
+                    cache.rewind(0)
+                    heads = _prefill(decoder, cache, (history + kept)[-keep:], True, greedy)
                 else:
-                    heads = eng.decode(cache, np.array([kept], dtype=np.int32), every_head=True,
-                                       argmax=greedy)[0, -1]
+                    step = decoder.greedy if greedy else decoder.logits
+                    heads = step(cache, np.array([kept], dtype=np.int32), all_heads=True)[0, -1]
             elif greedy:
                 # steps verified and chained on the device, LOOKAHEAD of them (each keeps at least one id)
                 # between reads, so the host never stands between a step and the next
-                steps = min(LOOKAHEAD, (ctx - cache.pos) // K, max_new_tokens - emitted)
-                kept, accepted, heads = eng.verify_drafts(cache, [[first] + [int(d) for d in heads[1:]]], steps)
+                steps = min(LOOKAHEAD, cache.free // K, max_new_tokens - emitted)
+                kept, accepted, heads = decoder.verify(cache, [[first] + [int(d) for d in heads[1:]]], steps)
                 for n in accepted:
                     for j in range(min(n + 1, K - 1)):
                         stats["per_head"][j][0] += 1
@@ -153,13 +130,13 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                 q = [dist(heads[k]) for k in range(1, K)]
                 drafts = [int(rng.choice(q[k - 1].size, p=q[k - 1])) for k in range(1, K)]
                 pos = cache.pos
-                out = eng.decode(cache, np.array([[first] + drafts], dtype=np.int32), every_head=True)[0]  # K, K, V
+                out = decoder.logits(cache, np.array([[first] + drafts], dtype=np.int32), all_heads=True)[0]  # K, K, V
                 kept, replacement = [first], None
                 for j, d in enumerate(drafts):  # d proposes the token after kept[-1], at position pos + j + 1
                     stats["per_head"][j][0] += 1
                     p = dist(out[j, 0])
                     if rng.random() * q[j][d] >= p[d]:
-                        replacement = _residual_draw(p, q[j], rng)
+                        replacement = residual_draw(p, q[j], rng)
                         break
                     stats["per_head"][j][1] += 1
                     kept.append(d)
@@ -167,7 +144,7 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                 stats["drafted"] += len(drafts)
                 stats["accepted"] += len(kept) - 1
                 if len(kept) < K:  # roll back past the rejected proposals (a device write: only when needed)
-                    cache.pos = pos + len(kept)
+                    cache.rewind(pos + len(kept))
                 heads = out[len(kept) - 1]
             for token in kept:
                 yield token
@@ -178,18 +155,19 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                 history.append(token)
             first = replacement
     finally:
-        eng.release_cache(cache)
+        decoder.release(cache)
 
 
-def _prefill(eng, cache, ids, every_head, argmax):
+def _prefill(decoder, cache, ids, all_heads, greedy):
     """Run ids into the empty cache; decode's result (head 0, or every head) at the last of them. All but the
     last go in as one step whose output nobody reads, the last on its own, in plain and speculative decoding
     alike: every position is then computed by the same kernels in both (on the GPU a product of many rows
     takes cuBLAS, of a few the matrix-vector kernel), so their greedy outputs agree to the bit."""
     if len(ids) > 1:
-        eng.decode(cache, np.array([ids[:-1]], dtype=np.int32), argmax=True)
-    out = eng.decode(cache, np.array([ids[-1:]], dtype=np.int32), every_head=every_head, argmax=argmax)[0]
-    return out[-1] if every_head else out
+        decoder.greedy(cache, np.array([ids[:-1]], dtype=np.int32))
+    step = decoder.greedy if greedy else decoder.logits
+    out = step(cache, np.array([ids[-1:]], dtype=np.int32), all_heads=all_heads)[0]
+    return out[-1] if all_heads else out
 
 
 def check_speculative(eng):
@@ -198,14 +176,6 @@ def check_speculative(eng):
         from nanoeuler.errors import UserError
         raise UserError("--speculative needs a checkpoint with K >= 2 prediction heads to draft with; this one "
                         "has 1")
-
-
-def _residual_draw(p, q, rng):
-    """A draw from max(0, p - q) normalised: where a rejected proposal's probability mass goes."""
-    r = np.maximum(p - q, 0.0)
-    total = r.sum()
-    r = r / total if total > 0 else p
-    return int(rng.choice(r.size, p=r))
 
 
 def start_ids(tok, prompt):
@@ -237,18 +207,6 @@ def sample_text(eng, tok, prompt, max_new_tokens, temperature=0.8, top_k=0, top_
     if ids and ids[-1] == tok.eos_id:
         ids.pop()
     return prompt + tok.decode(ids).decode("utf-8", errors="replace")
-
-
-def load_model(ckpt, device):
-    """Checkpoint path -> (engine, tokenizer, checkpoint), on the resolved device."""
-    from nanoeuler.io import checkpoint
-    from nanoeuler.model.device import resolve
-    from nanoeuler.model.engine import make_engine
-    ck = checkpoint.load(ckpt)
-    tok = ck.tokenizer()
-    eng = make_engine(ck.cfg, device=resolve(device))
-    eng.load_params(ck.params)
-    return eng, tok, ck
 
 
 def main(args):

@@ -29,7 +29,7 @@ class Overloaded(Exception):
 
 
 @dataclass(frozen=True)
-class Params:
+class SamplingSettings:
     """One request's generation settings, already validated (serve.py checks ranges and types)."""
     max_tokens: int
     temperature: float
@@ -44,8 +44,8 @@ class Job:
     ("text", delta) for each new piece of text, then exactly one of ("done", finish_reason, usage),
     ("error", message) or ("cancelled",)."""
 
-    def __init__(self, prompt, params, send):
-        self.prompt, self.params, self.send = prompt, params, send
+    def __init__(self, prompt, settings, send):
+        self.prompt, self.settings, self.send = prompt, settings, send
         self.cancelled = False  # set from any thread; the model thread drops the job at its next turn
         self.tokens = None  # the generate() iterator, from the job's first turn on
 
@@ -123,7 +123,7 @@ class Scheduler:
     def _start(self, job):
         """Tokenize the prompt (keeping its last `context` tokens, as `nanoeuler infer` does) and set up the
         job's generator."""
-        p, ctx = job.params, self.eng.cfg.context
+        p, ctx = job.settings, self.eng.cfg.context
         ids = start_ids(self.tok, job.prompt)[-ctx:]
         job.usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
         job.tokens = generate(self.eng, ids, p.max_tokens, p.temperature, p.top_k, p.top_p,
@@ -136,16 +136,16 @@ class Scheduler:
         job.usage["completion_tokens"] += 1
         job.usage["total_tokens"] += 1
         eos = token == self.tok.eos_id
-        last = eos or job.usage["completion_tokens"] == job.params.max_tokens
+        last = eos or job.usage["completion_tokens"] == job.settings.max_tokens
         searched = len(job.text)
         job.text += job.decoder.decode(b"" if eos else self.tok.decode([token]), final=last)
-        cut = stop_at(job.text, job.params.stop, searched)
+        cut = stop_at(job.text, job.settings.stop, searched)
         if cut >= 0:
             job.text = job.text[:cut]
             return self._finish(job, "stop")
         if last:
             return self._finish(job, "stop" if eos else "length")
-        ready = len(job.text) - held_back(job.text, job.params.stop)
+        ready = len(job.text) - held_back(job.text, job.settings.stop)
         if ready > job.sent:
             job.send(("text", job.text[job.sent:ready]))
             job.sent = ready

@@ -46,8 +46,9 @@ try:
 except ImportError:
     raise UserError("nanoeuler serve needs its extra: pip install '.[serve]'") from None
 
-from nanoeuler.infer.generate import generate, load_model
-from nanoeuler.infer.scheduler import Job, Overloaded, Params, Scheduler
+from nanoeuler.infer.generate import generate
+from nanoeuler.io.checkpoint import load_model
+from nanoeuler.infer.scheduler import Job, Overloaded, SamplingSettings, Scheduler
 from nanoeuler.data.template import render_prompt
 
 MAX_BODY = 1 << 20  # bytes of a request body
@@ -132,7 +133,7 @@ def chat_prompt(messages):
 
 
 def parse_request(body, chat, model):
-    """(prompt, Params, stream, include_usage) of a request body, or ApiError."""
+    """(prompt, SamplingSettings, stream, include_usage) of a request body, or ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     name = body.get("model")
@@ -157,16 +158,16 @@ def parse_request(body, chat, model):
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string", "prompt")
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    params = Params(max_tokens=_number(body, limit, 1, MAX_TOKENS, DEFAULT_MAX_TOKENS, integer=True),
-                    temperature=_number(body, "temperature", 0, 2, 0.8),
-                    top_p=_number(body, "top_p", 0, 1, 0.95),
-                    top_k=_number(body, "top_k", 0, model.vocab, 0, integer=True),
-                    seed=_number(body, "seed", 0, 2**63 - 1, None, integer=True),
-                    stop=_stops(body))
+    settings = SamplingSettings(max_tokens=_number(body, limit, 1, MAX_TOKENS, DEFAULT_MAX_TOKENS, integer=True),
+                                temperature=_number(body, "temperature", 0, 2, 0.8),
+                                top_p=_number(body, "top_p", 0, 1, 0.95),
+                                top_k=_number(body, "top_k", 0, model.vocab, 0, integer=True),
+                                seed=_number(body, "seed", 0, 2**63 - 1, None, integer=True),
+                                stop=_stops(body))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
-    return prompt, params, _flag(body, "stream"), _flag(options or {}, "include_usage")
+    return prompt, settings, _flag(body, "stream"), _flag(options or {}, "include_usage")
 
 
 async def read_json(request):
@@ -186,7 +187,7 @@ async def read_json(request):
 
 
 # ------------------------------------------------------------------------------------------ responses
-class Model:
+class ModelCard:
     """What the server says about its checkpoint."""
 
     def __init__(self, ckpt, ck):
@@ -260,7 +261,7 @@ def _error_body(message, kind="server_error"):
 def build_app(scheduler, model):
     page = files("nanoeuler.infer").joinpath("web/index.html").read_text(encoding="utf-8")
 
-    def submit(prompt, params):
+    def submit(prompt, settings):
         """A job for the scheduler whose events land in an asyncio queue of this event loop."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -270,7 +271,7 @@ def build_app(scheduler, model):
             except RuntimeError:  # the event loop has closed (forced exit): nobody is listening
                 pass
 
-        job = Job(prompt, params, send)
+        job = Job(prompt, settings, send)
         try:
             scheduler.submit(job)
         except Overloaded:
@@ -319,8 +320,8 @@ def build_app(scheduler, model):
             job.cancel()
 
     async def complete(request, chat):
-        prompt, params, streamed, include_usage = parse_request(await read_json(request), chat, model)
-        job, events = submit(prompt, params)
+        prompt, settings, streamed, include_usage = parse_request(await read_json(request), chat, model)
+        job, events = submit(prompt, settings)
         reply = Reply(model, chat)
         if streamed:
             return JobStream(job, stream(events, reply, include_usage))
@@ -388,7 +389,7 @@ def listen(host, port):
 def main(args):
     sock = listen(args.host, args.port)  # first: a busy port fails before a large model loads
     eng, tok, ck = load_model(args.ckpt, args.device)
-    model = Model(args.ckpt, ck)
+    model = ModelCard(args.ckpt, ck)
     for _ in generate(eng, [tok.eos_id], 2, temperature=0):  # compile (or load) the kernels before serving
         pass
     scheduler = Scheduler(eng, tok, args.slots, args.queue)

@@ -1,4 +1,4 @@
-"""Model configuration: the three presets, the parameter layout and the initialisation.
+"""Model configuration: the presets, the parameter layout and the initialisation.
 
 Everything that has to agree between the engines, the checkpoint and the exporters lives here: the
 tensor names and shapes of docs/design.md, in the order they sit in the one flat parameter buffer.
@@ -54,11 +54,7 @@ def _hidden(dim):
 
 
 PRESETS = {
-    # name: dim, layers, q heads, kv heads, context, vocab, K. small predicts the next token only (K = 1):
-    # trained for the same 4.9M tokens on 2 CPU cores, K = 2 ended at 2.108 validation bits/byte and K = 1
-    # at 2.083, 3% faster; big and base keep the multi-token prediction heads. small's SwiGLU is 4 * dim wide
-    # rather than 8/3: `make train` sees its 2.4M training tokens ~5 times, where more steps stop helping
-    # the held-out loss but width still does (1.990 bits/byte in 2,900 steps against 2.000 in 3,300).
+    # small: one prediction head and a 4 * dim SwiGLU, both chosen by experiment (docs/training-small.md)
     "small": Config(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden=4 * 128,
                     vocab_size=512, context=128, mtp_heads=1),
     "big": Config(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, hidden=_hidden(384),

@@ -8,8 +8,8 @@ MASTER_PORT (where rank 0 holds the rendezvous). Without them the process is a w
 
     world = World.from_env()
     comm = make_communicator(world, device)     # SingleProcess, SharedMemoryCommunicator or NcclCommunicator
-    parallel = DataParallel(eng, comm, zero=True)
-    grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip, hp.beta1, hp.beta2)  # after forward_backward
+    parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=True)
+    grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip)  # after every rank's backward pass
 
 A communicator has exactly the collectives the training loop uses, all blocking, all called by every rank in
 the same order: all_reduce_sum (in place; the flat float32 gradients, or small float64 host arrays of target
@@ -44,7 +44,8 @@ import numpy as np
 
 from nanoeuler.env import env_int
 from nanoeuler.errors import UserError
-from nanoeuler.model.engine import clip_scale
+from nanoeuler.model.engine import to_numpy
+from nanoeuler.model.optimizer import clip_scale
 
 # A collective that does not complete in this many seconds means a rank died or hangs; the run ends with an
 # error instead of waiting forever. Evaluation, sampling and checkpoints run on rank 0 while the others wait
@@ -374,33 +375,29 @@ def broadcast_text(comm, text):
 
 # ------------------------------------------------------------------------------------- the optimizer step
 class DataParallel:
-    """The parts of a training step that change with N ranks, around an engine that knows nothing of them.
+    """The parts of a training step that change with N ranks, around an engine and an optimizer that know
+    nothing of them.
 
     Without ZeRO every rank all-reduces the flat gradient buffer and takes the same AdamW step over all the
-    weights. With zero (ZeRO stage 1), rank r keeps only shard r of the AdamW moments (1/N of their memory):
-    the gradients are reduce-scattered, each rank updates its shard of the weights, and an all-gather hands
-    every rank all the updated weights. The clipping norm is the global one (an all-reduce of the shards'
-    sums of squares). In a world of one this is exactly Engine.step."""
+    weights. With zero (ZeRO stage 1), rank r keeps only shard r of the AdamW moments (1/N of their memory,
+    AdamW.shard): the gradients are reduce-scattered, each rank updates its shard of the weights, and an
+    all-gather hands every rank all the updated weights. The clipping norm is the global one (an all-reduce
+    of the shards' sums of squares). In a world of one this is exactly AdamW.step."""
 
-    def __init__(self, eng, comm=None, zero=False):
+    def __init__(self, eng, optimizer, comm=None, zero=False):
         self.eng, self.comm = eng, comm or SingleProcess()
         n, r = self.comm.world_size, self.comm.rank
         self.zero = zero and n > 1
         if n > 1:  # every rank starts from rank 0's weights, whatever it loaded
             self.comm.broadcast(eng.params, 0)
             eng.sync_weights()
+        self.optimizer = optimizer
         if self.zero:
             eng.pad_buffers(n)
-            total, size = eng.params.size, eng.params_padded.size // n
-            self.total, self.shard = total, slice(r * size, (r + 1) * size)
-
-            def mine(full):
-                padded = eng.xp.zeros(n * size, dtype=full.dtype)
-                padded[:total] = full
-                return padded[self.shard].copy()
-            self.m, self.v, self.mask = mine(eng.opt_m), mine(eng.opt_v), mine(eng.decay_mask)
+            self.optimizer = optimizer.shard(eng, r, n)  # the full moments are dropped: that is the memory saved
+            size = self.optimizer.m.size
+            self.shard = slice(r * size, (r + 1) * size)
             self.grad_shard = eng.xp.empty(size, dtype=eng.dtype)
-            eng.opt_m = eng.opt_v = eng.decay_mask = None  # the shards replace them: that is the memory saved
             if eng.device_memory() is not None:
                 eng.xp.get_default_memory_pool().free_all_blocks()  # so that CuPy's pool hands it back
 
@@ -408,18 +405,16 @@ class DataParallel:
         """True on every rank when flag is true on any (a Ctrl-C that reached the ranks at different steps)."""
         return bool(self.comm.all_reduce_sum(np.array([float(flag)]))[0])
 
-    def step(self, lr, weight_decay, grad_clip, beta1, beta2):
+    def step(self, lr, weight_decay, grad_clip):
         """Sum the ranks' gradients, clip to the global norm, one AdamW step; returns the norm."""
-        eng, comm = self.eng, self.comm
+        eng, comm, opt = self.eng, self.comm, self.optimizer
         if not self.zero:
             comm.all_reduce_sum(eng.grads)
-            return eng.step(lr, weight_decay, grad_clip, beta1, beta2)
+            return opt.step(eng, lr, weight_decay, grad_clip)
         comm.reduce_scatter_sum(eng.grads_padded, self.grad_shard)
-        norm = math.sqrt(comm.all_reduce_sum(np.array([eng.L.sum_squares(self.grad_shard)]))[0])
-        eng.opt_step += 1
+        norm = math.sqrt(comm.all_reduce_sum(np.array([opt.squared_norm(self.grad_shard)]))[0])
         mine = eng.params_padded[self.shard]
-        eng.L.adamw_update(mine, self.grad_shard, self.m, self.v, self.mask, lr, beta1, beta2, 1e-8,
-                           weight_decay, clip_scale(norm, grad_clip), eng.opt_step)
+        opt.update(mine, self.grad_shard, lr, weight_decay, clip_scale(norm, grad_clip))
         comm.all_gather(mine, eng.params_padded)
         eng.sync_weights()
         return norm
@@ -428,10 +423,10 @@ class DataParallel:
         """The full AdamW moments (m, v) as float32 host arrays, for a checkpoint that any number of ranks (or
         the CPU) resumes; with ZeRO a collective: every rank must call it."""
         if not self.zero:
-            return self.eng.opt_state_numpy()
+            return self.optimizer.state()
         full = self.eng.xp.empty(self.eng.params_padded.size, dtype=self.eng.dtype)
         out = []
-        for shard in (self.m, self.v):
+        for shard in (self.optimizer.m, self.optimizer.v):
             self.comm.all_gather(shard, full)
-            out.append(self.eng._to_numpy(full[:self.total]).astype(np.float32))
+            out.append(to_numpy(full[:self.eng.params.size]).astype(np.float32))
         return tuple(out)

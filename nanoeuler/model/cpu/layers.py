@@ -18,6 +18,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from nanoeuler.model.limits import FEW_ROWS
+
 # Reassociation lets LLVM vectorise the sums; no flag that assumes away infinities or NaNs.
 FAST = {"reassoc", "contract", "arcp", "nsz"}
 jit = dict(cache=True, nogil=True, fastmath=FAST, error_model="numpy")
@@ -65,16 +67,14 @@ def _exp_impl(x):
 
 
 # ---------------------------------------------------------------------------------------------- matmul
-# Products of up to this many rows (decoding) take one BLAS gemv a row: its gemm of 2 to 4 rows packs all of w
-# first (3-5x slower than gemv for `big`), and a row's result is then the same bits whatever the other rows,
-# so a speculative step of K rows gives each position the logits of a step of its own. (A numba kernel
-# reading w once for 4 rows cost 3x gemv inside a decoding step on the 2-core VM.)
-SMALL_ROWS = 8
+# Products of up to FEW_ROWS rows (decoding) take one BLAS gemv a row: BLAS's gemm of a few rows packs all of w
+# first, and a row's result is then the same bits whatever the other rows, so a speculative step of K rows
+# gives each position the logits of a step of its own (docs/decoding.md has the measurements).
 
 
 def matmul_forward(out, x, w, accumulate=False):
     """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
-    if x.shape[0] <= SMALL_ROWS:
+    if x.shape[0] <= FEW_ROWS:
         for n in range(x.shape[0]):
             if accumulate:
                 out[n] += w @ x[n]
@@ -180,13 +180,8 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
 
 # ------------------------------------------------------------------------------------------------ rope
 @njit(**pjit)
-def rope_forward(qkv, cos, sin, n_rot_heads, pos):
-    """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos[0] + t. pos is
-    a one-element int32 array, not a number: the GPU kernel reads it from device memory, so that a decoding
-    step recorded once as a CUDA graph serves every position.
-
-    Element i pairs with i + D/2:  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
-    """
+def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
+    """The rotation by sign * angle, in place: (x1, x2) -> (x1 cos - sign x2 sin, x2 cos + sign x1 sin)."""
     B, T, _, D = qkv.shape
     half = D // 2
     for bt in prange(B * T):
@@ -196,24 +191,24 @@ def rope_forward(qkv, cos, sin, n_rot_heads, pos):
             for i in range(half):
                 x1 = qkv[b, t, h, i]
                 x2 = qkv[b, t, h, i + half]
-                qkv[b, t, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
-                qkv[b, t, h, i + half] = x2 * cos[p, i] + x1 * sin[p, i]
+                c, s = cos[p, i], sign * sin[p, i]
+                qkv[b, t, h, i] = x1 * c - x2 * s
+                qkv[b, t, h, i + half] = x2 * c + x1 * s
 
 
-@njit(**pjit)
+def rope_forward(qkv, cos, sin, n_rot_heads, pos):
+    """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos[0] + t. pos is
+    a one-element int32 array, not a number: the GPU kernel reads it from device memory, so that a decoding
+    step recorded once as a CUDA graph serves every position.
+
+    Element i pairs with i + D/2:  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+    """
+    _rope(qkv, cos, sin, n_rot_heads, pos, 1.0)
+
+
 def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
     """In place: the transpose of the rotation, (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin)."""
-    B, T, _, D = dqkv.shape
-    half = D // 2
-    for bt in prange(B * T):
-        b, t = bt // T, bt % T
-        p = pos[0] + t
-        for h in range(n_rot_heads):
-            for i in range(half):
-                d1 = dqkv[b, t, h, i]
-                d2 = dqkv[b, t, h, i + half]
-                dqkv[b, t, h, i] = d1 * cos[p, i] + d2 * sin[p, i]
-                dqkv[b, t, h, i + half] = d2 * cos[p, i] - d1 * sin[p, i]
+    _rope(dqkv, cos, sin, n_rot_heads, pos, -1.0)
 
 
 # ------------------------------------------------------------------------------------------- attention

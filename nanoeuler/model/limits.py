@@ -1,0 +1,6 @@
+"""Numbers the engines, the decoding steps and the CUDA kernels share (the kernels get them as defines)."""
+
+# Products of at most this many rows take the few-row path on both engines (the GPU's tensor-core
+# matrix-vector kernel, the CPU's BLAS gemv a row), and a decoding step of at most this many rows is
+# recorded as a CUDA graph (cuBLAS cannot be recorded through CuPy).
+FEW_ROWS = 8

@@ -1,0 +1,87 @@
+"""AdamW over a model's one flat parameter buffer, on either engine.
+
+    opt = AdamW(eng)                                   # moments, decay mask and step count, on eng's device
+    grad_norm = opt.step(eng, lr, weight_decay=0.1, grad_clip=1.0)
+
+The moments m and v are flat buffers laid out like the parameters (config.param_layout); weight decay applies
+to the matrices only (the decay mask, a byte an element). `update` is one AdamW step of any matching slices of
+parameters and gradients, which is how ZeRO-1 (train/distributed.py) updates its shard: `shard` gives the
+optimizer of one rank's equal piece of the buffers. The arithmetic is the layers' `adamw_update` kernel.
+"""
+import math
+
+import numpy as np
+
+from nanoeuler.model.config import is_matrix, param_layout
+from nanoeuler.model.engine import to_numpy
+
+
+def decay_mask(cfg):
+    """uint8 (params,): 1 where AdamW decays the weight (matrices), 0 on the norm gains."""
+    layout, total = param_layout(cfg)
+    mask = np.zeros(total, dtype=np.uint8)
+    for name, (off, shape) in layout.items():
+        if is_matrix(name):
+            mask[off:off + math.prod(shape)] = 1
+    return mask
+
+
+def clip_scale(norm, grad_clip):
+    """The factor that scales gradients of global norm `norm` down to grad_clip (0: no clipping)."""
+    return min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
+
+
+class AdamW:
+    def __init__(self, eng, beta1=0.9, beta2=0.95, eps=1e-8, mask=None):
+        """Zero moments for eng's parameters (or for the elements of `mask`, a decay mask of a shard)."""
+        self.layers, self.xp, self.dtype = eng.layers, eng.xp, eng.dtype
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        mask = decay_mask(eng.cfg) if mask is None else mask
+        self.decay_mask = self.xp.asarray(mask)
+        self.m = self.xp.zeros(mask.size, dtype=self.dtype)
+        self.v = self.xp.zeros(mask.size, dtype=self.dtype)
+        self.steps = 0  # updates taken: the bias correction's exponent, saved in checkpoints for resume
+
+    def squared_norm(self, grads):
+        """sum(grads^2), accumulated in float64."""
+        return self.layers.sum_squares(grads)
+
+    def update(self, params, grads, lr, weight_decay, grad_scale, compute_copy=None):
+        """One AdamW step of params from grads * grad_scale; compute_copy (the bf16 weights the layers read),
+        where given, is rewritten from the new params in the same pass."""
+        self.steps += 1
+        self.layers.adamw_update(params, grads, self.m, self.v, self.decay_mask, lr, self.beta1, self.beta2,
+                                 self.eps, weight_decay, grad_scale, self.steps, compute_copy=compute_copy)
+
+    def step(self, eng, lr, weight_decay, grad_clip):
+        """Clip eng's gradients to the global norm grad_clip (0: no clipping), update its weights; returns the
+        norm before clipping."""
+        norm = math.sqrt(self.squared_norm(eng.grads))
+        copy = None if eng.weights is eng.params else eng.weights
+        self.update(eng.params, eng.grads, lr, weight_decay, clip_scale(norm, grad_clip), copy)
+        return norm
+
+    def shard(self, eng, rank, world_size):
+        """The optimizer of rank's piece of world_size equal pieces of the buffers (zero-padded at the end), its
+        moments and step count copied from this one (ZeRO-1)."""
+        size = -(-self.m.size // world_size)
+        piece = slice(rank * size, (rank + 1) * size)
+
+        def padded(a):
+            full = np.zeros(size * world_size, dtype=a.dtype)
+            full[:a.size] = to_numpy(a)
+            return full[piece]
+        sharded = AdamW(eng, self.beta1, self.beta2, self.eps, mask=padded(self.decay_mask))
+        sharded.m[...] = self.xp.asarray(padded(self.m))
+        sharded.v[...] = self.xp.asarray(padded(self.v))
+        sharded.steps = self.steps
+        return sharded
+
+    def state(self):
+        """(m, v) as float32 host arrays."""
+        return to_numpy(self.m).astype(np.float32), to_numpy(self.v).astype(np.float32)
+
+    def load_state(self, m, v, steps):
+        self.m[...] = self.xp.asarray(np.asarray(m, dtype=self.dtype))
+        self.v[...] = self.xp.asarray(np.asarray(v, dtype=self.dtype))
+        self.steps = steps
