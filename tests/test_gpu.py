@@ -2,7 +2,6 @@
 as in CI); everything else needs a CUDA GPU and is skipped without one: each kernel against its CPU layer in
 every precision, the whole model's gradients against the CPU engine's, determinism, a few training steps on
 both engines, and bit-exact repeat and resume of GPU training runs."""
-import pathlib
 import shutil
 import subprocess
 
@@ -10,11 +9,13 @@ import numpy as np
 import pytest
 
 import nanoeuler.model.gpu
+from nanoeuler.model.gpu.constants import KERNELS, module_defines, module_variants
 from nanoeuler.check.gpu import BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TOL, _Case, model_check
 from conftest import sharp_params
 from test_train import HYPER, _interrupt_at, _log, _train
+from nanoeuler.model.optimizer import AdamW
+from nanoeuler.train.objectives import cross_entropy_backward
 
-KERNELS = pathlib.Path(nanoeuler.model.gpu.__file__).parent / "kernels"
 needs_gpu = pytest.mark.skipif(not nanoeuler.model.gpu.available(),
                                reason="needs a CUDA GPU (compute capability 8.0+) and cupy")
 
@@ -23,21 +24,25 @@ needs_gpu = pytest.mark.skipif(not nanoeuler.model.gpu.available(),
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (the CUDA toolkit) is not installed")
 def test_cuda_sources_compile(tmp_path):
     """Every kernel file, in each variant layers.py builds (float32 and bf16 elements; attention also with
-    3xTF32), compiles for sm_80 (the oldest GPU the tensor-core instructions run on) and sm_89 (Ada, the
-    RTX 4070 the original targets)."""
+    3xTF32) and with the defines layers.py gives it, compiles for sm_80 (the oldest GPU the tensor-core
+    instructions run on) and sm_89 (Ada, the RTX 4070 the original targets); without the numbers it shares
+    with Python it does not compile (it has no fallback values of its own)."""
     jobs = []
     for src in sorted(KERNELS.glob("*.cu")):
-        variants = [[], ["-DACT_BF16=1"]]
-        if src.stem == "attention":
-            variants += [["-DATT_PRECISE=1"], ["-DACT_BF16=1", "-DATT_PRECISE=1"]]
+        base = ["nvcc", "-cubin", "--std=c++17", f"-I{KERNELS}", str(src)]
         for arch in ("sm_80", "sm_89"):
-            for i, defines in enumerate(variants):
-                cmd = ["nvcc", f"-arch={arch}", "-cubin", "--std=c++17", f"-I{KERNELS}", *defines,
-                       "-o", str(tmp_path / f"{src.stem}{arch}{i}.cubin"), str(src)]
-                jobs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    for cmd, proc in jobs:
+            for i, variant in enumerate(module_variants(src.stem)):
+                cmd = base + [f"-arch={arch}", *(f"-D{d}" for d in module_defines(src.stem, variant)),
+                              "-o", str(tmp_path / f"{src.stem}{arch}{i}.cubin")]
+                jobs.append((cmd, True, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                         text=True)))
+        if module_defines(src.stem) != ():
+            cmd = base + ["-arch=sm_80", "-o", str(tmp_path / f"{src.stem}_bare.cubin")]
+            jobs.append((cmd, False, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True)))
+    for cmd, compiles, proc in jobs:
         output = proc.communicate()[0]
-        assert proc.returncode == 0, f"{' '.join(cmd)}\n{output}"
+        assert (proc.returncode == 0) == compiles, f"{' '.join(cmd)}\n{output}"
 
 
 @pytest.mark.gpu
@@ -74,12 +79,13 @@ def test_training_steps_agree_across_engines(precision, tol):
 
     rng = np.random.default_rng(8)
     cpu, gpu = make_engine(MODEL_CONFIG, device="cpu"), make_engine(MODEL_CONFIG, device="gpu", precision=precision)
+    optimizers = {cpu: AdamW(cpu), gpu: AdamW(gpu)}
     for step in range(4):
         _, inputs, targets = random_problem(MODEL_CONFIG, rng, batch=4)
         losses = []
-        for eng in (cpu, gpu):
-            losses.append(eng.forward_backward(inputs, targets)[0])
-            eng.step(lr=3e-3, weight_decay=0.1, grad_clip=1.0)
+        for eng, opt in optimizers.items():
+            losses.append(cross_entropy_backward(eng, inputs, targets)[0])
+            opt.step(eng, lr=3e-3, weight_decay=0.1, grad_clip=1.0)
         assert abs(losses[1] - losses[0]) < tol * losses[0], (step, losses)
 
 
@@ -93,13 +99,13 @@ def test_grad_accumulation_matches_one_large_batch():
 
     _, inputs, targets = random_problem(MODEL_CONFIG, np.random.default_rng(4), batch=8)
     eng = make_engine(MODEL_CONFIG, device="gpu", precision="fp32")
-    loss = eng.forward_backward(inputs, targets)[0]
+    loss = cross_entropy_backward(eng, inputs, targets)[0]
     whole = eng.grads.get()
     counts = (targets >= 0).reshape(MODEL_CONFIG.mtp_heads, -1).sum(axis=1)
     total = 0.0
     for i in range(4):
         sl = slice(2 * i, 2 * i + 2)
-        total += eng.forward_backward(inputs[sl], targets[:, sl], accumulate=i > 0, counts=counts)[0]
+        total += cross_entropy_backward(eng, inputs[sl], targets[:, sl], counts, accumulate=i > 0)[0]
     assert abs(total - loss) < 1e-5 * loss
     np.testing.assert_allclose(eng.grads.get(), whole, rtol=0, atol=1e-5 * np.abs(whole).max())
 
@@ -150,11 +156,11 @@ def test_gpu_a_verifying_step_gives_single_steps_bits(precision):
     eng = make_engine(cfg, device="gpu", precision=precision)
     eng.load_params(sharp_params(cfg, seed=5, scale=0.05))
     ids = np.random.default_rng(6).integers(0, cfg.vocab_size, 13).astype(np.int32)
-    one, four = eng.new_cache(1), eng.new_cache(1)
+    one, four = eng.decoder.new_cache(1), eng.decoder.new_cache(1)
     for cache in (one, four):
-        eng.decode(cache, ids[None, :9])
-    singles = np.stack([eng.decode(one, ids[None, t:t + 1], every_head=True)[0, 0] for t in range(9, 13)])
-    together = eng.decode(four, ids[None, 9:13], every_head=True)[0]
+        eng.decoder.logits(cache, ids[None, :9])
+    singles = np.stack([eng.decoder.logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 13)])
+    together = eng.decoder.logits(four, ids[None, 9:13], all_heads=True)[0]
     assert np.array_equal(singles, together)
 
 
@@ -176,16 +182,16 @@ def test_gpu_decoding_graphs_and_speculation_agree(precision):
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 30).astype(np.int32)
     steps = {}
     for graphs in (True, False):
-        eng.graphs = graphs
-        cache = eng.new_cache(1)
-        out = [eng.decode(cache, ids[None, :10])]
-        out += [eng.decode(cache, ids[None, t:t + 1]) for t in range(10, 30)]
+        eng.decoder.graphs = graphs
+        cache = eng.decoder.new_cache(1)
+        out = [eng.decoder.logits(cache, ids[None, :10])]
+        out += [eng.decoder.logits(cache, ids[None, t:t + 1]) for t in range(10, 30)]
         steps[graphs] = np.stack(out)
-        eng.release_cache(cache)
+        eng.decoder.release(cache)
     assert np.array_equal(steps[True], steps[False])
     runs, stats = [], {}
     for graphs, speculative in ((True, False), (False, False), (True, True), (False, True)):
-        eng.graphs = graphs
+        eng.decoder.graphs = graphs
         runs.append(list(generate(eng, [1, 2, 3], 100, temperature=0, speculative=speculative, stats=stats)))
     assert runs[0] == runs[1] == runs[2] == runs[3]
     assert 0 < stats["accepted"] < stats["drafted"], stats

@@ -26,7 +26,9 @@ import time
 
 import numpy as np
 
+from nanoeuler.train.objectives import cross_entropy_backward
 from nanoeuler.model.config import Config, param_layout, rope_tables
+from nanoeuler.model.limits import FEW_ROWS
 
 FP32_TOL = 1e-5   # float32 kernels against the float64 reference
 TF32_TOL = 5e-3   # TF32 tensor-core mode (10-bit mantissa inputs)
@@ -133,10 +135,11 @@ def check_matmul(c, L, R):
     L.matmul_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w))
     out += [(f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
             (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
-    # decoding's few rows (the matrix-vector kernel): 16-byte loads, and an odd row length without them, rows
-    # split over 1 to 16 warps, in 1 to 4 rounds; the same kernel with RMSNorm (C = I) folded in front, and
-    # with SwiGLU after
-    for N, I, O in ((1, 64, 77), (8, 136, 33), (3, 45, 51), (2, 1000, 40), (1, 2048, 24), (1, 8192, 16), (3, 4100, 9)):
+    # decoding's few rows (the matrix-vector kernel, up to FEW_ROWS): 16-byte loads, and an odd row length
+    # without them, rows split over 1 to 16 warps, in 1 to 4 rounds; the same kernel with RMSNorm (C = I)
+    # folded in front, and with SwiGLU after
+    for N, I, O in ((1, 64, 77), (FEW_ROWS, 136, 33), (3, 45, 51), (2, 1000, 40), (1, 2048, 24), (1, 8192, 16),
+                    (3, 4100, 9)):
         x, w, lines = _matmul_forward_lines(c, L, R, N, I, O, f"{N} rows (matrix-vector) I={I} O={O}")
         gain = c.act(1 + c.normal(I, scale=0.3))
         ref, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, I))
@@ -393,17 +396,17 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
     """GPU engine in `precision` vs CPU engine (float64): {tensor: error}, plus the loss, the KV-cache decode
     logits and whether a second backward pass gives bit-identical gradients (error 0 or inf)."""
     cpu, gpu, inputs, targets = _engines(seed, cfg, precision)
-    cpu_loss = cpu.forward_backward(inputs, targets)[0]
-    gpu_loss = gpu.forward_backward(inputs, targets)[0]
+    cpu_loss = cross_entropy_backward(cpu, inputs, targets)[0]
+    gpu_loss = cross_entropy_backward(gpu, inputs, targets)[0]
     first = gpu.grads.copy()
     logits, heads = [], []
     for eng in (cpu, gpu):  # a prompt, then single tokens (on the GPU: a CUDA graph, recorded then replayed)
-        cache = eng.new_cache(batch=2)
-        steps = [eng.decode(cache, inputs[:2, :37])]
-        steps += [eng.decode(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
+        cache = eng.decoder.new_cache(batch=2)
+        steps = [eng.decoder.logits(cache, inputs[:2, :37])]
+        steps += [eng.decoder.logits(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
         logits.append(np.stack(steps))
-        heads.append(eng.decode(cache, inputs[:2, 40:43], every_head=True))  # 3 positions x K heads
-    greedy = gpu.decode(gpu.new_cache(batch=2), inputs[:2, :37], argmax=True)
+        heads.append(eng.decoder.logits(cache, inputs[:2, 40:43], all_heads=True))  # 3 positions x K heads
+    greedy = gpu.decoder.greedy(gpu.decoder.new_cache(batch=2), inputs[:2, :37])
     errors = {"loss": abs(gpu_loss - cpu_loss) / abs(cpu_loss)}
     report(f"{'loss':<24} : rel err {errors['loss']:.2e}  (cpu {cpu_loss:.8f}, gpu {gpu_loss:.8f})")
     for name, err in _grad_errors(cpu, gpu, cfg).items():
@@ -415,7 +418,7 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
     report(f"{'decode, every head':<24} : rel err {errors['decode every head']:.2e}")
     errors["decode argmax"] = 0.0 if np.array_equal(greedy, logits[1][0].argmax(axis=-1)) else math.inf
     report(f"{'decode argmax':<24} : {'the logits argmax' if errors['decode argmax'] == 0 else 'WRONG'}")
-    gpu.forward_backward(inputs, targets)
+    cross_entropy_backward(gpu, inputs, targets)
     same = bool((gpu.grads == first).all())
     errors["determinism"] = 0.0 if same else math.inf
     report(f"{'second backward pass':<24} : {'bit-identical gradients' if same else 'DIFFERENT gradients'}")

@@ -4,9 +4,11 @@ Each is a thin launcher: the work happens in a raw CUDA kernel from kernels/*.cu
 NVRTC through CuPy and cached by CuPy on disk) or, for every matrix product, in cuBLAS. Shapes and the
 activation layout are those of the CPU layers (see that module's docstring); arrays are C-contiguous.
 
-Decoding: products of at most MATMUL_SMALL_ROWS rows take a matrix-vector kernel of ours (bound by reading
-the weights once), and `graph` records a decoding step, which then has no cuBLAS call in it, as a CUDA graph.
-Positions (rope, the KV cache) are read from device memory, so one recording serves every position.
+Decoding: products of at most FEW_ROWS rows (nanoeuler.model.limits) take a matrix-vector kernel of ours
+(bound by reading the weights once), and `graph` records a decoding step, which then has no cuBLAS call in it,
+as a CUDA graph. Positions (rope, the KV cache) are read from device memory, so one recording serves every
+position. The numbers these launchers share with the kernels live in constants.py and reach the kernels as
+compile-time defines.
 
 Precision (`precision(name)` selects it for a block of calls; the Engine does this):
 - "fp32": float32 everywhere, plain FP32 cuBLAS and 3xTF32 attention: what `nanoeuler check --gpu` compares
@@ -20,24 +22,22 @@ Precision (`precision(name)` selects it for a block of calls; the Engine does th
   the arrays it is given.
 """
 import contextlib
-import ctypes
 import functools
 import math
-import pathlib
 
 import cupy
 import numpy as np
-from cupy.cuda import cublas
+from cupy.cuda import cublas, runtime
 
-KERNELS = pathlib.Path(__file__).parent / "kernels"
+from nanoeuler.model.gpu.constants import (ATT_THREADS, ATT_TILE, ATT_WARPS, KERNELS, MATMUL_SMALL_LOADS,
+                                           MATMUL_SMALL_WARPS, ROPE_HEADS, module_defines, rmsnorm_backward_blocks,
+                                           rmsnorm_chunks)
+from nanoeuler.model.limits import FEW_ROWS
+
 BF16 = np.dtype(np.uint16)  # storage type of bfloat16 activations
 F32 = np.dtype(np.float32)
 
-# cuBLAS enum values (cublas_api.h, library_types.h)
-_OP_N, _OP_T = 0, 1
-_CUDA_TYPE = {F32: 0, BF16: 14}  # CUDA_R_32F, CUDA_R_16BF
-_COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
-_GEMM_DEFAULT = -1
+_CUDA_TYPE = {F32: runtime.CUDA_R_32F, BF16: runtime.CUDA_R_16BF}
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host scalars for alpha / beta
 
 PRECISIONS = ("bf16", "tf32", "fp32")
@@ -67,13 +67,19 @@ def _fast():
     return _precision["name"] != "fp32"
 
 
+def _host_address(a):
+    """The address of a NumPy array's data (its array interface), for the C APIs that take host pointers."""
+    return a.__array_interface__["data"][0]
+
+
 @functools.lru_cache(maxsize=None)
 def _module(name, defines=()):
-    """Compile kernels/<name>.cu (its #include of common.cuh inlined, so CuPy's cache, which hashes the source
-    text, sees header edits too)."""
+    """Compile kernels/<name>.cu in the variant `defines` (ACT_BF16=1, ATT_PRECISE=1), with the numbers it shares
+    with Python (constants.module_defines); its #include of common.cuh inlined, so CuPy's cache, which hashes
+    the source text, sees header edits too."""
     common = (KERNELS / "common.cuh").read_text().replace("#pragma once\n", "")
     src = (KERNELS / f"{name}.cu").read_text().replace('#include "common.cuh"', common)
-    return cupy.RawModule(code=src, options=("--std=c++17",) + tuple(f"-D{d}" for d in defines))
+    return cupy.RawModule(code=src, options=("--std=c++17",) + tuple(f"-D{d}" for d in module_defines(name, defines)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,52 +104,44 @@ def _kernel(module, name, defines=(), dynamic_smem=0):
 # Decoding's kernels (the matrix-vector products, the cached attention, argmax, the position's advance) are
 # recorded into CUDA graphs with programmatic dependent launch on sm_90+: each may start while the one before
 # it finishes, loading its weights, and waits (common.cuh: wait_for_inputs) only for its inputs. CuPy's
-# launches cannot ask for it, so those go through the driver's cuLaunchKernelEx (ctypes).
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_CTYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
-           np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
-           np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+# launches cannot ask for it, so those go through the driver's cuLaunchKernelEx (cuda-python).
 _dependent_launch = {"on": False}
 
 
 @functools.lru_cache(maxsize=None)
-def _driver_launch():
-    """cuLaunchKernelEx, or None where programmatic dependent launch is not to be had (before sm_90)."""
+def _driver():
+    """cuda.bindings.driver, or None where programmatic dependent launch is not to be had (before sm_90)."""
     if int(cupy.cuda.Device().compute_capability) < 90:
         return None
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    return fn
+    from cuda.bindings import driver
+    return driver
 
 
 def _launch(kernel, grid, block, args, shared_mem=0):
     """kernel(grid, block, args) on the current stream; while a decoding step is being recorded, with
     programmatic dependent launch (the kernel must wait_for_inputs before touching its inputs)."""
-    launch = _driver_launch() if _dependent_launch["on"] else None
-    if launch is None:
+    driver = _driver() if _dependent_launch["on"] else None
+    if driver is None:
         kernel(grid, block, args, shared_mem=shared_mem)
         return
-    values = [ctypes.c_void_p(a.data.ptr) if isinstance(a, cupy.ndarray) else _CTYPES[np.dtype(type(a))](a)
-              for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value = (1).to_bytes(4, "little") + bytes(60)
-    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-    config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                           cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
-    status = launch(ctypes.byref(config), kernel.kernel.ptr, params, None)  # RawKernel -> its CUfunction
-    if status != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+    assert all(isinstance(a, (cupy.ndarray, np.generic)) for a in args), [type(a) for a in args]
+    # kernelParams in cuda-python's NumPy form: an array of the addresses of the arguments' values
+    values = [np.array([a.data.ptr], np.uint64) if isinstance(a, cupy.ndarray) else np.array([a]) for a in args]
+    params = np.array([_host_address(v) for v in values], np.uint64)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = tuple(grid) + (1,) * (3 - len(grid))
+    config.blockDimX, config.blockDimY, config.blockDimZ = tuple(block) + (1,) * (3 - len(block))
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(cupy.cuda.get_current_stream().ptr)
+    config.attrs, config.numAttrs = [attr], 1
+    # CuPy documents no handle of a RawKernel's CUfunction; .kernel.ptr is that of the Function it loaded
+    function = driver.CUfunction(kernel.kernel.ptr)
+    status, = driver.cuLaunchKernelEx(config, function, params, 0)
+    if status != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx failed: {status.name}")
 
 
 def _act_defines(a):
@@ -186,38 +184,34 @@ def _gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate):
     (float32 or bf16); C may be either, and the products accumulate in float32."""
     handle = cupy.cuda.device.get_cublas_handle()
     ab, c = _CUDA_TYPE[A.dtype], _CUDA_TYPE[C.dtype]
-    compute = _COMPUTE_32F_FAST_TF32 if A.dtype == F32 and _fast() else _COMPUTE_32F
+    compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if A.dtype == F32 and _fast() else cublas.CUBLAS_COMPUTE_32F
     beta = _ONE if accumulate else _ZERO
-    cublas.gemmEx(handle, transa, transb, m, n, k, _ONE.ctypes.data, A.data.ptr, ab, lda, B.data.ptr, ab,
-                  ldb, beta.ctypes.data, C.data.ptr, c, ldc, compute, _GEMM_DEFAULT)
-
-
-MATMUL_SMALL_ROWS = 8  # kernels/matmul.cu
-_MATMUL_SMALL_WARPS, _MATMUL_SMALL_LOADS = 16, 4  # and its MATMUL_SMALL_WARPS, LOADS
+    cublas.gemmEx(handle, transa, transb, m, n, k, _host_address(_ONE), A.data.ptr, ab, lda, B.data.ptr, ab,
+                  ldb, _host_address(beta), C.data.ptr, c, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
 
 def matmul_forward(out, x, w, accumulate=False):
     """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
-    cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most
-    MATMUL_SMALL_ROWS rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the
-    precision."""
+    cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most FEW_ROWS
+    rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the precision."""
     _check(x, w, act=x)
     assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
     (N, I), O = x.shape, w.shape[0]
-    if N > MATMUL_SMALL_ROWS:
-        _gemm(_OP_T, _OP_N, O, N, I, w, I, x, I, out, O, accumulate)
+    if N > FEW_ROWS:
+        _gemm(cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, O, N, I, w, I, x, I, out, O, accumulate)
     else:
         _matmul_small(out, x, w, accumulate)
 
 
 def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None):
-    """The matrix-vector kernel on N <= MATMUL_SMALL_ROWS rows of x (tensor-core products, kernels/matmul.cu):
+    """The matrix-vector kernel on N <= FEW_ROWS rows of x (tensor-core products, kernels/matmul.cu):
     RMSNorm folded in when given its gain; SwiGLU of the gate|up product into glu_out, or the rotary embedding
     (rope = (cos, sin, pos, T, rotated rows, D/2)) of the qkv product, when given. A block takes 8 rows of w,
     its warps (from the row length I alone, so a row's sums run in the same order whatever N is, and a
-    speculative step's rows get plain decoding's bits) as many as give each thread _MATMUL_SMALL_LOADS 16-byte
-    loads of w, at most 16. skip: where given, receives a copy of x first (rmsnorm_matmul_forward's residual
-    copy, for a full forward of a few rows; decoding updates its stream in place)."""
+    speculative step's rows get plain decoding's bits) as many as give each thread MATMUL_SMALL_LOADS 16-byte
+    loads of w, at most MATMUL_SMALL_WARPS. skip: where given, receives a copy of x first
+    (rmsnorm_matmul_forward's residual copy, for a full forward of a few rows; decoding updates its stream in
+    place)."""
     if skip is not None:
         skip[...] = x
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
@@ -225,12 +219,12 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     pack = 16 // x.itemsize
     packed = I % pack == 0 and all(aligned)
     k_blocks = -(-I // (4 * pack))  # a warp's 4 threads x 16 bytes at a time
-    warps = min(_MATMUL_SMALL_WARPS, -(-k_blocks // _MATMUL_SMALL_LOADS))
+    warps = min(MATMUL_SMALL_WARPS, -(-k_blocks // MATMUL_SMALL_LOADS))
     null = np.uint64(0)
     cos, sin, pos, T, rot, half = rope if rope is not None else (null, null, null, 1, 0, 0)
     if glu_out is not None:
         half = O // 2
-    tiles = _blocks(O // 2, 4) if half else _blocks(O, 8)
+    tiles = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a block: the mma's n
     _launch(_kernel("matmul", "matmul_small", _act_defines(x)), (tiles,), (32 * warps,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
@@ -243,7 +237,7 @@ def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):
     the residual stream, which the sublayer's output is then added to; the copy rides on the norm's read of
     x. A few rows (decoding) take one kernel that normalises its input on the way (xn untouched); more,
     the norm into xn, then cuBLAS."""
-    if x.shape[0] > MATMUL_SMALL_ROWS:
+    if x.shape[0] > FEW_ROWS:
         _rmsnorm_forward(xn, rstd, x, norm_w, eps, skip)
         matmul_forward(out, xn, w)
         return
@@ -257,7 +251,7 @@ def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_ro
     embedding of its first n_rot_heads heads at positions pos[0] + t; xn, skip as rmsnorm_matmul_forward. A
     few rows (decoding) take one kernel."""
     B, T, NH, D = qkv.shape
-    if B * T > MATMUL_SMALL_ROWS:
+    if B * T > FEW_ROWS:
         rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
         rope_forward(qkv, cos, sin, n_rot_heads, pos)
         return
@@ -270,7 +264,7 @@ def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_ro
 def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
     """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
     silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows (decoding) take one kernel for all of it."""
-    if x.shape[0] > MATMUL_SMALL_ROWS:
+    if x.shape[0] > FEW_ROWS:
         rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
         swiglu_forward(out, gate_up)
         return
@@ -284,8 +278,8 @@ def matmul_backward(dx, dw, dout, x, w):
     _check(dx, dout, x, w, act=x)
     _check(dw)
     (N, I), O = x.shape, w.shape[0]
-    _gemm(_OP_N, _OP_N, I, N, O, w, I, dout, O, dx, I, False)
-    _gemm(_OP_N, _OP_T, I, O, N, x, I, dout, O, dw, I, True)
+    _gemm(cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, I, N, O, w, I, dout, O, dx, I, False)
+    _gemm(cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T, I, O, N, x, I, dout, O, dw, I, True)
 
 
 # ------------------------------------------------------------------------------------------- embedding
@@ -319,7 +313,7 @@ def _rmsnorm_chunks(C, *arrays):
     if C % pack or any(a.data.ptr % 16 for a in arrays):
         return None
     need = -(-C // (32 * pack))
-    return next((k for k in (1, 2, 3, 4, 6, 8) if k >= need and k * pack <= 32), None)
+    return next((k for k in rmsnorm_chunks(arrays[0].dtype == BF16) if k >= need), None)
 
 
 def rmsnorm_forward(out, rstd, x, w, eps):
@@ -347,9 +341,7 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
     _check(dw, rstd)
     N, C = x.shape
     K = _rmsnorm_chunks(C, dx, dout, x, w)
-    # blocks an SM: kernels/rmsnorm.cu RMSNORM_BACKWARD_BLOCKS (the register kernels that fit 2 at 128
-    # registers a thread; the larger ones take 1), 2 for the generic kernel
-    per_sm = 2 if K is None or K <= (3 if x.dtype == BF16 else 4) else 1
+    per_sm = 2 if K is None else rmsnorm_backward_blocks(K, x.dtype == BF16)  # the kernel's __launch_bounds__
     grid, smem = min(_blocks(N, 8), per_sm * _sm_count()), 4 * 8 * C
     partial = cupy.empty((grid, C), dtype=np.float32)
     defines = _act_defines(x)
@@ -363,9 +355,6 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
 def _position(pos):
     assert pos.dtype == np.int32 and pos.shape == (1,), (pos.dtype, pos.shape)
     return pos
-
-
-ROPE_HEADS = 4  # kernels/rope.cu: heads a thread of rope_rotate_rows rotates
 
 
 def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
@@ -402,9 +391,6 @@ def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
 
 
 # ------------------------------------------------------------------------------------------- attention
-_TILE = 64
-
-
 def _attention_defines(a):
     """bf16 or float32 operands; float32 operands in precision fp32 take the 3xTF32 (float32-accurate) path."""
     return _act_defines(a) + (() if _fast() else ("ATT_PRECISE=1",))
@@ -417,9 +403,10 @@ def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
     B, T, NH, D = qkv.shape
     assert out.shape == (B, T, n_heads, D) and lse.shape == (B, n_heads, T), (out.shape, lse.shape)
     defines = _attention_defines(qkv)
-    k = _kernel("attention", f"attention_forward_d{D}", defines)
-    k((n_heads, B, _blocks(T, _TILE)), (64 if _bf16_tiles(defines) else 128,),  # attention.cu: AttForwardRows
-      (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
+    threads = _attention_launch(D, defines)[0]
+    _kernel("attention", f"attention_forward_d{D}", defines)(
+        (n_heads, B, _blocks(T, ATT_TILE)), (threads,),
+        (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
 
 
 def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
@@ -432,28 +419,17 @@ def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos):
     S = cache.shape[1]
     assert cache.shape == (B, S, 2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
     _launch(_kernel("attention", f"attention_cached_d{D}", _act_defines(qkv)),
-        (n_heads, B * n), (32 * _ATT_WARPS,),
+        (n_heads, B * n), (32 * ATT_WARPS,),
         (out, lse, qkv, cache, _position(pos), _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads),
          _f32(1.0 / math.sqrt(D))))
 
 
-_ATT_WARPS = 16  # attention.cu: the warps of a block (a query row) of attention_cached
-
-
-def _bf16_tiles(defines):
-    """Whether the attention kernels of these defines run bf16 products (AttBf16), not TF32 / 3xTF32."""
-    return "ACT_BF16=1" in defines and "ATT_PRECISE=1" not in defines
-
-
-def _attention_backward_smem(D, defines):
-    """Dynamic shared memory of the dK/dV and dQ kernels (attention.cu): four 64-row tiles of q, k, v, dout
-    (bf16 on the bf16 tensor-core path, float32 otherwise) with 16 bytes of padding per row, plus lse and delta
-    of 64 queries for dK/dV; the bf16 kernels double-buffer the tiles of their loop (AttStages): q, dout, lse
-    and delta for dK/dV, k and v for dQ."""
-    E = 2 if _bf16_tiles(defines) else 4
-    stages = 2 if E == 2 else 1
-    tile = _TILE * (E * D + 16)
-    return (2 + 2 * stages) * tile + stages * 2 * _TILE * 4, (2 + 2 * stages) * tile
+@functools.lru_cache(maxsize=None)
+def _attention_launch(D, defines):
+    """What attention.cu derives from its tile layout (attention_launch_d<D>): the forward's threads a block, the
+    dK/dV and the dQ kernels' dynamic shared memory in bytes."""
+    shape = _module("attention", defines).get_global(f"attention_launch_d{D}")
+    return tuple(int(v) for v in cupy.ndarray((3,), np.int32, memptr=shape).get())
 
 
 def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads, cos=None, sin=None):
@@ -474,11 +450,11 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads, cos=None,
     null = np.uint64(0)
     args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale,
             null if cos is None else cos, null if sin is None else sin)
-    smem_dkdv, smem_dq = _attention_backward_smem(D, defines)
+    smem_dkdv, smem_dq = _attention_launch(D, defines)[1:]
     _kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem_dkdv)(
-        (n_kv_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem_dkdv)
+        (n_kv_heads, B, _blocks(T, ATT_TILE)), (ATT_THREADS,), args, shared_mem=smem_dkdv)
     _kernel("attention", f"attention_backward_dq_d{D}", defines, smem_dq)(
-        (n_heads, B, _blocks(T, _TILE)), (128,), args, shared_mem=smem_dq)
+        (n_heads, B, _blocks(T, ATT_TILE)), (ATT_THREADS,), args, shared_mem=smem_dq)
 
 
 # ---------------------------------------------------------------------------------------------- swiglu
@@ -544,13 +520,13 @@ def argmax(ids, logits, log=None, pos=None):
     _check(logits)
     assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
     null = np.uint64(0)
-    _launch(_kernel("matmul", "argmax_rows"), (logits.shape[0],), (1024,),
+    _launch(_kernel("decoding", "argmax_rows"), (logits.shape[0],), (1024,),
             (ids, logits, _i32(logits.shape[1]), null if log is None else log, null if log is None else _position(pos)))
 
 
 def advance_position(pos, n):
     """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""
-    _launch(_kernel("attention", "advance_position"), (1,), (1,), (_position(pos), _i32(n)))
+    _launch(_kernel("decoding", "advance_position"), (1,), (1,), (_position(pos), _i32(n)))
 
 
 def accept_drafts(tokens, ids, log, pos):
@@ -558,7 +534,7 @@ def accept_drafts(tokens, ids, log, pos):
     next step's out, ids (K * K,) every head's argmax at each row, log (S + K, 2) int32, pos advanced."""
     K = tokens.size
     assert tokens.dtype == ids.dtype == log.dtype == np.int32 and ids.size == K * K
-    _launch(_kernel("attention", "accept_drafts"), (1,), (1,), (tokens, ids, log, _position(pos), _i32(K)))
+    _launch(_kernel("decoding", "accept_drafts"), (1,), (1,), (tokens, ids, log, _position(pos), _i32(K)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -572,7 +548,7 @@ def graph(step):
     """step (a decoding step: kernels only, over buffers that outlive it, with every changing value in device
     memory) as a function that replays it as one CUDA graph. The first call runs step and records it; later
     calls launch the recording, one launch for the whole step. cuBLAS cannot be recorded through CuPy (its
-    wrappers refuse during stream capture), so the step's products must have at most MATMUL_SMALL_ROWS rows."""
+    wrappers refuse during stream capture), so the step's products must have at most FEW_ROWS rows."""
     recorded = []
 
     def replay():

@@ -1,13 +1,13 @@
 // The optimizer over the flat parameter buffer: AdamW in one launch, and the sum of squares behind the
-// global gradient-norm clip (in double). AdamW's arithmetic is float32: in double, as the CPU engine's float64
-// scalars compute it, the pass was bound by the GPU's double-precision units (H100: 1.64 ms for base's 116M
-// parameters); the step then differs from the CPU engine's by float32 rounding (about 1e-7 relative).
+// global gradient-norm clip (in double). AdamW's arithmetic is float32 (in double the pass is bound by the
+// GPU's double-precision units), so the step differs from the CPU engine's by float32 rounding (about 1e-7
+// relative).
 #include "common.cuh"
 
 // g = grads * grad_scale (the clip factor); m, v moments; bias corrections bc1 = 1 - beta1^t, bc2 likewise;
-// decoupled weight decay where decay_mask (a byte a parameter: as float32 it was an eighth of this pass's
-// traffic) is 1. compute_copy (nullable): the weights the layers read, when
-// they are not the master weights themselves (bf16 training), rewritten in the same pass.
+// decoupled weight decay where decay_mask (a byte a parameter, the least traffic) is 1. compute_copy
+// (nullable): the weights the layers read, when they are not the master weights themselves (bf16 training),
+// rewritten in the same pass.
 extern "C" __global__ void adamw_update(float* __restrict__ params, const float* __restrict__ grads,
                                         float* __restrict__ m, float* __restrict__ v,
                                         const unsigned char* __restrict__ decay_mask, long long n, double lr,

@@ -14,8 +14,10 @@
 // are float always. Layout: the fused activation qkv (B, T, H + 2G, D) with q heads, then k heads, then
 // v heads; query head h reads kv head h / (H / G).
 //
-// A block is 4 warps; each warp owns 16 rows of a 64-row tile and loops over 64-wide tiles of the other side
-// (the bf16 forward: 2 warps of 32 rows, AttForwardRows).
+// A training block is ATT_THREADS threads: each warp owns 16 rows of an ATT_TILE-row tile and loops over tiles
+// of the other side (the bf16 forward: half the warps, of 32 rows, AttForwardRows). ATT_TILE, ATT_THREADS and
+// ATT_WARPS come from layers.py (nanoeuler/model/gpu/constants.py), which reads back the launch shapes derived
+// here (attention_launch_d<D>).
 // The kernels are written once over an "mma policy" (AttTf32, AttBf16 below) that holds the mma primitive and
 // the fragment loaders; g = lane / 4, t = lane % 4.
 //   m16n8k8 TF32 (one value a register): A rows g, g+8 x cols t, t+4; B rows (k) t, t+4 x col (n) g;
@@ -29,11 +31,11 @@
 // Either way P and dS go from accumulators to operands without shuffles or a trip through memory.
 #include "common.cuh"
 
-#define ATT_TILE 64
-#define ATT_THREADS 128
-// Blocks an SM keeps of each backward kernel: 3 holds the bf16 dK/dV kernel to 168 registers (from 182, 2
-// blocks) without spills, 5% off the backward (H100, base, 32 x 512); 4 spills, and the forward (136
-// registers, 3 blocks) is slower held to 4.
+#if !defined(ATT_TILE) || !defined(ATT_THREADS) || !defined(ATT_WARPS)
+#error "ATT_TILE, ATT_THREADS and ATT_WARPS come from nanoeuler/model/gpu/constants.py"
+#endif
+static_assert(ATT_THREADS == 32 * ATT_TILE / 16, "a warp owns 16 rows of a tile");
+// Blocks an SM keeps of each backward kernel: the most whose registers fit without spills (docs/gpu-engine.md)
 #define ATT_BACKWARD_BLOCKS 3
 // -DATT_PRECISE=1 for the 3xTF32 kernels of the checks.
 #ifndef ATT_PRECISE
@@ -270,9 +272,8 @@ __device__ __forceinline__ void att_copies_wait(int pending) {
 
 // ------------------------------------------------------------------------------------------------ forward
 // Query rows a warp of the forward owns, in m-tiles of 16: 2 in the bf16 build, so that each K and V fragment
-// it reads from shared memory serves 32 rows (with 16, a block's warps read every K/V fragment once per 16
-// rows, and the shared-memory reads were as many as the products); a block (64 rows) is then 2 warps. The
-// float builds keep 1 (their fragments take twice the registers).
+// it reads from shared memory serves 32 rows; the float builds keep 1 (their fragments take twice the
+// registers).
 template <class M>
 struct AttForwardRows {
     static constexpr int MT = sizeof(typename M::elem_t) == 2 ? 2 : 1;
@@ -463,6 +464,16 @@ extern "C" __global__ void attention_backward_delta(float* __restrict__ delta, c
 
 extern __shared__ __align__(16) unsigned char att_smem[];  // the backward kernels' dynamic shared memory
 
+// The backward kernels' dynamic shared memory, bytes: 2 tiles resident and 2 streamed STAGES deep, (ATT_TILE,
+// LDS) elements each, and for dK/dV the streamed query tiles' lse and delta.
+template <int D, class M>
+struct AttBackwardSmem {
+    static constexpr int STAGES = AttStages<M>::N;
+    static constexpr int TILES = (2 + 2 * STAGES) * ATT_TILE * AttTile<D, M>::LDS * (int)sizeof(typename M::elem_t);
+    static constexpr int DKDV = TILES + STAGES * 2 * ATT_TILE * (int)sizeof(float);
+    static constexpr int DQ = TILES;
+};
+
 // dK, dV. One block per (kv head, batch, 64-key tile): grid (G, B, key tiles), 128 threads. Key tile 0 has
 // the most query tiles after it, so blockIdx.z is the key tile as it is (the first blocks scheduled are the
 // longest). The block keeps its keys' dK and dV in registers while it walks the group's H / G query heads
@@ -478,8 +489,7 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
                                                               const act_t* __restrict__ qkv, int T, int H, int G,
                                                               float scale, const float* __restrict__ cos_t,
                                                               const float* __restrict__ sin_t) {
-    // dynamic smem: (2 + 2 * STAGES) * 64 * (E * D + 16) + STAGES * 2 * 64 * 4 bytes, E = sizeof(elem_t): 4
-    // (STAGES 1), or 2 in the bf16 build (STAGES 2)
+    // dynamic shared memory: AttBackwardSmem<D, M>::DKDV bytes
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS, STAGES = AttStages<M>::N;
     elem_t* Ks = reinterpret_cast<elem_t*>(att_smem);  // (64 keys, D)
@@ -623,8 +633,7 @@ __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ 
                                                             const act_t* __restrict__ qkv, int T, int H, int G,
                                                             float scale, const float* __restrict__ cos_t,
                                                             const float* __restrict__ sin_t) {
-    // dynamic smem: (2 + 2 * STAGES) * 64 * (E * D + 16) bytes, E = sizeof(elem_t): 4 (STAGES 1), or 2 in the
-    // bf16 build (STAGES 2)
+    // dynamic shared memory: AttBackwardSmem<D, M>::DQ bytes
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
     constexpr int STAGES = AttStages<M>::N;
@@ -736,55 +745,35 @@ __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ 
 ATTENTION_BACKWARD(64)
 ATTENTION_BACKWARD(32)
 
+// The launch shapes layers.py reads back rather than re-derive: the forward's threads a block, then the dK/dV
+// and the dQ kernels' dynamic shared memory in bytes.
+#define ATTENTION_LAUNCH(D)                                                                                \
+    extern "C" {                                                                                           \
+    __constant__ int attention_launch_d##D[3] = {ATT_THREADS / AttForwardRows<AttMma>::MT,                 \
+                                                 AttBackwardSmem<D, AttMma>::DKDV,                         \
+                                                 AttBackwardSmem<D, AttMma>::DQ};                          \
+    }
+ATTENTION_LAUNCH(64)
+ATTENTION_LAUNCH(32)
+
 // ----------------------------------------------------------------------------------------------- decoding
 // The KV cache (B, S, 2G, D) holds the rotated k heads, then the v heads, of every position decoded so far
 // (S the context). The position of the first new row is read from device memory (*pos), never passed as an
 // argument, so that a decoding step recorded once as a CUDA graph replays at every position.
 
-// *pos += n, the last node of a decoding step.
-extern "C" __global__ void advance_position(int* pos, int n) {
-    wait_for_inputs();  // every kernel of the step has read the position
-    *pos += n;
-}
-
-// The last node of a greedy speculative step (one sequence): tokens (K,) went in, the next token and K-1
-// drafts; ids (K, K) are every head's argmax at each of the K rows. Keep the drafts head 0 agrees with (n of
-// them), log the n + 1 kept ids by position, log[p] = (id, n at the step's first position), put head 0's
-// next id and heads 1..K-1's drafts of the last kept row into tokens and after the kept ids in the log (the
-// host reads them when it takes over), and move the position past the kept ids: the rejected rows' keys and
-// values are overwritten by the next step. So steps chain on the device with no host in between.
-extern "C" __global__ void accept_drafts(int* __restrict__ tokens, const int* __restrict__ ids,
-                                         int* __restrict__ log, int* __restrict__ pos, int K) {
-    wait_for_inputs();
-    const int p = *pos;
-    int n = 0;
-    while (n < K - 1 && ids[n * K] == tokens[n + 1]) ++n;
-    for (int j = 0; j <= n; ++j) log[2 * (p + j)] = tokens[j];
-    log[2 * p + 1] = n;
-    for (int h = 0; h < K; ++h) {
-        tokens[h] = ids[n * K + h];
-        log[2 * (p + n + 1 + h)] = tokens[h];
-    }
-    *pos = p + n + 1;
-}
-
 // Attention of the n new query rows of qkv (B, n, H + 2G, D), q and k heads rotated already (the qkv product
 // did it), at positions *pos + t, to positions 0..*pos + t: the cache's rows before *pos, and the new rows'
 // keys and values, read from qkv (so no block waits for another to store them). out (B, n, H, D), lse (B, H, n).
 //
-// A decoding step is a few rows against a few hundred keys: bound by the latency of its loads, not by
-// arithmetic. Block (h, b * n + t) takes query row t of sequence b, head h; its ATT_WARPS warps split the keys
-// in chunks of 32, chunk c to warp c % ATT_WARPS, a key a lane: the lane loads its key's row and the chunk's
-// value rows of its dims (all at once, into registers), scores the query against its key, and the warp keeps
-// running softmax statistics and output over its chunks (flash-decoding); the warps' results then meet in
-// shared memory, merged in warp order. Every sum runs in an order fixed by the key positions alone, so a row
-// gets the same bits decoded alone or with others. The blocks of the first query head of each kv group
-// append their row's new k and v to the cache. A block a row: a speculative step's 4 rows take 4 blocks a
-// head, each as quick as a plain step's one (H100, `base`, 260 keys: 5.1 us for 1 row, 5.3 for 4); blocks of 4
-// rows, which read the keys once for all 4 but score them one row after another, took 7.8 us for 4 rows, and a
-// whole verifying step 1.20x a plain one instead of 1.08x (2 rows a block: 6.4 us).
+// Bound by the latency of its loads (a few rows against a few hundred keys), not by arithmetic. Block
+// (h, b * n + t) takes query row t of sequence b, head h; its ATT_WARPS warps split the keys in chunks of 32,
+// chunk c to warp c % ATT_WARPS, a key a lane: the lane loads its key's row and the chunk's value rows of its
+// dims (all at once, into registers), scores the query against its key, and the warp keeps running softmax
+// statistics and output over its chunks (flash-decoding); the warps' results then meet in shared memory,
+// merged in warp order. Every sum runs in an order fixed by the key positions alone, so a row gets the same
+// bits decoded alone or with others (a block a row: docs/gpu-engine.md says why). The blocks of the first
+// query head of each kv group append their row's new k and v to the cache.
 #define ATT_CHUNK 32
-#define ATT_WARPS 16
 #define ATT_CACHED_THREADS (32 * ATT_WARPS)
 
 // DL consecutive elements of a value row (a lane's dims of the output), kept as loaded: two bf16 in one

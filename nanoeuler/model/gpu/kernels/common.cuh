@@ -1,6 +1,7 @@
 // Helpers shared by the nanoeuler kernels. The .cu files are compiled at run time by NVRTC through CuPy
-// (nanoeuler/gpu/layers.py inlines this header) and by nvcc in CI (tests/test_gpu.py), so they use no
-// standard headers: only CUDA built-ins.
+// (nanoeuler/model/gpu/layers.py inlines this header) and by nvcc in CI (tests/test_gpu.py), so they use no
+// standard headers: only CUDA built-ins. The numbers a kernel shares with Python come as -D defines
+// (nanoeuler/model/gpu/constants.py), never with a value of the kernel's own.
 #pragma once
 
 #define FULL_MASK 0xffffffffu

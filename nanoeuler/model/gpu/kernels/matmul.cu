@@ -1,42 +1,15 @@
-// Matrix products of a few rows: out (N, O) = x (N, I) @ w (O, I)^T, N <= MATMUL_SMALL_ROWS, for decoding.
-// cuBLAS does the training products; at batch 1 a product is a matrix-vector product, bound by reading w
-// once, and cuBLAS through CuPy cannot be recorded into a CUDA graph. A decoding step is a chain of such
-// products, each too small to keep the memory busy for long, so what counts is the latency of one: every
-// thread issues all its 16-byte loads of w (LOADS) before it uses the first, and the whole matrix is in flight
-// at once.
-//
-// The arithmetic runs on the tensor cores: x's rows are the A operand of mma.sync (row g of the 16; rows 8..15
-// zero), 8 rows of w the B operand. So a speculative step's 4 rows cost a thread the same instructions as one
-// row (with float32 FMAs, 4 rows took 1.1 to 1.6x the time of one on the H100: the arithmetic grew, not the
-// memory traffic), and every output element is its own dot product, summed in the same order whatever N is:
-// a speculative step's rows get plain decoding's bits. A block takes 8 rows of w and `warps` warps (layers.py
-// picks them from I alone) split the row length: a thread (g, t) loads 16 bytes of w's row g and of x's row g
-// at a time, which are two mma k-steps (the k index numbered so that a thread's own elements are the ones its
-// fragments want; the same numbering for both operands, so the sum is the dot product). A warp's LOADS loads
-// of a row are consecutive (256 bytes of bf16), and the warps' float32 partial sums meet in shared memory in a
-// fixed order. bf16 takes m16n8k16 products; float32 takes m16n8k8 TF32 ones in the 3xTF32 split, each
-// k-step's sum added in float32 (float32 accuracy). out is act_t or float32 (the logits); with accumulate the
-// product is added to it (the residual stream), the old value read at the start.
-//
-// With a gain g (norm != 0) the product is RMSNorm's folded in: out = (x * rstd * g) @ w^T, computed as
-// rstd * (x @ act_t(w * g)^T), the rows' squares summed from the same loads of x (the first block stores
-// rstd). w * g is formed from the weights' loads before the kernel waits for x (w and g are no kernel's
-// output): scaling x instead put that arithmetic between x's arrival and the products, and a plain step took
-// 4% longer (H100, `base`); so did a warp's loads interleaved with the other warps' rather than consecutive.
-//
-// Paired rows (half > 0): pair p takes w's rows i and i + half, i = (p / half) * 2 half + p % half, writing
-// out's columns i and i + half (a block's 8 rows are 4 pairs, interleaved: the accumulator's columns 2t, 2t +
-// 1 are a pair, in one thread), and then
-// - glu (the feed-forward's gate|up product, w (2F, I), half = F): also SwiGLU's silu(gate) * up (from the
-//   rounded values, as swiglu_forward computes it) to glu_out (N, F);
-// - rope (the attention's qkv product, half = D/2): the pair is rotated by the rotary embedding (rounded
-//   first, as rope_forward finds it in qkv) at position *pos + (row % T) when i < rot (the q and k heads).
-// Each saves decoding a launch a layer.
+// Products of a few rows for decoding: out (N, O) = x (N, I) @ w (O, I)^T, N <= FEW_ROWS, on the tensor cores
+// (x's rows are the A operand's rows g, 8 rows of w the B operand). Every output element is its own dot
+// product, summed in an order that depends on I alone, so a speculative step's rows get plain decoding's bits.
+// out is act_t or float32 (the logits); with accumulate the product is added to it. Folded in: RMSNorm with a
+// gain g, as rstd * (x @ act_t(w * g)^T); and with half > 0, w's rows paired (i, i + half) for SwiGLU
+// (glu_out) or the rotary embedding (rope). docs/gpu-engine.md has the design and its measurements.
 #include "common.cuh"
 
-#define MATMUL_SMALL_ROWS 8
-#define MATMUL_SMALL_WARPS 16  // the most warps a tile; layers.py picks warps for LOADS loads a thread
-#define LOADS 4                // the 16-byte loads of w a thread has in flight (layers.py: _MATMUL_SMALL_LOADS)
+#if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS)
+#error "FEW_ROWS, MATMUL_SMALL_WARPS and MATMUL_SMALL_LOADS come from nanoeuler/model/gpu/constants.py"
+#endif
+static_assert(FEW_ROWS <= 8, "x's rows are the 8 rows g of the mma fragments");
 
 __device__ __forceinline__ float load_out(const void* out, long long at, int out_f32) {
     return out_f32 ? static_cast<const float*>(out)[at] : to_float(static_cast<const act_t*>(out)[at]);
@@ -57,8 +30,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], uint4 a, uint4 b) {
 #if ACT_BF16
         mma_bf16(acc, as, bs);
 #else
-        // the k-step's sum added in float32: accumulated by the tensor cores, whose additions truncate, the
-        // error grew with I (4e-6 relative at I = 8192)
+        // the k-step's sum added in float32: the tensor cores' own additions truncate
         float step[4] = {0.f, 0.f, 0.f, 0.f};
         mma_3xtf32(step, as, bs);
 #pragma unroll
@@ -94,7 +66,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
                                                   int accumulate, const act_t* __restrict__ gain,
                                                   float* __restrict__ rstd, float eps, int half,
                                                   act_t* __restrict__ glu_out, Rope rope,
-                                                  float (*partial)[MATMUL_SMALL_ROWS][9]) {
+                                                  float (*partial)[8][9]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int cols = O / W;  // columns, or pairs
@@ -109,16 +81,17 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     const int fstep = W == 1 ? 1 : half;                                     // and the second's distance
     const bool finisher = warp == 0 && loads_x && fcol < cols;
     let_next_launch();
-    // a round: LOADS consecutive k-blocks a warp (4 threads x PACK elements each), the warps side by side
-    const int step = 4 * PACK, stride = warps * LOADS * step, warp_own = warp * LOADS * step, own = warp_own + t * PACK;
-    uint4 wr[LOADS];
+    // a round: MATMUL_SMALL_LOADS consecutive k-blocks a warp (4 threads x PACK elements each), warps side by side
+    const int step = 4 * PACK, stride = warps * MATMUL_SMALL_LOADS * step;
+    const int warp_own = warp * MATMUL_SMALL_LOADS * step, own = warp_own + t * PACK;
+    uint4 wr[MATMUL_SMALL_LOADS];
     const auto load_weights = [&](int r0) {  // with the gain: w * g, rounded to act_t
 #pragma unroll
-        for (int p = 0; p < LOADS; ++p)
+        for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
             wr[p] = loads_w ? load_chunk<PACKED>(wrow, r0 + own + p * step, I) : make_uint4(0u, 0u, 0u, 0u);
         if (gain && loads_w) {
 #pragma unroll
-            for (int p = 0; p < LOADS; ++p) {
+            for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
                 float wv[PACK], gv[PACK];
                 unpack16(wv, wr[p]);
                 unpack16(gv, load_chunk<PACKED>(gain, r0 + own + p * step, I));
@@ -145,16 +118,16 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, ss = 0.f;
     for (int r0 = 0; r0 < I; r0 += stride) {
         if (r0) load_weights(r0);
-        uint4 xr[LOADS];
+        uint4 xr[MATMUL_SMALL_LOADS];
 #pragma unroll
-        for (int p = 0; p < LOADS; ++p)
+        for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
             xr[p] = loads_x ? load_chunk<PACKED>(xrow, r0 + own + p * step, I) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int p = 0; p < LOADS; ++p)
+        for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
             if (r0 + warp_own + p * step < I) mma_chunk(acc, xr[p], wr[p]);  // the warp's block holds some of I
         if (gain && loads_x) {  // the squares of x, off the products' path
 #pragma unroll
-            for (int p = 0; p < LOADS; ++p) {
+            for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
                 float xv[PACK];
                 unpack16(xv, xr[p]);
 #pragma unroll
@@ -193,10 +166,10 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     if (W == 2 || fcol + 1 < cols) store_out(out, (long long)g * O + frow + fstep, v[1], out_f32);
 }
 
-// Grid: ceil(columns / 8) blocks (ceil(pairs / 4) when paired) of 32 x warps threads, warps <= 16; half 0
-// (plain) or the pairing distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). Registers
-// held to 80 (89 unbounded): 4 blocks of 6 warps an SM, so that the largest product of `base`, gate|up's 512
-// blocks, runs in one wave on 132 SMs (CUDA 12.4+; older compilers bound the block size only).
+// Grid: ceil(columns / 8) blocks (ceil(pairs / 4) when paired) of 32 x warps threads, warps <=
+// MATMUL_SMALL_WARPS; half 0 (plain) or the pairing distance, with glu_out (SwiGLU's output) or cos_t (the
+// rotary embedding). Registers held to 80 so that the largest product of `base` runs in one wave (CUDA 12.4+;
+// older compilers bound the block size only).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204
 #define MATMUL_SMALL_BOUNDS __maxnreg__(80)
 #else
@@ -208,7 +181,7 @@ extern "C" __global__ void MATMUL_SMALL_BOUNDS
                  float* __restrict__ rstd, float eps, int half, act_t* __restrict__ glu_out,
                  const float* __restrict__ cos_t, const float* __restrict__ sin_t, const int* __restrict__ pos, int T,
                  int rot) {
-    __shared__ float partial[MATMUL_SMALL_WARPS][MATMUL_SMALL_ROWS][9];  // a warp's 8 x 8 sums, and the squares
+    __shared__ float partial[MATMUL_SMALL_WARPS][8][9];  // a warp's 8 x 8 sums (rows g), and the squares
     const Rope rope{cos_t, sin_t, pos, T, rot};
 #define MATMUL_SMALL_TILE(W, PACKED)                                                                               \
     matmul_small_tile<W, PACKED>(out, x, w, N, O, I, out_f32, accumulate, gain, rstd, eps, half, glu_out, rope,  \
@@ -217,38 +190,4 @@ extern "C" __global__ void MATMUL_SMALL_BOUNDS
     else if (half) MATMUL_SMALL_TILE(2, false);
     else if (packed) MATMUL_SMALL_TILE(1, true);
     else MATMUL_SMALL_TILE(1, false);
-}
-
-// ids[r] = the index of the largest of logits (R, V)'s row r (the first of equal ones): greedy decoding on
-// the device, so a token costs the host one int, not V floats. With a log (S, R), also log[*pos, r]: the ids
-// of consecutive decoding steps, which the host reads back together. One block per row.
-extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __restrict__ logits, int V,
-                                       int* __restrict__ log, const int* __restrict__ pos) {
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    let_next_launch();
-    wait_for_inputs();
-    const float* row = logits + (long long)blockIdx.x * V;
-    float bv = neg_inf();
-    int bi = 0x7fffffff;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        const float x = row[v];
-        if (x > bv) bv = x, bi = v;  // ascending v: the first of equal ones stays
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) best_v[warp] = bv, best_i[warp] = bi;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-            if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) bv = best_v[w], bi = best_i[w];
-        bi = bi == 0x7fffffff ? 0 : bi;  // a row of NaNs: 0
-        ids[blockIdx.x] = bi;
-        if (log) log[(long long)*pos * gridDim.x + blockIdx.x] = bi;
-    }
 }

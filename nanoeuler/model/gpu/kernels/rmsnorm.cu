@@ -7,11 +7,9 @@
 
 // ------------------------------------------------------------------------ rows held in registers
 // Lane l of a warp owns the 16-byte chunks l, l + 32, ..., l + 32 (K - 1) of every row (chunks past C masked
-// off): it issues the K loads of its share of a row at once (the generic kernels' loop over the row waits
-// for each load before the next: the memory latency C / 128 times a row, twice), keeps the row (bf16 still
-// packed) from the sum to the update instead of reading it again, and owns the same gain columns in every
-// row, so the backward keeps its share of the gain's gradient in registers across its rows rather than
-// adding into shared memory element by element.
+// off): it issues the K loads of its share of a row at once, keeps the row (bf16 still packed) from the sum to
+// the update instead of reading it again, and owns the same gain columns in every row, so the backward keeps
+// its share of the gain's gradient in registers across its rows.
 template <int K>
 __device__ __forceinline__ void load_chunks(uint4 (&u)[K], const act_t* __restrict__ row, int C, int lane) {
 #pragma unroll
@@ -127,17 +125,15 @@ __device__ __forceinline__ void rmsnorm_backward_regs(act_t* __restrict__ dx, fl
 }
 
 // One kernel per K (layers.py picks the smallest K that holds a row), each with the registers of its own K.
-// The backward runs 2 blocks of 256 threads an SM (at most 128 registers) where ptxas fits that without
-// spills: bf16 up to K = 3 (C = 768 takes all 128), float up to K = 4; above, 1 block (up to 220
-// registers). layers.py sizes the grid by the same rule.
-#define RMSNORM_BACKWARD_BLOCKS(K) ((K) <= (PACK == 8 ? 3 : 4) ? 2 : 1)
+// The backward's blocks an SM, RMSNORM_BACKWARD_BLOCKS_K<K>, come from layers.py, which sizes its grid by them
+// (nanoeuler/model/gpu/constants.py: rmsnorm_backward_blocks); a K without one does not compile.
 #define RMSNORM_REGS(K)                                                                                          \
     extern "C" __global__ void rmsnorm_forward_k##K(act_t* __restrict__ out, float* __restrict__ rstd,          \
                                                     const act_t* __restrict__ x, const act_t* __restrict__ w,   \
                                                     int N, int C, float eps, act_t* __restrict__ skip) {        \
         rmsnorm_forward_regs<K>(out, rstd, x, w, N, C, eps, skip);                                              \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, RMSNORM_BACKWARD_BLOCKS(K)) rmsnorm_backward_k##K(       \
+    extern "C" __global__ void __launch_bounds__(256, RMSNORM_BACKWARD_BLOCKS_K##K) rmsnorm_backward_k##K(       \
         act_t* __restrict__ dx, float* __restrict__ dw_partial, const act_t* __restrict__ dout,                 \
         const act_t* __restrict__ x, const act_t* __restrict__ w, const float* __restrict__ rstd, int N, int C) {\
         extern __shared__ float dw_part[];                                                                      \
@@ -252,10 +248,9 @@ extern "C" __global__ void rmsnorm_backward(act_t* __restrict__ dx, float* __res
     else rmsnorm_backward_rows<1>(dx, dw_partial, dout, x, w, rstd, N, C, dw_part);
 }
 
-// dw (C,) += sum over the blocks of dw_partial (blocks, C), in a fixed order: block (32, Y) threads; column
-// c = 32 * blockIdx.x + threadIdx.x, thread row y sums partial rows y, y + Y, ..., then the Y sums are added
-// in order of y. Y = 32 (layers.py) keeps 32 loads of a column in flight where 8 rows of threads each waited
-// for a long chain of them.
+// dw (C,) += sum over the blocks of dw_partial (blocks, C), in a fixed order: block (32, Y) threads, Y <= 32;
+// column c = 32 * blockIdx.x + threadIdx.x, thread row y sums partial rows y, y + Y, ..., then the Y sums are
+// added in order of y (Y = 32 keeps 32 loads of a column in flight).
 extern "C" __global__ void rmsnorm_dw_reduce(float* __restrict__ dw, const float* __restrict__ dw_partial,
                                              int blocks, int C) {
     __shared__ float sums[32][33];

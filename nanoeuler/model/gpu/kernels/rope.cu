@@ -6,15 +6,15 @@
 // vector access per half) when D/2 is a multiple of 4, one pair otherwise.
 #include "common.cuh"
 
-// Heads a thread of rope_rotate_rows rotates (layers.py: ROPE_HEADS).
-#define ROPE_HEADS 4
+#ifndef ROPE_HEADS  // the heads a thread of rope_rotate_rows rotates
+#error "ROPE_HEADS comes from nanoeuler/model/gpu/constants.py"
+#endif
 
 // Block (J * HG, rows): threadIdx.y picks a (b, t) row, threadIdx.x = hg * J + j. J = D / 2 / PACK 16-byte
 // chunks make half a head; the thread rotates chunk j of heads hg, hg + HG, ... (ROPE_HEADS of them, HG =
-// ceil(n_rot / ROPE_HEADS)). The per-element kernel below spent its time on index math (four 64-bit divisions
-// a thread, for 4 pairs) and read the position's cos and sin once per head; here the row's index math is a
-// 32-bit remainder, cos and sin are read once for ROPE_HEADS heads, and every access is 16 bytes, the
-// ROPE_HEADS heads' loads all in flight at once. Consecutive threads cover a half-head's contiguous chunks.
+// ceil(n_rot / ROPE_HEADS)): the row's index math is a 32-bit remainder, cos and sin are read once for
+// ROPE_HEADS heads, and every access is 16 bytes, the heads' loads all in flight at once. Consecutive threads
+// cover a half-head's contiguous chunks.
 extern "C" __global__ void rope_rotate_rows(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
                                             const float* __restrict__ sin_t, int rows, int T, int NH, int n_rot,
                                             int D, const int* __restrict__ pos, float sign) {

@@ -1,0 +1,62 @@
+"""The numbers the GPU layers and their CUDA kernels share, and the defines each kernel file is compiled with.
+
+Python owns every such number: a kernel file gets it as a compile-time define (-DNAME=value, module_defines)
+and has no value of its own, so compiling it without the define is an error. Imports neither CuPy nor a GPU
+(the nvcc test of tests/test_gpu.py builds the kernels from it on machines without either).
+"""
+import pathlib
+
+from nanoeuler.model.limits import FEW_ROWS
+
+KERNELS = pathlib.Path(__file__).parent / "kernels"
+
+# matmul.cu, the products of at most FEW_ROWS rows (matmul_small)
+MATMUL_SMALL_WARPS = 16  # the most warps a block; layers.py gives a short row fewer
+MATMUL_SMALL_LOADS = 4   # the 16-byte loads of w a thread has in flight at once
+# rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
+ROPE_HEADS = 4
+# attention.cu
+ATT_TILE = 64      # the rows of a query or key tile
+ATT_THREADS = 128  # a training block: a warp per 16 rows of a tile
+ATT_WARPS = 16     # an attention_cached block (one query row), its warps splitting the keys
+# rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
+RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
+
+assert FEW_ROWS <= 8, "matmul_small takes x's rows as the 8 rows g = lane / 4 of its mma fragments"
+assert ATT_THREADS == 32 * ATT_TILE // 16, "a warp of the training attention kernels owns 16 rows of a tile"
+
+
+def rmsnorm_chunks(bf16):
+    """The K of rmsnorm.cu's register kernels in the bf16 (8 elements a chunk) or float32 (4) build."""
+    return tuple(k for k in RMSNORM_CHUNKS if k * (8 if bf16 else 4) <= 32)
+
+
+def rmsnorm_backward_blocks(K, bf16):
+    """Blocks an SM of rmsnorm_backward_k{K}, its __launch_bounds__ and its grid: 2 (at most 128 registers a
+    thread) where ptxas fits that without spills, bf16 up to K = 3 and float32 up to K = 4, else 1."""
+    return 2 if K <= (3 if bf16 else 4) else 1
+
+
+def module_variants(name):
+    """The define sets layers.py compiles kernels/<name>.cu with, besides its constants: one per element type
+    (ACT_BF16=1: bf16 activations), and for attention.cu also the 3xTF32 kernels (ATT_PRECISE=1)."""
+    if name == "decoding":  # float32 logits and int32 ids only
+        return ((),)
+    variants = ((), ("ACT_BF16=1",))
+    if name == "attention":
+        variants += (("ATT_PRECISE=1",), ("ACT_BF16=1", "ATT_PRECISE=1"))
+    return variants
+
+
+def module_defines(name, variant=()):
+    """Every define ("NAME=value") kernels/<name>.cu is compiled with in `variant` (one of module_variants):
+    the numbers it shares with Python, then the variant's."""
+    bf16 = "ACT_BF16=1" in variant
+    shared = {
+        "matmul": {"FEW_ROWS": FEW_ROWS, "MATMUL_SMALL_WARPS": MATMUL_SMALL_WARPS,
+                   "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS},
+        "rope": {"ROPE_HEADS": ROPE_HEADS},
+        "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS},
+        "rmsnorm": {f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)},
+    }.get(name, {})
+    return tuple(f"{key}={value}" for key, value in shared.items()) + tuple(variant)
