@@ -11,11 +11,10 @@ def configure_cpu_runtime():
     - The CPU engine runs its own loops on numba's thread pool and its large matmuls on OpenBLAS's, on the
       same cores, one after the other: each pool must get out of the other's way when its work is done.
       numba's default (OpenMP) workers and OpenBLAS's (for up to 2^28 cycles, by default) spin-wait after
-      their work, which slowed a training step of `small` on 2 cores by 1.4x to 2x. numba's workqueue layer
-      and a short OpenBLAS timeout make idle threads sleep.
+      their work; numba's workqueue layer and a short OpenBLAS timeout make idle threads sleep.
     - On CPUs with AVX-512, LLVM still vectorises with 256-bit registers unless told otherwise (a tuning
-      for older chips that slowed down in 512-bit code). The CPU engine's loops are arithmetic-bound
-      (exp, softmax, attention's products); 512-bit ones made a training step of `small` 1.3x faster.
+      for older chips that slowed down in 512-bit code); the CPU engine's loops are arithmetic-bound (exp,
+      softmax, attention's products), so they get 512-bit registers. docs/benchmarks.md has what each gave.
 
     When it takes effect: OPENBLAS_THREAD_TIMEOUT is read once, when NumPy loads OpenBLAS, so it only counts
     if NumPy was not imported yet; nothing can change it later. numba's settings count as long as numba has

@@ -89,15 +89,21 @@ class ExampleBatches:
         return make_batch([self.examples[i] for i in self.picks()], self.context, self.K)
 
 
+def held_out_groups(n, batch, limit=None):
+    """Indices 0..n-1 in consecutive groups of `batch` (the last may be short); with `limit`, that many of the
+    groups, spread evenly: the held-out batches of SFT and DPO, all of them or a cheaper sample."""
+    groups = [np.arange(i, min(i + batch, n)) for i in range(0, n, batch)]
+    if limit is not None and limit < len(groups):
+        groups = [groups[i] for i in np.linspace(0, len(groups) - 1, limit).round().astype(int)]
+    return groups
+
+
 def eval_batches(examples, byte_len, batch, context, K, limit=None):
     """(inputs, targets, n_bytes) batches over the held-out examples, in order; n_bytes counts the bytes of
     the supervised head-0 targets (for bits per byte). With `limit`, that many batches spread evenly."""
-    groups = [examples[i:i + batch] for i in range(0, len(examples), batch)]
-    if limit is not None and limit < len(groups):
-        groups = [groups[i] for i in np.linspace(0, len(groups) - 1, limit).round().astype(int)]
     out = []
-    for group in groups:
-        inputs, targets = make_batch(group, context, K)
+    for group in held_out_groups(len(examples), batch, limit):
+        inputs, targets = make_batch([examples[i] for i in group], context, K)
         valid = targets[0][targets[0] >= 0]
         out.append((inputs, targets, int(byte_len[valid].sum())))
     return out

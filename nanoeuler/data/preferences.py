@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nanoeuler.data import template
-from nanoeuler.data.instructions import ExampleBatches, make_batch
+from nanoeuler.data.instructions import ExampleBatches, held_out_groups, make_batch
 from nanoeuler.errors import UserError
 
 DEFAULT_DATA = "data/preferences.jsonl"
@@ -112,13 +112,10 @@ class PairBatches(ExampleBatches):
 
 def pair_eval_batches(pairs, ref, batch, context, K, limit=None):
     """(inputs, targets, ref) batches over the held-out pairs, in order; with `limit`, that many spread evenly."""
-    groups = [list(range(i, min(i + batch, len(pairs)))) for i in range(0, len(pairs), batch)]
-    if limit is not None and limit < len(groups):
-        groups = [groups[i] for i in np.linspace(0, len(groups) - 1, limit).round().astype(int)]
     out = []
-    for g in groups:
-        inputs, targets = pair_batch([pairs[i] for i in g], context, K)
-        out.append((inputs, targets, np.concatenate([ref[g, 0], ref[g, 1]])))
+    for group in held_out_groups(len(pairs), batch, limit):
+        inputs, targets = pair_batch([pairs[i] for i in group], context, K)
+        out.append((inputs, targets, np.concatenate([ref[group, 0], ref[group, 1]])))
     return out
 
 

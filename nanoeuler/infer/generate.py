@@ -10,6 +10,7 @@ Tokens are streamed as they come, through an incremental UTF-8 decoder so a char
 is printed whole.
 """
 import codecs
+import contextlib
 import os
 import sys
 import time
@@ -33,15 +34,10 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
     if speculative:
         yield from speculate(eng, prompt_ids, max_new_tokens, temperature, top_k, top_p, rng, stop_ids, stats)
         return
-    ctx = eng.cfg.context
-    keep = ctx - ctx // 4
+    ctx, keep = eng.cfg.context, _kept(eng.cfg.context)
     rng = rng if rng is not None else np.random.default_rng()
     greedy = temperature == 0
-    history = list(prompt_ids)
-    assert history, "generation needs at least one token to condition on"
-    decoder = eng.decoder
-    cache = decoder.new_cache(1)
-    try:
+    with _generation(eng, prompt_ids) as (decoder, cache, history):
         out = _prefill(decoder, cache, history[-ctx:], False, greedy)
         ahead = [int(out)] if greedy else []  # greedy ids decoded and not yet yielded
         for i in range(max_new_tokens):
@@ -62,8 +58,6 @@ def generate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.
                 ahead = ahead.reshape(-1).tolist()
             else:
                 out = decoder.logits(cache, np.array([[token]], dtype=np.int32))[0]
-    finally:
-        decoder.release(cache)
 
 
 def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, rng=None, stop_ids=(),
@@ -81,8 +75,7 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     (verifying forwards), `drafted`, `accepted`, `tokens`, and `per_head`: for heads 1..K-1, [proposals
     verified, proposals accepted] (a head's proposal is verified when the ones before it were accepted)."""
     check_speculative(eng)
-    K, ctx = eng.cfg.mtp_heads, eng.cfg.context
-    keep = ctx - ctx // 4
+    K, ctx, keep = eng.cfg.mtp_heads, eng.cfg.context, _kept(eng.cfg.context)
     rng = rng if rng is not None else np.random.default_rng()
     greedy = temperature == 0
     dist = lambda logits: distribution(logits, temperature, top_k, top_p)
@@ -91,11 +84,7 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     for key in ("steps", "drafted", "accepted", "tokens"):
         stats.setdefault(key, 0)
     stats.setdefault("per_head", [[0, 0] for _ in range(K - 1)])
-    history = list(prompt_ids)
-    assert history, "generation needs at least one token to condition on"
-    decoder = eng.decoder
-    cache = decoder.new_cache(1)
-    try:
+    with _generation(eng, prompt_ids) as (decoder, cache, history):
         heads = _prefill(decoder, cache, history[-ctx:], True, greedy)  # (K,) ids or (K, V) logits
         first = None  # the next token when already decided (a replacement for a rejected proposal)
         emitted = 0
@@ -154,8 +143,25 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
                     return
                 history.append(token)
             first = replacement
+
+
+@contextlib.contextmanager
+def _generation(eng, prompt_ids):
+    """(decoder, a KV cache for one sequence, the token history) of one generation; the cache is handed back
+    at its end."""
+    history = list(prompt_ids)
+    assert history, "generation needs at least one token to condition on"
+    decoder = eng.decoder
+    cache = decoder.new_cache(1)
+    try:
+        yield decoder, cache, history
     finally:
         decoder.release(cache)
+
+
+def _kept(context):
+    """The tokens a full cache keeps when generation slides its window: the last three quarters."""
+    return context - context // 4
 
 
 def _prefill(decoder, cache, ids, all_heads, greedy):
