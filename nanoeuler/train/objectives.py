@@ -116,7 +116,7 @@ def dpo_loss(z, pairs):
 
 def dpo_row_weights(z, beta, pairs):
     """(2P,): d loss / d loss_s of each row's head-0 cross-entropy, chosen rows first."""
-    w = beta / (1.0 + np.exp(z)) / pairs  # beta * sigmoid(-z) / pairs
+    w = beta * (1.0 / (1.0 + np.exp(z))) / pairs  # beta * sigmoid(-z) / pairs
     return np.concatenate([w, -w])
 
 

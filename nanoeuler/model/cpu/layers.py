@@ -180,8 +180,13 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
 
 # ------------------------------------------------------------------------------------------------ rope
 @njit(**pjit)
-def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
-    """The rotation by sign * angle, in place: (x1, x2) -> (x1 cos - sign x2 sin, x2 cos + sign x1 sin)."""
+def rope_forward(qkv, cos, sin, n_rot_heads, pos):
+    """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos[0] + t. pos is
+    a one-element int32 array, not a number: the GPU kernel reads it from device memory, so that a decoding
+    step recorded once as a CUDA graph serves every position.
+
+    Element i pairs with i + D/2:  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
+    """
     B, T, _, D = qkv.shape
     half = D // 2
     for bt in prange(B * T):
@@ -191,24 +196,24 @@ def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
             for i in range(half):
                 x1 = qkv[b, t, h, i]
                 x2 = qkv[b, t, h, i + half]
-                c, s = cos[p, i], sign * sin[p, i]
-                qkv[b, t, h, i] = x1 * c - x2 * s
-                qkv[b, t, h, i + half] = x2 * c + x1 * s
+                qkv[b, t, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
+                qkv[b, t, h, i + half] = x2 * cos[p, i] + x1 * sin[p, i]
 
 
-def rope_forward(qkv, cos, sin, n_rot_heads, pos):
-    """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos[0] + t. pos is
-    a one-element int32 array, not a number: the GPU kernel reads it from device memory, so that a decoding
-    step recorded once as a CUDA graph serves every position.
-
-    Element i pairs with i + D/2:  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
-    """
-    _rope(qkv, cos, sin, n_rot_heads, pos, 1.0)
-
-
+@njit(**pjit)
 def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
     """In place: the transpose of the rotation, (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin)."""
-    _rope(dqkv, cos, sin, n_rot_heads, pos, -1.0)
+    B, T, _, D = dqkv.shape
+    half = D // 2
+    for bt in prange(B * T):
+        b, t = bt // T, bt % T
+        p = pos[0] + t
+        for h in range(n_rot_heads):
+            for i in range(half):
+                d1 = dqkv[b, t, h, i]
+                d2 = dqkv[b, t, h, i + half]
+                dqkv[b, t, h, i] = d1 * cos[p, i] + d2 * sin[p, i]
+                dqkv[b, t, h, i + half] = d2 * cos[p, i] - d1 * sin[p, i]
 
 
 # ------------------------------------------------------------------------------------------- attention
