@@ -37,15 +37,37 @@ class Stage:
     kind = command = None
     parallel = True  # data parallelism over ranks (--gpus)
 
-    def begin(self, run): ...
-    def load(self, run): ...
-    def ready(self, run): ...
-    def origin(self, run): ...
-    def plan(self, run): ...
-    def objective(self, run): ...
-    def train_state(self, run): return {}
-    def fit_options(self, run): return {}
-    def done(self, run): return f"saved {run.out}"
+    def begin(self, run):
+        """Which model and data: set run.cfg (for the device rule), run.hyper, and run.params (new runs)."""
+        raise NotImplementedError
+
+    def load(self, run):
+        """Set run.cfg, run.tok, and (unless ready does) run.source, run.val_quick, run.val_full."""
+        raise NotImplementedError
+
+    def ready(self, run):
+        """Work that needs run.eng, before training starts."""
+
+    def origin(self, run):
+        """Where the weights come from, for the model banner."""
+        raise NotImplementedError
+
+    def plan(self, run):
+        """(what the run does, what a batch holds), for the schedule banner."""
+        raise NotImplementedError
+
+    def objective(self, run):
+        raise NotImplementedError
+
+    def train_state(self, run):
+        """What --resume needs beyond the loop's own state."""
+        return {}
+
+    def fit_options(self, run):
+        return {}
+
+    def done(self, run):
+        return f"saved {run.out}"
 
 
 class Run:
