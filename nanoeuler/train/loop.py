@@ -54,7 +54,6 @@ class Hyperparameters:
     grad_accum: int = 1           # forward/backward passes of batch_size per optimizer step
 
 
-
 def lr_at(hp, step):
     """Learning rate for 0-based step: linear warmup over hp.warmup steps, the peak held until the last
     decay_frac of the steps, then a cosine decay to lr * min_lr_ratio (decay_frac 1: right after the warmup)."""
@@ -68,7 +67,6 @@ def lr_at(hp, step):
 def schedule_text(hp):
     decay = f" over the last {hp.decay_frac:.0%} of the steps" if hp.decay_frac < 1 else ""
     return f"cosine to {hp.lr * hp.min_lr_ratio:g}{decay}"
-
 
 
 class StopOnInterrupt:
