@@ -24,7 +24,7 @@ import importlib
 import os
 import sys
 
-from nanoeuler import configure_cpu_runtime
+from nanoeuler import __version__, configure_cpu_runtime
 from nanoeuler.errors import ENDINGS, UserError, exit_status
 
 
@@ -43,21 +43,22 @@ def _int_at_least(minimum):
 _positive_int, _nonneg_int = _int_at_least(1), _int_at_least(0)
 
 
-def _nonneg_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+def _float_at_least(minimum, inclusive):
+    """A parser of finite numbers >= minimum (> minimum unless inclusive), whose error says which."""
+    bound = f"{'>=' if inclusive else '>'} {minimum:g}"
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value >= minimum if inclusive else value > minimum) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+    return parse
 
 
-def _positive_float(text):
-    value = _nonneg_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be greater than 0")
-    return value
+_nonneg_float, _positive_float = _float_at_least(0, inclusive=True), _float_at_least(0, inclusive=False)
 
 
 def _port(text):
@@ -83,9 +84,10 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _device_flag(p):
-    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="engine: auto takes the GPU when there is one (train small: the CPU)")
+def _device_flag(p, training=True):
+    rule = ("the GPU when there is one, but models of at most 4M parameters (small) train on the CPU"
+            if training else "the GPU when there is one")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto", help=f"engine: auto takes {rule}")
 
 
 def _run_flags(p, out, unit, steps, batch, lr):
@@ -121,7 +123,8 @@ def _parallel_flags(p):
 
 def _sampling_flags(p):
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
-    p.add_argument("--max-new-tokens", type=_nonneg_int, default=200)
+    p.add_argument("--max-new-tokens", type=_nonneg_int, default=200,
+                   help="tokens to generate at most; generation also stops at </s> (default 200)")
     p.add_argument("--temperature", type=_nonneg_float, default=0.8, help="0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=_nonneg_int, default=0, help="sample among the K likeliest (0: all)")
     p.add_argument("--top-p", type=_probability, default=0.95, help="nucleus sampling mass (default 0.95)")
@@ -130,16 +133,17 @@ def _sampling_flags(p):
                    help="self-speculative decoding: heads 1..K-1 draft, one forward verifies (same output "
                         "distribution; greedy output identical)")
     p.add_argument("--stats", action="store_true", help="print tokens/s (and accepted drafts) on stderr")
-    _device_flag(p)
+    _device_flag(p, training=False)
 
 
 def build_parser():
     parser = _Parser(prog="nanoeuler", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"nanoeuler {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("check", help="verify every backward pass against finite differences")
     p.add_argument("--gpu", action="store_true", help="check the GPU kernels against the CPU engine")
-    p.add_argument("--seed", type=_nonneg_int, default=0)
+    p.add_argument("--seed", type=_nonneg_int, default=0, help="the random problems' seed (default 0)")
     p.add_argument("--samples", type=_positive_int, default=8, help="entries sampled per tensor")
 
     p = sub.add_parser("train", help="pretrain a model on a text corpus")
@@ -193,7 +197,7 @@ def build_parser():
                    help="requests generated together, in turns, each with its own KV cache (default 16)")
     p.add_argument("--queue", type=_nonneg_int, default=64,
                    help="requests that may wait for a slot; beyond that the server answers 503 (default 64)")
-    _device_flag(p)
+    _device_flag(p, training=False)
 
     p = sub.add_parser("tokenizer", help="byte-level BPE: train one, encode, decode")
     tok = p.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -114,6 +114,15 @@ def test_out_of_range_flags(args, needle):
     _one_line_error(run_cli(*args), needle)
 
 
+def test_a_rate_of_zero_is_refused_as_not_above_zero():
+    _one_line_error(run_cli("train", "--lr", "-1"), "--lr", "must be a finite number > 0, got -1")
+
+
+def test_version():
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip().startswith("nanoeuler ") and r.stdout.split()[1][0].isdigit()
+
+
 @pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("command", ["train", "infer", "chat"])
 def test_device_gpu_without_a_gpu(command, tiny_ckpt, corpus, tmp_path):

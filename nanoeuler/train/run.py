@@ -202,7 +202,8 @@ def run_hyper(args, ck, fresh, world_size=1):
             base = dataclasses.replace(base, batch_size=total // world_size)
     hp = hyper_with_flags(base, args)
     if ck is not None and ck.step >= hp.steps:
-        raise UserError(f"--resume: {args.out} has finished its {hp.steps} steps; pass --steps N to train longer")
+        raise UserError(f"--resume: {args.out} is at step {ck.step}, --steps {hp.steps} is no further; pass --steps N "
+                        f"above {ck.step} to train longer")
     return hp
 
 
