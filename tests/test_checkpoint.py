@@ -215,3 +215,16 @@ def test_atomic_write_turns_os_errors_into_one_line(tmp_path):
     assert os.listdir(tmp_path) == []
     files.atomic_write(tmp_path / "x.json", lambda f: f.write("{}"), mode="w")
     assert (tmp_path / "x.json").read_text() == "{}"
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    """A run killed between writing and renaming leaves `<name>.tmp<pid>.bin`: the next start removes those of
+    processes that no longer exist, and leaves a live process's and every other file alone."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    names = [f"nanoeuler.tmp{dead}.bin", f"nanoeuler.tmp{os.getpid()}.bin", "nanoeuler.bin", "other.tmp1.bin",
+             "nanoeuler.tmpx.bin"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert files.remove_stale_temporaries(tmp_path / "nanoeuler.bin") == [f"nanoeuler.tmp{dead}.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

@@ -23,6 +23,31 @@ def _tmp_name(path):
     return f"{root}.tmp{os.getpid()}{ext}"
 
 
+def remove_stale_temporaries(path):
+    """Remove the temporaries of `path` (`<root>.tmp<pid><ext>`) left by processes that no longer exist (a kill
+    between the write and the rename); a live process's are its own business. Returns the names removed."""
+    path = os.fspath(path)
+    root, ext = os.path.splitext(os.path.basename(path))
+    directory = os.path.dirname(os.path.abspath(path))
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name[len(root) + 4:len(name) - len(ext)] if ext else name[len(root) + 4:]
+            if not (name.startswith(root + ".tmp") and name.endswith(ext) and pid.isdigit()):
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue  # alive (or not ours to signal): leave it
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
 def _fsync_dir(directory):
     # Makes the rename durable; not every platform or file system lets a directory be opened and fsynced,
     # and by now the file is complete under its name, so a failure here is not an error.

@@ -22,7 +22,7 @@ import time
 
 from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
-from nanoeuler.io.files import check_writable
+from nanoeuler.io.files import check_writable, remove_stale_temporaries
 from nanoeuler.model.config import param_count
 from nanoeuler.model.device import resolve, wants_gpu
 from nanoeuler.model.engine import make_engine
@@ -216,6 +216,7 @@ def run_device(args, cfg, out, log_path, world_size=1):
         raise UserError(f"--precision {args.precision}: the CPU engine computes in fp32 only")
     for path in (out, log_path, os.path.splitext(log_path)[0] + ".png"):
         check_writable(path)
+        remove_stale_temporaries(path)  # a run killed mid-write leaves its temporary behind
     return device
 
 
