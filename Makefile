@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# an existing nanoeuler.bin is never replaced unasked: OVERWRITE=1 starts afresh over it
 train: $(STAMP)
-	$(PY) -m nanoeuler train small --data shakespeare.txt
+	@if [ -f nanoeuler.bin ] && [ -z "$(OVERWRITE)" ]; then echo "make train: nanoeuler.bin exists and is kept;" \
+		"continue it with '.venv/bin/nanoeuler train --resume', or start afresh with 'make train OVERWRITE=1'"; exit 2; fi
+	$(PY) -m nanoeuler train small --data shakespeare.txt $(if $(OVERWRITE),--overwrite)
 
 check: $(STAMP)
 	$(PY) -m nanoeuler check

@@ -94,6 +94,8 @@ def _run_flags(p, out, unit, steps, batch, lr):
     """The flags of a training run that train, sft and dpo share (defaults: the command's own)."""
     p.add_argument("--out", default=out, help=f"checkpoint to write (default {out})")
     p.add_argument("--resume", action="store_true", help="continue the checkpoint at --out exactly")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh even though --out holds a checkpoint (replaced at the first checkpoint)")
     p.add_argument("--log", help="JSONL metrics log (default: --out with .jsonl); the PNG curve goes beside it")
     p.add_argument("--steps", type=_positive_int, help=f"total optimizer steps{steps}")
     p.add_argument("--batch-size", type=_positive_int, help=f"{unit} per batch{batch}")

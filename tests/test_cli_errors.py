@@ -136,6 +136,23 @@ def test_resume_with_nothing_to_resume(tmp_path):
     _one_line_error(run_cli("train", "--resume", "--out", tmp_path / "none.bin"), "nothing to resume")
 
 
+@pytest.mark.parametrize("command", ["train", "sft", "dpo"])
+def test_a_fresh_run_never_replaces_a_checkpoint_unasked(command, tiny_ckpt, corpus, tmp_path):
+    """A fresh run whose --out holds a file refuses before any work; --out equal to --ckpt is refused even
+    with --overwrite; the files stay as they were."""
+    out = tmp_path / "kept.bin"
+    out.write_bytes(b"a run's checkpoint")
+    data = ["--data", corpus] if command == "train" else ["--ckpt", tiny_ckpt]
+    _one_line_error(run_cli(command, *data, "--out", out, "--device", "cpu"), f"{out} exists", "--resume",
+                    "--overwrite")
+    assert out.read_bytes() == b"a run's checkpoint"
+    if command != "train":
+        before = _digest(tiny_ckpt)
+        _one_line_error(run_cli(command, "--ckpt", tiny_ckpt, "--out", tiny_ckpt, "--overwrite", "--device", "cpu"),
+                        "is the checkpoint this run starts from")
+        assert _digest(tiny_ckpt) == before
+
+
 # ------------------------------------------------------------------------------------------ process setup
 
 SPY = textwrap.dedent("""

@@ -91,6 +91,8 @@ def test_resume_rewinds_the_log_to_the_checkpoint(tiny_preset, corpus, tokenizer
     assert log[10]["loss"] != 1.0
     with pytest.raises(UserError, match="is at step 12, --steps 8 is no further; pass --steps N above 12"):
         _train("--resume", "--out", tmp_path / "a.bin", "--steps", 8, "--device", "cpu")
+    assert _train(*common, "--steps", 4, "--overwrite") == 0  # afresh over the finished run
+    assert [r["step"] for r in _log(tmp_path / "a.jsonl")] == [1, 2, 3, 4]
 
 
 def test_metrics_log_and_loss_curve(tiny_preset, corpus, tokenizer, tokenizer_file, tmp_path, capsys):

@@ -113,6 +113,11 @@ def run_stage(stage, args):
         raise UserError(f"{stage.command} runs in one process; data parallelism (--gpus) is for train and sft")
     if args.resume:
         run.ck = load_for_resume(run.out, stage.kind, stage.command)
+    elif os.path.isfile(run.out) and not args.overwrite:
+        raise UserError(f"{run.out} exists: --resume continues it, --overwrite starts afresh and replaces it, "
+                        "--out FILE writes elsewhere")
+    if os.path.abspath(run.out) == os.path.abspath(getattr(args, "ckpt", None) or ""):
+        raise UserError(f"--out {run.out} is the checkpoint this run starts from (--ckpt); name another file")
     stage.begin(run)
     run.hp = run_hyper(args, run.ck, run.hyper, run.world.world_size)
     run.device = run_device(args, run.cfg, run.out, run.log_path, run.world.world_size)
@@ -141,8 +146,6 @@ def run_stage(stage, args):
             f"{eng.precision}{slow}")
     verb, unit = stage.plan(run)
     run.say(f"{verb}: steps {run.start_step + 1}..{hp.steps} of {run.batch_text()}{unit}, {run.schedule()}")
-    if run.world.is_main and ck is None and os.path.exists(run.out):
-        print(f"note: {run.out} exists and will be replaced at the first checkpoint (--resume continues it)")
     sys.stdout.flush()
     t0 = time.perf_counter()
     status = fit(eng, run.tok, run.source, run.val_quick, run.val_full, hp, run.out, run.log_path,
