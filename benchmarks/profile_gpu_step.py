@@ -13,7 +13,6 @@ import collections
 import functools
 import time
 
-import numpy as np
 
 from nanoeuler.model.config import PRESETS
 from nanoeuler.model.optimizer import AdamW

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import run_cli, tiny_config
+from conftest import tiny_config
 from nanoeuler.io import checkpoint
 from nanoeuler.model import device
 from nanoeuler.train import loop, pretrain as train
