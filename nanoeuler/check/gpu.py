@@ -324,6 +324,23 @@ def check_attention(c, L, R):
             label = f"attention_cached{c.tag} D={D} slots {rows_of.tolist()} at {pos.tolist()} n={n}"
             out += [(label, rel_err(c.get(go), ref_o), c.tol), (f"{label} lse", rel_err(c.get(glse), ref_lse), c.tol)]
         out.append((f"attention_cached{c.tag} D={D} slots: the cache", rel_err(c.get(g_slots), ref_slots), c.tol))
+    # batch invariance: a row's bits are the same decoded alone (a block a query head) and among 12 rows (a
+    # block a kv head's query heads), for kv groups of 2 and 4 query heads and of 5 (more than a block takes)
+    rows, context, D = 12, 70, 64
+    for H, G in ((4, 2), (8, 2), (10, 2)):
+        cache, qkv = c.act(c.normal(rows, context, 2 * G, D)), c.act(c.normal(rows, 1, H + 2 * G, D))
+        pos = c.rng.integers(0, context - 1, rows).astype(np.int32)
+        go, glse = c.poisoned(rows, 1, H, D), c.poisoned32(rows, H, 1)
+        L.attention_cached(go, glse, c.dev(qkv), c.dev(cache), H, G, c.cp.asarray(pos),
+                           c.cp.arange(rows, dtype=np.int32))
+        together, together_lse, same = c.get(go), c.get(glse), True
+        for r in range(rows):
+            go, glse = c.poisoned(1, 1, H, D), c.poisoned32(1, H, 1)
+            L.attention_cached(go, glse, c.dev(qkv[r:r + 1]), c.dev(cache), H, G, c.cp.asarray(pos[r:r + 1]),
+                               c.cp.full(1, r, dtype=np.int32))
+            same &= bool(np.array_equal(c.get(go)[0], together[r]) and np.array_equal(c.get(glse)[0], together_lse[r]))
+        out.append((f"attention_cached{c.tag} H={H} G={G}: a row's bits alone and among {rows} rows",
+                    0.0 if same else math.inf, c.tol))
     return out
 
 

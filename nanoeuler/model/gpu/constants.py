@@ -19,11 +19,12 @@ ROPE_HEADS = 4
 ATT_TILE = 64      # the rows of a query or key tile
 ATT_THREADS = 128  # a training block: a warp per 16 rows of a tile
 ATT_WARPS = 16     # an attention_cached block (one query row), its warps splitting the keys
-# ... for steps of more than ATT_CACHED_FEW_ROWS rows, ATT_CACHED_WARPS_MANY warps a block, each taking the
-# work of ATT_WARPS / that many (the same bits): 8 times the blocks resident where many rows make many blocks
-# (64 rows of `base` at 130 keys: 26.2 us a layer with 16 warps, 15.0 with 4; docs/decoding.md)
+# ... for steps of more than ATT_CACHED_FEW_ROWS rows, a block a kv head's query heads (at most
+# ATT_CACHED_GROUP), which share its key and value loads, of ATT_CACHED_WARPS_MANY warps, each taking the work
+# of ATT_WARPS / that many (the same bits): more blocks resident where many rows make many blocks
 ATT_CACHED_FEW_ROWS = 8
-ATT_CACHED_WARPS_MANY = 2
+ATT_CACHED_GROUP = 4
+ATT_CACHED_WARPS_MANY = 4
 # decoding.cu: the threads of a sample_rows block (one row of logits)
 SAMPLE_THREADS = 256
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
@@ -64,7 +65,8 @@ def module_defines(name, variant=()):
         "matmul": {"FEW_ROWS": FEW_ROWS, "MATMUL_SMALL_WARPS": MATMUL_SMALL_WARPS,
                    "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
-        "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS},
+        "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,
+                      "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY},
         "rmsnorm": {f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)},
     }.get(name, {})
     return tuple(f"{key}={value}" for key, value in shared.items()) + tuple(variant)

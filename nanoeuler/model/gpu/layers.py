@@ -29,8 +29,8 @@ import cupy
 import numpy as np
 from cupy.cuda import cublas, runtime
 
-from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_WARPS_MANY, ATT_THREADS, ATT_TILE,
-                                           ATT_WARPS, KERNELS, MATMUL_SMALL_LOADS,
+from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
+                                           ATT_THREADS, ATT_TILE, ATT_WARPS, KERNELS, MATMUL_SMALL_LOADS,
                                            MATMUL_SMALL_WARPS, ROPE_HEADS, SAMPLE_THREADS, module_defines,
                                            rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.limits import FEW_ROWS
@@ -429,8 +429,8 @@ def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos, slots=None)
     """Decoding: qkv (B, n, H+2G, D)'s k and v heads (k rotated already) into the KV cache (S, context, 2G, D)
     at positions p.., and attention of its queries to the cache's positions 0..p+t, where p is pos[0] (every
     sequence) or pos[b] (a position a sequence) and sequence b's cache row is slots[b] (b where slots is
-    None). out (B, n, H, D), lse (B, H, n). One kernel, a block a query row and head, whose warps split the
-    keys."""
+    None). out (B, n, H, D), lse (B, H, n). One kernel, a block a query row and head (a few rows) or a query
+    row and kv head (many rows: its query heads share the key and value loads), whose warps split the keys."""
     _check(out, qkv, cache, act=qkv)
     _check(lse)
     B, n, NH, D = qkv.shape
@@ -439,9 +439,12 @@ def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos, slots=None)
     assert pos.size in (1, B) and (cache.shape[0] == B if slots is None else slots.shape == (B,))
     if slots is not None:
         assert slots.dtype == np.int32 and slots.flags.c_contiguous
-    warps = ATT_WARPS if B * n <= ATT_CACHED_FEW_ROWS else ATT_CACHED_WARPS_MANY  # the same bits either way
-    _launch(_kernel("attention", f"attention_cached_d{D}", _act_defines(qkv)),
-        (n_heads, B * n), (32 * warps,),
+    # a few rows: a block a query head, all its warps (latency); many: a block a kv head's query heads, which
+    # share the loads of its keys and values, fewer warps (throughput). The same bits either way.
+    grouped = B * n > ATT_CACHED_FEW_ROWS and n_heads // n_kv_heads <= ATT_CACHED_GROUP
+    warps = ATT_WARPS if B * n <= ATT_CACHED_FEW_ROWS else ATT_CACHED_WARPS_MANY
+    _launch(_kernel("attention", f"attention_cached{'_group' if grouped else ''}_d{D}", _act_defines(qkv)),
+        (n_kv_heads if grouped else n_heads, B * n), (32 * warps,),
         (out, lse, qkv, cache, _position(pos), _i32(pos.size > 1), np.uint64(0) if slots is None else slots,
          _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
 

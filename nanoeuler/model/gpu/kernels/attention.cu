@@ -31,8 +31,9 @@
 // Either way P and dS go from accumulators to operands without shuffles or a trip through memory.
 #include "common.cuh"
 
-#if !defined(ATT_TILE) || !defined(ATT_THREADS) || !defined(ATT_WARPS)
-#error "ATT_TILE, ATT_THREADS and ATT_WARPS come from nanoeuler/model/gpu/constants.py"
+#if !defined(ATT_TILE) || !defined(ATT_THREADS) || !defined(ATT_WARPS) || !defined(ATT_CACHED_GROUP) ||         \
+    !defined(ATT_CACHED_WARPS_MANY)
+#error "ATT_TILE, ATT_THREADS, ATT_WARPS and ATT_CACHED_* come from nanoeuler/model/gpu/constants.py"
 #endif
 static_assert(ATT_THREADS == 32 * ATT_TILE / 16, "a warp owns 16 rows of a tile");
 // Blocks an SM keeps of each backward kernel: the most whose registers fit without spills (docs/gpu-engine.md)
@@ -768,13 +769,15 @@ ATTENTION_LAUNCH(32)
 // values, read from qkv (so no block waits for another to store them). out (B, n, H, D), lse (B, H, n).
 //
 // Bound by the latency of its loads (a few rows against a few hundred keys), not by arithmetic. Block
-// (h, b * n + t) takes query row t of sequence b, head h; its ATT_WARPS warps split the keys in chunks of 32,
+// (h, b * n + t) takes query row t of sequence b, head h (or, for many rows, block (kv head, b * n + t) takes
+// the kv head's query heads, which then share each key's and value's load: a third of the bytes for `base`);
+// its ATT_WARPS (virtual) warps split the keys in chunks of 32,
 // chunk c to warp c % ATT_WARPS, a key a lane: the lane loads its key's row and the chunk's value rows of its
 // dims (all at once, into registers), scores the query against its key, and the warp keeps running softmax
 // statistics and output over its chunks (flash-decoding); the warps' results then meet in shared memory,
 // merged in warp order. Every sum runs in an order fixed by the key positions alone, so a row gets the same
 // bits decoded alone or with others (a block a row: docs/gpu-engine.md says why). The blocks of the first
-// query head of each kv group append their row's new k and v to the cache.
+// query head of each kv group (every block, for many rows) append their row's new k and v to the cache.
 #define ATT_CHUNK 32
 #define ATT_CACHED_THREADS (32 * ATT_WARPS)
 
@@ -803,29 +806,34 @@ struct ValueSlice {
 #endif
 };
 
-template <int D>
+// QH query heads a block: 1 (block (h, row)), or the H / G heads of kv head blockIdx.x (at most QH), which
+// then share each key and value load. A head's arithmetic is the same either way.
+template <int D, int QH>
 __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, float* __restrict__ lse,
                                                        const act_t* __restrict__ qkv, act_t* __restrict__ cache,
                                                        const int* __restrict__ pos, int pos_stride,
                                                        const int* __restrict__ slots, int n, int S, int H, int G,
                                                        float scale) {
     constexpr int DL = D / 32, KP = D / PACK;  // output dims a lane, 16-byte loads a key
-    __shared__ float q_s[D];
-    __shared__ float part_s[ATT_WARPS][D + 2];  // each warp's (output, max, sum)
-    const int h = blockIdx.x, b = blockIdx.y / n, t = blockIdx.y % n;
+    __shared__ float q_s[QH][D];
+    __shared__ float part_s[ATT_WARPS][QH][D + 2];  // each warp's (output, max, sum) of each head
+    const int group = H / G, heads = QH == 1 ? 1 : group;  // this block's query heads: h0, h0 + 1, ...
+    const int h0 = QH == 1 ? blockIdx.x : blockIdx.x * group, b = blockIdx.y / n, t = blockIdx.y % n;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long NHD = (long long)(H + 2 * G) * D;
     let_next_launch();
     wait_for_inputs();
     // sequence b's position (its own, or the one of all) and cache row (its slot, or b)
-    const int p0 = pos[b * pos_stride], kvh = h / (H / G), E = 2 * G * D, last_key = p0 + t;
+    const int p0 = pos[b * pos_stride], kvh = h0 / group, E = 2 * G * D, last_key = p0 + t;
     act_t* cbase = cache + (long long)(slots ? slots[b] : b) * S * E + kvh * D;
     const act_t* nbase = qkv + (long long)b * n * NHD + H * D + kvh * D;  // row 0 of the new k heads
-    if (warp == 0) {  // the query row, scaled
-        const act_t* qrow = qkv + ((long long)b * n + t) * NHD + h * D;
-        for (int i = lane; i < D; i += 32) q_s[i] = to_float(qrow[i]) * scale;
+    if (warp == 0) {  // the query rows, scaled
+        for (int i = 0; i < heads; ++i) {
+            const act_t* qrow = qkv + ((long long)b * n + t) * NHD + (h0 + i) * D;
+            for (int d = lane; d < D; d += 32) q_s[i][d] = to_float(qrow[d]) * scale;
+        }
     }
-    if (h % (H / G) == 0 && warp == 1) {  // the row's new k and v into the cache
+    if (h0 % group == 0 && warp == 1) {  // the row's new k and v into the cache
         const uint4* src = reinterpret_cast<const uint4*>(nbase + t * NHD);
         uint4* dst = reinterpret_cast<uint4*>(cbase + (long long)(p0 + t) * E);
         if (lane < KP) dst[lane] = src[lane], dst[lane + G * KP] = src[lane + G * KP];  // k; v G heads on
@@ -836,9 +844,13 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
     // (all ATT_WARPS for a few rows: the latency of one; fewer for many: more blocks resident; layers.py).
     const int warps = blockDim.x >> 5;
     for (int vw = warp; vw < ATT_WARPS; vw += warps) {
-        float M = neg_inf(), L = 0.f, O[DL];  // this virtual warp's running statistics and output
+        float M[QH], L[QH], O[QH][DL];  // this virtual warp's running statistics and output, a head each
 #pragma unroll
-        for (int i = 0; i < DL; ++i) O[i] = 0.f;
+        for (int i = 0; i < QH; ++i) {
+            M[i] = neg_inf(), L[i] = 0.f;
+#pragma unroll
+            for (int d = 0; d < DL; ++d) O[i][d] = 0.f;
+        }
         for (int j0 = vw * ATT_CHUNK; j0 <= last_key; j0 += ATT_WARPS * ATT_CHUNK) {
             const int key = j0 + lane;
             // the lane's key (from the cache, or a new row), and the chunk's values of the lane's dims (DL from
@@ -856,64 +868,83 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
                 if (kj <= last_key) v[j].load(src + lane * DL);
                 else v[j].zero();
             }
-            float s = 0.f;
-#pragma unroll
-            for (int p = 0; p < KP; ++p) {
-                float kf[PACK];
-                unpack16(kf, kr[p]);
-#pragma unroll
-                for (int e = 0; e < PACK; ++e) s += q_s[p * PACK + e] * kf[e];
-            }
             const bool seen = key <= last_key;
-            s = seen ? s : neg_inf();
-            const float m = warp_max(s), pr = seen ? expf(s - m) : 0.f, l = warp_sum(pr);
-            float o[DL];
 #pragma unroll
-            for (int i = 0; i < DL; ++i) o[i] = 0.f;
+            for (int i = 0; i < QH; ++i) {
+                if (i >= heads) break;
+                float s = 0.f;
 #pragma unroll
-            for (int j = 0; j < ATT_CHUNK; ++j) {
-                const float pj = __shfl_sync(FULL_MASK, pr, j);
+                for (int p = 0; p < KP; ++p) {
+                    float kf[PACK];
+                    unpack16(kf, kr[p]);
 #pragma unroll
-                for (int i = 0; i < DL; ++i) o[i] += pj * v[j].get(i);
+                    for (int e = 0; e < PACK; ++e) s += q_s[i][p * PACK + e] * kf[e];
+                }
+                s = seen ? s : neg_inf();
+                const float m = warp_max(s), pr = seen ? expf(s - m) : 0.f, l = warp_sum(pr);
+                float o[DL];
+#pragma unroll
+                for (int d = 0; d < DL; ++d) o[d] = 0.f;
+#pragma unroll
+                for (int j = 0; j < ATT_CHUNK; ++j) {
+                    const float pj = __shfl_sync(FULL_MASK, pr, j);
+#pragma unroll
+                    for (int d = 0; d < DL; ++d) o[d] += pj * v[j].get(d);
+                }
+                // into the running statistics (with one chunk a warp, as for contexts up to 512, exactly)
+                const float Mn = fmaxf(M[i], m), a = expf(M[i] - Mn), c = expf(m - Mn);
+                L[i] = L[i] * a + l * c;
+#pragma unroll
+                for (int d = 0; d < DL; ++d) O[i][d] = O[i][d] * a + o[d] * c;
+                M[i] = Mn;
             }
-            // into the running statistics (with one chunk a warp, as for contexts up to 512, exactly)
-            const float Mn = fmaxf(M, m), a = expf(M - Mn), c = expf(m - Mn);
-            L = L * a + l * c;
-#pragma unroll
-            for (int i = 0; i < DL; ++i) O[i] = O[i] * a + o[i] * c;
-            M = Mn;
         }
 #pragma unroll
-        for (int i = 0; i < DL; ++i) part_s[vw][lane * DL + i] = O[i];
-        if (lane == 0) part_s[vw][D] = M, part_s[vw][D + 1] = L;
+        for (int i = 0; i < QH; ++i) {
+            if (i >= heads) break;
+#pragma unroll
+            for (int d = 0; d < DL; ++d) part_s[vw][i][lane * DL + d] = O[i][d];
+            if (lane == 0) part_s[vw][i][D] = M[i], part_s[vw][i][D + 1] = L[i];
+        }
     }
     __syncthreads();
-    if (warp != 0) return;
-    // the warps' results merged in warp order (warps with no key of the row hold max -inf)
-    float Mx = neg_inf();
-    for (int w = 0; w < ATT_WARPS; ++w) Mx = fmaxf(Mx, part_s[w][D]);
-    float Ls = 0.f, o[DL];
+    // each head's warps' results merged in warp order (warps with no key of the row hold max -inf), a warp a head
+    for (int i = warp; i < heads; i += warps) {
+        const int h = h0 + i;
+        float Mx = neg_inf();
+        for (int w = 0; w < ATT_WARPS; ++w) Mx = fmaxf(Mx, part_s[w][i][D]);
+        float Ls = 0.f, o[DL];
 #pragma unroll
-    for (int i = 0; i < DL; ++i) o[i] = 0.f;
-    for (int w = 0; w < ATT_WARPS; ++w) {
-        const float m = part_s[w][D];
-        if (m == neg_inf()) continue;
-        const float c = expf(m - Mx);
-        Ls += part_s[w][D + 1] * c;
+        for (int d = 0; d < DL; ++d) o[d] = 0.f;
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            const float m = part_s[w][i][D];
+            if (m == neg_inf()) continue;
+            const float c = expf(m - Mx);
+            Ls += part_s[w][i][D + 1] * c;
 #pragma unroll
-        for (int i = 0; i < DL; ++i) o[i] += part_s[w][lane * DL + i] * c;
+            for (int d = 0; d < DL; ++d) o[d] += part_s[w][i][lane * DL + d] * c;
+        }
+#pragma unroll
+        for (int d = 0; d < DL; ++d)
+            out[(((long long)b * n + t) * H + h) * D + lane * DL + d] = from_float<act_t>(o[d] / Ls);
+        if (lane == 0) lse[((long long)b * H + h) * n + t] = Mx + logf(Ls);
     }
-#pragma unroll
-    for (int i = 0; i < DL; ++i)
-        out[(((long long)b * n + t) * H + h) * D + lane * DL + i] = from_float<act_t>(o[i] / Ls);
-    if (lane == 0) lse[((long long)b * H + h) * n + t] = Mx + logf(Ls);
 }
 
+// Grid (H, B * n) (attention_cached_d<D>: a block a query head and row, at most ATT_WARPS warps) or (G, B * n)
+// (attention_cached_group_d<D>: a block a kv head's H / G <= ATT_CACHED_GROUP query heads and a row, of
+// ATT_CACHED_WARPS_MANY warps).
 #define ATTENTION_CACHED(D)                                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_CACHED_THREADS)                                          \
         attention_cached_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const int* pos,         \
                               int pos_stride, const int* slots, int n, int S, int H, int G, float scale) {    \
-        attention_cached_block<D>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, scale);          \
+        attention_cached_block<D, 1>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, scale);       \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_CACHED_WARPS_MANY)                                  \
+        attention_cached_group_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const int* pos,   \
+                                    int pos_stride, const int* slots, int n, int S, int H, int G, float scale) { \
+        attention_cached_block<D, ATT_CACHED_GROUP>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, \
+                                                    scale);                                                  \
     }
 ATTENTION_CACHED(64)
 ATTENTION_CACHED(32)
