@@ -771,8 +771,8 @@ ATTENTION_LAUNCH(32)
 // Bound by the latency of its loads (a few rows against a few hundred keys), not by arithmetic. Block
 // (h, b * n + t) takes query row t of sequence b, head h (or, for many rows, block (kv head, b * n + t) takes
 // the kv head's query heads, which then share each key's and value's load: a third of the bytes for `base`);
-// its ATT_WARPS (virtual) warps split the keys in chunks of 32,
-// chunk c to warp c % ATT_WARPS, a key a lane: the lane loads its key's row and the chunk's value rows of its
+// its ATT_WARPS (virtual) warps split the keys in chunks of 32, chunk c to warp c % ATT_WARPS, a key a lane:
+// the lane loads its key's row and the chunk's value rows of its
 // dims (all at once, into registers), scores the query against its key, and the warp keeps running softmax
 // statistics and output over its chunks (flash-decoding); the warps' results then meet in shared memory,
 // merged in warp order. Every sum runs in an order fixed by the key positions alone, so a row gets the same
