@@ -231,15 +231,28 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     if glu_out is not None:
         half = O // 2
     tiles_of_w = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a tile: the mma's n
-    # many rows: a block takes tiles of w in turn, as many as make one wave of 2 blocks an SM, rereading x from
-    # L1 (a row's arithmetic is the same: the order within a tile does not change)
-    groups = 1 if tiles == 0 else min(8, -(-tiles_of_w // (2 * _sm_count())))
-    _launch(_kernel("matmul", f"matmul_small_t{tiles}" if tiles else "matmul_small", _act_defines(x)),
-        (_blocks(tiles_of_w, groups),), (32 * warps,),
+    row_tiles, groups = _product_split(tiles, tiles_of_w, warps)
+    rows_a_block = 16 * row_tiles if row_tiles else 8
+    _launch(_kernel("matmul", f"matmul_small_t{row_tiles}" if row_tiles else "matmul_small", _act_defines(x)),
+        (_blocks(tiles_of_w, groups), _blocks(N, rows_a_block)), (32 * warps,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
          _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(pos_stride), _i32(rot),
          _i32(groups)))
+
+
+def _product_split(tiles, tiles_of_w, warps):
+    """(x's tiles of 16 rows a block, w's tiles of 8 rows a block) for a product of `tiles` tiles of x (0: up
+    to 8 rows) in blocks of `warps` warps. A row's arithmetic is the same whichever (the order within a tile
+    does not change). Many rows: a block takes tiles of w in turn, as many as make one wave of 2 blocks an SM,
+    rereading x from L1; where there are few tiles of w, x's rows are split over blocks, as finely as keeps them
+    all resident at once (the bound of MATMUL_SMALL_WARPS warps a block leaves room for that many an SM)."""
+    if tiles == 0:
+        return 0, 1
+    groups = min(8, -(-tiles_of_w // (2 * _sm_count())))
+    resident = _sm_count() * (MATMUL_SMALL_WARPS // warps)
+    row_tiles = next((n for n in range(1, tiles) if _blocks(tiles_of_w, groups) * -(-tiles // n) <= resident), tiles)
+    return row_tiles, groups
 
 
 def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):

@@ -3,9 +3,9 @@
 // own dot product, summed in an order that depends on I alone, whatever N is and wherever the row sits: a
 // batch's sequences and a speculative step's rows get the bits of a step of their own (batch invariance).
 // out is act_t or float32 (the logits); with accumulate the product is added to it. Folded in: RMSNorm with a
-// gain g, as rstd * (x @ act_t(w * g)^T); and with half > 0, w's rows paired (i, i + half) for SwiGLU
-// (glu_out) or the rotary embedding (rope). docs/gpu-engine.md and docs/decoding.md have the design and its
-// measurements.
+// gain g, as rstd * (x @ act_t(w * g)^T) (bf16: x's sums of squares on the tensor cores too); and with half > 0,
+// w's rows paired (i, i + half) for SwiGLU (glu_out) or the rotary embedding (rope). docs/gpu-engine.md and
+// docs/decoding.md have the design and its measurements.
 #include "common.cuh"
 
 #if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS)
@@ -41,6 +41,16 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[4], uint4 a, uint4 a8, ui
     }
 }
 
+#if ACT_BF16
+// Two bf16 products in one instruction: the exact product rounded to nearest even, the bits of pack16 of the
+// float product (exact for bf16 factors); the addend -0 keeps a product's sign
+__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
+}
+#endif
+
 // PACK elements of a row from element i on, as the 16 bytes one load brings: packed, one load (or zeros past
 // the row's end, whole chunks only); else an element at a time, zero past n.
 template <bool PACKED>
@@ -70,15 +80,16 @@ struct RowTiles {
 };
 
 // W: 1 (a tile's 8 rows of w are 8 columns) or 2 (4 pairs); a block takes `groups` tiles one after another, of
-// 8 rows of w each, `warps` warps of 32 threads. The warps split I and meet in shared memory (partial), where
-// the block's threads finish (row, column pair) items, each summing the warps' parts in warp order.
+// 8 rows of w each, `warps` warps of 32 threads, and x's rows from row_base on (RowTiles). The warps split I
+// and meet in shared memory (partial), where the block's threads finish (row, column pair) items, each summing
+// the warps' parts in warp order.
 template <int W, bool PACKED, int TILES>
 __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const act_t* __restrict__ x,
                                                   const act_t* __restrict__ w, int N, int O, int I, int out_f32,
                                                   int accumulate, const act_t* __restrict__ gain,
                                                   float* __restrict__ rstd, float eps, int half,
                                                   act_t* __restrict__ glu_out, Rope rope,
-                                                  float (*partial)[RowTiles<TILES>::rows][9], int tile) {
+                                                  float (*partial)[RowTiles<TILES>::rows][9], int tile, int row_base) {
     using RT = RowTiles<TILES>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -101,20 +112,26 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         if (gain && loads_w) {
 #pragma unroll
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
+#if ACT_BF16
+                const uint4 gr = load_chunk<PACKED>(gain, r0 + own + p * step, I);
+                wr[p] = make_uint4(mul_bf16x2(wr[p].x, gr.x), mul_bf16x2(wr[p].y, gr.y), mul_bf16x2(wr[p].z, gr.z),
+                                   mul_bf16x2(wr[p].w, gr.w));
+#else
                 float wv[PACK], gv[PACK];
                 unpack16(wv, wr[p]);
                 unpack16(gv, load_chunk<PACKED>(gain, r0 + own + p * step, I));
 #pragma unroll
                 for (int e = 0; e < PACK; ++e) wv[e] *= gv[e];
                 wr[p] = pack16(wv);
+#endif
             }
         }
     };
     load_weights(0);  // before the wait: w and the gain are no kernel's output
     // the (row, column pair) item this thread finishes first: its rotation and what it adds to, early
-    const int items = min(N, RT::rows) * 4;
+    const int items = min(N - row_base, RT::rows) * 4;
     const auto item_at = [&](int item, int& row, int& fcol, int& frow) {
-        row = item >> 2;
+        row = row_base + (item >> 2);
         const int tt = item & 3;
         fcol = W == 1 ? tile * 8 + 2 * tt : tile * 4 + tt;
         frow = W == 1 ? fcol : fcol / half * 2 * half + fcol % half;  // out's first column written
@@ -142,8 +159,8 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         if (r0) load_weights(r0);
 #pragma unroll
         for (int j = 0; j < RT::tiles; ++j) {
-            const int ra = 16 * j + g, rb = ra + 8;
-            if (16 * j >= N) break;  // the same for the whole block
+            const int ra = row_base + 16 * j + g, rb = ra + 8;
+            if (row_base + 16 * j >= N) break;  // the same for the whole block
             const act_t* xa = x + (long long)ra * I;
             const act_t* xb = x + (long long)rb * I;
             uint4 xr[MATMUL_SMALL_LOADS], xr8[MATMUL_SMALL_LOADS];
@@ -157,6 +174,18 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
                 if (r0 + warp_own + p * step < I) mma_chunk(acc[j], xr[p], xr8[p], wr[p]);  // the warp holds some of I
             if (gain) {  // the squares of x, off the products' path
+#if ACT_BF16
+                // on the tensor cores (bf16 squares are exact in float32): x's rows times themselves, a round's
+                // sums on the diagonal, which thread t = g / 2 holds (the other threads' are not used)
+                float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
+                    mma_chunk(lo, xr[p], xr8[p], xr[p]);
+                    if (RT::upper) mma_chunk(hi, xr[p], xr8[p], xr8[p]);
+                }
+                ss[j][0] += g & 1 ? lo[1] : lo[0];
+                ss[j][1] += g & 1 ? hi[3] : hi[2];
+#else
 #pragma unroll
                 for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
                     float xv[PACK], xv8[PACK];
@@ -165,24 +194,30 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 #pragma unroll
                     for (int e = 0; e < PACK; ++e) ss[j][0] += xv[e] * xv[e], ss[j][1] += xv8[e] * xv8[e];
                 }
+#endif
             }
         }
     }
 #pragma unroll
     for (int j = 0; j < RT::tiles; ++j) {
+#if ACT_BF16
+        const int ss_lane = g >> 1;  // the diagonal's
+#else
+        const int ss_lane = 0;  // after the sum over a row's 4 threads
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 1);
             ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 2);
         }
-        const int ra = 16 * j + g;
+#endif
+        const int ra = 16 * j + g;  // x's row row_base + ra
         partial[warp][ra][2 * t] = acc[j][0];
         partial[warp][ra][2 * t + 1] = acc[j][1];
-        if (t == 0) partial[warp][ra][8] = ss[j][0];
+        if (t == ss_lane) partial[warp][ra][8] = ss[j][0];
         if (RT::upper) {
             partial[warp][ra + 8][2 * t] = acc[j][2];
             partial[warp][ra + 8][2 * t + 1] = acc[j][3];
-            if (t == 0) partial[warp][ra + 8][8] = ss[j][1];
+            if (t == ss_lane) partial[warp][ra + 8][8] = ss[j][1];
         }
     }
     __syncthreads();
@@ -190,12 +225,12 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         int row, fcol, frow;
         item_at(item, row, fcol, frow);
         if (fcol >= cols) continue;
-        const int c2 = 2 * (item & 3);
+        const int c2 = 2 * (item & 3), local = row - row_base;
         float v[2] = {0.f, 0.f}, s = 0.f;
         for (int j = 0; j < warps; ++j) {
-            v[0] += partial[j][row][c2];
-            v[1] += partial[j][row][c2 + 1];
-            s += partial[j][row][8];
+            v[0] += partial[j][local][c2];
+            v[1] += partial[j][local][c2 + 1];
+            s += partial[j][local][8];
         }
         if (gain) {
             const float rs = 1.f / sqrtf(s / I + eps);
@@ -228,11 +263,12 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     }
 }
 
-// Grid: ceil(columns / 8) blocks (ceil(pairs / 4) when paired) of 32 x warps threads, warps <=
-// MATMUL_SMALL_WARPS; half 0 (plain) or the pairing distance, with glu_out (SwiGLU's output) or cos_t (the
-// rotary embedding). One kernel a row count class: matmul_small (rows up to 8, registers held to 80 so that the
-// largest product of `base` runs in one wave; CUDA 12.4+, older compilers bound the block size only), and
-// matmul_small_t{1..4} (1 to 4 tiles of 16 rows). They run one template: a row's arithmetic is the same in each.
+// Grid: (ceil(columns / 8) blocks (ceil(pairs / 4) when paired) / groups, ceil(N / rows a block)) of 32 x warps
+// threads, warps <= MATMUL_SMALL_WARPS; half 0 (plain) or the pairing distance, with glu_out (SwiGLU's output) or
+// cos_t (the rotary embedding). One kernel a row count class: matmul_small (rows up to 8, registers held to 80
+// so that the largest product of `base` runs in one wave; CUDA 12.4+, older compilers bound the block size
+// only), and matmul_small_t{1..4} (1 to 4 tiles of 16 rows a block). They run one template: a row's arithmetic
+// is the same in each.
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204
 #define MATMUL_SMALL_BOUNDS __maxnreg__(80)
 #else
@@ -256,7 +292,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     }
 #define MATMUL_SMALL_TILE(W, PACKED, TILES)                                                                       \
     matmul_small_tile<W, PACKED, TILES>(out, x, w, N, O, I, out_f32, accumulate, gain, rstd, eps, half, glu_out, \
-                                        rope, partial, tile)
+                                        rope, partial, tile, TILES ? blockIdx.y * RowTiles<TILES>::rows : 0)
 
 extern "C" __global__ void MATMUL_SMALL_BOUNDS matmul_small(MATMUL_SMALL_PARAMS) { MATMUL_SMALL_BODY(0) }
 #define MATMUL_SMALL_TILES(TILES)                                                                                 \
