@@ -279,7 +279,8 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         int out_f32, int accumulate, int packed, const act_t *__restrict__ gain, float *__restrict__ rstd,       \
         float eps, int half, act_t *__restrict__ glu_out, const float *__restrict__ cos_t,                       \
         const float *__restrict__ sin_t, const int *__restrict__ pos, int T, int pos_stride, int rot, int groups
-// groups > 1 (many rows): a block's tiles reread x from L1 rather than every block from L2
+// groups > 1 (many rows): a block's tiles reread x from L1 rather than every block from L2; grid.y splits x's
+// rows (row_base), a constant 0 for matmul_small, whose 80 registers spill with a row offset to carry
 #define MATMUL_SMALL_BODY(TILES)                                                                                  \
     __shared__ float partial[MATMUL_SMALL_WARPS][RowTiles<TILES>::rows][9]; /* a warp's sums and squares */      \
     const Rope rope{cos_t, sin_t, pos, T, pos_stride, rot};                                                      \
