@@ -13,6 +13,8 @@ KERNELS = pathlib.Path(__file__).parent / "kernels"
 # matmul.cu, the products of at most FEW_ROWS rows (matmul_small)
 MATMUL_SMALL_WARPS = 16  # the most warps a block; layers.py gives a short row fewer
 MATMUL_SMALL_LOADS = 4   # the 16-byte loads of w a thread has in flight at once
+MATMUL_PAIR = 2          # many rows: tiles of w a warp takes at once (x's fragments loaded once for all)
+MATMUL_PAIR_WARPS = 6    # ... in blocks of at most this many warps (rows up to 768), two of which an SM can hold
 # rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
 ROPE_HEADS = 4
 # attention.cu
@@ -63,7 +65,8 @@ def module_defines(name, variant=()):
     bf16 = "ACT_BF16=1" in variant
     shared = {
         "matmul": {"FEW_ROWS": FEW_ROWS, "MATMUL_SMALL_WARPS": MATMUL_SMALL_WARPS,
-                   "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS},
+                   "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS,
+                   "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
         "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,
                       "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY},

@@ -30,9 +30,9 @@ import numpy as np
 from cupy.cuda import cublas, runtime
 
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
-                                           ATT_THREADS, ATT_TILE, ATT_WARPS, KERNELS, MATMUL_SMALL_LOADS,
-                                           MATMUL_SMALL_WARPS, ROPE_HEADS, SAMPLE_THREADS, module_defines,
-                                           rmsnorm_backward_blocks, rmsnorm_chunks)
+                                           ATT_THREADS, ATT_TILE, ATT_WARPS, KERNELS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
+                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, ROPE_HEADS, SAMPLE_THREADS,
+                                           module_defines, rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.limits import FEW_ROWS
 
 BF16 = np.dtype(np.uint16)  # storage type of bfloat16 activations
@@ -231,28 +231,34 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     if glu_out is not None:
         half = O // 2
     tiles_of_w = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a tile: the mma's n
-    row_tiles, groups = _product_split(tiles, tiles_of_w, warps)
+    kernel_of = lambda row_tiles, per_warp: _kernel(
+        "matmul", f"matmul_small_t{row_tiles}_n{per_warp}" if row_tiles else "matmul_small", _act_defines(x))
+    row_tiles, groups, per_warp = _product_split(tiles, tiles_of_w, warps, kernel_of)
     rows_a_block = 16 * row_tiles if row_tiles else 8
-    _launch(_kernel("matmul", f"matmul_small_t{row_tiles}" if row_tiles else "matmul_small", _act_defines(x)),
-        (_blocks(tiles_of_w, groups), _blocks(N, rows_a_block)), (32 * warps,),
+    _launch(kernel_of(row_tiles, per_warp),
+        (_blocks(tiles_of_w, groups * per_warp), _blocks(N, rows_a_block)), (32 * warps,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
          _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(pos_stride), _i32(rot),
          _i32(groups)))
 
 
-def _product_split(tiles, tiles_of_w, warps):
-    """(x's tiles of 16 rows a block, w's tiles of 8 rows a block) for a product of `tiles` tiles of x (0: up
-    to 8 rows) in blocks of `warps` warps. A row's arithmetic is the same whichever (the order within a tile
-    does not change). Many rows: a block takes tiles of w in turn, as many as make one wave of 2 blocks an SM,
-    rereading x from L1; where there are few tiles of w, x's rows are split over blocks, as finely as keeps them
-    all resident at once (the bound of MATMUL_SMALL_WARPS warps a block leaves room for that many an SM)."""
+def _product_split(tiles, tiles_of_w, warps, kernel_of):
+    """(x's tiles of 16 rows a block, w's tiles a warp's at once, units of those a block) for a product of
+    `tiles` tiles of x (0: up to 8 rows) in blocks of `warps` warps; kernel_of(row tiles, tiles a warp) the
+    kernel. A row's arithmetic is the same whichever. Many rows: a warp takes MATMUL_PAIR tiles of w at once
+    where its block is small enough to hold their registers (x's fragments loaded once for both); a block
+    takes such units in turn, as many as make one wave, rereading x from L1; where there are few of them, x's
+    rows are split over blocks, as finely as keeps them all resident at once."""
     if tiles == 0:
-        return 0, 1
-    groups = min(8, -(-tiles_of_w // (2 * _sm_count())))
-    resident = _sm_count() * (MATMUL_SMALL_WARPS // warps)
-    row_tiles = next((n for n in range(1, tiles) if _blocks(tiles_of_w, groups) * -(-tiles // n) <= resident), tiles)
-    return row_tiles, groups
+        return 0, 1, 1
+    per_warp = MATMUL_PAIR if warps <= MATMUL_PAIR_WARPS else 1
+    units = _blocks(tiles_of_w, per_warp)
+    registers = cupy.cuda.Device().attributes["MaxRegistersPerMultiprocessor"]  # blocks an SM: by their registers
+    resident = lambda row_tiles: _sm_count() * (registers // (32 * warps * kernel_of(row_tiles, per_warp).num_regs))
+    groups = min(8, _blocks(units, resident(tiles)))
+    row_tiles = next((n for n in range(1, tiles) if _blocks(units, groups) * -(-tiles // n) <= resident(n)), tiles)
+    return row_tiles, groups, per_warp
 
 
 def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):

@@ -8,8 +8,9 @@
 // docs/decoding.md have the design and its measurements.
 #include "common.cuh"
 
-#if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS)
-#error "FEW_ROWS, MATMUL_SMALL_WARPS and MATMUL_SMALL_LOADS come from nanoeuler/model/gpu/constants.py"
+#if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS) || !defined(MATMUL_PAIR) || \
+    !defined(MATMUL_PAIR_WARPS)
+#error "FEW_ROWS, MATMUL_SMALL_* and MATMUL_PAIR* come from nanoeuler/model/gpu/constants.py"
 #endif
 static_assert(FEW_ROWS <= 64, "x's rows are at most 4 tiles of the mma fragments' 16 rows");
 
@@ -79,58 +80,69 @@ struct RowTiles {
     static constexpr bool upper = TILES != 0;
 };
 
-// W: 1 (a tile's 8 rows of w are 8 columns) or 2 (4 pairs); a block takes `groups` tiles one after another, of
-// 8 rows of w each, `warps` warps of 32 threads, and x's rows from row_base on (RowTiles). The warps split I
-// and meet in shared memory (partial), where the block's threads finish (row, column pair) items, each summing
-// the warps' parts in warp order.
-template <int W, bool PACKED, int TILES>
+// W: 1 (a tile's 8 rows of w are 8 columns) or 2 (4 pairs); a warp takes NT tiles of 8 rows of w at once (each
+// fragment of x loaded once for NT products: x's loads bound many rows), a block `groups` of such in turn,
+// `warps` warps of 32 threads, and x's rows from row_base on (RowTiles). The warps split I and meet in shared
+// memory (partial), where the block's threads finish (row, column pair) items, each summing the warps' parts in
+// warp order; a tile's products and sums are the same whatever NT is.
+template <int W, bool PACKED, int TILES, int NT>
 __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const act_t* __restrict__ x,
                                                   const act_t* __restrict__ w, int N, int O, int I, int out_f32,
                                                   int accumulate, const act_t* __restrict__ gain,
                                                   float* __restrict__ rstd, float eps, int half,
                                                   act_t* __restrict__ glu_out, Rope rope,
-                                                  float (*partial)[RowTiles<TILES>::rows][9], int tile, int row_base) {
+                                                  float (*partial)[RowTiles<TILES>::rows][9], int tile0, int row_base) {
     using RT = RowTiles<TILES>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int cols = O / W;  // columns, or pairs
-    if (tile * 8 / W >= cols) return;  // a block's last tiles past the end (the whole block alike)
-    // the row of w this thread loads: the tile's column g
-    const int lcol = W == 1 ? tile * 8 + g : tile * 4 + g / 2;
-    const int lrow = W == 1 ? lcol : lcol / half * 2 * half + lcol % half + (g & 1) * half;
-    const act_t* wrow = w + (long long)lrow * I;
-    const bool loads_w = lcol < cols;
+    if (tile0 * 8 / W >= cols) return;  // a block's last tiles past the end (the whole block alike)
+    const act_t* wrow[NT];
+    bool loads_w[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {  // the row of w this thread loads: the tile's column g
+        const int lcol = W == 1 ? (tile0 + n) * 8 + g : (tile0 + n) * 4 + g / 2;
+        const int lrow = W == 1 ? lcol : lcol / half * 2 * half + lcol % half + (g & 1) * half;
+        wrow[n] = w + (long long)lrow * I;
+        loads_w[n] = lcol < cols;
+    }
     let_next_launch();
     // a round: MATMUL_SMALL_LOADS consecutive k-blocks a warp (4 threads x PACK elements each), warps side by side
     const int step = 4 * PACK, stride = warps * MATMUL_SMALL_LOADS * step;
     const int warp_own = warp * MATMUL_SMALL_LOADS * step, own = warp_own + t * PACK;
-    uint4 wr[MATMUL_SMALL_LOADS];
+    uint4 wr[NT][MATMUL_SMALL_LOADS];
     const auto load_weights = [&](int r0) {  // with the gain: w * g, rounded to act_t
 #pragma unroll
-        for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
-            wr[p] = loads_w ? load_chunk<PACKED>(wrow, r0 + own + p * step, I) : make_uint4(0u, 0u, 0u, 0u);
-        if (gain && loads_w) {
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
+                wr[n][p] = loads_w[n] ? load_chunk<PACKED>(wrow[n], r0 + own + p * step, I)
+                                      : make_uint4(0u, 0u, 0u, 0u);
+        if (gain) {
 #pragma unroll
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
-#if ACT_BF16
                 const uint4 gr = load_chunk<PACKED>(gain, r0 + own + p * step, I);
-                wr[p] = make_uint4(mul_bf16x2(wr[p].x, gr.x), mul_bf16x2(wr[p].y, gr.y), mul_bf16x2(wr[p].z, gr.z),
-                                   mul_bf16x2(wr[p].w, gr.w));
-#else
-                float wv[PACK], gv[PACK];
-                unpack16(wv, wr[p]);
-                unpack16(gv, load_chunk<PACKED>(gain, r0 + own + p * step, I));
 #pragma unroll
-                for (int e = 0; e < PACK; ++e) wv[e] *= gv[e];
-                wr[p] = pack16(wv);
+                for (int n = 0; n < NT; ++n) {
+#if ACT_BF16
+                    wr[n][p] = make_uint4(mul_bf16x2(wr[n][p].x, gr.x), mul_bf16x2(wr[n][p].y, gr.y),
+                                          mul_bf16x2(wr[n][p].z, gr.z), mul_bf16x2(wr[n][p].w, gr.w));
+#else
+                    float wv[PACK], gv[PACK];
+                    unpack16(wv, wr[n][p]);
+                    unpack16(gv, gr);
+#pragma unroll
+                    for (int e = 0; e < PACK; ++e) wv[e] *= gv[e];
+                    wr[n][p] = pack16(wv);
 #endif
+                }
             }
         }
     };
     load_weights(0);  // before the wait: w and the gain are no kernel's output
     // the (row, column pair) item this thread finishes first: its rotation and what it adds to, early
     const int items = min(N - row_base, RT::rows) * 4;
-    const auto item_at = [&](int item, int& row, int& fcol, int& frow) {
+    const auto item_at = [&](int tile, int item, int& row, int& fcol, int& frow) {
         row = row_base + (item >> 2);
         const int tt = item & 3;
         fcol = W == 1 ? tile * 8 + 2 * tt : tile * 4 + tt;
@@ -141,7 +153,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         cs = rope.cos_t[at], sn = rope.sin_t[at];
     };
     int row0, fcol0, frow0;
-    item_at(threadIdx.x, row0, fcol0, frow0);
+    item_at(tile0, threadIdx.x, row0, fcol0, frow0);
     const bool first_live = (int)threadIdx.x < items && fcol0 < cols;
     float cs0 = 1.f, sn0 = 0.f;
     if (W == 2 && rope.cos_t && first_live && frow0 < rope.rot) rotation(row0, fcol0, cs0, sn0);
@@ -152,9 +164,13 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         prior0[0] = load_out(out, (long long)row0 * O + frow0, out_f32);
         if (W == 2 || fcol0 + 1 < cols) prior0[1] = load_out(out, (long long)row0 * O + frow0 + fstep, out_f32);
     }
-    float acc[RT::tiles][4], ss[RT::tiles][2];
+    float acc[NT][RT::tiles][4], ss[RT::tiles][2];
 #pragma unroll
-    for (int j = 0; j < RT::tiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = ss[j][0] = ss[j][1] = 0.f;
+    for (int j = 0; j < RT::tiles; ++j) {
+        ss[j][0] = ss[j][1] = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) acc[n][j][0] = acc[n][j][1] = acc[n][j][2] = acc[n][j][3] = 0.f;
+    }
     for (int r0 = 0; r0 < I; r0 += stride) {
         if (r0) load_weights(r0);
 #pragma unroll
@@ -172,7 +188,9 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
             }
 #pragma unroll
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
-                if (r0 + warp_own + p * step < I) mma_chunk(acc[j], xr[p], xr8[p], wr[p]);  // the warp holds some of I
+                if (r0 + warp_own + p * step < I)  // the warp holds some of I
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) mma_chunk(acc[n][j], xr[p], xr8[p], wr[n][p]);
             if (gain) {  // the squares of x, off the products' path
 #if ACT_BF16
                 // on the tensor cores (bf16 squares are exact in float32): x's rows times themselves, a round's
@@ -198,77 +216,86 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
             }
         }
     }
-#pragma unroll
-    for (int j = 0; j < RT::tiles; ++j) {
 #if ACT_BF16
-        const int ss_lane = g >> 1;  // the diagonal's
+    const int ss_lane = g >> 1;  // the diagonal's
 #else
-        const int ss_lane = 0;  // after the sum over a row's 4 threads
+    const int ss_lane = 0;  // after the sum over a row's 4 threads
+#pragma unroll
+    for (int j = 0; j < RT::tiles; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 1);
             ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 2);
         }
 #endif
-        const int ra = 16 * j + g;  // x's row row_base + ra
-        partial[warp][ra][2 * t] = acc[j][0];
-        partial[warp][ra][2 * t + 1] = acc[j][1];
-        if (t == ss_lane) partial[warp][ra][8] = ss[j][0];
-        if (RT::upper) {
-            partial[warp][ra + 8][2 * t] = acc[j][2];
-            partial[warp][ra + 8][2 * t + 1] = acc[j][3];
-            if (t == ss_lane) partial[warp][ra + 8][8] = ss[j][1];
-        }
-    }
-    __syncthreads();
-    for (int item = threadIdx.x; item < items; item += blockDim.x) {
-        int row, fcol, frow;
-        item_at(item, row, fcol, frow);
-        if (fcol >= cols) continue;
-        const int c2 = 2 * (item & 3), local = row - row_base;
-        float v[2] = {0.f, 0.f}, s = 0.f;
-        for (int j = 0; j < warps; ++j) {
-            v[0] += partial[j][local][c2];
-            v[1] += partial[j][local][c2 + 1];
-            s += partial[j][local][8];
-        }
-        if (gain) {
-            const float rs = 1.f / sqrtf(s / I + eps);
-            v[0] *= rs, v[1] *= rs;
-            if (tile == 0 && (item & 3) == 0) rstd[row] = rs;
-        }
-        const bool first = item == (int)threadIdx.x;
-        if (accumulate) {
-            if (first) v[0] += prior0[0], v[1] += prior0[1];
-            else {
-                v[0] += load_out(out, (long long)row * O + frow, out_f32);
-                if (W == 2 || fcol + 1 < cols) v[1] += load_out(out, (long long)row * O + frow + fstep, out_f32);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int tile = tile0 + n;
+        if (tile * 8 / W >= cols) break;  // the whole block alike
+        if (n) __syncthreads();  // the last tile's partial sums are read
+#pragma unroll
+        for (int j = 0; j < RT::tiles; ++j) {
+            const int ra = 16 * j + g;  // x's row row_base + ra
+            partial[warp][ra][2 * t] = acc[n][j][0];
+            partial[warp][ra][2 * t + 1] = acc[n][j][1];
+            if (t == ss_lane) partial[warp][ra][8] = ss[j][0];
+            if (RT::upper) {
+                partial[warp][ra + 8][2 * t] = acc[n][j][2];
+                partial[warp][ra + 8][2 * t + 1] = acc[n][j][3];
+                if (t == ss_lane) partial[warp][ra + 8][8] = ss[j][1];
             }
         }
-        if constexpr (W == 2) {
-            const bool rotates = rope.cos_t && frow < rope.rot;
-            if (glu_out || rotates) {  // from the values as stored
-                v[0] = out_f32 ? v[0] : to_float(from_float<act_t>(v[0]));
-                v[1] = out_f32 ? v[1] : to_float(from_float<act_t>(v[1]));
+        __syncthreads();
+        for (int item = threadIdx.x; item < items; item += blockDim.x) {
+            int row, fcol, frow;
+            item_at(tile, item, row, fcol, frow);
+            if (fcol >= cols) continue;
+            const int c2 = 2 * (item & 3), local = row - row_base;
+            float v[2] = {0.f, 0.f}, s = 0.f;
+            for (int j = 0; j < warps; ++j) {
+                v[0] += partial[j][local][c2];
+                v[1] += partial[j][local][c2 + 1];
+                s += partial[j][local][8];
             }
-            if (glu_out) glu_out[(long long)row * cols + fcol] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
-            if (rotates) {
-                float cs = cs0, sn = sn0;
-                if (!first) rotation(row, fcol, cs, sn);
-                rotate_pair(v[0], v[1], cs, sn, v[0], v[1]);
+            if (gain) {
+                const float rs = 1.f / sqrtf(s / I + eps);
+                v[0] *= rs, v[1] *= rs;
+                if (tile == 0 && (item & 3) == 0) rstd[row] = rs;
             }
+            const bool first = n == 0 && item == (int)threadIdx.x;
+            if (accumulate) {
+                if (first) v[0] += prior0[0], v[1] += prior0[1];
+                else {
+                    v[0] += load_out(out, (long long)row * O + frow, out_f32);
+                    if (W == 2 || fcol + 1 < cols) v[1] += load_out(out, (long long)row * O + frow + fstep, out_f32);
+                }
+            }
+            if constexpr (W == 2) {
+                const bool rotates = rope.cos_t && frow < rope.rot;
+                if (glu_out || rotates) {  // from the values as stored
+                    v[0] = out_f32 ? v[0] : to_float(from_float<act_t>(v[0]));
+                    v[1] = out_f32 ? v[1] : to_float(from_float<act_t>(v[1]));
+                }
+                if (glu_out)
+                    glu_out[(long long)row * cols + fcol] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
+                if (rotates) {
+                    float cs = cs0, sn = sn0;
+                    if (!first) rotation(row, fcol, cs, sn);
+                    rotate_pair(v[0], v[1], cs, sn, v[0], v[1]);
+                }
+            }
+            store_out(out, (long long)row * O + frow, v[0], out_f32);
+            if (W == 2 || fcol + 1 < cols) store_out(out, (long long)row * O + frow + fstep, v[1], out_f32);
         }
-        store_out(out, (long long)row * O + frow, v[0], out_f32);
-        if (W == 2 || fcol + 1 < cols) store_out(out, (long long)row * O + frow + fstep, v[1], out_f32);
     }
 }
 
-// Grid: (ceil(columns / 8) blocks (ceil(pairs / 4) when paired) / groups, ceil(N / rows a block)) of 32 x warps
-// threads, warps <= MATMUL_SMALL_WARPS; half 0 (plain) or the pairing distance, with glu_out (SwiGLU's output) or
-// cos_t (the rotary embedding). One kernel a row count class: matmul_small (rows up to 8, registers held to 80
-// so that the largest product of `base` runs in one wave; CUDA 12.4+, older compilers bound the block size
-// only), and matmul_small_t{1..4} (1 to 4 tiles of 16 rows a block). They run one template: a row's arithmetic
-// is the same in each.
+// Grid: (ceil(columns / 8) (ceil(pairs / 4) when paired) / (groups x NT), ceil(N / rows a block)) blocks of
+// 32 x warps threads, warps <= MATMUL_SMALL_WARPS (MATMUL_PAIR_WARPS for NT > 1); half 0 (plain) or the pairing
+// distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). One kernel a row count class:
+// matmul_small (rows up to 8, registers held to 80 so that the largest product of `base` runs in one wave;
+// CUDA 12.4+, older compilers bound the block size only), and matmul_small_t{1..4}_n{1, MATMUL_PAIR} (1 to 4
+// tiles of 16 rows a block, NT tiles of w a warp). They run one template: a row's arithmetic is the same in each.
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204
 #define MATMUL_SMALL_BOUNDS __maxnreg__(80)
 #else
@@ -281,25 +308,35 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         const float *__restrict__ sin_t, const int *__restrict__ pos, int T, int pos_stride, int rot, int groups
 // groups > 1 (many rows): a block's tiles reread x from L1 rather than every block from L2; grid.y splits x's
 // rows (row_base), a constant 0 for matmul_small, whose 80 registers spill with a row offset to carry
-#define MATMUL_SMALL_BODY(TILES)                                                                                  \
+#define MATMUL_SMALL_BODY(TILES, NT)                                                                              \
     __shared__ float partial[MATMUL_SMALL_WARPS][RowTiles<TILES>::rows][9]; /* a warp's sums and squares */      \
     const Rope rope{cos_t, sin_t, pos, T, pos_stride, rot};                                                      \
-    for (int tile = blockIdx.x * groups; tile < (blockIdx.x + 1) * groups; ++tile) {                             \
-        if (tile > blockIdx.x * groups) __syncthreads(); /* the last tile's partial sums are read */             \
-        if (half && packed) MATMUL_SMALL_TILE(2, true, TILES);                                                   \
-        else if (half) MATMUL_SMALL_TILE(2, false, TILES);                                                       \
-        else if (packed) MATMUL_SMALL_TILE(1, true, TILES);                                                      \
-        else MATMUL_SMALL_TILE(1, false, TILES);                                                                 \
+    for (int tile = blockIdx.x * groups * NT; tile < (blockIdx.x + 1) * groups * NT; tile += NT) {               \
+        if (tile > blockIdx.x * groups * NT) __syncthreads(); /* the last tile's partial sums are read */        \
+        if (half && packed) MATMUL_SMALL_TILE(2, true, TILES, NT);                                               \
+        else if (half) MATMUL_SMALL_TILE(2, false, TILES, NT);                                                   \
+        else if (packed) MATMUL_SMALL_TILE(1, true, TILES, NT);                                                  \
+        else MATMUL_SMALL_TILE(1, false, TILES, NT);                                                             \
     }
-#define MATMUL_SMALL_TILE(W, PACKED, TILES)                                                                       \
-    matmul_small_tile<W, PACKED, TILES>(out, x, w, N, O, I, out_f32, accumulate, gain, rstd, eps, half, glu_out, \
-                                        rope, partial, tile, TILES ? blockIdx.y * RowTiles<TILES>::rows : 0)
+#define MATMUL_SMALL_TILE(W, PACKED, TILES, NT)                                                                   \
+    matmul_small_tile<W, PACKED, TILES, NT>(out, x, w, N, O, I, out_f32, accumulate, gain, rstd, eps, half,      \
+                                            glu_out, rope, partial, tile,                                        \
+                                            TILES ? blockIdx.y * RowTiles<TILES>::rows : 0)
 
-extern "C" __global__ void MATMUL_SMALL_BOUNDS matmul_small(MATMUL_SMALL_PARAMS) { MATMUL_SMALL_BODY(0) }
-#define MATMUL_SMALL_TILES(TILES)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * MATMUL_SMALL_WARPS, 1)                                     \
-        matmul_small_t##TILES(MATMUL_SMALL_PARAMS) { MATMUL_SMALL_BODY(TILES) }
-MATMUL_SMALL_TILES(1)
-MATMUL_SMALL_TILES(2)
-MATMUL_SMALL_TILES(3)
-MATMUL_SMALL_TILES(4)
+extern "C" __global__ void MATMUL_SMALL_BOUNDS matmul_small(MATMUL_SMALL_PARAMS) { MATMUL_SMALL_BODY(0, 1) }
+// matmul_small_t<tiles>_n<NT>: NT tiles of w a warp at once; NT = MATMUL_PAIR in blocks of at most
+// MATMUL_PAIR_WARPS warps, two an SM, whose threads may take the registers that holding more tiles needs
+#define MATMUL_SMALL_TILES(TILES, NT) MATMUL_SMALL_TILES_(TILES, NT)
+#define MATMUL_SMALL_TILES_(TILES, NT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * (NT == 1 ? MATMUL_SMALL_WARPS : MATMUL_PAIR_WARPS),        \
+                                                 NT == 1 ? 1 : 2)                                               \
+        matmul_small_t##TILES##_n##NT(MATMUL_SMALL_PARAMS) { MATMUL_SMALL_BODY(TILES, NT) }
+static_assert(MATMUL_PAIR > 1, "matmul_small_t<tiles>_n1 are the kernels of one tile a warp");
+MATMUL_SMALL_TILES(1, 1)
+MATMUL_SMALL_TILES(2, 1)
+MATMUL_SMALL_TILES(3, 1)
+MATMUL_SMALL_TILES(4, 1)
+MATMUL_SMALL_TILES(1, MATMUL_PAIR)
+MATMUL_SMALL_TILES(2, MATMUL_PAIR)
+MATMUL_SMALL_TILES(3, MATMUL_PAIR)
+MATMUL_SMALL_TILES(4, MATMUL_PAIR)
