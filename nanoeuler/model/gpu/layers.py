@@ -118,10 +118,10 @@ def _driver():
     return driver
 
 
-def _launch(kernel, grid, block, args, shared_mem=0):
-    """kernel(grid, block, args) on the current stream; while a decoding step is being recorded, with
-    programmatic dependent launch (the kernel must wait_for_inputs before touching its inputs)."""
-    driver = _driver() if _dependent_launch["on"] else None
+def _launch(kernel, grid, block, args, shared_mem=0, dependent=True):
+    """kernel(grid, block, args) on the current stream; while a decoding step is being recorded and where
+    dependent, with programmatic dependent launch (the kernel must wait_for_inputs before touching its inputs)."""
+    driver = _driver() if _dependent_launch["on"] and dependent else None
     if driver is None:
         kernel(grid, block, args, shared_mem=shared_mem)
         return
@@ -578,8 +578,10 @@ def sample_rows(ids, logits, top_k, temperature, top_p, seed_lo, seed_hi, index)
     for a, dtype in ((top_k, np.int32), (temperature, F32), (top_p, F32), (seed_lo, np.uint32),
                      (seed_hi, np.uint32), (index, np.int32)):
         assert a.dtype == dtype and a.shape == (R,) and a.flags.c_contiguous, (a.dtype, a.shape)
+    # many rows: a plain launch, which spreads the blocks over the SMs (started early, they would crowd onto the
+    # first SMs the head's blocks leave, up to 8 an SM: top-p sampling of 64 rows took 2.4x as long)
     _launch(_kernel("decoding", "sample_rows"), (R,), (SAMPLE_THREADS,),
-            (ids, logits, _i32(V), top_k, temperature, top_p, seed_lo, seed_hi, index))
+            (ids, logits, _i32(V), top_k, temperature, top_p, seed_lo, seed_hi, index), dependent=R == 1)
 
 
 def feed_back(tokens, ids, pos, index, log, counter, context):
