@@ -579,7 +579,7 @@ def sample_rows(ids, logits, top_k, temperature, top_p, seed_lo, seed_hi, index)
                      (seed_hi, np.uint32), (index, np.int32)):
         assert a.dtype == dtype and a.shape == (R,) and a.flags.c_contiguous, (a.dtype, a.shape)
     # many rows: a plain launch, which spreads the blocks over the SMs (started early, they would crowd onto the
-    # first SMs the head's blocks leave, up to 8 an SM: top-p sampling of 64 rows took 2.4x as long)
+    # first SMs the head's blocks leave, up to 8 an SM: docs/decoding.md)
     _launch(_kernel("decoding", "sample_rows"), (R,), (SAMPLE_THREADS,),
             (ids, logits, _i32(V), top_k, temperature, top_p, seed_lo, seed_hi, index), dependent=R == 1)
 
