@@ -32,7 +32,7 @@ SAMPLE_THREADS = 256
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
 RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
 
-assert FEW_ROWS <= 64, "matmul_small_t<n> takes x's rows as up to 4 tiles of the mma fragments' 16 rows"
+assert FEW_ROWS <= 64, "matmul_small_t<n>_* take x's rows as up to 4 tiles of the mma fragments' 16 rows"
 assert ATT_THREADS == 32 * ATT_TILE // 16, "a warp of the training attention kernels owns 16 rows of a tile"
 assert ATT_WARPS % ATT_CACHED_WARPS_MANY == 0 and ATT_CACHED_WARPS_MANY >= 2, "warp 1 appends k and v"
 

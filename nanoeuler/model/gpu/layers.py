@@ -209,8 +209,8 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     rows, or 1 to 4 tiles of 16, one template whose row arithmetic is the same in each):
     RMSNorm folded in when given its gain; SwiGLU of the gate|up product into glu_out, or the rotary embedding
     (rope = (cos, sin, pos, T, rotated rows, D/2); pos one position, or one a sequence of T rows) of the qkv
-    product, when given. A block takes 8 rows of w,
-    its warps (from the row length I alone, so a row's sums run in the same order whatever N is, and a
+    product, when given. A warp takes a tile of 8 rows of w (many rows: two at once, _product_split); a
+    block's warps (from the row length I alone, so a row's sums run in the same order whatever N is, and a
     speculative step's rows get plain decoding's bits) as many as give each thread MATMUL_SMALL_LOADS 16-byte
     loads of w, at most MATMUL_SMALL_WARPS. skip: where given, receives a copy of x first
     (rmsnorm_matmul_forward's residual copy, for a full forward of a few rows; decoding updates its stream in
@@ -219,7 +219,7 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
         skip[...] = x
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
     assert N <= FEW_ROWS
-    tiles = 0 if N <= 8 else -(-N // 16)  # 0: matmul_small, rows up to 8; else matmul_small_t<tiles of 16 rows>
+    tiles = 0 if N <= 8 else -(-N // 16)  # 0: matmul_small, rows up to 8; else matmul_small_t<tiles>_n*
     aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
     pack = 16 // x.itemsize
     packed = I % pack == 0 and all(aligned)
