@@ -822,11 +822,41 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long NHD = (long long)(H + 2 * G) * D;
     let_next_launch();
-    wait_for_inputs();
-    // sequence b's position (its own, or the one of all) and cache row (its slot, or b)
+    // sequence b's position (its own, or the one of all) and cache row (its slot, or b): no kernel of the step
+    // writes either
     const int p0 = pos[b * pos_stride], kvh = h0 / group, E = 2 * G * D, last_key = p0 + t;
     act_t* cbase = cache + (long long)(slots ? slots[b] : b) * S * E + kvh * D;
     const act_t* nbase = qkv + (long long)b * n * NHD + H * D + kvh * D;  // row 0 of the new k heads
+    // A chunk's keys and values: the lane's key, and the chunk's values of the lane's dims (DL from lane * DL).
+    // `cached`: the cache's rows, positions before p0 (no kernel of the step writes them, so the warp's first
+    // chunk loads before the wait, its latency hidden behind the kernels before), zeros from p0 on; else the
+    // step's new rows p0..last_key, read from qkv, over those zeros. Zeros past the row's keys (never
+    // weighted, but 0 * garbage could be NaN).
+    uint4 kr[KP];
+    ValueSlice<DL> v[ATT_CHUNK];
+    const auto load_chunk = [&](int j0, bool cached) {
+        const int key = j0 + lane;
+        if (cached ? key < p0 : key >= p0 && key <= last_key) {
+            const uint4* krow = reinterpret_cast<const uint4*>(cached ? cbase + (long long)key * E
+                                                                      : nbase + (key - p0) * NHD);
+#pragma unroll
+            for (int p = 0; p < KP; ++p) kr[p] = krow[p];
+        } else if (cached) {
+#pragma unroll
+            for (int p = 0; p < KP; ++p) kr[p] = make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < ATT_CHUNK; ++j) {
+            const int kj = j0 + j;
+            if (cached ? kj < p0 : kj >= p0 && kj <= last_key)
+                v[j].load((cached ? cbase + (long long)kj * E : nbase + (kj - p0) * NHD) + G * D + lane * DL);
+            else if (cached) v[j].zero();
+        }
+    };
+    const int warps = blockDim.x >> 5, first_chunk = warp * ATT_CHUNK;  // the warp's first: its first virtual warp's
+    if (first_chunk <= last_key) load_chunk(first_chunk, true);
+    wait_for_inputs();
+    if (first_chunk <= last_key) load_chunk(first_chunk, false);  // in flight with the query's loads
     if (warp == 0) {  // the query rows, scaled
         for (int i = 0; i < heads; ++i) {
             const act_t* qrow = qkv + ((long long)b * n + t) * NHD + (h0 + i) * D;
@@ -842,8 +872,9 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
     // A warp takes virtual warps warp, warp + warps, ...: chunk c is virtual warp c % ATT_WARPS's, each keeps its
     // own statistics, and they are merged in their order, so a row's bits are the same for any warps a block
     // (all ATT_WARPS for a few rows: the latency of one; fewer for many: more blocks resident; layers.py).
-    const int warps = blockDim.x >> 5;
-    for (int vw = warp; vw < ATT_WARPS; vw += warps) {
+    // Virtual warps past the row's last key hold no chunk: neither run nor merged.
+    const int holding = min(ATT_WARPS, last_key / ATT_CHUNK + 1);  // the virtual warps that hold keys
+    for (int vw = warp; vw < holding; vw += warps) {
         float M[QH], L[QH], O[QH][DL];  // this virtual warp's running statistics and output, a head each
 #pragma unroll
         for (int i = 0; i < QH; ++i) {
@@ -852,23 +883,8 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
             for (int d = 0; d < DL; ++d) O[i][d] = 0.f;
         }
         for (int j0 = vw * ATT_CHUNK; j0 <= last_key; j0 += ATT_WARPS * ATT_CHUNK) {
-            const int key = j0 + lane;
-            // the lane's key (from the cache, or a new row), and the chunk's values of the lane's dims (DL from
-            // lane * DL); zeros past the row's keys (never weighted, but 0 * garbage could be NaN)
-            uint4 kr[KP];
-            const uint4* krow = reinterpret_cast<const uint4*>(key < p0 ? cbase + (long long)key * E
-                                                                        : nbase + (key - p0) * NHD);
-#pragma unroll
-            for (int p = 0; p < KP; ++p) kr[p] = key <= last_key ? krow[p] : make_uint4(0u, 0u, 0u, 0u);
-            ValueSlice<DL> v[ATT_CHUNK];
-#pragma unroll
-            for (int j = 0; j < ATT_CHUNK; ++j) {
-                const int kj = j0 + j;
-                const act_t* src = kj < p0 ? cbase + (long long)kj * E + G * D : nbase + (kj - p0) * NHD + G * D;
-                if (kj <= last_key) v[j].load(src + lane * DL);
-                else v[j].zero();
-            }
-            const bool seen = key <= last_key;
+            if (j0 != first_chunk) load_chunk(j0, true), load_chunk(j0, false);
+            const bool seen = j0 + lane <= last_key;
 #pragma unroll
             for (int i = 0; i < QH; ++i) {
                 if (i >= heads) break;
@@ -908,17 +924,16 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
         }
     }
     __syncthreads();
-    // each head's warps' results merged in warp order (warps with no key of the row hold max -inf), a warp a head
+    // each head's virtual warps' results merged in their order, a warp a head
     for (int i = warp; i < heads; i += warps) {
         const int h = h0 + i;
         float Mx = neg_inf();
-        for (int w = 0; w < ATT_WARPS; ++w) Mx = fmaxf(Mx, part_s[w][i][D]);
+        for (int w = 0; w < holding; ++w) Mx = fmaxf(Mx, part_s[w][i][D]);
         float Ls = 0.f, o[DL];
 #pragma unroll
         for (int d = 0; d < DL; ++d) o[d] = 0.f;
-        for (int w = 0; w < ATT_WARPS; ++w) {
+        for (int w = 0; w < holding; ++w) {
             const float m = part_s[w][i][D];
-            if (m == neg_inf()) continue;
             const float c = expf(m - Mx);
             Ls += part_s[w][i][D + 1] * c;
 #pragma unroll
@@ -940,7 +955,7 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
                               int pos_stride, const int* slots, int n, int S, int H, int G, float scale) {    \
         attention_cached_block<D, 1>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, scale);       \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_CACHED_WARPS_MANY)                                  \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_CACHED_WARPS_MANY)                                   \
         attention_cached_group_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const int* pos,   \
                                     int pos_stride, const int* slots, int n, int S, int H, int G, float scale) { \
         attention_cached_block<D, ATT_CACHED_GROUP>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, \
