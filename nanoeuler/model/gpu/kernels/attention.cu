@@ -955,7 +955,7 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
                               int pos_stride, const int* slots, int n, int S, int H, int G, float scale) {    \
         attention_cached_block<D, 1>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, scale);       \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * ATT_CACHED_WARPS_MANY)                                   \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_CACHED_WARPS_MANY)                                  \
         attention_cached_group_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const int* pos,   \
                                     int pos_stride, const int* slots, int n, int S, int H, int G, float scale) { \
         attention_cached_block<D, ATT_CACHED_GROUP>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, \
