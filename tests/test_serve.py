@@ -20,7 +20,8 @@ from nanoeuler.io import checkpoint
 from nanoeuler.model.config import init_params
 from nanoeuler.infer.generate import generate, start_ids
 from nanoeuler.io.checkpoint import load_model
-from nanoeuler.infer.scheduler import held_back, stop_at
+from nanoeuler.infer.scheduler import Job, SamplingSettings, Scheduler, held_back, stop_at
+from nanoeuler.model.decoding import CHAINED
 from nanoeuler.data import template
 
 from conftest import ROOT, run_cli, sharp_params, tiny_config
@@ -304,6 +305,43 @@ def test_64_concurrent_requests_each_equal_to_its_solo_run(base, model):
     for i, answer in enumerate(answers):
         kw = case(i)
         assert answer == expected(model, kw["prompt"], kw["max_tokens"], kw["temperature"], 1.0, kw["seed"])[:2], i
+
+
+def test_chained_steps_while_requests_wait_for_rows_each_equal_to_its_solo_run(model):
+    """The scheduler as on the GPU (chained, pipelined steps), on the CPU engine, with more requests than rows:
+    while newcomers wait for a row the steps chain, and each answer is still what generate() gives alone."""
+    eng, tok = model
+    text = tok.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer")
+    scheduler = Scheduler(eng, tok, rows=3, queue=16)
+    scheduler.chained = CHAINED
+    chains = []  # the steps of each decode, and whether a request was waiting for a row then
+
+    def decode(seqs, steps, run=scheduler.generator._decode):
+        chains.append((steps, any(job.queued for job in scheduler.jobs)))
+        return run(seqs, steps)
+
+    scheduler.generator._decode = decode
+    cases = [dict(ids=text[i % 5:i % 5 + 1 + (i * 3) % 9], max_tokens=4 + (i * 7) % 20,
+                  temperature=0.0 if i % 2 else 0.9, seed=50 + i) for i in range(10)]
+    answers = [{"text": "", "reason": None} for _ in cases]
+
+    def send(answer):
+        def on(event):
+            if event[0] == "text":
+                answer["text"] += event[2]
+            elif event[0] == "done":
+                answer["reason"] = event[2]
+        return on
+
+    for case, answer in zip(cases, answers):
+        settings = SamplingSettings(max_tokens=case["max_tokens"], temperature=case["temperature"], top_p=1.0,
+                                    seed=case["seed"])
+        scheduler.submit(Job([case["ids"]], 1, settings, send(answer)))
+    scheduler.run(lambda: False)
+    assert any(steps > 1 and waiting for steps, waiting in chains), chains
+    for case, answer in zip(cases, answers):
+        want = expected(model, case["ids"], case["max_tokens"], case["temperature"], 1.0, case["seed"])[:2]
+        assert (answer["text"], answer["reason"]) == want, case
 
 
 BAD = [  # (route, body, status, param)

@@ -8,9 +8,10 @@
             ...                       # token.sequence, token.id, token.logprob, token.finish_reason
 
 Each sequence has a row (slot) of the KV cache from its first prefill chunk to its end, at its own position.
-A step prefills one chunk (prefill_chunk tokens) of at most one joining sequence, then decodes one token for
-every sequence that was decoding: the joining one's latest chunk never holds the others up for more than a
-chunk. Rows leave when their sequence ends (or is cancelled) and new sequences take them.
+A step prefills at most one chunk's worth (prefill_chunk tokens): the next chunk of one joining sequence, or
+the waiting one-chunk prompts of one length together; then it decodes one token for every sequence that was
+decoding: joiners never hold the others up for more than a chunk. Rows leave when their sequence ends (or is
+cancelled) and new sequences take them.
 
 Batch invariance: a sequence's tokens are a pure function of (model, prompt, settings, seed), whatever else is
 in the batch and wherever its row sits: every kernel of a step computes a row in an order set by that row
@@ -133,30 +134,38 @@ class BatchGenerator:
 
     def admit(self):
         """Prefill without decoding the others, for a caller that wants every sequence in before decoding
-        (generate() over a list: throughput before latency): the joining sequence's next chunk, or the waiting
-        prompts at the head of the queue that are one chunk each and of one length, together (at most
-        FEW_ROWS tokens). Returns the Tokens of the sequences whose prompt is then in (their first ids)."""
+        (generate() over a list: throughput before latency): `_joiners` with up to FEW_ROWS tokens. Returns the
+        Tokens of the sequences whose prompt is then in (their first ids)."""
+        group = self._joiners(FEW_ROWS)
+        return self._prefill(group) if group else []
+
+    def _joiners(self, tokens):
+        """The sequences whose prompts the next step prefills, each given a row: the joining sequence's next
+        chunk; else the waiting prompts at the head of the queue that are one chunk each and of one length,
+        together (at most `tokens` tokens, as many as rows are free); else the first chunk of a longer prompt,
+        which then joins chunk by chunk. First come, first served: a group stops at the first other length."""
         if self.joining is not None:
-            return self._prefill([self.joining])
+            return [self.joining]
         group = []
         while self.queue and len(group) < len(self.free):
             n = len(self.queue[0].request.prompt_ids)
-            if n > self.chunk or (group and n != len(group[0].request.prompt_ids)) or (len(group) + 1) * n > FEW_ROWS:
+            if n > self.chunk or (group and n != len(group[0].request.prompt_ids)) or (len(group) + 1) * n > tokens:
                 break
             group.append(self.queue.popleft())
         if not group and self.queue and self.free:  # a prompt of several chunks: chunk by chunk
             self.joining = self.queue.popleft()
             group = [self.joining]
         for seq in group:
-            seq.slot = heapq.heappop(self.free)
-        return self._prefill(group) if group else []
+            if seq.slot is None:
+                seq.slot = heapq.heappop(self.free)
+        return group
 
     def step(self, steps=1):
-        """One step: a prefill chunk of the joining sequence (its first token when the prompt is done), then
-        one decoding step for each sequence decoding before it. Returns the Tokens, in order.
+        """One step: a prefill chunk of the joiners (`_joiners`; their first tokens when their prompts are in),
+        then one decoding step for each sequence decoding before it. Returns the Tokens, in order.
 
-        steps > 1 (at most CHAINED), for throughput: when no sequence is joining or waiting and none asked for
-        logprobs, that many decoding steps back to back on the device, read once (a sequence's tokens after
+        steps > 1 (at most CHAINED), for throughput: when no sequence is joining or could join (waiting with a
+        row free) and none asked for logprobs, that many decoding steps back to back on the device, read once (a sequence's tokens after
         its end are dropped), and pipelined: the call returns the tokens of the steps launched by the call
         before, after launching the next ones, so the host's work on them overlaps the device's."""
         out = []
@@ -164,28 +173,28 @@ class BatchGenerator:
             out += self._collect()
             if self.inflight is not None:
                 return out
-        if self.joining is None and self.queue and self.free:
-            seq = self.joining = self.queue.popleft()
-            seq.slot = heapq.heappop(self.free)
         decoding = sorted(self.decoding.items())  # those decoding before this step's prefill
-        if self.joining is not None:
-            out += self._prefill([self.joining])
+        joiners = self._joiners(self.chunk)
+        if joiners:
+            out += self._prefill(joiners)
         if decoding:
-            if self.joining is not None or self.queue or any(s.request.logprobs is not None for _, s in decoding):
+            # one step while a sequence is joining or could join (a row is free for it): it waits no longer
+            waiting = self.joining is not None or (self.queue and self.free)
+            if waiting or any(s.request.logprobs is not None for _, s in decoding):
                 steps = 1
             out += self._decode([s for _, s in decoding], steps)
         return out
 
     def _collect(self):
-        """Read the steps in flight; unless sequences joined, wait or ended, launch the next ones over the same
-        rows at once (the device goes on from its own state); then the Tokens of those read."""
+        """Read the steps in flight; unless sequences joined, ended, or wait with a row free, launch the next ones
+        over the same rows at once (the device goes on from its own state); then the Tokens of those read."""
         step, seqs, steps = self.inflight
         self.inflight = None
         ids = step.read(steps).tolist()
         self.free += self.retiring
         heapq.heapify(self.free)
         self.retiring = []
-        same = (not self.queue and self.joining is None and len(self.decoding) == len(seqs)
+        same = (not (self.queue and self.free) and self.joining is None and len(self.decoding) == len(seqs)
                 and all(s.finish_reason is None for s in seqs))
         # after the steps read: the positions left in the context, the most tokens a sequence still wants
         room = min(self.context - (len(s.request.prompt_ids) + len(s.ids) - 1 + steps) for s in seqs)

@@ -194,9 +194,11 @@ class Scheduler:
             worked = self._score_piece()
             self._start_choices()
             if self.generator.busy():
-                # chained steps only while nobody waits to join (the generator runs one when a sequence is
+                # chained steps unless a newcomer could join now (it waits for a free row otherwise, which
+                # only a read of the steps gives back; the generator runs one step while a sequence is
                 # joining or asked for logprobs): a newcomer waits at most that many steps
-                self._step(1 if self.inbox or any(j.unstarted for j in self.jobs) else self.chained)
+                waiting = self.inbox or any(job.queued for job in self.jobs)
+                self._step(1 if waiting and len(self.active) < self.rows else self.chained)
             elif not worked:
                 with self.lock:
                     if not self.inbox and not any(j.cancelled for j in self.jobs):

@@ -396,14 +396,29 @@ def build_app(scheduler, model, tok, api_key=None, cors_origins=()):
     # the tokenizer keeps a cache that is not thread-safe: one thread does all encoding, off the event loop
     tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
+    # the model thread's events for every job, handed to the event loop in one wake-up a batch: a step's
+    # events for all its rows cost one cross-thread call, not one each
+    outbox, outbox_lock = [], threading.Lock()
+
+    def deliver():
+        with outbox_lock:
+            batch = outbox[:]
+            outbox.clear()
+        for events, event in batch:
+            events.put_nowait(event)
+
     async def submit(parsed):
         """A job for the scheduler whose events land in an asyncio queue of this event loop."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         prompts = await loop.run_in_executor(tokenizing, parsed.token_ids, tok, model.context)
 
         def send(event):
+            with outbox_lock:
+                outbox.append((events, event))
+                if len(outbox) > 1:  # a delivery is already on its way
+                    return
             try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
+                loop.call_soon_threadsafe(deliver)
             except RuntimeError:  # the event loop has closed (forced exit): nobody is listening
                 pass
 
