@@ -165,15 +165,18 @@ def _activations(eng, B, n):
                 xn2=[None] * layers, rstd1=[rstd] * layers, rstd2=[rstd] * layers,
                 qkv=[e(B, n, H + 2 * G, D)] * layers, att=[e(B, n, H, D)] * layers,
                 lse=[f(B, H, n)] * layers, gate_up=[e(N, 2 * F)] * layers, sw=[e(N, F)] * layers,
-                hf=e(N, C), rstdf=f(N), last=e(B, C))
+                rstdf=f(N), last=e(B, C))
 
 
-def _last_rows(a, B, n):
-    """The final hidden state of each sequence's last new row: a['hf'] itself when n is 1."""
-    if n == 1:
-        return a["hf"]
-    a["last"][...] = a["hf"].reshape(B, n, -1)[:, -1]
-    return a["last"]
+def _head(eng, a, logits, w, B, n, every_row=False):
+    """logits = the final norm, then the head product with w, of each sequence's last new row (of every row
+    with every_row): one product, into which the GPU folds the norm (Engine.forward_layers leaves it to us)."""
+    x = a["resid"][-1]
+    if n > 1 and not every_row:
+        a["last"][...] = x.reshape(B, n, -1)[:, -1]
+        x = a["last"]
+    eng.layers.rmsnorm_matmul_forward(logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w, eng.cfg.norm_eps,
+                                      None)
 
 
 class _Step:
@@ -203,8 +206,8 @@ class _Step:
     def _run(self):
         eng, a, L, cache = self.eng, self.a, self.eng.layers, self.cache
         eng.forward_layers(a["tokens"], a, self.B, self.n, cache)
-        h = a["hf"] if self.rows == self.B * self.n else _last_rows(a, self.B, self.n)
-        L.matmul_forward(a["logits"], h, eng.p["heads"] if self.heads > 1 else eng.p["heads.0"])
+        _head(eng, a, a["logits"], eng.p["heads"] if self.heads > 1 else eng.p["heads.0"], self.B, self.n,
+              every_row=self.rows == self.B * self.n)
         V = eng.cfg.vocab_size
         if self.kind == "verify":
             L.argmax(self.ids, a["logits"].reshape(-1, V))
@@ -329,7 +332,7 @@ class SampleStep:
         eng, a, L, B, T = self.eng, self.a, self.eng.layers, self.B, self.T
         f = self.fields
         eng.forward_layers(self.tokens, a, B, T, self.view)
-        L.matmul_forward(self.logits, _last_rows(a, B, T), eng.p["heads.0"])
+        _head(eng, a, self.logits, eng.p["heads.0"], B, T)
         L.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"], f["seed_hi"],
                       f["index"])
         if T == 1:

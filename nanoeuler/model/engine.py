@@ -158,7 +158,8 @@ class Engine:
         The residual stream: training keeps one buffer per sublayer (the backward pass reads them all), so
         each norm copies its input into the next buffer (`skip`) and the sublayer's matmul adds its output
         there. Decoding's activations (a['in_place']: decoding.py) are one buffer per kind for all layers, and
-        the stream is updated in place: no copy."""
+        the stream is updated in place: no copy; decoding stops before the final norm (a['resid'][-1] is the
+        stream), which its head's product folds in."""
         cfg, L, p = self.cfg, self.layers, self.p
         H, G = cfg.n_heads, cfg.n_kv_heads
         N = B * T
@@ -184,7 +185,8 @@ class Engine:
                                             p[w + "w_gate_up"], cfg.norm_eps, a["xn2"][i],
                                             None if in_place else resid_next)
             L.matmul_forward(resid_next, a["sw"][i], p[w + "w_down"], accumulate=True)
-        L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
+        if not in_place:  # decoding's head product folds the final norm in (decoding.py)
+            L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
 
     def _tokens(self, inputs):
         """inputs as a (B, T) int32 array of the engine's library; refuses what does not fit the context (the
