@@ -206,12 +206,15 @@ class BatchGenerator:
 
     # ------------------------------------------------------------------------------------------ steps
     def _prefill(self, seqs):
-        """The next prompt chunk of each of seqs (chunks of one length), in one step."""
+        """The next prompt chunk of each of seqs (chunks of one length), in one step, its sequences padded up
+        to a bucket where that fits a step (fewer step shapes to record: padding rows write the scratch slot)."""
         start = [seq.prefilled for seq in seqs]
         chunks = [seq.request.prompt_ids[p:p + self.chunk] for seq, p in zip(seqs, start)]
-        B, T = len(seqs), len(chunks[0])
+        T = len(chunks[0])
+        B = next((b for b in self.buckets if b >= len(seqs) and b * T <= FEW_ROWS), len(seqs))
         step = self.cache.step(B, T)
         state, v = self._state(B, T)
+        v["slot"][:] = self.cache.scratch
         for r, (seq, chunk, p) in enumerate(zip(seqs, chunks, start)):
             v["tokens"][r] = chunk
             self._settings(v, r, seq, seq.slot, p)
