@@ -8,10 +8,10 @@
             ...                       # token.sequence, token.id, token.logprob, token.finish_reason
 
 Each sequence has a row (slot) of the KV cache from its first prefill chunk to its end, at its own position.
-A step prefills at most one chunk's worth (prefill_chunk tokens): the next chunk of one joining sequence, or
-the waiting one-chunk prompts of one length together; then it decodes one token for every sequence that was
-decoding: joiners never hold the others up for more than a chunk. Rows leave when their sequence ends (or is
-cancelled) and new sequences take them.
+A step prefills at most one chunk's worth (prefill_chunk rows): the next chunk of one joining sequence, or the
+waiting one-chunk prompts together (each padded to the longest); then it decodes one token for every sequence
+that was decoding: joiners never hold the others up for more than a chunk. Rows leave when their sequence
+ends (or is cancelled) and new sequences take them.
 
 Batch invariance: a sequence's tokens are a pure function of (model, prompt, settings, seed), whatever else is
 in the batch and wherever its row sits: every kernel of a step computes a row in an order set by that row
@@ -141,17 +141,19 @@ class BatchGenerator:
 
     def _joiners(self, tokens):
         """The sequences whose prompts the next step prefills, each given a row: the joining sequence's next
-        chunk; else the waiting prompts at the head of the queue that are one chunk each and of one length,
-        together (at most `tokens` tokens, as many as rows are free); else the first chunk of a longer prompt,
-        which then joins chunk by chunk. First come, first served: a group stops at the first other length."""
+        chunk; else the waiting prompts at the head of the queue that are one chunk each, together (as many as
+        rows are free and, each padded to the longest, fit `tokens` rows); else the first chunk of a longer
+        prompt, which then joins chunk by chunk. First come, first served: a group stops at the first prompt
+        that does not fit."""
         if self.joining is not None:
             return [self.joining]
-        group = []
+        group, longest = [], 0
         while self.queue and len(group) < len(self.free):
             n = len(self.queue[0].request.prompt_ids)
-            if n > self.chunk or (group and n != len(group[0].request.prompt_ids)) or (len(group) + 1) * n > tokens:
+            if n > self.chunk or (len(group) + 1) * max(longest, n) > tokens:
                 break
             group.append(self.queue.popleft())
+            longest = max(longest, n)
         if not group and self.queue and self.free:  # a prompt of several chunks: chunk by chunk
             self.joining = self.queue.popleft()
             group = [self.joining]
@@ -165,9 +167,10 @@ class BatchGenerator:
         then one decoding step for each sequence decoding before it. Returns the Tokens, in order.
 
         steps > 1 (at most CHAINED), for throughput: when no sequence is joining or could join (waiting with a
-        row free) and none asked for logprobs, that many decoding steps back to back on the device, read once (a sequence's tokens after
-        its end are dropped), and pipelined: the call returns the tokens of the steps launched by the call
-        before, after launching the next ones, so the host's work on them overlaps the device's."""
+        row free) and none asked for logprobs, that many decoding steps back to back on the device, read once
+        (a sequence's tokens after its end are dropped), and pipelined: the call returns the tokens of the
+        steps launched by the call before, after launching the next ones, so the host's work on them overlaps
+        the device's."""
         out = []
         if self.inflight is not None:
             out += self._collect()
@@ -206,22 +209,24 @@ class BatchGenerator:
 
     # ------------------------------------------------------------------------------------------ steps
     def _prefill(self, seqs):
-        """The next prompt chunk of each of seqs (chunks of one length), in one step, its sequences padded up
-        to a bucket where that fits a step (fewer step shapes to record: padding rows write the scratch slot)."""
+        """The next prompt chunk of each of seqs in one step: chunks padded after their end to the longest (a
+        sequence's logits come from its own last token), sequences padded up to a bucket where that fits a step
+        (fewer step shapes to record: padding sequences write the scratch slot)."""
         start = [seq.prefilled for seq in seqs]
         chunks = [seq.request.prompt_ids[p:p + self.chunk] for seq, p in zip(seqs, start)]
-        T = len(chunks[0])
+        T = max(map(len, chunks))
         B = next((b for b in self.buckets if b >= len(seqs) and b * T <= FEW_ROWS), len(seqs))
         step = self.cache.step(B, T)
         state, v = self._state(B, T)
         v["slot"][:] = self.cache.scratch
         for r, (seq, chunk, p) in enumerate(zip(seqs, chunks, start)):
-            v["tokens"][r] = chunk
+            v["tokens"][r, :len(chunk)] = chunk
+            v["last"][r] = len(chunk) - 1
             self._settings(v, r, seq, seq.slot, p)
         ids = step(state)
         out = []
-        for r, seq in enumerate(seqs):
-            seq.prefilled += T
+        for r, (seq, chunk) in enumerate(zip(seqs, chunks)):
+            seq.prefilled += len(chunk)
             if seq.prefilled < len(seq.request.prompt_ids):
                 continue
             if seq is self.joining:

@@ -168,13 +168,9 @@ def _activations(eng, B, n):
                 rstdf=f(N), last=e(B, C))
 
 
-def _head(eng, a, logits, w, B, n, every_row=False):
-    """logits = the final norm, then the head product with w, of each sequence's last new row (of every row
-    with every_row): one product, into which the GPU folds the norm (Engine.forward_layers leaves it to us)."""
-    x = a["resid"][-1]
-    if n > 1 and not every_row:
-        a["last"][...] = x.reshape(B, n, -1)[:, -1]
-        x = a["last"]
+def _head(eng, a, logits, w, x):
+    """logits = the final norm of rows x of the residual stream, then the head product with w: one product,
+    into which the GPU folds the norm (Engine.forward_layers leaves the final norm to decoding)."""
     eng.layers.rmsnorm_matmul_forward(logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w, eng.cfg.norm_eps,
                                       None)
 
@@ -206,8 +202,11 @@ class _Step:
     def _run(self):
         eng, a, L, cache = self.eng, self.a, self.eng.layers, self.cache
         eng.forward_layers(a["tokens"], a, self.B, self.n, cache)
-        _head(eng, a, a["logits"], eng.p["heads"] if self.heads > 1 else eng.p["heads.0"], self.B, self.n,
-              every_row=self.rows == self.B * self.n)
+        x = a["resid"][-1]
+        if self.rows != self.B * self.n:  # each sequence's last new row
+            a["last"][...] = x.reshape(self.B, self.n, -1)[:, -1]
+            x = a["last"]
+        _head(eng, a, a["logits"], eng.p["heads"] if self.heads > 1 else eng.p["heads.0"], x)
         V = eng.cfg.vocab_size
         if self.kind == "verify":
             L.argmax(self.ids, a["logits"].reshape(-1, V))
@@ -288,12 +287,14 @@ class _CacheView:
 
 
 class SampleStep:
-    """B sequences of T new tokens each over Slots: the forward, head 0's logits (B, V) float32 at each one's
-    last new position, and an id drawn from them a sequence (layers.sample_rows). Its inputs are one int32
-    buffer, `state` (layout: `pack`), uploaded at once; a step of one token a sequence (T = 1) then feeds its
-    ids back (layers.feed_back), so `steps` of them chain on the device and log their ids by step."""
+    """B sequences of up to T new tokens each over Slots: the forward, head 0's logits (B, V) float32 at each
+    one's last new token (its row `last` of T: a shorter chunk is padded after its end, rows whose keys and
+    values a later step overwrites before any row reads them), and an id drawn from them a sequence
+    (layers.sample_rows). Its inputs are one int32 buffer, `state` (layout: `views`), uploaded at once; a step
+    of one token a sequence (T = 1) then feeds its ids back (layers.feed_back), so `steps` of them chain on
+    the device and log their ids by step."""
 
-    FIELDS = ("slot", "position", "index", "top_k", "temperature", "top_p", "seed_lo", "seed_hi")
+    FIELDS = ("slot", "position", "index", "top_k", "temperature", "top_p", "seed_lo", "seed_hi", "last")
     VIEWS = {"temperature": np.float32, "top_p": np.float32, "seed_lo": np.uint32, "seed_hi": np.uint32}
 
     def __init__(self, eng, cache, B, T):
@@ -308,6 +309,8 @@ class SampleStep:
         self.logits = xp.empty((B, cfg.vocab_size), dtype=eng.dtype)
         self.ids = xp.empty(B, dtype=np.int32)
         self.log = xp.empty((CHAINED, B), dtype=np.int32)
+        self.first_rows = xp.arange(0, B * T, T, dtype=np.int32)  # sequence b's rows start at b * T
+        self.last_rows = xp.empty(B, dtype=np.int32)
         graph = eng.decoder.graphs and B * T <= FEW_ROWS
         self.run = eng.layers.graph(self._run) if graph else self._run
 
@@ -332,7 +335,12 @@ class SampleStep:
         eng, a, L, B, T = self.eng, self.a, self.eng.layers, self.B, self.T
         f = self.fields
         eng.forward_layers(self.tokens, a, B, T, self.view)
-        _head(eng, a, self.logits, eng.p["heads.0"], B, T)
+        x = a["resid"][-1]
+        if T > 1:  # each sequence's last new token: row last[b] of its T
+            eng.xp.add(self.first_rows, f["last"], out=self.last_rows)
+            eng.xp.take(x, self.last_rows, axis=0, out=a["last"])
+            x = a["last"]
+        _head(eng, a, self.logits, eng.p["heads.0"], x)
         L.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"], f["seed_hi"],
                       f["index"])
         if T == 1:
