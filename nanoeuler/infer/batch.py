@@ -158,8 +158,7 @@ class BatchGenerator:
             self.joining = self.queue.popleft()
             group = [self.joining]
         for seq in group:
-            if seq.slot is None:
-                seq.slot = heapq.heappop(self.free)
+            seq.slot = heapq.heappop(self.free)
         return group
 
     def step(self, steps=1):
