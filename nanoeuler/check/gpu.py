@@ -139,8 +139,10 @@ def check_matmul(c, L, R):
     # without them, rows split over 1 to 16 warps, in 1 to 4 rounds; the same kernel with RMSNorm (C = I)
     # folded in front, and with SwiGLU after
     # (and 1 to 4 tiles of 16 rows: batched decoding's steps)
+    # (and rows of 2, 3 and 16 of a warp's k-slices of 128, many rows)
     for N, I, O in ((1, 64, 77), (FEW_ROWS, 136, 33), (3, 45, 51), (2, 1000, 40), (1, 2048, 24), (1, 8192, 16),
-                    (3, 4100, 9), (13, 45, 51), (37, 1000, 40), (50, 136, 33)):
+                    (3, 4100, 9), (13, 45, 51), (37, 1000, 40), (50, 136, 33), (FEW_ROWS, 256, 72), (37, 384, 24),
+                    (50, 2048, 20)):
         x, w, lines = _matmul_forward_lines(c, L, R, N, I, O, f"{N} rows (matrix-vector) I={I} O={O}")
         gain = c.act(1 + c.normal(I, scale=0.3))
         ref, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, I))
@@ -178,28 +180,56 @@ def check_matmul(c, L, R):
     out.append((f"rmsnorm_matmul_rope_forward{c.tag} {B} sequences at their own positions", rel_err(c.get(g), ref),
                 c.tol))
     # batch invariance: a row's bits are the same in a product of 1, 5, 20 or 64 rows, wherever it sits (64 rows
-    # of a product this narrow are split over blocks of 16), plain and with RMSNorm folded in (its rstd too)
-    I, O = 1000, 40
-    x, w, gain = c.act(c.normal(FEW_ROWS, I)), c.act(c.normal(O, I)), c.act(1 + c.normal(I, scale=0.3))
-    products = {
-        "matmul_forward": lambda g, gr, rows: L.matmul_forward(g, c.dev(x[rows]), c.dev(w)),
-        "rmsnorm_matmul_forward": lambda g, gr, rows: L.rmsnorm_matmul_forward(g, gr, c.dev(x[rows]), c.dev(gain),
-                                                                               c.dev(w), 1e-5, None),
-    }
-    for name, product in products.items():
-        def bits(rows):
+    # of a product this narrow are split over blocks of 16), plain, accumulating, with RMSNorm folded in (its rstd
+    # too), with SwiGLU and with the rotary embedding (a sequence a row, each at its own position); rows of 1000
+    # and of 256 (whole 16-byte loads: the packed path)
+    NH, D = 6, 8
+    cos, sin = (c.dev32(_f32(t)) for t in rope_tables(D, 16, 10000.0, np.float64))
+    pos = c.rng.integers(0, 16, FEW_ROWS).astype(np.int32)
+    for I in (1000, 256):
+        O = NH * D
+        x, w, gain = c.act(c.normal(FEW_ROWS, I)), c.act(c.normal(O, I)), c.act(1 + c.normal(I, scale=0.3))
+        base = c.act(c.normal(FEW_ROWS, O))
+        dx, dw, dgain = c.dev(x), c.dev(w), c.dev(gain)
+
+        def plain(rows):
+            g = c.poisoned(len(rows), O)
+            L.matmul_forward(g, dx[c.cp.asarray(rows)], dw)
+            return g,
+
+        def accumulating(rows):
+            g = c.dev(base[rows])
+            L.matmul_forward(g, dx[c.cp.asarray(rows)], dw, accumulate=True)
+            return g,
+
+        def normed(rows):
             g, grstd = c.poisoned(len(rows), O), c.poisoned32(len(rows))
-            product(g, grstd, rows)
-            return c.get(g), c.get(grstd)
-        alone = [bits([r]) for r in range(FEW_ROWS)]
-        same = True
-        for N in (5, 20, FEW_ROWS):
-            rows = c.rng.permutation(FEW_ROWS)[:N]
-            g, grstd = bits(rows)
-            same &= bool(np.array_equal(g, np.stack([alone[r][0][0] for r in rows])))
-            same &= name == "matmul_forward" or bool(np.array_equal(grstd, [alone[r][1][0] for r in rows]))
-        out.append((f"{name}{c.tag} a row's bits alone and among 5, 20, {FEW_ROWS} rows", 0.0 if same else math.inf,
-                    c.tol))
+            L.rmsnorm_matmul_forward(g, grstd, dx[c.cp.asarray(rows)], dgain, dw, 1e-5, None)
+            return g, grstd
+
+        def swiglu(rows):
+            gsw, ggu, grstd = c.poisoned(len(rows), O // 2), c.poisoned(len(rows), O), c.poisoned32(len(rows))
+            L.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, dx[c.cp.asarray(rows)], dgain, dw, 1e-5, None)
+            return gsw, ggu, grstd
+
+        def rotated(rows):
+            g, grstd = c.poisoned(len(rows), 1, NH, D), c.poisoned32(len(rows))
+            L.rmsnorm_matmul_rope_forward(g, grstd, dx[c.cp.asarray(rows)], dgain, dw, 1e-5, None, cos, sin, 4,
+                                          c.cp.asarray(pos[rows]))
+            return g, grstd
+
+        for name, product in (("matmul_forward", plain), ("matmul_forward +=", accumulating),
+                              ("rmsnorm_matmul_forward", normed), ("rmsnorm_matmul_swiglu_forward", swiglu),
+                              ("rmsnorm_matmul_rope_forward", rotated)):
+            bits = lambda rows: [c.get(a) for a in product(np.asarray(rows))]
+            alone = [bits([r]) for r in range(FEW_ROWS)]
+            same = True
+            for N in (5, 20, FEW_ROWS):
+                rows = c.rng.permutation(FEW_ROWS)[:N]
+                among = bits(rows)
+                same &= all(np.array_equal(a, np.stack([alone[r][i][0] for r in rows])) for i, a in enumerate(among))
+            out.append((f"{name}{c.tag} I={I}: a row's bits alone and among 5, 20, {FEW_ROWS} rows",
+                        0.0 if same else math.inf, c.tol))
     return out
 
 
