@@ -182,7 +182,7 @@ def check_matmul(c, L, R):
     # batch invariance: a row's bits are the same in a product of 1, 5, 20 or 64 rows, wherever it sits (64 rows
     # of a product this narrow are split over blocks of 16), plain, accumulating, with RMSNorm folded in (its rstd
     # too), with SwiGLU and with the rotary embedding (a sequence a row, each at its own position); rows of 1000
-    # and of 256 (whole 16-byte loads: the packed path)
+    # (a warp's k-slice of 128 partly past the end) and of 256 (whole slices)
     NH, D = 6, 8
     cos, sin = (c.dev32(_f32(t)) for t in rope_tables(D, 16, 10000.0, np.float64))
     pos = c.rng.integers(0, 16, FEW_ROWS).astype(np.int32)
