@@ -20,9 +20,10 @@ times sampling (top-p 0.95, as `infer`) instead, ours only.
     PYTHONPATH=. python3 benchmarks/bench_decode.py --preset base --device gpu --batch 64 --tokens 128
 
 --batch N: N random 8-token prompts, --tokens new tokens each (no stop), prefill included; ours greedy and
-sampled (temperature 0.8, top-p 0.95, a seed a prompt), and the batch-invariance check that every row's
-greedy tokens are its prompt's alone (a few rows decoded one at a time); `transformers` with a static cache
-and torch.compile on the same (unpadded, equal-length) batch, greedy. Aggregate tokens/s.
+sampled (temperature 0.8, top-p 0.95, a seed a prompt), greedy without batch invariance (an engine whose few
+rows' products are BLAS's: what invariance costs), and the batch-invariance check that every row's greedy
+tokens are its prompt's alone (a few rows decoded one at a time); `transformers` with a static cache and
+torch.compile on the same (unpadded, equal-length) batch, greedy. Aggregate tokens/s.
 """
 import argparse
 import time
@@ -173,6 +174,18 @@ def batch_rows(args, cfg, params, eng, n, precision):
     sampled, seconds = batched(eng, prompts, n, 0.8)
     print(f"{'nanoeuler generate() top-p 0.95, T 0.8':<44} {N * n / seconds:>10,.0f} tokens/s  "
           f"{1e3 * seconds / n:7.3f} ms a step")
+    loose = make_engine(cfg, device=args.device, precision=precision, batch_invariant=False)
+    loose.load_params(params)
+    batched(loose, prompts, 8, 0.0)  # warm-up
+    fast, seconds = batched(loose, prompts, n, 0.0)
+    agree = sum(a == b for x, y in zip(fast, greedy) for a, b in zip(x, y))
+    print(f"{'nanoeuler generate() greedy, not invariant':<44} {N * n / seconds:>10,.0f} tokens/s  "
+          f"{1e3 * seconds / n:7.3f} ms a step  (--no-batch-invariance: BLAS's products; invariance costs "
+          f"{1 - first / (N * n / seconds):.0%} of these tokens/s; tokens equal to the invariant run's: "
+          f"{agree}/{N * n})")
+    if loose.xp is not np:
+        print(f"the device's time of one decoding step of {N} rows, not invariant: {step_time(loose, N):.3f} ms")
+    del loose
     if eng.xp is not np:
         for rows in sorted({1, N}):
             print(f"the device's time of one decoding step of {rows} rows (graph replays, no host): "

@@ -178,16 +178,19 @@ def main():
     ap.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
     ap.add_argument("--json", help="also write the levels' results to this file, one JSON object a line")
+    ap.add_argument("--no-batch-invariance", action="store_true",
+                    help="serve (and run the peer) with BLAS's products: faster, not batch-invariant")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or random_checkpoint(args.preset, tmp)
         from nanoeuler.io.checkpoint import load_model
-        eng, tok, _ = load_model(ckpt, args.device)
+        eng, tok, _ = load_model(ckpt, args.device, not args.no_batch_invariance)
         batch = min(64, max(args.clients))
         peer = in_process(eng, tok, batch, args.max_tokens)
         with open(os.path.join(tmp, "serve.log"), "wb") as log:
             # a queue for every client beyond the batch's rows: none gets a 429
-            proc, port, banner = start_server(ckpt, args.device, log, "--queue", str(max(args.clients)))
+            proc, port, banner = start_server(ckpt, args.device, log, "--queue", str(max(args.clients)),
+                                              *["--no-batch-invariance"] * args.no_batch_invariance)
             try:
                 print(banner)
                 completion(port, "warm-up", 8, 0)

@@ -150,6 +150,12 @@ def _sampling_flags(p):
     _device_flag(p, training=False)
 
 
+def _invariance_flag(p):
+    p.add_argument("--no-batch-invariance", action="store_true",
+                   help="products of many sequences on cuBLAS / BLAS: faster batches, but a sequence's tokens may "
+                        "then change with what else is decoded beside it (docs/decoding.md)")
+
+
 def build_parser():
     parser = _Parser(prog="nanoeuler", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"nanoeuler {__version__}")
@@ -178,6 +184,7 @@ def build_parser():
     p.add_argument("--num-samples", type=_positive_int, default=1, metavar="N",
                    help="N samples of the prompt, decoded as one batch and printed one after the other; "
                         "sample i draws with --seed + i - 1, as choice i - 1 of a server request (default 1)")
+    _invariance_flag(p)
 
     p = sub.add_parser("sft", help="fine-tune a pretrained model on instruction data (Alpaca)")
     _device_flag(p)
@@ -223,6 +230,7 @@ def build_parser():
                    help="let web pages from ORIGIN (or * for any) call the API; repeat for several")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default the checkpoint file's name without .bin)")
+    _invariance_flag(p)
     _device_flag(p, training=False)
 
     p = sub.add_parser("tokenizer", help="byte-level BPE: train one, encode, decode")

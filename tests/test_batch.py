@@ -169,6 +169,7 @@ def test_logprobs_are_the_full_forward_log_softmax(eng):
 
 
 def test_infer_num_samples_prints_each_sample_the_first_plain_infer(tiny_ckpt):
+    """Sample i of --num-samples is plain infer's with --seed + i - 1; --no-batch-invariance runs too."""
     flags = ["--ckpt", tiny_ckpt, "--max-new-tokens", "8", "--seed", "4", "--device", "cpu"]
     plain = run_cli("infer", "ROMEO:", *flags)
     many = run_cli("infer", "ROMEO:", *flags, "--num-samples", "3")
@@ -178,6 +179,8 @@ def test_infer_num_samples_prints_each_sample_the_first_plain_infer(tiny_ckpt):
     assert parts[1].split("---\n", 1)[1].rstrip("\n") == plain.stdout.rstrip("\n")
     second = run_cli("infer", "ROMEO:", *flags[:-4], "--seed", "5", "--device", "cpu")  # sample i: --seed + i - 1
     assert parts[2].split("---\n", 1)[1].rstrip("\n") == second.stdout.rstrip("\n")
+    loose = run_cli("infer", "ROMEO:", *flags, "--num-samples", "3", "--no-batch-invariance")
+    assert loose.returncode == 0 and loose.stdout.count("--- sample ") == 3, loose.stderr
 
 
 def test_chained_pipelined_steps_with_a_cancel_in_flight(eng):
@@ -204,3 +207,26 @@ def test_chained_pipelined_steps_with_a_cancel_in_flight(eng):
             gen.step(8)
     assert seqs[0].ids == alone[0] and seqs[2].ids == alone[2] and len(late.ids) == 6
     assert sorted(gen.free) == [0, 1, 2] and not gen.retiring
+
+
+def test_without_batch_invariance_products_are_blas_and_tokens_stay(eng):
+    """make_engine(batch_invariant=False) (`--no-batch-invariance`): a few rows' products are BLAS's, bit for bit,
+    where the invariant engine's are _matmul_rows's; the greedy tokens of a batch, whose logits then differ by
+    rounding only, are the invariant engine's."""
+    from nanoeuler.model.cpu import layers
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 48), np.float32), rng.standard_normal((37, 48), np.float32)
+    outs = {}
+    for on in (True, False):
+        out = np.empty((5, 37), np.float32)
+        with layers.batch_invariant(on):
+            layers.matmul_forward(out, x, w)
+        outs[on] = out
+    assert np.array_equal(outs[False], x @ w.T)
+    reference = np.empty_like(outs[True])
+    layers._matmul_rows(reference, x, w, False)
+    assert np.array_equal(outs[True], reference) and not np.array_equal(outs[True], outs[False])
+    loose = make_engine(eng.cfg, batch_invariant=False)
+    loose.load_params(eng.params)
+    prompts = [list(_prompt(n, 40 + n)) for n in (3, 9, 17)]
+    assert generate(loose, prompts, 10, temperature=0) == generate(eng, prompts, 10, temperature=0)

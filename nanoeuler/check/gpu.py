@@ -279,19 +279,21 @@ def check_rmsnorm(c, L, R):
 @_precisions("fp32", "bf16")
 def check_rope(c, L, R):
     out = []
-    for B, T, H, G, D, pos0 in ((3, 37, 6, 2, 64, 5), (2, 11, 3, 1, 36, 40)):  # 4 pairs a thread; 1 (D/2 odd)
+    # the 16-byte kernel, then the general one (D/2 odd last); one position for all, then one a sequence
+    for B, T, H, G, D, pos0 in ((3, 37, 6, 2, 64, 5), (2, 11, 3, 1, 36, 40), (3, 5, 3, 1, 6, 9)):
         cos, sin = rope_tables(D, 64, 10000.0, np.float64)
         cos, sin = _f32(cos), _f32(sin)
-        for name, rfn, gfn in (("rope_forward", R.rope_forward, L.rope_forward),
-                               ("rope_backward", R.rope_backward, L.rope_backward)):
-            qkv = c.act(c.normal(B, T, H + 2 * G, D))
-            ref = qkv.copy()
-            pos = np.array([pos0], dtype=np.int32)
-            rfn(ref, cos, sin, H + G, pos)
-            g = c.dev(qkv)
-            gfn(g, c.dev32(cos), c.dev32(sin), H + G, c.cp.asarray(pos))
-            out.append((f"{name}{c.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} pos0={pos0}",
-                        rel_err(c.get(g), ref), c.tol))
+        for pos in (np.array([pos0], dtype=np.int32), c.rng.integers(0, 64 - T, B).astype(np.int32)):
+            where = f"pos0={pos0}" if pos.size == 1 else f"positions {pos.tolist()}"
+            for name, rfn, gfn in (("rope_forward", R.rope_forward, L.rope_forward),
+                                   ("rope_backward", R.rope_backward, L.rope_backward)):
+                qkv = c.act(c.normal(B, T, H + 2 * G, D))
+                ref = qkv.copy()
+                rfn(ref, cos, sin, H + G, pos)
+                g = c.dev(qkv)
+                gfn(g, c.dev32(cos), c.dev32(sin), H + G, c.cp.asarray(pos))
+                out.append((f"{name}{c.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} {where}",
+                            rel_err(c.get(g), ref), c.tol))
     return out
 
 

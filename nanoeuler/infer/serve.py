@@ -596,7 +596,7 @@ def main(args):
     if args.slots > DECODE_ROWS:
         raise UserError(f"--slots must be 1 to {DECODE_ROWS} (rows of one decoding batch), got {args.slots}")
     sock = listen(args.host, args.port)  # first: a busy port fails before a large model loads
-    eng, tok, ck = load_model(args.ckpt, args.device)
+    eng, tok, ck = load_model(args.ckpt, args.device, not args.no_batch_invariance)
     model = ModelCard(args.ckpt, ck, args.served_model_name)
     scheduler = Scheduler(eng, tok, args.slots, args.queue)
     scheduler.warm_up()  # compile (or load) the kernels before serving

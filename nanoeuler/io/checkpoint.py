@@ -174,12 +174,13 @@ def load(path, with_opt=False):
                       train_state=train_state)
 
 
-def load_model(ckpt, device):
-    """Checkpoint path -> (engine, tokenizer, checkpoint), on the resolved device."""
+def load_model(ckpt, device, batch_invariant=True):
+    """Checkpoint path -> (engine, tokenizer, checkpoint), on the resolved device (make_engine says what
+    batch_invariant False trades)."""
     from nanoeuler.model.device import resolve
     from nanoeuler.model.engine import make_engine
     ck = load(ckpt)
     tok = ck.tokenizer()
-    eng = make_engine(ck.cfg, device=resolve(device))
+    eng = make_engine(ck.cfg, device=resolve(device), batch_invariant=batch_invariant)
     eng.load_params(ck.params)
     return eng, tok, ck

@@ -160,9 +160,11 @@ def _activations(eng, B, n):
     f = lambda *shape: xp.empty(shape, dtype=eng.dtype)
     x, rstd = e(N, C), f(N)
     layers = cfg.n_layers
-    # no normed inputs kept (xn None): nothing reads them, and the GPU then folds the norms into the products
-    return dict(in_place=True, resid=[x] * (layers + 1), resid_mid=[x] * layers, xn1=[None] * layers,
-                xn2=[None] * layers, rstd1=[rstd] * layers, rstd2=[rstd] * layers,
+    # Batch-invariant: no normed inputs kept (xn None), and the GPU folds the norms into its products. Else the
+    # norms write xn, which BLAS's products read (a buffer of the step's own: a graph may not use temporaries).
+    xn = None if eng.batch_invariant else e(N, C)
+    return dict(in_place=True, resid=[x] * (layers + 1), resid_mid=[x] * layers, xn1=[xn] * layers,
+                xn2=[xn] * layers, xnf=xn, rstd1=[rstd] * layers, rstd2=[rstd] * layers,
                 qkv=[e(B, n, H + 2 * G, D)] * layers, att=[e(B, n, H, D)] * layers,
                 lse=[f(B, H, n)] * layers, gate_up=[e(N, 2 * F)] * layers, sw=[e(N, F)] * layers,
                 rstdf=f(N), last=e(B, C))
@@ -171,8 +173,9 @@ def _activations(eng, B, n):
 def _head(eng, a, logits, w, x):
     """logits = the final norm of rows x of the residual stream, then the head product with w: one product,
     into which the GPU folds the norm (Engine.forward_layers leaves the final norm to decoding)."""
-    eng.layers.rmsnorm_matmul_forward(logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w, eng.cfg.norm_eps,
-                                      None)
+    rows = x.shape[0]
+    eng.layers.rmsnorm_matmul_forward(logits, a["rstdf"][:rows], x, eng.p["final_norm"], w, eng.cfg.norm_eps,
+                                      None if a["xnf"] is None else a["xnf"][:rows])
 
 
 class _Step:

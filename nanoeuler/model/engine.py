@@ -23,6 +23,7 @@ Mixed precision (the GPU's "bf16"): the flat buffers above stay float32 (the mas
 checkpoints hold), and the layers read `weights`, a bf16 copy that AdamW rewrites in its pass; activations
 are bf16, parameter gradients float32. Elsewhere `weights` is `params` itself.
 """
+import contextlib
 import math
 
 import numpy as np
@@ -44,9 +45,11 @@ def to_numpy(a):
 
 
 class Engine:
-    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, precision="fp32"):
+    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, precision="fp32", batch_invariant=True):
         self.cfg, self.layers, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
         self.precision = precision
+        # decoding's products of a few rows: the row-invariant kernels, or BLAS's (faster, by the row count)
+        self.batch_invariant = batch_invariant
         self.act = np.dtype(layers.activation_dtype(precision, self.dtype))  # activations' element type
         _, total = param_layout(cfg)
         self.params = xp.asarray(init_params(cfg, seed, self.dtype))
@@ -91,9 +94,12 @@ class Engine:
             self.weights = self.params
         self.p, self.g = self._fused_views(self.weights), self._fused_views(self.grads)
 
+    @contextlib.contextmanager
     def mode(self):
-        """The layer module's precision for the block (the GPU's tf32 / fp32 switch); nothing on the CPU."""
-        return self.layers.precision(self.precision)
+        """The layer module's precision (the GPU's tf32 / fp32 switch; nothing on the CPU) and its products of a
+        few rows (batch-invariant or BLAS's) for the block."""
+        with self.layers.precision(self.precision), self.layers.batch_invariant(self.batch_invariant):
+            yield
 
     def _fused_views(self, flat):
         """Named views plus the fused groups: layers.{i}.wqkv, layers.{i}.w_gate_up and heads."""
@@ -290,15 +296,17 @@ class Engine:
 DEFAULT_PRECISION = {"cpu": "fp32", "gpu": "bf16"}
 
 
-def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None):
+def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, batch_invariant=True):
     """An Engine on the CPU (numba) or the GPU (CUDA kernels; needs CUDA and cupy). precision: "fp32" (the
-    CPU's only one), "tf32" or "bf16" (the GPU's default); None takes the device's default."""
+    CPU's only one), "tf32" or "bf16" (the GPU's default); None takes the device's default. batch_invariant
+    False: decoding's products of a few rows take BLAS / cuBLAS, so a sequence's tokens may change with what
+    else is in its batch (the GPU's batched decoding is faster so: docs/decoding.md)."""
     precision = precision or DEFAULT_PRECISION[device]
     if device == "cpu":
         if precision != "fp32":
             raise UserError(f"--precision {precision}: the CPU engine computes in fp32 only")
         from nanoeuler.model.cpu import layers
-        return Engine(cfg, layers, np, dtype, seed, precision)
+        return Engine(cfg, layers, np, dtype, seed, precision, batch_invariant)
     if device == "gpu":
         from nanoeuler.model.gpu import check_config
         try:
@@ -307,5 +315,5 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None):
             raise UserError(str(e)) from None
         import cupy
         from nanoeuler.model.gpu import layers
-        return Engine(cfg, layers, cupy, dtype, seed, precision)
+        return Engine(cfg, layers, cupy, dtype, seed, precision, batch_invariant)
     raise ValueError(f"unknown device {device!r}")

@@ -92,9 +92,23 @@ def _matmul_rows(out, x, w, accumulate):
                 out[n, o] = out[n, o] + v if accumulate else v
 
 
+_batch_invariant = {"on": True}
+
+
+@contextlib.contextmanager
+def batch_invariant(on):
+    """Within the block, products of at most FEW_ROWS rows take _matmul_rows (on: batch-invariant) or BLAS,
+    whose rounding depends on the row count (off)."""
+    before, _batch_invariant["on"] = _batch_invariant["on"], bool(on)
+    try:
+        yield
+    finally:
+        _batch_invariant["on"] = before
+
+
 def matmul_forward(out, x, w, accumulate=False):
     """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
-    if x.shape[0] <= FEW_ROWS:
+    if x.shape[0] <= FEW_ROWS and _batch_invariant["on"]:
         _matmul_rows(out, x, w, accumulate)
     elif accumulate:
         out += x @ w.T
@@ -222,12 +236,14 @@ def rope_forward(qkv, cos, sin, n_rot_heads, pos):
 
 @njit(**pjit)
 def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
-    """In place: the transpose of the rotation, (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin)."""
+    """In place: the transpose of the rotation, (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin); pos as in
+    rope_forward."""
     B, T, _, D = dqkv.shape
     half = D // 2
+    per_row = pos.shape[0] > 1
     for bt in prange(B * T):
         b, t = bt // T, bt % T
-        p = pos[0] + t
+        p = pos[b if per_row else 0] + t
         for h in range(n_rot_heads):
             for i in range(half):
                 d1 = dqkv[b, t, h, i]

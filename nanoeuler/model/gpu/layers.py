@@ -5,8 +5,8 @@ NVRTC through CuPy and cached by CuPy on disk) or, for every matrix product, in 
 activation layout are those of the CPU layers (see that module's docstring); arrays are C-contiguous.
 
 Decoding: products of at most FEW_ROWS rows (nanoeuler.model.limits) take a matrix-vector kernel of ours
-(bound by reading the weights once), and `graph` records a decoding step, which then has no cuBLAS call in it,
-as a CUDA graph. Positions (rope, the KV cache) are read from device memory, so one recording serves every
+(bound by reading the weights once, and batch-invariant: a row's bits do not depend on the other rows), or
+cuBLAS where `batch_invariant(False)` says so, and `graph` records a decoding step as a CUDA graph. Positions (rope, the KV cache) are read from device memory, so one recording serves every
 position. The numbers these launchers share with the kernels live in constants.py and reach the kernels as
 compile-time defines.
 
@@ -22,6 +22,7 @@ Precision (`precision(name)` selects it for a block of calls; the Engine does th
   the arrays it is given.
 """
 import contextlib
+import ctypes
 import functools
 import math
 
@@ -55,6 +56,21 @@ def precision(name):
         yield
     finally:
         _precision["name"] = before
+
+
+_batch_invariant = {"on": True}
+
+
+@contextlib.contextmanager
+def batch_invariant(on):
+    """Within the block, products of at most FEW_ROWS rows take the row-invariant kernels (on: a row's bits are
+    the same whatever the other rows) or cuBLAS, whose rounding depends on the row count (off: faster for
+    many rows; docs/decoding.md)."""
+    before, _batch_invariant["on"] = _batch_invariant["on"], bool(on)
+    try:
+        yield
+    finally:
+        _batch_invariant["on"] = before
 
 
 def activation_dtype(name, dtype=np.float32):
@@ -180,15 +196,52 @@ def _check(*arrays, act=None):
 
 
 # ---------------------------------------------------------------------------------------------- matmul
+class _Cublas:
+    """cuBLAS's gemm called through ctypes on a handle of our own, with a workspace set up front: CuPy's
+    wrappers refuse to run during stream capture (cupy #6290), and cuBLAS may not allocate during one, so this
+    is what lets a decoding step whose products are cuBLAS's be recorded as a CUDA graph."""
+
+    WORKSPACE = 32 << 20  # what cuBLAS asks for on Hopper
+
+    def __init__(self):
+        cupy.cuda.device.get_cublas_handle()  # loads the library CuPy was built against
+        with open("/proc/self/maps") as maps:
+            path = next(line.split()[-1] for line in maps if "/libcublas.so" in line)
+        lib = ctypes.CDLL(path)
+        ptr, i32 = ctypes.c_void_p, ctypes.c_int
+        lib.cublasGemmEx.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ptr, i32, i32, ptr, i32, i32, ptr, ptr,
+                                     i32, i32, i32, i32]
+        lib.cublasSetStream_v2.argtypes = [ptr, ptr]
+        lib.cublasSetWorkspace_v2.argtypes = [ptr, ptr, ctypes.c_size_t]
+        self.lib, self.handle = lib, ptr()
+        self._call("cublasCreate_v2", ctypes.byref(self.handle))
+        self.workspace = cupy.empty(self.WORKSPACE, np.uint8)
+        self._call("cublasSetWorkspace_v2", self.handle, self.workspace.data.ptr, self.WORKSPACE)
+
+    def _call(self, name, *args):
+        status = getattr(self.lib, name)(*args)
+        if status != 0:
+            raise RuntimeError(f"{name} failed: cuBLAS status {status}")
+
+    def gemm(self, *args):
+        self._call("cublasSetStream_v2", self.handle, cupy.cuda.get_current_stream().ptr)
+        self._call("cublasGemmEx", self.handle, *args)
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas(device):
+    return _Cublas()
+
+
 def _gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate):
     """Column-major C (m, n) = op(A) op(B) (+ C), on cuBLAS on the current stream. A and B share a dtype
     (float32 or bf16); C may be either, and the products accumulate in float32."""
-    handle = cupy.cuda.device.get_cublas_handle()
     ab, c = _CUDA_TYPE[A.dtype], _CUDA_TYPE[C.dtype]
     compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if A.dtype == F32 and _fast() else cublas.CUBLAS_COMPUTE_32F
     beta = _ONE if accumulate else _ZERO
-    cublas.gemmEx(handle, transa, transb, m, n, k, _host_address(_ONE), A.data.ptr, ab, lda, B.data.ptr, ab,
-                  ldb, _host_address(beta), C.data.ptr, c, ldc, compute, cublas.CUBLAS_GEMM_DEFAULT)
+    _cublas(cupy.cuda.Device().id).gemm(transa, transb, m, n, k, _host_address(_ONE), A.data.ptr, ab, lda,
+                                        B.data.ptr, ab, ldb, _host_address(beta), C.data.ptr, c, ldc, compute,
+                                        cublas.CUBLAS_GEMM_DEFAULT)
 
 
 def matmul_forward(out, x, w, accumulate=False):
@@ -198,7 +251,7 @@ def matmul_forward(out, x, w, accumulate=False):
     _check(x, w, act=x)
     assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
     (N, I), O = x.shape, w.shape[0]
-    if N > FEW_ROWS:
+    if N > FEW_ROWS or not _batch_invariant["on"]:
         _gemm(cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, O, N, I, w, I, x, I, out, O, accumulate)
     else:
         _matmul_small(out, x, w, accumulate)
@@ -285,7 +338,6 @@ def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_ro
     B, T, NH, D = qkv.shape
     assert pos.size in (1, B), (pos.shape, B)
     if B * T > FEW_ROWS or xn is not None:
-        assert pos.size == 1, "a position a sequence: decoding's few rows only"
         rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
         rope_forward(qkv, cos, sin, n_rot_heads, pos)
         return
@@ -399,24 +451,26 @@ def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
     _check(qkv, act=qkv)
     _check(cos, sin)
     B, T, NH, D = qkv.shape
+    assert pos.size in (1, B), (pos.shape, B)
     half, pack = D // 2, 16 // qkv.itemsize
     args = (qkv, cos, sin)
+    where = (_position(pos), _i32(pos.size > 1), _f32(sign))  # a position for all, or one a sequence
     threads = half // pack * -(-n_rot_heads // ROPE_HEADS)  # a (b, t) row's
     if half % pack == 0 and all(a.data.ptr % 16 == 0 for a in args) and 0 < threads <= 256:
         rows = 256 // threads
         _kernel("rope", "rope_rotate_rows", _act_defines(qkv))(
             (_blocks(B * T, rows),), (threads, rows),
-            args + (_i32(B * T), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D), _position(pos), _f32(sign)))
+            args + (_i32(B * T), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D)) + where)
         return
     n = B * T * n_rot_heads * half
     _kernel("rope", "rope_rotate", _act_defines(qkv))(
         (_blocks(n // _vec(half), 256),), (256,),
-        args + (_i32(B), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D), _position(pos), _f32(sign)))
+        args + (_i32(B), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D)) + where)
 
 
 def rope_forward(qkv, cos, sin, n_rot_heads, pos):
-    """In place on the first n_rot_heads heads of qkv (B, T, H+2G, D), positions pos[0] + t (pos: one int32 on
-    the device)."""
+    """In place on the first n_rot_heads heads of qkv (B, T, H+2G, D), positions pos[0] + t, or pos[b] + t
+    where pos holds one position a sequence (int32 on the device)."""
     _rope(qkv, cos, sin, n_rot_heads, pos, 1.0)
 
 
@@ -616,8 +670,9 @@ def _graph_stream():
 def graph(step):
     """step (a decoding step: kernels only, over buffers that outlive it, with every changing value in device
     memory) as a function that replays it as one CUDA graph. The first call runs step and records it; later
-    calls launch the recording, one launch for the whole step. cuBLAS cannot be recorded through CuPy (its
-    wrappers refuse during stream capture), so the step's products must have at most FEW_ROWS rows."""
+    calls launch the recording, one launch for the whole step (cuBLAS's products too: _Cublas). A temporary
+    would be handed to other arrays after the recording while its replays still write it, so every buffer a
+    step writes must be given to it."""
     recorded = []
 
     def replay():

@@ -1,6 +1,7 @@
 // Rotary position embedding (rotate-half pairing, element i with i + D/2), in place on the first n_rot heads
-// (the q and k heads) of the fused activation qkv (B, T, NH, D), positions *pos + t: read from device memory,
-// so that a decoding step recorded as a CUDA graph serves every position. The backward pass is the inverse
+// (the q and k heads) of the fused activation qkv (B, T, NH, D), positions pos[0] + t, or pos[b] + t where
+// pos_stride is 1 (a position a sequence: a batched decoding step's rows): read from device memory, so that a
+// decoding step recorded as a CUDA graph serves every position. The backward pass is the inverse
 // rotation, the same kernel with the sine negated (sign = -1). rope_rotate_rows is the fast path (D/2 a
 // multiple of 16 bytes of elements); rope_rotate serves any D: a thread rotates V = 4 consecutive pairs (one
 // vector access per half) when D/2 is a multiple of 4, one pair otherwise.
@@ -17,7 +18,7 @@
 // cover a half-head's contiguous chunks.
 extern "C" __global__ void rope_rotate_rows(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
                                             const float* __restrict__ sin_t, int rows, int T, int NH, int n_rot,
-                                            int D, const int* __restrict__ pos, float sign) {
+                                            int D, const int* __restrict__ pos, int pos_stride, float sign) {
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows) return;
     const int half = D >> 1, J = half / PACK, HG = (n_rot + ROPE_HEADS - 1) / ROPE_HEADS;
@@ -32,7 +33,7 @@ extern "C" __global__ void rope_rotate_rows(act_t* __restrict__ qkv, const float
             hi[g] = *reinterpret_cast<const uint4*>(base + h * D + half);
         }
     }
-    const int p = *pos + row % T;
+    const int p = pos[row / T * pos_stride] + row % T;
     const float* cp = cos_t + (long long)p * half + j * PACK;
     const float* sp = sin_t + (long long)p * half + j * PACK;
     float c[PACK], s[PACK];
@@ -59,13 +60,14 @@ extern "C" __global__ void rope_rotate_rows(act_t* __restrict__ qkv, const float
 template <int V>
 __device__ __forceinline__ void rope_pairs(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
                                            const float* __restrict__ sin_t, long long i, int T, int NH,
-                                           int n_rot, int D, int pos0, float sign) {
+                                           int n_rot, int D, const int* __restrict__ pos, int pos_stride,
+                                           float sign) {
     const int half = D >> 1;
     const int j = (int)(i % half);
     const long long rest = i / half;
     const int h = (int)(rest % n_rot);
     const long long bt = rest / n_rot;
-    const int p = pos0 + (int)(bt % T);
+    const int p = pos[bt / T * pos_stride] + (int)(bt % T);
     act_t* row = qkv + (bt * NH + h) * D;
     float x1[V], x2[V], c[V], s[V];
     load_vec<V>(x1, row + j);
@@ -81,11 +83,10 @@ __device__ __forceinline__ void rope_pairs(act_t* __restrict__ qkv, const float*
 
 extern "C" __global__ void rope_rotate(act_t* __restrict__ qkv, const float* __restrict__ cos_t,
                                        const float* __restrict__ sin_t, int B, int T, int NH, int n_rot,
-                                       int D, const int* __restrict__ pos, float sign) {
+                                       int D, const int* __restrict__ pos, int pos_stride, float sign) {
     const int V = (D >> 1) % 4 == 0 ? 4 : 1;
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= (long long)B * T * n_rot * (D >> 1)) return;
-    const int pos0 = *pos;
-    if (V == 4) rope_pairs<4>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos0, sign);
-    else rope_pairs<1>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos0, sign);
+    if (V == 4) rope_pairs<4>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos, pos_stride, sign);
+    else rope_pairs<1>(qkv, cos_t, sin_t, i, T, NH, n_rot, D, pos, pos_stride, sign);
 }
