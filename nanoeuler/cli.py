@@ -152,8 +152,9 @@ def _sampling_flags(p):
 
 def _invariance_flag(p):
     p.add_argument("--no-batch-invariance", action="store_true",
-                   help="products of many sequences on cuBLAS / BLAS: faster batches, but a sequence's tokens may "
-                        "then change with what else is decoded beside it (docs/decoding.md)")
+                   help="products of a few rows on cuBLAS / BLAS: faster batches, but a sequence's tokens may then "
+                        "change with what else is decoded beside it, and --speculative's greedy output may differ "
+                        "from plain greedy's (docs/decoding.md)")
 
 
 def build_parser():
