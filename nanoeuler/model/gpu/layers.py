@@ -6,9 +6,9 @@ activation layout are those of the CPU layers (see that module's docstring); arr
 
 Decoding: products of at most FEW_ROWS rows (nanoeuler.model.limits) take a matrix-vector kernel of ours
 (bound by reading the weights once, and batch-invariant: a row's bits do not depend on the other rows), or
-cuBLAS where `batch_invariant(False)` says so, and `graph` records a decoding step as a CUDA graph. Positions (rope, the KV cache) are read from device memory, so one recording serves every
-position. The numbers these launchers share with the kernels live in constants.py and reach the kernels as
-compile-time defines.
+cuBLAS where `batch_invariant(False)` says so, and `graph` records a decoding step as a CUDA graph. Positions
+(rope, the KV cache) are read from device memory, so one recording serves every position. The numbers these
+launchers share with the kernels live in constants.py and reach the kernels as compile-time defines.
 
 Precision (`precision(name)` selects it for a block of calls; the Engine does this):
 - "fp32": float32 everywhere, plain FP32 cuBLAS and 3xTF32 attention: what `nanoeuler check --gpu` compares
@@ -230,6 +230,7 @@ class _Cublas:
 
 @functools.lru_cache(maxsize=None)
 def _cublas(device):
+    """The current device's handle (a cuBLAS handle belongs to the device it was made on; `device` is the key)."""
     return _Cublas()
 
 
