@@ -51,7 +51,7 @@ class Engine:
         # decoding's products of a few rows: the row-invariant kernels, or BLAS's (faster, by the row count)
         self.batch_invariant = batch_invariant
         self.act = np.dtype(layers.activation_dtype(precision, self.dtype))  # activations' element type
-        _, total = param_layout(cfg)
+        self.layout, total = param_layout(cfg)
         self.params = xp.asarray(init_params(cfg, seed, self.dtype))
         self.weights = self.params if self.act == self.dtype else xp.empty(total, dtype=self.act)
         self.grads = xp.zeros(total, dtype=self.dtype)
@@ -63,6 +63,9 @@ class Engine:
         self._acts, self._acts_shape = None, None
         self._last = None  # the last forward's (tokens, targets, B, T), for backward()
         self._decoder = None
+        # called during a step's final backward pass with the flat offset from which every gradient is final
+        # (layers are done last to first): data parallelism reduces those while the pass goes on
+        self.gradients_ready = None
 
     @property
     def decoder(self):
@@ -218,8 +221,11 @@ class Engine:
 
     def _weights(self, weights):
         """A gradient weight per (head, position), (K, N) float32 on the device, from anything that broadcasts
-        to that shape (e.g. (K, 1): one weight a head)."""
+        to that shape (e.g. (K, 1): one weight a head); a device array of the engine's library is broadcast
+        there, so the host need not wait for it."""
         K, N = self.cfg.mtp_heads, self._last[1].shape[1]
+        if isinstance(weights, self.xp.ndarray) and self.xp is not np:
+            return self.xp.ascontiguousarray(self.xp.broadcast_to(weights.astype(self.dtype, copy=False), (K, N)))
         return self.xp.asarray(np.ascontiguousarray(np.broadcast_to(np.asarray(weights, dtype=self.dtype), (K, N))))
 
     def forward(self, inputs, targets):
@@ -230,16 +236,16 @@ class Engine:
             self.layers.crossentropy_forward(a["losses"], a["logits"], self._last[1])
         return a["losses"]
 
-    def backward(self, weights, accumulate=False):
+    def backward(self, weights, accumulate=False, final=True):
         """After forward(): the gradient of sum over (k, n) of weights[k, n] * loss[k, n] into self.grads (or
-        added to them with accumulate)."""
+        added to them with accumulate). final: the last pass of the optimizer step (gradients_ready is called)."""
         inputs, targets, B, T = self._last
         a = self._acts
         with self.mode():
             self.layers.crossentropy_forward_backward(a["losses"], a["logits"], targets, self._weights(weights))
-            self._backward(inputs, a, B, T, accumulate)
+            self._backward(inputs, a, B, T, accumulate, final)
 
-    def forward_backward(self, inputs, targets, weights, accumulate=False):
+    def forward_backward(self, inputs, targets, weights, accumulate=False, final=True):
         """forward() and backward(weights) in one: the cross-entropy's forward and gradient are one pass.
         Returns the losses (K, B*T) on the device; read them after the call, so the device runs the backward
         pass before the host waits for them."""
@@ -247,7 +253,7 @@ class Engine:
             a = self._run_to_logits(inputs, targets)
             inputs, targets, B, T = self._last
             self.layers.crossentropy_forward_backward(a["losses"], a["logits"], targets, self._weights(weights))
-            self._backward(inputs, a, B, T, accumulate)
+            self._backward(inputs, a, B, T, accumulate, final)
         return a["losses"]
 
     def logits(self, inputs):
@@ -262,9 +268,11 @@ class Engine:
         return to_numpy(to_float32(a["logits"][:, :V])).reshape(B, T, V)
 
     # --------------------------------------------------------------------------------------- backward
-    def _backward(self, inputs, a, B, T, accumulate):
+    def _backward(self, inputs, a, B, T, accumulate, final=True):
         """From d loss / d logits in a['logits'] to every parameter's gradient (into self.grads, or added)."""
         cfg, L, p, g = self.cfg, self.layers, self.p, self.g
+        layout = self.layout
+        ready = self.gradients_ready if final else None
         N, H, G = B * T, cfg.n_heads, cfg.n_kv_heads
         if not accumulate:
             self.grads.fill(0)
@@ -274,6 +282,8 @@ class Engine:
         dresid.fill(0)
         L.rmsnorm_backward(dresid, g["final_norm"], a["dhf"], a["resid"][cfg.n_layers], p["final_norm"],
                            a["rstdf"])
+        if ready:
+            ready(layout["final_norm"][0])
         for i in reversed(range(cfg.n_layers)):
             w = f"layers.{i}."
             # feed-forward block; dresid is d(resid[i+1]) and, through the skip, d(resid_mid)
@@ -290,7 +300,11 @@ class Engine:
             L.matmul_backward(dxn, g[w + "wqkv"], a["dqkv"].reshape(N, -1), a["xn1"][i], p[w + "wqkv"])
             L.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, a["resid"][i], p[w + "attn_norm"],
                                a["rstd1"][i])
+            if ready:
+                ready(layout[w + "attn_norm"][0])
         L.embedding_backward(g["tok_emb"], dresid, inputs.reshape(N))
+        if ready:
+            ready(0)
 
 
 DEFAULT_PRECISION = {"cpu": "fp32", "gpu": "bf16"}
