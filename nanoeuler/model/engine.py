@@ -122,6 +122,13 @@ class Engine:
         v["heads"] = span("heads.0", f"heads.{cfg.mtp_heads - 1}", cfg.mtp_heads * cfg.vocab_size)
         return v
 
+    def gradient_offsets(self):
+        """The offsets that gradients_ready is called with in a backward pass, in order: from each of them to
+        the end of the flat buffer every gradient is final (the heads and final norm first, then each layer
+        from the last, then the embedding)."""
+        layers = [self.layout[f"layers.{i}.attn_norm"][0] for i in reversed(range(self.cfg.n_layers))]
+        return [self.layout["final_norm"][0], *layers, 0]
+
     # -------------------------------------------------------------------------------- state in and out
     def load_params(self, flat):
         self.params[...] = self.xp.asarray(np.asarray(flat, dtype=self.dtype))
