@@ -29,7 +29,7 @@ import torch
 from nanoeuler.model.config import PRESETS, init_params, param_count
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.optimizer import AdamW
-from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy_backward
 from reference import Reference, batches
 
 

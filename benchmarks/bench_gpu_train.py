@@ -23,7 +23,7 @@ import numpy as np
 
 from nanoeuler.model.config import PRESETS, flops_per_token, init_params, param_count
 from nanoeuler.model.optimizer import AdamW
-from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy_backward
 from reference import Reference, batches
 
 

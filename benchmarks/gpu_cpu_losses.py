@@ -16,7 +16,7 @@ import numpy as np
 from nanoeuler.model.config import PRESETS
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.optimizer import AdamW
-from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy_backward
 from reference import batches
 
 

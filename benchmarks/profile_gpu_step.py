@@ -16,7 +16,7 @@ import time
 
 from nanoeuler.model.config import PRESETS
 from nanoeuler.model.optimizer import AdamW
-from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy_backward
 from reference import batches
 
 LAYER_FUNCTIONS = ("matmul_forward", "matmul_backward", "embedding_forward", "embedding_backward",

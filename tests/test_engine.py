@@ -12,7 +12,7 @@ from nanoeuler.model.config import PRESETS, Config, param_count, param_layout, r
 from nanoeuler.model.cpu import layers as L
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.optimizer import AdamW
-from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy_backward
 from nanoeuler.check.problems import random_problem, relative_error
 
 rng = np.random.default_rng(1234)

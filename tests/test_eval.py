@@ -170,7 +170,7 @@ def test_hellaswag_rows_become_lm_evals_items():
 
 def test_bpb_is_trainings_final_evaluation(tiny_ckpt, corpus, tokenizer, tmp_path):
     from nanoeuler.data.corpus import eval_batches, open_corpus
-    from nanoeuler.train.objectives import bits_per_byte
+    from nanoeuler.model.losses import bits_per_byte
     r = run_cli("eval", "--task", "bpb", "--data", corpus, "--ckpt", tiny_ckpt, "--json", tmp_path / "b.json",
                 "--batch-size", "8", "--limit", "3")
     assert r.returncode == 0, r.stderr

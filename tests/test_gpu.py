@@ -14,7 +14,7 @@ from nanoeuler.check.gpu import BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TO
 from conftest import sharp_params
 from test_train import HYPER, _interrupt_at, _log, _train
 from nanoeuler.model.optimizer import AdamW
-from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy_backward
 
 needs_gpu = pytest.mark.skipif(not nanoeuler.model.gpu.available(),
                                reason="needs a CUDA GPU (compute capability 8.0+) and cupy")

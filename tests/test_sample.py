@@ -9,7 +9,7 @@ from conftest import run_cli, sharp_params, tiny_config
 from nanoeuler.model.engine import make_engine
 from nanoeuler.infer.generate import TextStream, generate
 from nanoeuler.infer.sampling import distribution, pick
-from nanoeuler.train.objectives import cross_entropy, cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy, cross_entropy_backward
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from conftest import ROOT, run_cli
 from nanoeuler.io import checkpoint
 from nanoeuler import cli
 from nanoeuler.train import loop, sft, pretrain as train
-from nanoeuler.train.objectives import cross_entropy_backward
+from nanoeuler.model.losses import cross_entropy_backward
 from nanoeuler.data import instructions
 from nanoeuler.data.template import render_prompt
 from nanoeuler.check.gradients import random_problem

@@ -14,7 +14,7 @@ from conftest import tiny_config
 from nanoeuler.io import checkpoint
 from nanoeuler.model import device
 from nanoeuler.train import loop, pretrain as train
-from nanoeuler.train.objectives import bits_per_byte
+from nanoeuler.model.losses import bits_per_byte
 from nanoeuler.cli import build_parser
 from nanoeuler.model.config import PRESETS, param_count
 from nanoeuler.data.corpus import RandomWindows, eval_batches, open_corpus

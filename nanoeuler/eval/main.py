@@ -8,7 +8,7 @@ byte on a text file.
 Multiple choice is scored completion-style, as llm.c and lm-evaluation-harness do (tasks.py, scoring.py): a
 short table on stdout (acc and acc_norm with a 95% interval, time, items/s), --json for the numbers,
 --predictions for one JSON line per item. bpb is training's final evaluation (consecutive windows, each
-token after the first scored once: train/objectives.bits_per_byte) over the whole file.
+token after the first scored once: model/losses.bits_per_byte) over the whole file.
 """
 import json
 import os
@@ -96,7 +96,7 @@ def run_choices(args, eng, tok, ck, device):
 
 def run_bpb(args, eng, tok, ck, device):
     from nanoeuler.data.corpus import eval_batches, open_corpus
-    from nanoeuler.train.objectives import bits_per_byte
+    from nanoeuler.model.losses import bits_per_byte
     if args.data is None:
         raise UserError("--task bpb needs --data FILE (any text file)")
     corpus = open_corpus(args.data, tok)
