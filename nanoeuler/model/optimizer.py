@@ -5,8 +5,9 @@
 
 The moments m and v are flat buffers laid out like the parameters (config.param_layout); weight decay applies
 to the matrices only (the decay mask, a byte an element). `update` is one AdamW step of any matching slices of
-parameters and gradients, which is how ZeRO-1 (train/distributed.py) updates its shard: `shard` gives the
-optimizer of one rank's equal piece of the buffers. The arithmetic is the layers' `adamw_update` kernel.
+parameters and gradients, and `update_pieces` of several, which is how ZeRO-1 (train/distributed.py) updates
+its shard: `shard` gives the optimizer of one rank's pieces of the buffers. The arithmetic is the layers'
+`adamw_update` kernel.
 """
 import math
 
@@ -61,19 +62,27 @@ class AdamW:
         self.update(eng.params, eng.grads, lr, weight_decay, clip_scale(norm, grad_clip), copy)
         return norm
 
-    def shard(self, eng, rank, world_size):
-        """The optimizer of rank's piece of world_size equal pieces of the buffers (zero-padded at the end), its
-        moments and step count copied from this one (ZeRO-1)."""
-        size = -(-self.m.size // world_size)
-        piece = slice(rank * size, (rank + 1) * size)
+    def update_pieces(self, params, grads, pieces, lr, weight_decay, grad_scale):
+        """One AdamW step of a shard made of pieces of the parameters (ZeRO-1's): pieces [(start, end, at)] map
+        params[start:end] to grads, moments and mask [at:at + end - start]."""
+        self.steps += 1
+        for start, end, at in pieces:
+            shard = slice(at, at + end - start)
+            self.layers.adamw_update(params[start:end], grads[shard], self.m[shard], self.v[shard],
+                                     self.decay_mask[shard], lr, self.beta1, self.beta2, self.eps, weight_decay,
+                                     grad_scale, self.steps)
 
-        def padded(a):
-            full = np.zeros(size * world_size, dtype=a.dtype)
-            full[:a.size] = to_numpy(a)
-            return full[piece]
-        sharded = AdamW(eng, self.beta1, self.beta2, self.eps, mask=padded(self.decay_mask))
-        sharded.m[...] = self.xp.asarray(padded(self.m))
-        sharded.v[...] = self.xp.asarray(padded(self.v))
+    def shard(self, eng, ranges):
+        """The optimizer of one rank's shard, the buffers' elements [start, end) of each range, one after another
+        (zero-padded past the parameters), its moments and step count copied from this one (ZeRO-1)."""
+        def pieces(a):
+            full = to_numpy(a)
+            padding = max(end for _, end in ranges) - full.size
+            full = np.concatenate([full, np.zeros(max(0, padding), dtype=full.dtype)])
+            return np.concatenate([full[start:end] for start, end in ranges])
+        sharded = AdamW(eng, self.beta1, self.beta2, self.eps, mask=pieces(self.decay_mask))
+        sharded.m[...] = self.xp.asarray(pieces(self.m))
+        sharded.v[...] = self.xp.asarray(pieces(self.v))
         sharded.steps = self.steps
         return sharded
 
