@@ -110,7 +110,9 @@ def main():
     p.add_argument("--peer-dtype", default=None, help="lm-eval's (default bfloat16 on the GPU, float32 on the CPU)")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
-    from nanoeuler.eval.tasks import read_hellaswag, read_mc, score_choices
+    from nanoeuler.data.hellaswag import read_hellaswag
+    from nanoeuler.data.mc_items import read_mc
+    from nanoeuler.eval.tasks import score_choices
     dtype = args.peer_dtype or ("bfloat16" if args.device == "gpu" else "float32")
     torch_device = "cuda" if args.device == "gpu" else "cpu"
     items = read_mc(args.data) if args.data else synthetic_items(args.items)

@@ -36,7 +36,7 @@ def mc_file(name, path, folder):
         return path
     import datasets
     from lm_eval.tasks.hellaswag.utils import process_docs
-    from nanoeuler.eval.tasks import read_hellaswag
+    from nanoeuler.data.hellaswag import read_hellaswag
     ours = read_hellaswag(path)
     rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
     theirs = process_docs(datasets.Dataset.from_list(rows))
@@ -49,7 +49,8 @@ def mc_file(name, path, folder):
 
 
 def ours(ckpt, path, batch_size):
-    from nanoeuler.eval.tasks import read_mc, score_choices
+    from nanoeuler.data.mc_items import read_mc
+    from nanoeuler.eval.tasks import score_choices
     from nanoeuler.io.checkpoint import load_model
     eng, tok, _ = load_model(ckpt, "cpu")
     items = read_mc(path)

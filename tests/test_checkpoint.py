@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save as serialize
 
-from nanoeuler.io import checkpoint, files
+from nanoeuler import files
+from nanoeuler.io import checkpoint
 from nanoeuler.model.config import Config, init_params, param_count, param_shapes
 from nanoeuler.errors import UserError
 

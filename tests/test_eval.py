@@ -14,7 +14,9 @@ import pytest
 from conftest import ROOT, run_cli, sharp_params, tiny_config
 from nanoeuler.errors import UserError
 from nanoeuler.eval.scoring import encode_pair, loglikelihoods
-from nanoeuler.eval.tasks import read_hellaswag, read_mc, score_choices
+from nanoeuler.data.hellaswag import read_hellaswag
+from nanoeuler.data.mc_items import read_mc
+from nanoeuler.eval.tasks import score_choices
 from nanoeuler.io import checkpoint
 from nanoeuler.model.engine import make_engine
 

@@ -50,7 +50,7 @@ from nanoeuler.data.corpus import SOURCE_SUFFIX, file_sha256, sidecar_path
 from nanoeuler.data.instructions import read_alpaca
 from nanoeuler.env import env_float, env_int
 from nanoeuler.errors import ENDINGS, UserError, exit_status
-from nanoeuler.io.files import atomic_output, atomic_write
+from nanoeuler.files import atomic_output, atomic_write
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def human(n):
 
 
 def output_file(path):
-    """atomic_output (nanoeuler/io/files.py) for a corpus file, creating its directory first: the block writes
+    """atomic_output (nanoeuler/files.py) for a corpus file, creating its directory first: the block writes
     a temporary sibling (web.txt -> web.tmp<pid>.txt, so the corpus ignore rules cover it too) that is
     renamed over `path` only if the block succeeds."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -7,15 +7,20 @@ The canonical source is the dataset's own repository, rowanz/hellaswag, at a pin
 is checked against the git blob id that commit's tree records for it (no sha256 is published for it). The
 download goes through the fetch module (data/fetch.py: cached, resumed, retried, digest-checked), is checked
 to hold the 10,042 rows of HellaSwag's shape, and is written with its `.source.json` sidecar. The file is
-the original rows; eval turns them into items as lm-evaluation-harness does (eval/tasks.py).
+the original rows; read_hellaswag makes them into mc items (data/mc_items.py) as lm-eval's hellaswag task does
+(lm_eval/tasks/hellaswag/utils.py): the context is preprocess(activity_label + ": " + ctx_a + " " +
+ctx_b.capitalize()), each ending preprocess(ending), where preprocess strips, turns " [title]" into ". ",
+drops any other [bracketed] text and collapses double spaces.
 Env: NANOEULER_HELLASWAG_URL (another URL, taken as it is), NANOEULER_FETCH_TIMEOUT/_RETRIES/_BACKOFF.
 """
 import argparse
 import os
+import re
 import shutil
 import sys
 
 from nanoeuler.data.fetch import Source, fetch_source, human, net_settings, output_file, write_sidecar
+from nanoeuler.data.mc_items import mc_item, read_jsonl
 from nanoeuler.errors import ENDINGS, UserError, exit_status
 
 COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # rowanz/hellaswag master, 2020-05-28; the file dates from 2019
@@ -24,9 +29,29 @@ HELLASWAG = Source(f"https://raw.githubusercontent.com/rowanz/hellaswag/{COMMIT}
 VALIDATION_ROWS = 10042
 
 
+def preprocess(text):
+    """lm-eval's HellaSwag text cleaning (WikiHow's bracketed artefacts)."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag_item(record, where):
+    """An mc item from a row of the original HellaSwag JSONL (ctx_a, ctx_b, activity_label, endings, label)."""
+    try:
+        context = preprocess(record["activity_label"] + ": " + record["ctx_a"] + " " + record["ctx_b"].capitalize())
+        return mc_item({"context": context, "choices": [preprocess(e) for e in record["endings"]],
+                        "label": int(record["label"])}, where)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise UserError(f"{where}: not a HellaSwag row (activity_label, ctx_a, ctx_b, endings, label)") from None
+
+
+def read_hellaswag(path):
+    return read_jsonl(path, hellaswag_item)
+
+
 def fetch_hellaswag(out, source, cache_dir, net):
     """Download, check and write the validation set; returns the source records of its sidecar."""
-    from nanoeuler.eval.tasks import read_hellaswag
     path, record = fetch_source(source, cache_dir, "hellaswag", net)
     try:
         n = len(read_hellaswag(path))

@@ -16,9 +16,9 @@ import sys
 import time
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_write, check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.data.corpus import fetch_hint
-from nanoeuler.io.files import atomic_write, check_writable
 
 HELLASWAG_DEFAULT = "data/hellaswag_val.jsonl"
 BATCH_SIZE = {"cpu": 32, "gpu": 128}  # rows per forward when --batch-size is not given
@@ -26,7 +26,8 @@ BATCH_SIZE = {"cpu": 32, "gpu": 128}  # rows per forward when --batch-size is no
 
 def read_task_items(task, data=None):
     """The items of `hellaswag` (data or the default file) or `mc` (data, required)."""
-    from nanoeuler.eval.tasks import read_hellaswag, read_mc
+    from nanoeuler.data.hellaswag import read_hellaswag
+    from nanoeuler.data.mc_items import read_mc
     if task == "hellaswag":
         path = data or HELLASWAG_DEFAULT
         if not os.path.exists(path):

@@ -6,7 +6,7 @@ Layout (docs/design.md, "Checkpoint format"): the tensors under their model name
 training loop needs to continue exactly: hyperparameters, data position, RNG state).
 `safetensors.numpy.load_file` opens it, and so does any other safetensors reader.
 
-Writes are atomic (nanoeuler/io/files.py): a crash or Ctrl-C at any moment leaves either the old checkpoint
+Writes are atomic (nanoeuler/files.py): a crash or Ctrl-C at any moment leaves either the old checkpoint
 or the new one, never a mixture. Reads go through safetensors' own reader (safe_open), which validates the
 file's layout; this module checks the rest (format, config, tensor names, shapes and dtypes) and turns every
 way a file can be bad (missing, truncated, corrupt, disagreeing with its config) into a one-line UserError.
@@ -21,7 +21,7 @@ from safetensors.numpy import save as serialize
 
 from nanoeuler.model.config import Config, param_layout, param_shapes, views
 from nanoeuler.errors import UserError
-from nanoeuler.io.files import atomic_write
+from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.bpe import Tokenizer
 
 FORMAT = "nanoeuler"

@@ -24,7 +24,7 @@ from nanoeuler.io import checkpoint
 from nanoeuler.io.report import model_card
 from nanoeuler.model.config import views
 from nanoeuler.errors import UserError
-from nanoeuler.io.files import atomic_write, check_writable
+from nanoeuler.files import atomic_write, check_writable
 
 LAYER_NAMES = {  # ours -> Hugging Face Llama, within layer i
     "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",

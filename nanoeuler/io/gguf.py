@@ -26,8 +26,8 @@ import os
 import numpy as np
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_output, check_writable
 from nanoeuler.io import checkpoint
-from nanoeuler.io.files import atomic_output, check_writable
 from nanoeuler.model.config import views
 
 GGUF_LAYER_NAMES = {  # ours -> llama.cpp's, within block i

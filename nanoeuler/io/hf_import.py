@@ -25,9 +25,9 @@ import sys
 import numpy as np
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.io.export import LAYER_NAMES
-from nanoeuler.io.files import check_writable
 from nanoeuler.model.config import Config, param_count, views
 from nanoeuler.tokenizer.bpe import Tokenizer
 

@@ -18,8 +18,8 @@ import shlex
 import numpy as np
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_write
 from nanoeuler.io import checkpoint
-from nanoeuler.io.files import atomic_write
 from nanoeuler.model.config import Config, param_count
 
 COMMANDS = {"pretrain": "nanoeuler train", "sft": "nanoeuler sft", "dpo": "nanoeuler dpo"}

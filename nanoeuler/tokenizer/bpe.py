@@ -33,7 +33,7 @@ from importlib import resources
 import numpy as np
 
 from nanoeuler.errors import UserError
-from nanoeuler.io.files import atomic_write
+from nanoeuler.files import atomic_write
 
 UNICODE_VERSION = "16.0.0"  # of unicode_classes.txt, and of the `tokenizers` library's regex engine
 MAX_VOCAB = 1 << 16  # token files are uint16
