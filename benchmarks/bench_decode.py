@@ -32,6 +32,7 @@ import numpy as np
 
 from nanoeuler.model.config import PRESETS, init_params, views
 from nanoeuler.io.export import hf_tensors
+from nanoeuler.model.decoding import decoder_of
 from nanoeuler.model.engine import make_engine
 from nanoeuler.infer.generate import generate
 
@@ -126,10 +127,10 @@ def main():
         ours(eng, prompt, 8, True, T)
     rows = []
     if args.device == "gpu":
-        eng.decoder.graphs = False
+        decoder_of(eng).graphs = False
         tokens, seconds, _ = ours(eng, prompt, n, False, T)
         rows.append(("nanoeuler plain (kernel by kernel)", seconds, tokens, ""))
-        eng.decoder.graphs = True
+        decoder_of(eng).graphs = True
     plain, seconds, _ = ours(eng, prompt, n, False, T)
     rows.append(("nanoeuler graph" if args.device == "gpu" else "nanoeuler plain", seconds, plain, ""))
     if cfg.mtp_heads > 1:
@@ -214,20 +215,22 @@ def step_time(eng, rows, repeats=200):
     """ms of one decoding step of `rows` sequences as the device runs it: replays of the recorded step, timed
     by CUDA events (the state left by the last run: positions stay inside the context)."""
     cp = eng.xp
-    slots = eng.decoder.slots(rows)
-    step = slots.step(rows, 1)
-    step.counter[...] = 0
+    decoder = decoder_of(eng)
+    cache = decoder.new_cache(rows + 1)  # as BatchGenerator's: a slot a row and a scratch one
+    step = decoder.batch_step(cache, rows, 1)
+    counter = step.fields["counter"]
+    counter[...] = 0
     with eng.mode():
         step.run()
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         for i in range(repeats):
             if i % 16 == 0:
-                step.counter[...] = 0  # the log holds CHAINED steps
+                counter[...] = 0  # the log holds CHAINED steps
             step.run()
         end.record()
         end.synchronize()
-    eng.decoder.release(slots)
+    decoder.release(cache)
     return cp.cuda.get_elapsed_time(start, end) / repeats
 
 

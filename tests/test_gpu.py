@@ -13,6 +13,7 @@ from nanoeuler.model.gpu.constants import KERNELS, module_defines, module_varian
 from nanoeuler.check.gpu import BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TOL, _Case, model_check
 from conftest import sharp_params
 from test_train import HYPER, _interrupt_at, _log, _train
+from nanoeuler.model.decoding import decoder_of
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.model.losses import cross_entropy_backward
 
@@ -156,11 +157,12 @@ def test_gpu_a_verifying_step_gives_single_steps_bits(precision):
     eng = make_engine(cfg, device="gpu", precision=precision)
     eng.load_params(sharp_params(cfg, seed=5, scale=0.05))
     ids = np.random.default_rng(6).integers(0, cfg.vocab_size, 13).astype(np.int32)
-    one, four = eng.decoder.new_cache(1), eng.decoder.new_cache(1)
+    dec = decoder_of(eng)
+    one, four = dec.new_cache(1), dec.new_cache(1)
     for cache in (one, four):
-        eng.decoder.logits(cache, ids[None, :9])
-    singles = np.stack([eng.decoder.logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 13)])
-    together = eng.decoder.logits(four, ids[None, 9:13], all_heads=True)[0]
+        dec.logits(cache, ids[None, :9])
+    singles = np.stack([dec.logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 13)])
+    together = dec.logits(four, ids[None, 9:13], all_heads=True)[0]
     assert np.array_equal(singles, together)
 
 
@@ -181,17 +183,18 @@ def test_gpu_decoding_graphs_and_speculation_agree(precision):
     eng.load_params(sharp_params(cfg, seed=1, scale=0.5, same_heads=True))
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 30).astype(np.int32)
     steps = {}
+    dec = decoder_of(eng)
     for graphs in (True, False):
-        eng.decoder.graphs = graphs
-        cache = eng.decoder.new_cache(1)
-        out = [eng.decoder.logits(cache, ids[None, :10])]
-        out += [eng.decoder.logits(cache, ids[None, t:t + 1]) for t in range(10, 30)]
+        dec.graphs = graphs
+        cache = dec.new_cache(1)
+        out = [dec.logits(cache, ids[None, :10])]
+        out += [dec.logits(cache, ids[None, t:t + 1]) for t in range(10, 30)]
         steps[graphs] = np.stack(out)
-        eng.decoder.release(cache)
+        dec.release(cache)
     assert np.array_equal(steps[True], steps[False])
     runs, stats = [], {}
     for graphs, speculative in ((True, False), (False, False), (True, True), (False, True)):
-        eng.decoder.graphs = graphs
+        dec.graphs = graphs
         runs.append(list(generate(eng, [1, 2, 3], 100, temperature=0, speculative=speculative, stats=stats)))
     assert runs[0] == runs[1] == runs[2] == runs[3]
     assert 0 < stats["accepted"] < stats["drafted"], stats

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli, sharp_params, tiny_config
+from nanoeuler.model.decoding import decoder_of
 from nanoeuler.model.engine import make_engine
 from nanoeuler.infer.generate import TextStream, generate
 from nanoeuler.infer.sampling import distribution, pick
@@ -33,10 +34,10 @@ def test_kv_cache_decode_matches_full_forward(eng):
     T = eng.cfg.context
     ids = _ids(T)
     full = eng.logits(ids[None])[0]  # (T, V)
-    cache = eng.decoder.new_cache(1)
-    got = [eng.decoder.logits(cache, ids[None, :5])[0]]  # a prefill of 5, then one token at a time
+    cache = decoder_of(eng).new_cache(1)
+    got = [decoder_of(eng).logits(cache, ids[None, :5])[0]]  # a prefill of 5, then one token at a time
     for t in range(5, T):
-        got.append(eng.decoder.logits(cache, ids[None, t:t + 1])[0])
+        got.append(decoder_of(eng).logits(cache, ids[None, t:t + 1])[0])
     assert cache.pos == T
     for t, logits in zip(range(4, T), got):
         assert _rel(logits, full[t]) < 1e-5, t
@@ -47,55 +48,55 @@ def test_kv_cache_holds_keys_and_values_only_and_rolls_back(eng):
     """The cache keeps the G k heads and G v heads of each position (no queries); setting pos back and
     decoding again overwrites what was past it, and a released cache comes back empty."""
     cfg = eng.cfg
-    cache = eng.decoder.new_cache(1)
+    cache = decoder_of(eng).new_cache(1)
     assert cache.kv.shape == (cfg.n_layers, 1, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim)
     ids = _ids(12, seed=5)
-    eng.decoder.logits(cache, ids[None, :8])
+    decoder_of(eng).logits(cache, ids[None, :8])
     cache.rewind(5)  # roll back 3 positions
-    again = eng.decoder.logits(cache, ids[None, 5:12])
+    again = decoder_of(eng).logits(cache, ids[None, 5:12])
     assert cache.pos == 12 and int(cache.position[0]) == 12
     assert _rel(again, eng.logits(ids[None])[0, -1]) < 1e-5
-    eng.decoder.release(cache)
-    reused = eng.decoder.new_cache(1)
+    decoder_of(eng).release(cache)
+    reused = decoder_of(eng).new_cache(1)
     assert reused is cache and reused.pos == 0 and int(reused.position[0]) == 0
 
 
 def test_argmax_decode_is_the_logits_argmax(eng):
     ids = _ids(10, seed=6)
-    logits = eng.decoder.logits(eng.decoder.new_cache(1), ids[None])
-    assert eng.decoder.greedy(eng.decoder.new_cache(1), ids[None]).tolist() == [int(logits[0].argmax())]
-    cache = eng.decoder.new_cache(1)
-    eng.decoder.logits(cache, ids[None, :6])
-    every = eng.decoder.logits(cache, ids[None, 6:], all_heads=True)
+    logits = decoder_of(eng).logits(decoder_of(eng).new_cache(1), ids[None])
+    assert decoder_of(eng).greedy(decoder_of(eng).new_cache(1), ids[None]).tolist() == [int(logits[0].argmax())]
+    cache = decoder_of(eng).new_cache(1)
+    decoder_of(eng).logits(cache, ids[None, :6])
+    every = decoder_of(eng).logits(cache, ids[None, 6:], all_heads=True)
     cache.rewind(6)
-    assert np.array_equal(eng.decoder.greedy(cache, ids[None, 6:], all_heads=True), every.argmax(axis=-1))
+    assert np.array_equal(decoder_of(eng).greedy(cache, ids[None, 6:], all_heads=True), every.argmax(axis=-1))
 
 
 def test_repeated_greedy_steps_are_single_steps_in_a_row(eng):
     """decoder.greedy(..., steps=R) runs R greedy steps fed back on the device and reads their ids once: the same
     ids, for each of two sequences, as R single steps; steps > 1 need one-token steps."""
     prompt = np.stack([_ids(6, seed=7), _ids(6, seed=8)])
-    cache = eng.decoder.new_cache(2)
-    first = eng.decoder.greedy(cache, prompt)
-    many = eng.decoder.greedy(cache, first[:, None], steps=5)
+    cache = decoder_of(eng).new_cache(2)
+    first = decoder_of(eng).greedy(cache, prompt)
+    many = decoder_of(eng).greedy(cache, first[:, None], steps=5)
     assert many.shape == (2, 5) and cache.pos == 11
-    cache = eng.decoder.new_cache(2)
-    one = eng.decoder.greedy(cache, prompt)
+    cache = decoder_of(eng).new_cache(2)
+    one = decoder_of(eng).greedy(cache, prompt)
     singles = []
     for _ in range(5):
-        one = eng.decoder.greedy(cache, one[:, None])
+        one = decoder_of(eng).greedy(cache, one[:, None])
         singles.append(one)
     assert np.array_equal(many, np.stack(singles, axis=1))
     with pytest.raises(ValueError, match="greedy steps > 1 take one token a sequence"):
-        eng.decoder.greedy(cache, prompt[:, :2], steps=2)
+        decoder_of(eng).greedy(cache, prompt[:, :2], steps=2)
 
 
 def test_kv_cache_batches_and_chunks(eng):
     ids = np.stack([_ids(20, 1), _ids(20, 2)])
     full = eng.logits(ids)
-    cache = eng.decoder.new_cache(2)
-    eng.decoder.logits(cache, ids[:, :7])
-    out = eng.decoder.logits(cache, ids[:, 7:20])  # a chunk of 13 after a prefill of 7
+    cache = decoder_of(eng).new_cache(2)
+    decoder_of(eng).logits(cache, ids[:, :7])
+    out = decoder_of(eng).logits(cache, ids[:, 7:20])  # a chunk of 13 after a prefill of 7
     assert _rel(out, full[:, 19]) < 1e-5
 
 
@@ -215,7 +216,7 @@ def test_every_entry_refuses_sequences_longer_than_the_context(eng):
     with pytest.raises(ValueError, match="do not fit"):
         cross_entropy_backward(eng, ids, targets)
     with pytest.raises(ValueError, match="KV cache"):
-        eng.decoder.logits(eng.decoder.new_cache(), ids)
+        decoder_of(eng).logits(decoder_of(eng).new_cache(), ids)
     assert eng.logits(ids[:, :-1]).shape == (1, T - 1, eng.cfg.vocab_size)  # the context itself fits
 
 
@@ -241,9 +242,9 @@ def _spec_engine(vocab, K, context, seed, same_heads=False):
 
 def test_every_head_decode_matches_the_full_forward(eng):
     ids = _ids(20, seed=3)
-    cache = eng.decoder.new_cache(1)
-    eng.decoder.logits(cache, ids[None, :12])
-    heads = eng.decoder.logits(cache, ids[None, 12:], all_heads=True)[0]  # (8, K, V)
+    cache = decoder_of(eng).new_cache(1)
+    decoder_of(eng).logits(cache, ids[None, :12])
+    heads = decoder_of(eng).logits(cache, ids[None, 12:], all_heads=True)[0]  # (8, K, V)
     full = eng.logits(ids[None])[0]
     assert heads.shape == (8, eng.cfg.mtp_heads, eng.cfg.vocab_size)
     assert _rel(heads[:, 0], full[12:]) < 1e-5
@@ -254,11 +255,11 @@ def test_a_verifying_step_gives_single_steps_bits():
     matrix products of a few rows are row by row): what makes speculative greedy decoding plain greedy."""
     e = _spec_engine(vocab=50, K=3, context=40, seed=2)
     ids = _ids(12, seed=4) % 50
-    one, three = e.decoder.new_cache(1), e.decoder.new_cache(1)
+    one, three = decoder_of(e).new_cache(1), decoder_of(e).new_cache(1)
     for cache in (one, three):
-        e.decoder.logits(cache, ids[None, :9])
-    singles = np.stack([e.decoder.logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 12)])
-    assert np.array_equal(singles, e.decoder.logits(three, ids[None, 9:12], all_heads=True)[0])
+        decoder_of(e).logits(cache, ids[None, :9])
+    singles = np.stack([decoder_of(e).logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 12)])
+    assert np.array_equal(singles, decoder_of(e).logits(three, ids[None, 9:12], all_heads=True)[0])
 
 
 def test_speculative_greedy_is_plain_greedy_through_window_slides():
@@ -278,14 +279,14 @@ def test_verify_drafts_chains_the_steps_a_host_would_take():
     """decoder.verify's steps chained on the device keep what a host checking every head's argmax keeps, move
     the cache to the same place, and hand on the same next tokens; some drafts accepted, some not."""
     e = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=True)
-    chained, host = e.decoder.new_cache(1), e.decoder.new_cache(1)
+    chained, host = decoder_of(e).new_cache(1), decoder_of(e).new_cache(1)
     for cache in (chained, host):
-        e.decoder.greedy(cache, np.array([[1, 2, 3]], dtype=np.int32))
-        tokens = e.decoder.greedy(cache, np.array([[4]], dtype=np.int32), all_heads=True)[0, -1].tolist()
-    kept, accepted, following = e.decoder.verify(chained, [tokens], steps=6)
+        decoder_of(e).greedy(cache, np.array([[1, 2, 3]], dtype=np.int32))
+        tokens = decoder_of(e).greedy(cache, np.array([[4]], dtype=np.int32), all_heads=True)[0, -1].tolist()
+    kept, accepted, following = decoder_of(e).verify(chained, [tokens], steps=6)
     expect, counts = [], []
     for _ in range(6):
-        out = e.decoder.greedy(host, np.array([tokens], dtype=np.int32), all_heads=True)[0]  # (K, K)
+        out = decoder_of(e).greedy(host, np.array([tokens], dtype=np.int32), all_heads=True)[0]  # (K, K)
         n = 0
         while n < 2 and out[n, 0] == tokens[n + 1]:
             n += 1
@@ -305,15 +306,15 @@ def test_speculative_sampling_follows_the_model_distribution():
     V, n = 6, 3000
     e = _spec_engine(vocab=V, K=2, context=16, seed=7)
     prompt = [1, 2, 3]
-    cache = e.decoder.new_cache(1)
-    first = e.decoder.logits(cache, np.array([prompt]), all_heads=True)[0, -1]  # (K, V)
+    cache = decoder_of(e).new_cache(1)
+    first = decoder_of(e).logits(cache, np.array([prompt]), all_heads=True)[0, -1]  # (K, V)
     softmax = lambda z: np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     p1, q2 = softmax(first[0].astype(np.float64)), softmax(first[1].astype(np.float64))
     exact = np.zeros((V, V))
     for t1 in range(V):
-        c = e.decoder.new_cache(1)
-        e.decoder.logits(c, np.array([prompt]))
-        exact[t1] = p1[t1] * softmax(e.decoder.logits(c, np.array([[t1]]))[0].astype(np.float64))
+        c = decoder_of(e).new_cache(1)
+        decoder_of(e).logits(c, np.array([prompt]))
+        exact[t1] = p1[t1] * softmax(decoder_of(e).logits(c, np.array([[t1]]))[0].astype(np.float64))
     rng = np.random.default_rng(0)
     counts = np.zeros((V, V))
     for _ in range(n):

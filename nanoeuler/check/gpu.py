@@ -28,6 +28,7 @@ import numpy as np
 
 from nanoeuler.train.objectives import cross_entropy_backward
 from nanoeuler.model.config import Config, param_layout, rope_tables
+from nanoeuler.model.decoding import decoder_of
 from nanoeuler.model.limits import FEW_ROWS
 
 FP32_TOL = 1e-5   # float32 kernels against the float64 reference
@@ -537,12 +538,13 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
     first = gpu.grads.copy()
     logits, heads = [], []
     for eng in (cpu, gpu):  # a prompt, then single tokens (on the GPU: a CUDA graph, recorded then replayed)
-        cache = eng.decoder.new_cache(batch=2)
-        steps = [eng.decoder.logits(cache, inputs[:2, :37])]
-        steps += [eng.decoder.logits(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
+        dec = decoder_of(eng)
+        cache = dec.new_cache(2)
+        steps = [dec.logits(cache, inputs[:2, :37])]
+        steps += [dec.logits(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
         logits.append(np.stack(steps))
-        heads.append(eng.decoder.logits(cache, inputs[:2, 40:43], all_heads=True))  # 3 positions x K heads
-    greedy = gpu.decoder.greedy(gpu.decoder.new_cache(batch=2), inputs[:2, :37])
+        heads.append(dec.logits(cache, inputs[:2, 40:43], all_heads=True))  # 3 positions x K heads
+    greedy = decoder_of(gpu).greedy(decoder_of(gpu).new_cache(2), inputs[:2, :37])
     errors = {"loss": abs(gpu_loss - cpu_loss) / abs(cpu_loss)}
     report(f"{'loss':<24} : rel err {errors['loss']:.2e}  (cpu {cpu_loss:.8f}, gpu {gpu_loss:.8f})")
     for name, err in _grad_errors(cpu, gpu, cfg).items():

@@ -1,4 +1,4 @@
-"""Many sequences decoded together: continuous batching over the engines' batched steps (model/decoding.py).
+"""Many sequences decoded together: continuous batching over the decoder's batched steps (model/decoding.py).
 
     gen = BatchGenerator(eng, rows=64)
     a = gen.add(Request(prompt_ids=(1, 2, 3), max_new_tokens=20))
@@ -26,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-from nanoeuler.model.decoding import CHAINED, SampleStep
+from nanoeuler.model.decoding import CHAINED, batch_state, decoder_of
 from nanoeuler.model.limits import DECODE_ROWS, FEW_ROWS
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,10 @@ class BatchGenerator:
             raise ValueError(f"prefill_chunk must be 1..{FEW_ROWS}, not {prefill_chunk}")
         self.eng, self.rows, self.chunk = eng, rows, prefill_chunk
         self.context = eng.cfg.context
-        self.cache = eng.decoder.slots(rows)
+        self.decoder = decoder_of(eng)
+        # a slot a sequence, and a last, scratch one that a step's padding rows write to
+        self.cache = self.decoder.new_cache(rows + 1)
+        self.scratch = rows
         self.buckets = decode_buckets(rows)
         self.free = list(range(rows))  # a heap: the lowest free slot first
         self.queue = deque()
@@ -100,7 +103,7 @@ class BatchGenerator:
 
     def close(self):
         """Hand the KV cache (and its recorded steps) back to the engine's decoder for the next generator."""
-        self.eng.decoder.release(self.cache)
+        self.decoder.release(self.cache)
 
     def add(self, request):
         """Queue a request; it joins at a step boundary. Returns its Sequence."""
@@ -215,9 +218,9 @@ class BatchGenerator:
         chunks = [seq.request.prompt_ids[p:p + self.chunk] for seq, p in zip(seqs, start)]
         T = max(map(len, chunks))
         B = next((b for b in self.buckets if b >= len(seqs) and b * T <= FEW_ROWS), len(seqs))
-        step = self.cache.step(B, T)
-        state, v = self._state(B, T)
-        v["slot"][:] = self.cache.scratch
+        step = self.decoder.batch_step(self.cache, B, T)
+        state, v = batch_state(B, T)
+        v["slot"][:] = self.scratch
         for r, (seq, chunk, p) in enumerate(zip(seqs, chunks, start)):
             v["tokens"][r, :len(chunk)] = chunk
             v["last"][r] = len(chunk) - 1
@@ -239,9 +242,9 @@ class BatchGenerator:
         B = next(b for b in self.buckets if b >= n)
         positions = [len(s.request.prompt_ids) + len(s.ids) - 1 for s in seqs]  # where each next input goes
         steps = max(1, min([steps, CHAINED] + [self.context - p for p in positions]))
-        step = self.cache.step(B, 1)
-        state, v = self._state(B, 1)
-        v["slot"][:] = self.cache.scratch  # padding rows
+        step = self.decoder.batch_step(self.cache, B, 1)
+        state, v = batch_state(B, 1)
+        v["slot"][:] = self.scratch  # padding rows
         v["slot"][:n] = [s.slot for s in seqs]
         v["position"][:n] = positions
         v["tokens"][:n, 0] = [s.ids[-1] for s in seqs]
@@ -261,10 +264,6 @@ class BatchGenerator:
                 if seq.finish_reason is None:
                     out.append(self._emit(seq, ids[k][r], step.logits, r))
         return out
-
-    def _state(self, B, T):
-        state = np.zeros(SampleStep.size(B, T), dtype=np.int32)
-        return state, SampleStep.views(state, B, T)
 
     SETTINGS = ("top_k", "temperature", "top_p", "seed_lo", "seed_hi")
 

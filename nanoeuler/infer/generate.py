@@ -21,6 +21,7 @@ import numpy as np
 from nanoeuler.infer.batch import BatchGenerator, Request, decode_buckets
 from nanoeuler.infer.sampling import distribution, pick, residual_draw
 from nanoeuler.io.checkpoint import load_model
+from nanoeuler.model.decoding import decoder_of
 from nanoeuler.model.limits import DECODE_ROWS, FEW_ROWS
 
 # Greedy generation decodes up to this many tokens before reading their ids back: the device never waits for
@@ -182,7 +183,7 @@ def _generation(eng, prompt_ids):
     at its end."""
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
-    decoder = eng.decoder
+    decoder = decoder_of(eng)
     cache = decoder.new_cache(1)
     try:
         yield decoder, cache, history

@@ -1,12 +1,16 @@
 """Decoding with a KV cache: the training forward run over new tokens that attend to the cached ones.
 
-    cache = eng.decoder.new_cache(batch=1)
-    logits = eng.decoder.logits(cache, tokens)          # (B, V): head 0 at each sequence's last new position
-    ids = eng.decoder.greedy(cache, next_ids, steps=8)  # (B, 8): 8 greedy steps, each fed the last one's id
-    kept, accepted, following = eng.decoder.verify(cache, tokens, steps=8)   # speculative decoding's rounds
-    eng.decoder.release(cache)
+    dec = decoder_of(eng)                            # the engine's Decoder (made once, kept on the engine)
+    cache = dec.new_cache(rows=1)
+    logits = dec.logits(cache, tokens)               # (B, V): head 0 at each sequence's last new position
+    ids = dec.greedy(cache, next_ids, steps=8)       # (B, 8): 8 greedy steps, each fed the last one's id
+    kept, accepted, following = dec.verify(cache, tokens, steps=8)   # speculative decoding's rounds
+    step = dec.batch_step(cache, B, T)               # batched decoding: sequences in their own slots
+    dec.release(cache)
 
-Three step kinds share one run (the model's forward over the step's own buffers, then the heads' product):
+One cache, `KVCache`: the keys and values of `rows` sequences, a slot each. One step machine, `Step`: a step
+kind of one shape over one cache, the model's forward over the step's own buffers, then the heads' product
+and the kind's end:
 - logits: the logits, read back as float32 (head 0 at the last position, or all K heads at every new
   position with all_heads: what speculative sampling drafts and verifies with);
 - greedy: the argmax found on the device, one id a row read back instead of V logits (all_heads: every
@@ -14,16 +18,17 @@ Three step kinds share one run (the model's forward over the step's own buffers,
   step reads them there, and logs them by position: `steps` such steps run back to back and are read once;
 - verify: greedy self-speculative decoding's round for one sequence: the next token and K - 1 drafts in,
   the drafts head 0 agrees with kept, the cache moved past them, and the next round's tokens found, all on
-  the device (the layers' accept_drafts), so rounds too chain without the host.
-
-Batched decoding (infer/batch.py drives it): `Slots` is a KV cache of many sequences, each in its own row
-(slot) at its own position; `slots.step(B, T)` runs B sequences of T new tokens each, wherever their slots,
-and draws one id a sequence on the device (layers.sample_rows), its settings and positions uploaded with the
-tokens as one buffer; steps of one token a sequence feed their ids back and chain, as greedy steps do.
+  the device (the layers' accept_drafts), so rounds too chain without the host;
+- sample (batched decoding, infer/batch.py drives it): B sequences of T new tokens each, each in its own
+  slot at its own position, one id a sequence drawn on the device (layers.sample_rows), its settings and
+  positions uploaded with the tokens as one buffer; steps of one token a sequence feed their ids back and
+  chain, as greedy steps do.
+The first three kinds put every sequence of the cache at one position, the cache's; a sample step's
+sequences each have theirs, in its uploaded state.
 
 A step of at most limits.FEW_ROWS rows (batch x new tokens) keeps its buffers in the cache, and on the GPU is
 recorded as a CUDA graph by its first call and replayed after (`graphs`): one launch a token. Positions live
-in device memory (KVCache.position), so one recording serves every position.
+in device memory (KVCache.position, a sample step's state), so one recording serves every position.
 """
 import numpy as np
 
@@ -33,24 +38,32 @@ from nanoeuler.model.limits import FEW_ROWS
 CHAINED = 16  # the most one-token batched steps run back to back between two reads of their ids
 
 
-class KVCache:
-    """Keys and values kv (L, B, context, 2G, D) of positions 0..pos-1 of B sequences: the G k heads (rotated),
-    then the G v heads (the queries are not kept: nothing reads them again). Its position lives on the host
-    (`pos`) and where the kernels read it (`position`, int32 on the device); a step's kernels advance the
-    device copy and the decoder then `advanced` the host one. `rewind` moves both back: later positions are
-    overwritten. `steps` keeps the buffers (and graphs) of the decoding steps run on this cache, by kind and
-    shape."""
+def decoder_of(eng):
+    """The engine's Decoder, made on first use and kept on the engine: the caches it gets back keep their
+    recorded steps for the next generation."""
+    if getattr(eng, "_decoder", None) is None:
+        eng._decoder = Decoder(eng)
+    return eng._decoder
 
-    def __init__(self, xp, cfg, batch, dtype):
-        self.kv = xp.empty((cfg.n_layers, batch, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim), dtype=dtype)
+
+class KVCache:
+    """Keys and values kv (L, rows, context, 2G, D) of up to `rows` sequences, sequence b's in slot kv[:, b]:
+    the G k heads (rotated), then the G v heads (the queries are not kept: nothing reads them again).
+    The logits, greedy and verify steps keep every sequence at one position: on the host (`pos`) and where the
+    kernels read it (`position`, int32 on the device); a step's kernels advance the device copy and the step
+    then `advanced` the host one. `rewind` moves both back: later positions are overwritten. Batched (sample)
+    steps carry a position and a slot a sequence in their own state instead. `steps` keeps the steps run on
+    this cache (their buffers and graphs), by kind and shape."""
+
+    def __init__(self, xp, cfg, rows, dtype):
+        self.kv = xp.empty((cfg.n_layers, rows, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim), dtype=dtype)
         self.context = cfg.context
         self.position = xp.zeros(1, dtype=np.int32)
-        self.slots = None  # sequence b's keys and values are kv[:, b]
         self._pos = 0
         self.steps = {}
 
     @property
-    def batch(self):
+    def rows(self):
         return self.kv.shape[1]
 
     @property
@@ -80,25 +93,18 @@ class Decoder:
         self.graphs = True  # replay small steps as CUDA graphs (GPU); off to measure the difference
         self._spare = []  # released caches, kept with their recorded steps
 
-    def new_cache(self, batch=1):
-        """An empty KV cache for `batch` sequences: a released one of that size when there is one (its steps
-        are recorded already), else a new one."""
+    def new_cache(self, rows=1):
+        """An empty KV cache of `rows` slots: a released one of that size when there is one (its steps are
+        recorded already), else a new one."""
         for i, cache in enumerate(self._spare):
-            if isinstance(cache, KVCache) and cache.batch == batch:
+            if cache.rows == rows:
                 cache = self._spare.pop(i)
                 cache.rewind(0)
                 return cache
-        return KVCache(self.eng.xp, self.eng.cfg, batch, self.eng.act)
-
-    def slots(self, rows):
-        """An empty batched KV cache of `rows` slots (Slots): a released one of that size when there is one."""
-        for i, cache in enumerate(self._spare):
-            if isinstance(cache, Slots) and cache.rows == rows:
-                return self._spare.pop(i)
-        return Slots(self.eng, rows)
+        return KVCache(self.eng.xp, self.eng.cfg, rows, self.eng.act)
 
     def release(self, cache):
-        """Hand back a cache (KVCache or Slots) no longer used, for new_cache or slots to reuse."""
+        """Hand back a cache no longer used, for new_cache to reuse."""
         if all(c is not cache for c in self._spare):
             self._spare.append(cache)
 
@@ -130,6 +136,13 @@ class Decoder:
                              "fit")
         return self._run(cache, "verify", tokens, True, steps)
 
+    def batch_step(self, cache, B, T):
+        """The sample step of B sequences of T new tokens each over cache, each in the slot and at the position
+        its state says (made, and on the GPU recorded, on first use): call it with a state from `batch_state`."""
+        if B * T > FEW_ROWS:
+            raise ValueError(f"a batched step takes at most {FEW_ROWS} rows, not {B} x {T}")
+        return self._step(cache, "sample", B, T, False)
+
     def _check(self, cache, tokens, steps):
         tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.ndim != 2 or tokens.shape[1] < 1:
@@ -139,16 +152,20 @@ class Decoder:
                              f"{tokens.shape[1] * steps} do not fit")
         return tokens
 
-    def _run(self, cache, kind, tokens, all_heads, steps):
-        B, n = tokens.shape
-        key = (kind, B, n, all_heads, self.graphs)
+    def _step(self, cache, kind, B, T, all_heads):
+        """The cache's step of this kind and shape: kept (and recorded) when it has at most FEW_ROWS rows."""
+        key = (kind, B, T, all_heads, self.graphs)
         step = cache.steps.get(key)
         if step is None:
-            step = _Step(self.eng, cache, kind, B, n, all_heads, self.graphs and B * n <= FEW_ROWS)
-            if B * n <= FEW_ROWS:
+            few = B * T <= FEW_ROWS
+            step = Step(self.eng, cache, kind, B, T, all_heads, self.graphs and few)
+            if few:
                 cache.steps[key] = step
-        with self.eng.mode():
-            return step(tokens, steps)
+        return step
+
+    def _run(self, cache, kind, tokens, all_heads, steps):
+        B, n = tokens.shape
+        return self._step(cache, kind, B, n, all_heads)(tokens.reshape(-1), steps)
 
 
 def _activations(eng, B, n):
@@ -170,82 +187,156 @@ def _activations(eng, B, n):
                 rstdf=f(N), last=e(B, C))
 
 
-def _head(eng, a, logits, w, x):
-    """logits = the final norm of rows x of the residual stream, then the head product with w: one product,
-    into which the GPU folds the norm (Engine.forward_layers leaves the final norm to decoding)."""
-    rows = x.shape[0]
-    eng.layers.rmsnorm_matmul_forward(logits, a["rstdf"][:rows], x, eng.p["final_norm"], w, eng.cfg.norm_eps,
-                                      None if a["xnf"] is None else a["xnf"][:rows])
+# A sample step's state after its tokens: a (B,) array a field (float32 or uint32 where VIEWS says), then the
+# chained steps' count so far.
+FIELDS = ("slot", "position", "index", "top_k", "temperature", "top_p", "seed_lo", "seed_hi", "last")
+VIEWS = {"temperature": np.float32, "top_p": np.float32, "seed_lo": np.uint32, "seed_hi": np.uint32}
 
 
-class _Step:
-    """One step kind of one shape over one cache: its buffers, its run (recorded as a CUDA graph when
-    `graph`), and how its result is read back."""
+def _state_size(kind, B, T):
+    return B * T + (len(FIELDS) * B + 1 if kind == "sample" else 0)
 
-    def __init__(self, eng, cache, kind, B, n, all_heads, graph):
+
+def _views(kind, state, B, T):
+    """Named views of a step's state buffer: tokens (B, T), then for a sample step each of FIELDS and counter
+    (1,)."""
+    out = {"tokens": state[:B * T].reshape(B, T)}
+    if kind != "sample":
+        return out
+    at = B * T
+    for name in FIELDS:
+        part = state[at:at + B]
+        out[name] = part.view(VIEWS[name]) if name in VIEWS else part
+        at += B
+    out["counter"] = state[at:at + 1]
+    return out
+
+
+def batch_state(B, T):
+    """A host state buffer of a sample step of B sequences of T tokens (int32, zeros), and its named views
+    (tokens, slot, position, index, top_k, temperature, top_p, seed_lo, seed_hi, last, counter) to fill."""
+    state = np.zeros(_state_size("sample", B, T), dtype=np.int32)
+    return state, _views("sample", state, B, T)
+
+
+class Step:
+    """One step kind of one shape over one cache (module docstring): its buffers, its run (recorded as a CUDA
+    graph when `graph`), and how its result is read back. Its inputs are one int32 buffer, `state`: the tokens
+    (B, T), and a sample step's per-sequence fields (`batch_state`), uploaded at once where they changed. It is
+    also what Engine.forward_layers reads of the cache: kv, the position(s), the slot of each sequence (None:
+    sequence b in slot b)."""
+
+    def __init__(self, eng, cache, kind, B, T, all_heads, graph):
         cfg, xp = eng.cfg, eng.xp
-        self.eng, self.cache, self.kind, self.B, self.n = eng, cache, kind, B, n
+        self.eng, self.cache, self.kind, self.B, self.T = eng, cache, kind, B, T
         self.heads = cfg.mtp_heads if all_heads else 1
-        self.rows = B * n if all_heads else B  # the rows that get logits: every position's, or each sequence's last
-        self.a = _activations(eng, B, n)
-        self.a.update(logits=xp.empty((self.rows, self.heads * cfg.vocab_size), dtype=eng.dtype),
-                      tokens=xp.empty((B, n), dtype=np.int32))
+        self.rows = B * T if all_heads else B  # the rows that get logits: every position's, or each sequence's last
+        self.state = xp.zeros(_state_size(kind, B, T), dtype=np.int32)
+        self.fields = _views(kind, self.state, B, T)
+        self.tokens = self.fields["tokens"]
+        self.kv = cache.kv
+        self.position = self.fields.get("position", cache.position)
+        self.slots = self.fields.get("slot")
+        self.a = _activations(eng, B, T)
+        self.logits = xp.empty((self.rows, self.heads * cfg.vocab_size), dtype=eng.dtype)
         # a greedy step of one token a sequence writes its ids over its own input and logs them by position
-        self.feeds_back = kind == "greedy" and not all_heads and n == 1
-        self.ids = (self.a["tokens"].reshape(B) if self.feeds_back
+        self.feeds_back = kind == "greedy" and not all_heads and T == 1
+        self.ids = (self.tokens.reshape(B) if self.feeds_back
                     else xp.empty(self.rows * self.heads, dtype=np.int32))
         self.log = None
         if self.feeds_back:
             self.log = xp.empty((cfg.context, B), dtype=np.int32)
         elif kind == "verify":  # (kept id, accepted drafts of the round starting there) by position
-            self.log = xp.zeros((cfg.context + n, 2), dtype=np.int32)
-        self.held = None  # the host copy of what a["tokens"] holds
+            self.log = xp.zeros((cfg.context + T, 2), dtype=np.int32)
+        elif kind == "sample":  # the ids of the chained steps, by step
+            self.log = xp.empty((CHAINED, B), dtype=np.int32)
+            self.first_rows = xp.arange(0, B * T, T, dtype=np.int32)  # sequence b's rows start at b * T
+            self.last_rows = xp.empty(B, dtype=np.int32)
+        self.held = None  # the host copy of what state holds, where the host knows it
         self.run = eng.layers.graph(self._run) if graph else self._run
 
     def _run(self):
-        eng, a, L, cache = self.eng, self.a, self.eng.layers, self.cache
-        eng.forward_layers(a["tokens"], a, self.B, self.n, cache)
+        eng, a, L, B, T = self.eng, self.a, self.eng.layers, self.B, self.T
+        eng.forward_layers(self.tokens, a, B, T, self)
         x = a["resid"][-1]
-        if self.rows != self.B * self.n:  # each sequence's last new row
-            a["last"][...] = x.reshape(self.B, self.n, -1)[:, -1]
+        if self.rows != B * T:  # each sequence's last new row
+            if self.kind == "sample":  # row last[b] of its T: a shorter chunk is padded after its end
+                eng.xp.add(self.first_rows, self.fields["last"], out=self.last_rows)
+                eng.xp.take(x, self.last_rows, axis=0, out=a["last"])
+            else:
+                a["last"][...] = x.reshape(B, T, -1)[:, -1]
             x = a["last"]
-        _head(eng, a, a["logits"], eng.p["heads"] if self.heads > 1 else eng.p["heads.0"], x)
-        V = eng.cfg.vocab_size
+        # the final norm of the rows, then the head product: one product, into which the GPU folds the norm
+        # (Engine.forward_layers leaves the final norm to decoding)
+        w = eng.p["heads"] if self.heads > 1 else eng.p["heads.0"]
+        L.rmsnorm_matmul_forward(self.logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w, eng.cfg.norm_eps,
+                                 None if a["xnf"] is None else a["xnf"][:x.shape[0]])
+        V, f = eng.cfg.vocab_size, self.fields
+        if self.kind == "sample":
+            L.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"],
+                          f["seed_hi"], f["index"])
+            if T == 1:
+                L.feed_back(self.tokens, self.ids, f["position"], f["index"], self.log, f["counter"],
+                            self.cache.context)
+            return
         if self.kind == "verify":
-            L.argmax(self.ids, a["logits"].reshape(-1, V))
-            L.accept_drafts(a["tokens"].reshape(self.n), self.ids, self.log, cache.position)
+            L.argmax(self.ids, self.logits.reshape(-1, V))
+            L.accept_drafts(self.tokens.reshape(T), self.ids, self.log, self.position)
             return
         if self.kind == "greedy":
-            L.argmax(self.ids, a["logits"].reshape(-1, V), self.log, cache.position)
-        L.advance_position(cache.position, self.n)
+            L.argmax(self.ids, self.logits.reshape(-1, V), self.log, self.position)
+        L.advance_position(self.position, T)
 
-    def __call__(self, tokens, steps):
-        if not np.array_equal(self.held, tokens):
-            if self.eng.xp is np:
-                self.a["tokens"][...] = tokens
-            else:
-                self.a["tokens"].set(tokens)  # one copy to the device, no temporary
+    def __call__(self, state, steps=1):
+        """Upload state (the host's, flat: the tokens, or `batch_state`'s buffer) and run `steps` steps, then
+        read their result (`read`)."""
         start = self.cache.pos
-        for _ in range(steps):
-            self.run()
+        self.launch(state, steps)
+        return self.read(steps, start, state)
+
+    def launch(self, state, steps):
+        """Upload state where it differs from what the device holds (None: go on from where the last steps left
+        it, a sample step's log from its first row) and queue `steps` steps on the device without waiting for
+        them: the host can work meanwhile, then `read`. Steps chain only where the step feeds its ids back."""
+        if steps > 1 and self.kind == "sample" and (self.T != 1 or steps > CHAINED):
+            raise ValueError(f"{steps} chained steps: at most {CHAINED}, of one token a sequence")
+        if state is None:
+            self.fields["counter"][...] = 0
+        elif not np.array_equal(self.held, state):
+            if self.eng.xp is np:
+                self.state[...] = state
+            else:
+                self.state.set(state)  # one copy to the device, no temporary
+        self.held = None  # a sample step's state moves on on the device: uploaded every call
+        with self.eng.mode():
+            for _ in range(steps):
+                self.run()
+
+    def read(self, steps, start=None, state=None):
+        """The result of the steps launched last (waits for them): a sample step's ids (steps, B); else, from
+        the cache's position `start` they ran at with tokens `state`, the kind's (Decoder.logits, greedy,
+        verify), the cache's host position moved on."""
+        if self.kind == "sample":
+            return to_numpy(self.log[:steps]) if self.T == 1 else to_numpy(self.ids)[None]
         if self.kind == "verify":
             return self._read_verify(start, steps)
+        B, T = self.B, self.T
         if self.feeds_back:
             self.cache.advanced(steps)
             ids = to_numpy(self.log[start:start + steps]).T  # (B, steps)
-            self.held = ids[:, -1:].copy()
+            self.held = ids[:, -1].copy()
             return ids if steps > 1 else ids[:, 0]
-        self.cache.advanced(self.n)
-        self.held = tokens.copy()
-        shape = (self.B, self.n, self.heads) if self.heads > 1 else (self.B,)
+        self.cache.advanced(T)
+        self.held = state.copy()
+        shape = (B, T, self.heads) if self.heads > 1 else (B,)
         if self.kind == "greedy":
             return to_numpy(self.ids).reshape(shape)
         V = self.eng.cfg.vocab_size
-        return to_numpy(to_float32(self.a["logits"])).reshape(shape + (V,))
+        return to_numpy(to_float32(self.logits)).reshape(shape + (V,))
 
     def _read_verify(self, start, steps):
         """The rounds kept 1 to n ids each: walk their accepted counts from the start."""
-        n = self.n
+        n = self.T
         span = to_numpy(self.log[start:start + n * steps + n])
         end, accepted = 0, []
         for _ in range(steps):
@@ -253,126 +344,5 @@ class _Step:
             end += accepted[-1] + 1
         following = span[end:end + n, 0].copy()
         self.cache.advanced(end)
-        self.held = following[None]
+        self.held = following
         return span[:end, 0].tolist(), accepted, following
-
-
-# ---------------------------------------------------------------------------------------- batched decoding
-class Slots:
-    """The KV cache of up to `rows` sequences, each in its own slot at its own position: kv (L, rows + 1,
-    context, 2G, D), the last slot a scratch one that a step's padding rows write to. Positions and slots live
-    in each step's uploaded state (the host keeps the record); `steps` keeps the steps run on it, by shape."""
-
-    def __init__(self, eng, rows):
-        cfg = eng.cfg
-        self.eng, self.rows, self.context = eng, rows, cfg.context
-        self.scratch = rows
-        self.kv = eng.xp.empty((cfg.n_layers, rows + 1, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim),
-                               dtype=eng.act)
-        self.steps = {}
-
-    def step(self, B, T):
-        """The step of B sequences of T new tokens each (made, and on the GPU recorded, on first use)."""
-        if B * T > FEW_ROWS:
-            raise ValueError(f"a batched step takes at most {FEW_ROWS} rows, not {B} x {T}")
-        key = (B, T, self.eng.decoder.graphs)
-        step = self.steps.get(key)
-        if step is None:
-            step = self.steps[key] = SampleStep(self.eng, self, B, T)
-        return step
-
-
-class _CacheView:
-    """What Engine.forward_layers reads of a cache: kv, a position a sequence, the slot of each."""
-
-    def __init__(self, kv, position, slots):
-        self.kv, self.position, self.slots = kv, position, slots
-
-
-class SampleStep:
-    """B sequences of up to T new tokens each over Slots: the forward, head 0's logits (B, V) float32 at each
-    one's last new token (its row `last` of T: a shorter chunk is padded after its end, rows whose keys and
-    values a later step overwrites before any row reads them), and an id drawn from them a sequence
-    (layers.sample_rows). Its inputs are one int32 buffer, `state` (layout: `views`), uploaded at once; a step
-    of one token a sequence (T = 1) then feeds its ids back (layers.feed_back), so `steps` of them chain on
-    the device and log their ids by step."""
-
-    FIELDS = ("slot", "position", "index", "top_k", "temperature", "top_p", "seed_lo", "seed_hi", "last")
-    VIEWS = {"temperature": np.float32, "top_p": np.float32, "seed_lo": np.uint32, "seed_hi": np.uint32}
-
-    def __init__(self, eng, cache, B, T):
-        xp, cfg = eng.xp, eng.cfg
-        self.eng, self.cache, self.B, self.T = eng, cache, B, T
-        self.state = xp.zeros(self.size(B, T), dtype=np.int32)
-        v = self.views(self.state, B, T)
-        self.tokens, self.counter = v["tokens"], v["counter"]
-        self.fields = v
-        self.view = _CacheView(cache.kv, v["position"], v["slot"])
-        self.a = _activations(eng, B, T)
-        self.logits = xp.empty((B, cfg.vocab_size), dtype=eng.dtype)
-        self.ids = xp.empty(B, dtype=np.int32)
-        self.log = xp.empty((CHAINED, B), dtype=np.int32)
-        self.first_rows = xp.arange(0, B * T, T, dtype=np.int32)  # sequence b's rows start at b * T
-        self.last_rows = xp.empty(B, dtype=np.int32)
-        graph = eng.decoder.graphs and B * T <= FEW_ROWS
-        self.run = eng.layers.graph(self._run) if graph else self._run
-
-    @staticmethod
-    def size(B, T):
-        return B * T + len(SampleStep.FIELDS) * B + 1
-
-    @classmethod
-    def views(cls, state, B, T):
-        """Named views of a state buffer: tokens (B, T), then a (B,) array for each of FIELDS (float32 or
-        uint32 where VIEWS says), then counter (1,): the chained steps' count so far."""
-        out = {"tokens": state[:B * T].reshape(B, T)}
-        at = B * T
-        for name in cls.FIELDS:
-            part = state[at:at + B]
-            out[name] = part.view(cls.VIEWS[name]) if name in cls.VIEWS else part
-            at += B
-        out["counter"] = state[at:at + 1]
-        return out
-
-    def _run(self):
-        eng, a, L, B, T = self.eng, self.a, self.eng.layers, self.B, self.T
-        f = self.fields
-        eng.forward_layers(self.tokens, a, B, T, self.view)
-        x = a["resid"][-1]
-        if T > 1:  # each sequence's last new token: row last[b] of its T
-            eng.xp.add(self.first_rows, f["last"], out=self.last_rows)
-            eng.xp.take(x, self.last_rows, axis=0, out=a["last"])
-            x = a["last"]
-        _head(eng, a, self.logits, eng.p["heads.0"], x)
-        L.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"], f["seed_hi"],
-                      f["index"])
-        if T == 1:
-            L.feed_back(self.tokens, self.ids, f["position"], f["index"], self.log, self.counter,
-                        self.cache.context)
-
-    def __call__(self, state, steps=1):
-        """Upload state (a host buffer of `size`, filled through `views`) and run `steps` steps (T = 1 only
-        chains): the drawn ids (steps, B). The last step's logits stay in `logits`."""
-        self.launch(state, steps)
-        return self.read(steps)
-
-    def launch(self, state, steps):
-        """Upload state (None: go on from where the last steps left it, the log from its first row) and queue
-        `steps` steps on the device without waiting for them: the host can work meanwhile, then `read`."""
-        if steps > 1 and (self.T != 1 or steps > CHAINED):
-            raise ValueError(f"{steps} chained steps: at most {CHAINED}, of one token a sequence")
-        if state is None:
-            self.counter[...] = 0
-        elif self.eng.xp is np:
-            self.state[...] = state
-        else:
-            self.state.set(state)
-        with self.eng.mode():
-            for _ in range(steps):
-                self.run()
-
-    def read(self, steps):
-        """The ids (steps, B) of the steps launched last (waits for them)."""
-        if self.T == 1:
-            return to_numpy(self.log[:steps])
-        return to_numpy(self.ids)[None]

@@ -13,7 +13,7 @@ decoding, training, checkpoints) is written once against this class.
 The engine knows no objective: it computes each head's cross-entropy at every position, and its backward
 pass takes a gradient weight per (head, position), d objective / d loss[k, n]. The mean cross-entropy of
 pretraining and SFT and the DPO loss are such weights (train/objectives.py). Decoding with a KV cache is
-`eng.decoder` (decoding.py); the AdamW step is optimizer.py.
+`decoding.decoder_of(eng)` (decoding.py); the AdamW step is optimizer.py.
 
 Parameters and gradients are each one flat buffer (layout: config.param_layout). Because wq|wk|wv,
 w_gate|w_up and heads.0..K-1 sit next to each other in that buffer, each group is one fused matrix here: one
@@ -62,18 +62,10 @@ class Engine:
         self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
         self._acts, self._acts_shape = None, None
         self._last = None  # the last forward's (tokens, targets, B, T), for backward()
-        self._decoder = None
+        self._decoder = None  # KV-cache decoding over this engine: decoding.decoder_of(eng) makes and keeps it
         # called during a step's final backward pass with the flat offset from which every gradient is final
         # (layers are done last to first): data parallelism reduces those while the pass goes on
         self.gradients_ready = None
-
-    @property
-    def decoder(self):
-        """KV-cache decoding over this engine (decoding.Decoder), made on first use."""
-        if self._decoder is None:
-            from nanoeuler.model.decoding import Decoder
-            self._decoder = Decoder(self)
-        return self._decoder
 
     def sync_weights(self):
         """Rewrite the compute copy of the weights (bf16) from the master weights after they changed outside
