@@ -12,16 +12,29 @@ from nanoeuler.model.config import Config, init_params
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --------------------------------------------------------------------------------- strict skips
-# With NANOEULER_STRICT_SKIPS=1 (`make test`, hence CI, sets it) a skipped test fails the session unless it is
-# marked gpu: a missing library or tool must not pass for a green run. The skips are listed at the end.
-STRICT_SKIPS = os.environ.get("NANOEULER_STRICT_SKIPS", "0") not in ("", "0")
-_bad_skips = []
+# With NANOEULER_STRICT_SKIPS=1 (`make test`, hence CI, sets it) a skipped test fails the run unless it is
+# marked gpu, or marked browser (no Chromium: installing it needs root, which a user's machine may not give)
+# while NANOEULER_REQUIRE_BROWSER is unset (.ci/run sets it, so CI runs the browser test or fails): a missing
+# library or tool must not pass for a green run. The skips are listed at the end, allowed ones too.
+def _flag(name):
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+STRICT_SKIPS = _flag("NANOEULER_STRICT_SKIPS")
+ALLOWED_MARKS = ("gpu",) if _flag("NANOEULER_REQUIRE_BROWSER") else ("gpu", "browser")
+_bad_skips, _allowed_browser_skips = [], []
 
 
 def _record_skip(report):
-    if report.skipped and not hasattr(report, "wasxfail") and "gpu" not in getattr(report, "keywords", {}):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _bad_skips.append((report.nodeid, reason.removeprefix("Skipped: ")))
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    skip = (report.nodeid, reason.removeprefix("Skipped: "))
+    keywords = getattr(report, "keywords", {})
+    if "browser" in keywords and "browser" in ALLOWED_MARKS:
+        _allowed_browser_skips.append(skip)
+    elif not any(mark in keywords for mark in ALLOWED_MARKS):
+        _bad_skips.append(skip)
 
 
 def pytest_runtest_logreport(report):
@@ -38,9 +51,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _allowed_browser_skips:
+        terminalreporter.section(f"{len(_allowed_browser_skips)} browser test(s) skipped, allowed "
+                                 "(NANOEULER_REQUIRE_BROWSER=1 makes this a failure)", yellow=True)
+        for nodeid, reason in _allowed_browser_skips:
+            terminalreporter.line(f"{nodeid}: {reason}", yellow=True)
     if STRICT_SKIPS and _bad_skips:
-        terminalreporter.section(f"{len(_bad_skips)} skipped, not marked gpu: the run fails "
-                                 "(NANOEULER_STRICT_SKIPS=1)", red=True)
+        terminalreporter.section(f"{len(_bad_skips)} skipped, not marked {' or '.join(ALLOWED_MARKS)}: the run "
+                                 "fails (NANOEULER_STRICT_SKIPS=1)", red=True)
         for nodeid, reason in _bad_skips:
             terminalreporter.line(f"{nodeid}: {reason}", red=True)
 

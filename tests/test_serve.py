@@ -496,7 +496,9 @@ def test_missing_extra_busy_port_and_bad_flags_are_one_line_errors(tiny_ckpt, tm
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium)")
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (chromium, chromium-browser, google-chrome); "
+                    "installed by `apt-get install chromium` (make test runs it when root)")
 @pytest.mark.parametrize("kind", ["chat", "base"])
 def test_web_page_streams_a_reply_in_a_real_browser(kind, request, model, chat_model, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
