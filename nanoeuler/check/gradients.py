@@ -18,7 +18,7 @@ softmax and SiLU leave their linear regimes. The check fails (exit status 1) if 
 1e-6 or more.
 
     nanoeuler check            # CPU engine vs finite differences: 39 + 40 tensors, ~1.5 s on 2 cores
-    nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/gpu/check.py)
+    nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/check/gpu.py)
 """
 import math
 import os

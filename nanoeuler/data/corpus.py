@@ -4,7 +4,7 @@
     source = RandomWindows(corpus.train, batch=16, context=128, K=2, seed=0)
     inputs, targets = source.next()                  # int32 (B, T) and (K, B, T)
 
-The cache is a token file, the one format of nanoeuler/tokenizer.py (written by Tokenizer.encode_file, read
+The cache is a token file, the one format of nanoeuler/tokenizer/bpe.py (written by Tokenizer.encode_file, read
 by read_token_file): a 128-byte header (magic, version, token count, the corpus file's size and mtime, the
 tokenizer's sha256) followed by the tokens as little-endian uint16. Any mismatch with the corpus or the
 tokenizer rebuilds it, so a stale cache is never used. It is memory-mapped, so a corpus of many GB costs no

@@ -10,7 +10,7 @@ Ids: 0..255 are the bytes, then one id per new token made by the merges, in merg
 tokens (`</s>` first). Text is cut into GPT-2 pretokens (letter runs, digit runs, punctuation runs, each
 taking a single leading space; whitespace runs; the contractions 's 't 're 've 'm 'll 'd) and merges
 never cross a pretoken boundary. Any byte sequence round-trips: bytes that are not valid UTF-8 are
-punctuation-class characters of their own. The compiled parts live in nanoeuler/bpe_kernels.py.
+punctuation-class characters of their own. The compiled parts live in nanoeuler/tokenizer/kernels.py.
 
 Token files (`.tok`, the one format: what encode_file writes and what training reads, as its cached
 `<corpus>.tok`): a 128-byte header (magic "NEUTOKS\0", format version, token count, the size and mtime of

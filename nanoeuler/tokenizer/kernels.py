@@ -1,4 +1,4 @@
-"""Compiled (numba) kernels of the byte-level BPE tokenizer; nanoeuler/tokenizer.py drives them.
+"""Compiled (numba) kernels of the byte-level BPE tokenizer; nanoeuler/tokenizer/bpe.py drives them.
 
 Everything works on UTF-8 bytes in a numpy uint8 array, so any byte sequence can be tokenized: a byte that
 starts no valid UTF-8 sequence is one character of class OTHER, exactly as Python's 'surrogateescape'
