@@ -1,4 +1,4 @@
-"""The DPO evidence run of issue 27: pretrain -> SFT -> DPO on data of our own, then the greedy replies to
+"""An end-to-end check of DPO: pretrain -> SFT -> DPO on data of our own, then the greedy replies to
 held-out prompts before and after DPO: does the preferred trait appear at the reply's first token, and does
 the rest of the reply stay what it was?
 
