@@ -126,11 +126,21 @@ def _training_flags(p):
                    help="forward/backward passes of --batch-size per optimizer step (less memory, same result)")
 
 
-def _parallel_flags(p):
+def _launch_flags(p):
     p.add_argument("--gpus", type=_positive_int,
-                   help="data parallel over N ranks, one process each, started by this command (the CPU engine: "
-                        "N CPU processes); --batch-size is per rank. Other launchers: RANK, WORLD_SIZE, "
-                        "LOCAL_RANK, MASTER_ADDR, MASTER_PORT (docs/multi-gpu.md)")
+                   help="data parallel over N ranks on this host, one process each, started by this command (the "
+                        "CPU engine: N CPU processes); --batch-size is per rank. Under torchrun, srun or mpirun, "
+                        "start one process per GPU instead (docs/multi-gpu.md)")
+    p.add_argument("--nnodes", type=_positive_int,
+                   help="hosts in the run, one `--gpus N` launcher on each (default 1)")
+    p.add_argument("--node-rank", type=_nonneg_int, help="this host's place among --nnodes (0 holds rank 0)")
+    p.add_argument("--master-addr", help="rank 0's host, reachable from every host (with --nnodes)")
+    p.add_argument("--master-port", type=_positive_int, help="a free port there for the rendezvous (default 29500 "
+                   "with --nnodes)")
+
+
+def _parallel_flags(p):
+    _launch_flags(p)
     p.add_argument("--zero", type=int, choices=(0, 1), default=0,
                    help="1: shard the AdamW moments over the ranks (ZeRO stage 1: less memory per GPU)")
 
@@ -214,6 +224,7 @@ def build_parser():
     _run_flags(p, "nanoeuler_dpo.bin", "pairs")
     p.add_argument("--val-pairs", type=_positive_int,
                    help="pairs held out for the validation metrics (default a twentieth, at most 500)")
+    _parallel_flags(p)
 
     p = sub.add_parser("chat", help="interactive session with a trained model")
     _sampling_flags(p)
@@ -285,6 +296,7 @@ def build_parser():
                    help="a chat checkpoint: each context is an instruction in the chat template, each choice a reply")
     p.add_argument("--precision", choices=("bf16", "tf32", "fp32"), help="GPU arithmetic (default bf16)")
     _device_flag(p, training=False)
+    _launch_flags(p)
 
     p = sub.add_parser("report", help="print the run report (<ckpt>.md) of a checkpoint")
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
@@ -345,15 +357,38 @@ COMMANDS = {"check": "nanoeuler.check.gradients", "train": "nanoeuler.train.pret
             "eval": "nanoeuler.eval.main", "report": "nanoeuler.io.report"}
 
 
+def launch_nodes(args):
+    """launch.Nodes when this command should start its own ranks (--gpus N > 1 or --nnodes, and no launcher's
+    variables say this process is already one rank of a run); else None."""
+    gpus, count = getattr(args, "gpus", None) or 1, getattr(args, "nnodes", None) or 1
+    if gpus == 1 and count == 1:
+        return None
+    from nanoeuler.train.world import World
+    if World.from_env().world_size > 1:
+        return None  # a worker (of this launcher, torchrun, srun or mpirun): run_world checks --gpus against it
+    from nanoeuler.train.launch import Nodes
+    if count == 1:
+        if args.node_rank:
+            raise UserError("--node-rank needs --nnodes")
+        return Nodes(master_port=args.master_port)
+    if args.node_rank is None or args.node_rank >= count:
+        raise UserError(f"--nnodes {count} needs --node-rank 0..{count - 1} (this host's place)")
+    if not args.master_addr:
+        raise UserError(f"--nnodes {count} needs --master-addr: the address of node rank 0's host, which every "
+                        "host reaches")
+    return Nodes(count, args.node_rank, args.master_addr, args.master_port or 29500)
+
+
 def main(argv=None):
     # Before any subcommand imports NumPy or numba (see nanoeuler/__init__.py for what and why).
     configure_cpu_runtime()
     parser, sub = build_parser()
     args = parser.parse_args(argv)
     try:
-        if (getattr(args, "gpus", None) or 1) > 1 and "RANK" not in os.environ:
+        nodes = launch_nodes(args)
+        if nodes is not None:
             from nanoeuler.train.launch import launch_self  # the launcher; each worker it starts runs the command
-            sys.exit(launch_self(args.gpus, sys.argv[1:] if argv is None else list(argv)))
+            sys.exit(launch_self(args.gpus or 1, sys.argv[1:] if argv is None else list(argv), nodes))
         if args.command == "tokenizer":
             run = tokenizer_command
         else:

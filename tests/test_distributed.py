@@ -30,7 +30,7 @@ ENV = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1", MAS
 
 def test_world_from_the_environment():
     assert World.from_env({}) == World() and World().is_main
-    assert World.from_env(ENV) == World(1, 2, 1, "10.0.0.1", 29500) and not World.from_env(ENV).is_main
+    assert World.from_env(ENV) == World(1, 2, 1, "10.0.0.1", 29500, "env") and not World.from_env(ENV).is_main
     assert World.from_env({**ENV, "LOCAL_RANK": ""}).local_rank == 1  # defaults to RANK: one host
     assert World.from_env({"RANK": "0", "WORLD_SIZE": "1"}) == World()
     for change, message in ((dict(RANK="x"), "RANK='x' is not an integer"),
@@ -42,6 +42,79 @@ def test_world_from_the_environment():
             World.from_env({**ENV, **change})
     with pytest.raises(UserError, match="RANK is not set"):
         World.from_env({"WORLD_SIZE": "2"})
+
+
+def test_each_launcher_is_read_from_its_own_variables():
+    """torchrun's (as `--gpus` and a hand-set run), Open MPI's, MPICH/PMI's and Slurm's variables each give the
+    world; the rendezvous address comes from MASTER_ADDR/PORT or, under Slurm, the step's first node and a
+    port of the job."""
+    assert World.from_env({**ENV, "TORCHELASTIC_RUN_ID": "x"}).launcher == "torchrun"
+    assert World.from_env({**ENV, "NANOEULER_LAUNCHER": "1"}).launcher == "env"
+    ompi = dict(OMPI_COMM_WORLD_RANK="3", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="1")
+    assert World.from_env(ompi) == World(3, 4, 1, "", 0, "mpi")  # mpi4py's own broadcast: no address
+    assert World.from_env({**ompi, "MASTER_ADDR": "h0", "MASTER_PORT": "29400"}) == World(3, 4, 1, "h0", 29400, "mpi")
+    assert World.from_env(dict(PMI_RANK="1", PMI_SIZE="2", MPI_LOCALRANKID="0")) == World(1, 2, 0, "", 0, "mpi")
+    slurm = dict(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_JOB_ID="123456",
+                 SLURM_STEP_NODELIST="gpu[007-008,010],login2")
+    assert World.from_env(slurm) == World(5, 8, 1, "gpu007", 20000 + 123456 % 20000, "slurm")
+    assert World.from_env({**slurm, "SLURM_STEP_NUM_TASKS": "6"}).world_size == 6
+    assert World.from_env({**slurm, "MASTER_ADDR": "h1", "MASTER_PORT": "1234"}).master_addr == "h1"
+    assert World.from_env({"SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}) == World()  # a batch script, not a task
+    # srun --mpi=pmi2 sets both, in agreement; torchrun's and --gpus' workers keep their own whatever Slurm says
+    assert World.from_env({**slurm, "PMI_RANK": "5", "PMI_SIZE": "8"}).launcher == "mpi"
+    assert World.from_env({**ENV, **slurm, "TORCHELASTIC_RUN_ID": "x"}).rank == 1
+
+
+def test_launchers_that_disagree_or_lack_a_value_are_one_line_errors():
+    slurm = dict(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="n1")
+    with pytest.raises(UserError, match=r"^the launchers' variables disagree: RANK=1 of WORLD_SIZE=2 but "
+                                        r"SLURM_PROCID=0 of SLURM_NTASKS=2; unset one$"):
+        World.from_env({**ENV, **slurm})
+    with pytest.raises(UserError, match="^OMPI_COMM_WORLD_RANK=4 must be below OMPI_COMM_WORLD_SIZE=4$"):
+        World.from_env(dict(OMPI_COMM_WORLD_RANK="4", OMPI_COMM_WORLD_SIZE="4"))
+    with pytest.raises(UserError, match="^PMI_SIZE is not set$"):
+        World.from_env(dict(PMI_RANK="0"))
+    with pytest.raises(UserError, match="^WORLD_SIZE=2 needs MASTER_ADDR"):
+        World.from_env(dict(SLURM_PROCID="1", SLURM_NTASKS="2"))  # no node list, no address
+
+
+def test_slurm_host_lists_give_their_first_host():
+    from nanoeuler.train.world import first_host
+    assert first_host("node[01-04,07],other") == "node01"
+    assert first_host("a1,a2") == "a1" and first_host("single") == "single" and first_host(None) is None
+    assert first_host("rack[3-4]-gpu") == "rack3-gpu"
+
+
+def test_the_bucket_plan_reduces_final_gradients_in_pieces_that_every_rank_can_split():
+    """Buckets close at the offsets where the backward pass has finished everything after them, rounded up to
+    a multiple of the ranks, merged up to the minimum size; they tile the padded buffer from its end, and
+    ZeRO-1's pieces of them tile each rank's shard."""
+    from nanoeuler.train.distributed import bucket_plan, shard_pieces
+    cfg = tiny_config(300)
+    eng = make_engine(cfg, seed=1)
+    offsets, total = eng.gradient_offsets(), eng.params.size
+    assert offsets[-1] == 0 and offsets == sorted(offsets, reverse=True)
+    for ranks in (1, 2, 3, 8):
+        for minimum in (0, 1000, 10 ** 9):
+            buckets = bucket_plan(offsets, total, ranks, minimum)
+            padded = -(-total // ranks) * ranks
+            assert buckets[0][1] == padded and buckets[-1][0] == 0
+            assert all(a[0] == b[1] for a, b in zip(buckets, buckets[1:]))  # contiguous, from the end
+            assert all((end - start) % ranks == 0 and end > start for start, end in buckets)
+            assert all(end - start >= minimum for start, end in buckets[:-1])
+            # a bucket holds only gradients final at the offset that closes it
+            assert all(any(o <= start for o in offsets) for start, _ in buckets)
+            if minimum == 0:
+                assert len(buckets) == len({-(-o // ranks) * ranks for o in offsets})
+            if minimum == 10 ** 9:
+                assert buckets == [(0, padded)]
+            seen = np.zeros(padded, int)
+            for rank in range(ranks):
+                pieces = shard_pieces(buckets, rank, ranks)
+                assert [at for *_, at in pieces] == list(np.cumsum([0] + [e - s for s, e, _ in pieces])[:-1])
+                for start, end, _ in pieces:
+                    seen[start:end] += 1
+            assert (seen == 1).all()
 
 
 def test_ranks_draw_their_own_slices_of_one_global_batch():
@@ -125,13 +198,13 @@ def _train_steps(batch, comm=None, zero=False, device="cpu"):
                            seed=7, rank=rank, world_size=world)
     hp = Hyperparameters(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
                          grad_accum=2 if world == 1 else 1)  # one rank in 2 passes: the accumulation path too
-    parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=zero)
+    parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=zero, min_bucket=0)  # a bucket a layer
     objective = CrossEntropy(parallel.comm)  # comm, or the world of one DataParallel makes of None
     losses, norms = [], []
     for _ in range(STEPS):
-        record, tokens = objective.train_step(eng, source.next(), hp)
+        shares, tokens = objective.train_step(eng, source.next(), hp)
+        losses.append(tuple(parallel.sum([shares["loss"], shares["loss_all_heads"], tokens])))
         norms.append(parallel.step(LR, hp.weight_decay, hp.grad_clip))
-        losses.append((record["loss"], record["loss_all_heads"], tokens))
     assert parallel.any(rank == 1) == (world > 1)
     grads = to_numpy(eng.grads).copy() if not parallel.zero else None  # the last step's, all-reduced
     return losses, norms, grads, eng.params_numpy(), parallel.opt_state_numpy()
@@ -161,23 +234,25 @@ def test_the_nccl_id_travels_between_processes_in_every_form_cupy_gives_it(monke
     """CuPy 14's get_unique_id gives 128 bytes, earlier versions a tuple of signed ints, and NcclCommunicator
     takes back only its own kind: rank 0 (this process) serves every form through the real rendezvous, and
     rank 1, another process, gets each back as it was and meets rank 0 at the barrier."""
-    from nanoeuler.train.distributed import rendezvous
+    from nanoeuler.train.world import rendezvous
     raw = bytes(np.random.default_rng(3).integers(0, 256, 128).tolist())
     ids = (raw, tuple(b - 256 if b > 127 else b for b in raw), tuple(raw))
     port, key = launch.free_port(), "a key of this test"
     monkeypatch.setenv("NANOEULER_RDZV_KEY", key)
-    barrier, mine = rendezvous(World(0, 2, 0, "127.0.0.1", port), 60, ids)
-    assert mine is ids
+    meeting = rendezvous(World(0, 2, 0, "127.0.0.1", port), 60, ids)
+    assert meeting.value is ids
     rank1 = subprocess.Popen(
-        [sys.executable, "-c", "from nanoeuler.train.distributed import World, rendezvous\n"
-         f"barrier, ids = rendezvous(World(1, 2, 1, '127.0.0.1', {port}), 60)\nbarrier.wait(60)\nprint(repr(ids))"],
+        [sys.executable, "-c", "from nanoeuler.train.world import World, rendezvous\n"
+         f"meeting = rendezvous(World(1, 2, 1, '127.0.0.1', {port}), 60)\nmeeting.wait(60)\n"
+         "print(repr(meeting.value))"],
         env=dict(os.environ, NANOEULER_RDZV_KEY=key), cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    barrier.wait(60)
+    meeting.wait(60)
     assert rank1.communicate(timeout=60)[0].strip() == repr(ids) and rank1.returncode == 0
 
 
 def test_a_rendezvous_without_rank_0_and_bad_numbers_are_one_line_errors(monkeypatch):
-    from nanoeuler.train.distributed import heartbeat, rendezvous, timeout
+    from nanoeuler.train.distributed import heartbeat, timeout
+    from nanoeuler.train.world import rendezvous
     with pytest.raises(UserError, match=r"^rank 1: rank 0 did not open 127.0.0.1:\d+ in 0.2 s$"):
         rendezvous(World(1, 2, 1, "127.0.0.1", launch.free_port()), 0.2)
     for name, call in (("NANOEULER_TIMEOUT", timeout), ("NANOEULER_HEARTBEAT_FD", heartbeat)):

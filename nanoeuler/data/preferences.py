@@ -98,10 +98,11 @@ def pair_batch(pairs, context, K):
 
 class PairBatches(ExampleBatches):
     """DPO batches for train.fit(): `batch` pairs at a time, each epoch a fresh permutation (ExampleBatches'
-    resumable order) of the training pairs, with their reference log-probabilities."""
+    resumable order) of the training pairs, with their reference log-probabilities; with N ranks, rank r
+    takes the r-th `batch` of every N x batch pairs."""
 
-    def __init__(self, pairs, ref, batch, context, K, seed):
-        super().__init__(list(range(len(pairs))), batch, context, K, seed)
+    def __init__(self, pairs, ref, batch, context, K, seed, rank=0, world_size=1):
+        super().__init__(list(range(len(pairs))), batch, context, K, seed, rank, world_size)
         self.pairs, self.ref = pairs, ref  # ref (n, 2): chosen, rejected
 
     def next(self):

@@ -34,8 +34,12 @@ def supervised_counts(targets):
 
 
 def _per_head(losses, counts):
-    """(mean over heads, head 0's) of each head's summed losses (K, N) divided by counts[k]."""
-    per_head = to_numpy(losses.sum(axis=1)).astype(np.float64) / np.maximum(counts, 1)
+    """(mean over heads, head 0's) of each head's summed losses (K, N) divided by counts[k] (a host array, or
+    one of the engine's library: then divided there, and read once)."""
+    if isinstance(counts, np.ndarray):
+        per_head = to_numpy(losses.sum(axis=1)).astype(np.float64) / np.maximum(counts, 1)
+    else:
+        per_head = to_numpy(losses.sum(axis=1).astype(np.float64) / counts.clip(1, None))
     return float(per_head.mean()), float(per_head[0])
 
 
@@ -47,10 +51,13 @@ def cross_entropy(eng, inputs, targets):
 def cross_entropy_backward(eng, inputs, targets, counts=None, accumulate=False, final=True):
     """The cross-entropy's gradients into eng.grads (added to them with accumulate); (loss, loss0). counts (K,):
     the supervised targets per head of the whole optimizer batch when this is a part of it (gradient
-    accumulation, data parallelism): the parts' losses and gradients then add up to the batch's. final: passed
+    accumulation, data parallelism): the parts' losses and gradients then add up to the batch's; on the GPU they
+    may be a device array (the ranks' sum, which the host has not waited for). final: passed
     on to Engine.forward_backward, False on a step's passes before its last."""
-    counts = supervised_counts(targets) if counts is None else np.asarray(counts, dtype=np.float64)
-    weights = (1.0 / (len(counts) * np.maximum(counts, 1)))[:, None]
+    if counts is None or not hasattr(counts, "clip"):  # a list, or none: this batch's own on the host
+        counts = supervised_counts(targets) if counts is None else np.asarray(counts, dtype=np.float64)
+    # counts on the device (all-reduced there): the weights are made there, so the host need not wait
+    weights = (1.0 / (len(counts) * counts.clip(1, None)))[:, None]
     return _per_head(eng.forward_backward(inputs, targets, weights, accumulate, final=final), counts)
 
 

@@ -1,39 +1,37 @@
-"""Data-parallel training: which rank this process is, the few collectives training needs, and the optimizer
-step of N ranks (`nanoeuler train|sft ... --gpus N`; docs/multi-gpu.md).
+"""Data-parallel training: the few collectives training needs, and the optimizer step of N ranks with the
+gradients reduced while the backward pass runs (`nanoeuler train|sft|dpo ... --gpus N`; docs/multi-gpu.md).
 
-A run of N ranks is N processes. `--gpus N` starts them itself (nanoeuler/train/launch.py); any other launcher
-(torchrun, Slurm, a script per host) starts them with the torchrun-style environment variables that
-World.from_env reads: RANK, WORLD_SIZE, LOCAL_RANK (which GPU of its host; default RANK), MASTER_ADDR and
-MASTER_PORT (where rank 0 holds the rendezvous). Without them the process is a world of one.
+A run of N ranks is N processes, started by `--gpus N` (train/launch.py), torchrun, srun or mpirun; which
+rank this process is, and how the ranks meet, is train/world.py.
 
     world = World.from_env()
     comm = make_communicator(world, device)     # SingleProcess, SharedMemoryCommunicator or NcclCommunicator
     parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=True)
-    grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip)  # after every rank's backward pass
+    ...a step's forward and backward passes (the last with final=True: its buckets are reduced as it goes)
+    grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip)
 
-A communicator has exactly the collectives the training loop uses, all blocking, all called by every rank in
-the same order: all_reduce_sum (in place; the flat float32 gradients, or small float64 host arrays of target
-counts and losses), reduce_scatter_sum and all_gather (ZeRO-1's two halves of an all-reduce), broadcast and
-barrier. Three implementations:
+A communicator has exactly the collectives training uses, called by every rank in the same order:
+all_reduce_sum (in place: device arrays, or small float64 host arrays of counts and losses), reduce_scatter_sum
+and all_gather (ZeRO-1's two halves of an all-reduce), broadcast and barrier; and start_all_reduce /
+start_reduce_scatter with join(), which let the reductions of gradient buckets run beside the backward pass.
+On device arrays a collective is ordered on the GPU (what is queued after it sees its result), on host
+arrays it returns with the result. Three implementations:
 
 - SingleProcess: a world of one; every collective is the identity, so a one-process run computes bit for bit
   what it computed before data parallelism existed.
 - SharedMemoryCommunicator: CPU ranks on one host (the CPU engine with --gpus N). Each rank writes its
   buffer into its slot of a shared-memory segment and reads the others'; the rendezvous's barrier orders the
-  steps. It exists so that the whole data-parallel path (launcher, rendezvous, sums, ZeRO shards,
-  checkpoints) runs and is tested without a GPU.
-- NcclCommunicator: one GPU per rank, NCCL over device pointers (cupy.cuda.nccl); the NCCL unique id travels
-  through the rendezvous. cupy is imported only here, only for GPU ranks. Run on one GPU, not yet on two
-  (docs/multi-gpu.md lists what to run).
-
-Both meet through rendezvous(): rank 0 serves a barrier and a value at MASTER_ADDR:MASTER_PORT over the
-standard library's multiprocessing.managers.
+  steps. It exists so that the whole data-parallel path (launcher, rendezvous, buckets, sums, ZeRO shards,
+  checkpoints) runs and is tested without a GPU; its "started" reductions are done at once.
+- NcclCommunicator: one GPU per rank, NCCL over device pointers (cupy.cuda.nccl) on a stream of its own, so
+  that reductions overlap the compute stream's work; the NCCL unique id travels through the rendezvous.
+  cupy is imported only here, only for GPU ranks.
 
 Every rank sums in the same order, so all ranks hold bit-identical gradients, take bit-identical AdamW steps
 and their weights never drift apart.
 """
 import atexit
-import dataclasses
+import collections
 import math
 import os
 import sys
@@ -42,58 +40,23 @@ import time
 
 import numpy as np
 
-from nanoeuler.env import env_int
+from nanoeuler.env import env_float, env_int
 from nanoeuler.errors import UserError
 from nanoeuler.model.engine import to_numpy
 from nanoeuler.model.optimizer import clip_scale
+from nanoeuler.train.world import World, rendezvous  # noqa: F401  (World: the callers' one import)
 
 # A collective that does not complete in this many seconds means a rank died or hangs; the run ends with an
 # error instead of waiting forever. Evaluation, sampling and checkpoints run on rank 0 while the others wait
 # in their next collective, so it must cover the longest of those.
 DEFAULT_TIMEOUT = 1800
+# Gradient buckets hold at least this many MiB (NANOEULER_BUCKET_MB): one layer of `base` (24 MiB) is one
+DEFAULT_BUCKET_MB = 16
 
 
 def timeout():
     """NANOEULER_TIMEOUT (seconds) or DEFAULT_TIMEOUT."""
     return env_int("NANOEULER_TIMEOUT", DEFAULT_TIMEOUT, minimum=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    """This process's place in the run: rank (0..world_size-1), local_rank (its GPU on this host) and the
-    rendezvous address of rank 0."""
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-
-    @property
-    def is_main(self):
-        """Rank 0 alone prints, plots, samples and writes checkpoints and the metrics log."""
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls, env=None):
-        """The world of the torchrun-style variables; a world of one when neither RANK nor WORLD_SIZE is set.
-        A missing or malformed value is a one-line UserError."""
-        env = os.environ if env is None else env
-        if "RANK" not in env and "WORLD_SIZE" not in env:
-            return cls()
-        size = env_int("WORLD_SIZE", minimum=1, env=env)
-        rank = env_int("RANK", env=env)
-        if rank >= size:
-            raise UserError(f"RANK={rank} must be below WORLD_SIZE={size}")
-        local = env_int("LOCAL_RANK", default=rank, env=env)
-        if size == 1:
-            return cls(rank, size, local)
-        addr = env.get("MASTER_ADDR")
-        if not addr:
-            raise UserError(f"WORLD_SIZE={size} needs MASTER_ADDR, the address of rank 0's host")
-        port = env_int("MASTER_PORT", minimum=1, env=env)
-        if port > 65535:
-            raise UserError(f"MASTER_PORT={port} is not a port number")
-        return cls(rank, size, local, addr, port)
 
 
 def heartbeat():
@@ -105,52 +68,6 @@ def heartbeat():
             os.write(fd, b".")
         except OSError:
             pass  # the launcher is gone; it stops the ranks itself when it can
-
-
-def rendezvous(world, wait, value=None):
-    """Meet every rank at rank 0's MASTER_ADDR:MASTER_PORT; returns (a barrier of all ranks, rank 0's value).
-
-    Rank 0 serves a threading.Barrier and `value` (any picklable object, e.g. the NCCL unique id) over the
-    standard library's multiprocessing.managers, authenticated with NANOEULER_RDZV_KEY (the launcher draws
-    one at random), from a daemon thread that lives as long as its process; the others connect, retrying
-    until rank 0 listens. A rank 0 that never listens, or is gone, is a one-line UserError."""
-    from multiprocessing.managers import BarrierProxy, BaseManager, DictProxy
-
-    address = (world.master_addr, world.master_port)
-    key = os.environ.get("NANOEULER_RDZV_KEY", "nanoeuler").encode()
-
-    class Rendezvous(BaseManager):
-        pass
-
-    if world.is_main:
-        barrier, shared = threading.Barrier(world.world_size), {"value": value}
-        Rendezvous.register("barrier", callable=lambda: barrier, proxytype=BarrierProxy)
-        Rendezvous.register("shared", callable=lambda: shared, proxytype=DictProxy)
-        try:
-            server = Rendezvous(address=address, authkey=key).get_server()
-        except OSError as e:
-            raise UserError(f"rank 0 cannot listen on {address[0]}:{address[1]}: {e.strerror or e}") from None
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return barrier, value
-    Rendezvous.register("barrier", proxytype=BarrierProxy)
-    Rendezvous.register("shared", proxytype=DictProxy)
-    client = Rendezvous(address=address, authkey=key)
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            client.connect()
-            break
-        except (ConnectionRefusedError, FileNotFoundError):
-            if time.monotonic() > deadline:
-                raise UserError(f"rank {world.rank}: rank 0 did not open {address[0]}:{address[1]} in "
-                                f"{wait} s") from None
-            time.sleep(0.05)
-        except (ConnectionError, EOFError):  # rank 0 opened it and went away (it failed first)
-            raise UserError(f"rank {world.rank}: lost rank 0 (it exited or crashed)") from None
-    try:
-        return client.barrier(), client.shared()["value"]
-    except (ConnectionError, EOFError):
-        raise UserError(f"rank {world.rank}: lost rank 0 (it exited or crashed)") from None
 
 
 # ------------------------------------------------------------------------------------------ communicators
@@ -173,8 +90,30 @@ class SingleProcess:
     def barrier(self):
         pass
 
+    def start_all_reduce(self, a):
+        pass
 
-class SharedMemoryCommunicator:
+    def start_reduce_scatter(self, src, dst):
+        self.reduce_scatter_sum(src, dst)
+
+    def join(self):
+        pass
+
+
+class _Synchronous:
+    """Reductions "started" are done at once: a communicator with no stream to run them on."""
+
+    def start_all_reduce(self, a):
+        self.all_reduce_sum(a)
+
+    def start_reduce_scatter(self, src, dst):
+        self.reduce_scatter_sum(src, dst)
+
+    def join(self):
+        pass
+
+
+class SharedMemoryCommunicator(_Synchronous):
     """CPU ranks on one host. Buffers travel through a shared-memory segment of world_size slots (created by
     rank 0, grown when a larger buffer comes, its name derived from the rendezvous port); the rendezvous's
     barrier separates writing the slots from reading them. Each rank sums the slots in rank order itself, so
@@ -184,13 +123,13 @@ class SharedMemoryCommunicator:
     def __init__(self, world, wait=None):
         self.rank, self.world_size, self.wait = world.rank, world.world_size, wait or timeout()
         self._prefix = f"nanoeuler{world.master_port}_"  # one run per rendezvous port at a time
-        self._barrier, _ = rendezvous(world, self.wait)
+        self._meeting = rendezvous(world, self.wait)
         self._shm, self._generation, self._slot_bytes = None, 0, 0
         atexit.register(self.close)  # rank 0 unlinks the segment when its process ends
 
     def barrier(self):
         try:
-            self._barrier.wait(self.wait)
+            self._meeting.wait(self.wait)
         except threading.BrokenBarrierError:
             raise UserError(f"rank {self.rank}: the other ranks did not answer within {self.wait} s (a rank "
                             f"died or hangs)") from None
@@ -269,14 +208,19 @@ def _attach(name):
 
 
 class NcclCommunicator:
-    """One GPU per rank over NCCL (cupy.cuda.nccl.NcclCommunicator on device pointers, the current stream).
+    """One GPU per rank over NCCL (cupy.cuda.nccl.NcclCommunicator on device pointers).
 
-    Rank 0 draws the NCCL unique id and hands it to the others through rendezvous(), as get_unique_id gave
-    it (CuPy 14 gives bytes, earlier versions a tuple of ints: NcclCommunicator takes back its own kind).
-    Host arrays (target counts, losses) are copied to the GPU and back. Waiting for a collective polls its
-    completion and ncclCommGetAsyncError; past the timeout the communicator is aborted and the run ends with
-    a one-line error naming this rank. NVLink multicast (NVLS) is off unless NCCL_NVLS_ENABLE says otherwise
-    (docs/multi-gpu.md, which also says what has run on GPUs and what has not)."""
+    Every collective runs on the communicator's own stream (non-blocking, so the legacy default stream on
+    which the engine computes does not serialise with it): it starts after the work queued so far on the
+    caller's stream, and the caller's stream waits for it before what comes next (at once, or at join() for
+    the started ones). Rank 0 draws the NCCL unique id and hands it to the others through the rendezvous, as
+    get_unique_id gave it (CuPy 14 gives bytes, earlier versions a tuple of ints). Host arrays (target counts,
+    losses) are copied to the GPU and back, and the host waits for them.
+
+    A watchdog thread follows every collective: one not done within the timeout (or an asynchronous NCCL
+    error) ends the process at once with a one-line error naming this rank and the collective, exit status 2;
+    so does a collective that hangs because a peer died, whatever the host waits in. NVLink multicast (NVLS)
+    is off unless NCCL_NVLS_ENABLE says otherwise (docs/multi-gpu.md)."""
 
     def __init__(self, world, wait=None):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -291,70 +235,115 @@ class NcclCommunicator:
         if world.local_rank >= cupy.cuda.runtime.getDeviceCount():
             raise UserError(f"rank {world.rank} needs GPU {world.local_rank} (LOCAL_RANK), but this host has "
                             f"{cupy.cuda.runtime.getDeviceCount()}")
-        _, uid = rendezvous(world, self.wait, nccl.get_unique_id() if world.is_main else None)
-        cupy.cuda.Device(world.local_rank).use()
-        self._comm = nccl.NcclCommunicator(world.world_size, uid, world.rank)
+        self.device = world.local_rank
+        meeting = rendezvous(world, self.wait, nccl.get_unique_id() if world.is_main else None)
+        cupy.cuda.Device(self.device).use()
+        self._comm = nccl.NcclCommunicator(world.world_size, meeting.value, world.rank)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
         self._flag = cupy.zeros(1, dtype=np.float32)
-
-    def _on_device(self, a):
-        return (a, False) if isinstance(a, self._cupy.ndarray) else (self._cupy.asarray(a), True)
+        self._started = None  # the event of the last started collective not yet joined
+        self._pending = collections.deque()  # (event, since, what) of collectives the watchdog follows
+        self._closed = False
+        threading.Thread(target=self._watchdog, daemon=True).start()
 
     def _args(self, a):
         if a.dtype not in self._types or not a.flags.c_contiguous:
             raise TypeError(f"NCCL buffer of {a.dtype}, contiguous {a.flags.c_contiguous}")
-        return self._types[a.dtype], self._cupy.cuda.get_current_stream().ptr
+        return self._types[a.dtype]
 
-    def _wait(self, what):
-        """Block until the collectives queued so far are done; abort and raise past the timeout or on an
-        asynchronous NCCL error."""
-        event = self._cupy.cuda.Event(block=False, disable_timing=True)
-        event.record()
-        deadline = time.monotonic() + self.wait
-        while not event.done:
-            try:
-                self._comm.check_async_error()
-            except self._nccl.NcclError as e:
-                self._comm.abort()
-                raise UserError(f"rank {self.rank}: NCCL {what} failed: {e}") from None
-            if time.monotonic() > deadline:
-                self._comm.abort()
-                raise UserError(f"rank {self.rank}: NCCL {what} did not complete in {self.wait} s (a rank died "
-                                f"or hangs)")
-            time.sleep(1e-4)
+    def _run(self, what, collective):
+        """collective(stream pointer) on the communicator's stream after the caller's queued work; its event."""
+        cupy = self._cupy
+        caller = cupy.cuda.get_current_stream()
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        ready.record(caller)
+        self._stream.wait_event(ready)
+        collective(self._stream.ptr)
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(self._stream)
+        self._pending.append((done, time.monotonic(), what))
+        return done
 
-    # The sums wait for their result (polled, see _wait): the step reads it on the host right after anyway
-    # (the gradient norm), and a dead peer is caught here instead of hanging that read.
+    def _watchdog(self):
+        """Ends the process when the oldest collective is not done within the timeout, or NCCL reports an error."""
+        self._cupy.cuda.Device(self.device).use()
+        period = min(1.0, self.wait / 10)
+        while not self._closed:
+            while self._pending and self._pending[0][0].done:
+                self._pending.popleft()
+            if self._pending:
+                _, since, what = self._pending[0]
+                problem = None
+                try:
+                    self._comm.check_async_error()
+                except self._nccl.NcclError as e:
+                    problem = f"NCCL {what} failed: {e}"
+                if problem is None and time.monotonic() - since > self.wait:
+                    problem = f"NCCL {what} did not complete in {self.wait} s (a rank died or hangs)"
+                if problem and not self._closed:
+                    os.write(2, f"nanoeuler: error: rank {self.rank}: {problem}\n".encode())
+                    os._exit(2)
+            time.sleep(period)
+
+    def _ordered(self, done):
+        self._cupy.cuda.get_current_stream().wait_event(done)
+
     def all_reduce_sum(self, a):
-        d, host = self._on_device(a)
-        dtype, stream = self._args(d)
-        self._comm.allReduce(d.data.ptr, d.data.ptr, d.size, dtype, self._nccl.NCCL_SUM, stream)
-        self._wait("all-reduce")
+        host = not isinstance(a, self._cupy.ndarray)
+        d = self._cupy.asarray(a) if host else a
+        dtype = self._args(d)
+        done = self._run("all-reduce", lambda stream: self._comm.allReduce(d.data.ptr, d.data.ptr, d.size, dtype,
+                                                                          self._nccl.NCCL_SUM, stream))
+        self._ordered(done)
         if host:
             a[...] = d.get().reshape(a.shape)
         return a
 
     def reduce_scatter_sum(self, src, dst):
-        dtype, stream = self._args(src)
-        self._comm.reduceScatter(src.data.ptr, dst.data.ptr, dst.size, dtype, self._nccl.NCCL_SUM, stream)
-        self._wait("reduce-scatter")
+        self._ordered(self._reduce_scatter(src, dst))
+
+    def _reduce_scatter(self, src, dst):
+        dtype = self._args(src)
+        return self._run("reduce-scatter", lambda stream: self._comm.reduceScatter(
+            src.data.ptr, dst.data.ptr, dst.size, dtype, self._nccl.NCCL_SUM, stream))
 
     def all_gather(self, src, dst):
-        dtype, stream = self._args(src)
-        self._comm.allGather(src.data.ptr, dst.data.ptr, src.size, dtype, stream)
+        """dst (world_size x src.size) from every rank's src; src may be dst's rank-th piece (in place)."""
+        dtype = self._args(src)
+        self._ordered(self._run("all-gather", lambda stream: self._comm.allGather(
+            src.data.ptr, dst.data.ptr, src.size, dtype, stream)))
+
+    def start_all_reduce(self, a):
+        dtype = self._args(a)
+        self._started = self._run("all-reduce", lambda stream: self._comm.allReduce(
+            a.data.ptr, a.data.ptr, a.size, dtype, self._nccl.NCCL_SUM, stream))
+
+    def start_reduce_scatter(self, src, dst):
+        self._started = self._reduce_scatter(src, dst)
+
+    def join(self):
+        """The caller's stream waits for every started collective (they run in order on one stream)."""
+        if self._started is not None:
+            self._ordered(self._started)
+            self._started = None
 
     def broadcast(self, a, root=0):
-        d, host = self._on_device(a)
-        dtype, stream = self._args(d)
-        self._comm.broadcast(d.data.ptr, d.data.ptr, d.size, dtype, root, stream)
+        host = not isinstance(a, self._cupy.ndarray)
+        d = self._cupy.asarray(a) if host else a
+        dtype = self._args(d)
+        self._ordered(self._run("broadcast", lambda stream: self._comm.broadcast(
+            d.data.ptr, d.data.ptr, d.size, dtype, root, stream)))
         if host:
-            self._wait("broadcast")
             a[...] = d.get().reshape(a.shape)
         return a
 
     def barrier(self):
         self.all_reduce_sum(self._flag)
+        self._flag.get()  # the host waits here (the watchdog ends a barrier that never opens)
 
     def close(self):
+        self._closed = True
+        self._cupy.cuda.get_current_stream().synchronize()
         self._comm.destroy()
 
 
@@ -374,48 +363,112 @@ def broadcast_text(comm, text):
 
 
 # ------------------------------------------------------------------------------------- the optimizer step
+def bucket_elements():
+    """Elements of float32 in a gradient bucket at least: NANOEULER_BUCKET_MB MiB (default DEFAULT_BUCKET_MB)."""
+    return int(env_float("NANOEULER_BUCKET_MB", DEFAULT_BUCKET_MB, minimum=0.0) * 2 ** 20 / 4)
+
+
+def bucket_plan(ready_offsets, total, world_size, min_elements):
+    """The gradient buckets, [(start, end)] of the flat buffer padded to a multiple of world_size, in the order
+    they are reduced. ready_offsets are where the backward pass has made every gradient final from the offset
+    to the end, in the order it gets there (descending, the last 0: Engine.gradient_offsets). A bucket closes
+    at the first of them, rounded up to a multiple of world_size, that leaves it min_elements or more; so
+    every bucket's size is a multiple of world_size (ZeRO-1 splits each into world_size equal pieces) and
+    holds only final gradients when it is reduced."""
+    end = -(-total // world_size) * world_size
+    buckets = []
+    for offset in ready_offsets:
+        start = -(-offset // world_size) * world_size
+        if start < end and (end - start >= min_elements or offset == 0):
+            buckets.append((start, end))
+            end = start
+    return buckets
+
+
+def shard_pieces(buckets, rank, world_size):
+    """ZeRO-1's shard of `rank`: its piece of every bucket, [(flat start, flat end, offset in the shard)], in
+    the order of the buckets; every rank's shard has the same size, the sum of the pieces."""
+    pieces, offset = [], 0
+    for start, end in buckets:
+        size = (end - start) // world_size
+        pieces.append((start + rank * size, start + (rank + 1) * size, offset))
+        offset += size
+    return pieces
+
+
 class DataParallel:
     """The parts of a training step that change with N ranks, around an engine and an optimizer that know
     nothing of them.
 
-    Without ZeRO every rank all-reduces the flat gradient buffer and takes the same AdamW step over all the
-    weights. With zero (ZeRO stage 1), rank r keeps only shard r of the AdamW moments (1/N of their memory,
-    AdamW.shard): the gradients are reduce-scattered, each rank updates its shard of the weights, and an
-    all-gather hands every rank all the updated weights. The clipping norm is the global one (an all-reduce
-    of the shards' sums of squares). In a world of one this is exactly AdamW.step."""
+    The flat gradient buffer is cut into buckets (bucket_plan) that the step's last backward pass fills from
+    the end (the heads first, the embedding last). As each bucket's gradients become final the engine says
+    so (Engine.gradients_ready) and its reduction starts on the communicator's stream, beside the rest of
+    the backward pass; step() joins them, so only the last bucket's reduction is not hidden.
 
-    def __init__(self, eng, optimizer, comm=None, zero=False):
+    Without ZeRO every bucket is all-reduced and every rank takes the same AdamW step over all the weights.
+    With zero (ZeRO stage 1) every bucket is reduce-scattered: rank r keeps the r-th of its N equal pieces
+    and the AdamW moments of those pieces only (1/N of their memory, AdamW.shard), updates those pieces of
+    the weights, and an all-gather of each bucket hands every rank all the updated weights. The clipping
+    norm is the global one (an all-reduce of the shards' sums of squares). In a world of one this is exactly
+    AdamW.step."""
+
+    def __init__(self, eng, optimizer, comm=None, zero=False, min_bucket=None):
         self.eng, self.comm = eng, comm or SingleProcess()
         n, r = self.comm.world_size, self.comm.rank
         self.zero = zero and n > 1
-        if n > 1:  # every rank starts from rank 0's weights, whatever it loaded
-            self.comm.broadcast(eng.params, 0)
-            eng.sync_weights()
         self.optimizer = optimizer
+        self.buckets, self._launched = [], 0
+        if n == 1:
+            return
+        self.comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
+        eng.sync_weights()
+        eng.pad_buffers(n)
+        self.buckets = bucket_plan(eng.gradient_offsets(), eng.params.size, n,
+                                   bucket_elements() if min_bucket is None else min_bucket)
+        eng.gradients_ready = self._gradients_ready
         if self.zero:
-            eng.pad_buffers(n)
-            self.optimizer = optimizer.shard(eng, r, n)  # the full moments are dropped: that is the memory saved
-            size = self.optimizer.m.size
-            self.shard = slice(r * size, (r + 1) * size)
-            self.grad_shard = eng.xp.empty(size, dtype=eng.dtype)
+            self.pieces = shard_pieces(self.buckets, r, n)
+            # the full moments are dropped: that is the memory saved
+            self.optimizer = optimizer.shard(eng, [(start, end) for start, end, _ in self.pieces])
+            self.grad_shard = eng.xp.empty(self.optimizer.m.size, dtype=eng.dtype)
             if eng.device_memory() is not None:
                 eng.xp.get_default_memory_pool().free_all_blocks()  # so that CuPy's pool hands it back
 
+    def _gradients_ready(self, offset):
+        """Start the reduction of every bucket whose gradients are all final (from `offset` on)."""
+        grads = self.eng.grads_padded
+        while self._launched < len(self.buckets) and self.buckets[self._launched][0] >= offset:
+            start, end = self.buckets[self._launched]
+            if self.zero:
+                _, _, at = self.pieces[self._launched]
+                size = (end - start) // self.comm.world_size
+                self.comm.start_reduce_scatter(grads[start:end], self.grad_shard[at:at + size])
+            else:
+                self.comm.start_all_reduce(grads[start:end])
+            self._launched += 1
+
+    def sum(self, values):
+        """Every rank's values (floats) summed, as a list of floats: the step's losses, tokens and stop flags."""
+        return [float(v) for v in self.comm.all_reduce_sum(np.array(values, dtype=np.float64))]
+
     def any(self, flag):
         """True on every rank when flag is true on any (a Ctrl-C that reached the ranks at different steps)."""
-        return bool(self.comm.all_reduce_sum(np.array([float(flag)]))[0])
+        return self.sum([float(flag)])[0] > 0
 
     def step(self, lr, weight_decay, grad_clip):
-        """Sum the ranks' gradients, clip to the global norm, one AdamW step; returns the norm."""
+        """Sum the ranks' gradients (what the backward pass has not started yet, then all of it joined), clip to
+        the global norm, one AdamW step; returns the norm."""
         eng, comm, opt = self.eng, self.comm, self.optimizer
+        if self.buckets:
+            self._gradients_ready(0)
+            self._launched = 0
+            comm.join()
         if not self.zero:
-            comm.all_reduce_sum(eng.grads)
             return opt.step(eng, lr, weight_decay, grad_clip)
-        comm.reduce_scatter_sum(eng.grads_padded, self.grad_shard)
         norm = math.sqrt(comm.all_reduce_sum(np.array([opt.squared_norm(self.grad_shard)]))[0])
-        mine = eng.params_padded[self.shard]
-        opt.update(mine, self.grad_shard, lr, weight_decay, clip_scale(norm, grad_clip))
-        comm.all_gather(mine, eng.params_padded)
+        opt.update_pieces(eng.params_padded, self.grad_shard, self.pieces, lr, weight_decay, clip_scale(norm, grad_clip))
+        for (start, end), (mine, mine_end, _) in zip(self.buckets, self.pieces):
+            comm.all_gather(eng.params_padded[mine:mine_end], eng.params_padded[start:end])
         eng.sync_weights()
         return norm
 
@@ -424,9 +477,15 @@ class DataParallel:
         the CPU) resumes; with ZeRO a collective: every rank must call it."""
         if not self.zero:
             return self.optimizer.state()
-        full = self.eng.xp.empty(self.eng.params_padded.size, dtype=self.eng.dtype)
+        n, size, total = self.comm.world_size, self.optimizer.m.size, self.eng.params.size
+        gathered = self.eng.xp.empty(n * size, dtype=self.eng.dtype)
         out = []
         for shard in (self.optimizer.m, self.optimizer.v):
-            self.comm.all_gather(shard, full)
-            out.append(to_numpy(full[:self.eng.params.size]).astype(np.float32))
+            self.comm.all_gather(shard, gathered)
+            every = to_numpy(gathered).reshape(n, size)
+            full = np.empty(self.eng.params_padded.size, dtype=np.float32)
+            for rank in range(n):
+                for start, end, at in shard_pieces(self.buckets, rank, n):
+                    full[start:end] = every[rank, at:at + end - start]
+            out.append(full[:total])
         return tuple(out)

@@ -96,24 +96,25 @@ def changed_replies(before, after, prompts, tok, show=3):
     return len(changed) / max(1, len(before)), examples
 
 
-def reference_logps(eng, pairs, batch, progress=True):
-    """(n, 2) float64: the model's log-probabilities of every pair's chosen and rejected response."""
-    ref = np.empty((len(pairs), 2))
+def reference_logps(eng, pairs, batch, progress=True, comm=None):
+    """(n, 2) float64: the model's log-probabilities of every pair's chosen and rejected response. With comm
+    (N ranks), rank r computes every N-th batch (the batches of one process) and the ranks' sum gives all."""
+    rank, ranks = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    ref = np.zeros((len(pairs), 2))
     K, context = eng.cfg.mtp_heads, eng.cfg.context
-    with tqdm(total=len(pairs), desc="reference log-probs", unit="pair", disable=not progress,
+    with tqdm(total=len(pairs), desc="reference log-probs", unit="pair", disable=not progress or rank > 0,
               leave=False) as bar:
-        for i in range(0, len(pairs), batch):
+        for i in range(rank * batch, len(pairs), batch * ranks):
             group = pairs[i:i + batch]
             inputs, targets = pair_batch(group, context, K)
             logps = sequence_logprobs(eng, inputs, targets)
             ref[i:i + len(group), 0], ref[i:i + len(group), 1] = logps[:len(group)], logps[len(group):]
-            bar.update(len(group))
-    return ref
+            bar.update(len(group) * ranks)
+    return comm.all_reduce_sum(ref) if ranks > 1 else ref
 
 
 class PreferenceTune(Stage):
     kind, command = "dpo", "nanoeuler dpo"
-    parallel = False
 
     def begin(self, run):
         args, ck = run.args, run.ck
@@ -141,10 +142,10 @@ class PreferenceTune(Stage):
         self.first = data[val_idx[0]]
         self.train, self.val, self.counts = prepare(data, train_idx, val_idx, run.tok, run.cfg.context)
         counts = self.counts
-        print(f"data: {self.data}: {len(data):,} pairs: {counts['train']:,} for training, {counts['val']:,} held "
+        run.say(f"data: {self.data}: {len(data):,} pairs: {counts['train']:,} for training, {counts['val']:,} held "
               f"out; {counts['skipped']:,} skipped (a response does not fit the context of {run.cfg.context} tokens)")
         if not self.start.chat:
-            print(f"note: {self.base if run.ck is None else run.out} is not a chat model (no `nanoeuler sft`): the "
+            run.say(f"note: {self.base if run.ck is None else run.out} is not a chat model (no `nanoeuler sft`): the "
                   "pairs are still rendered in the chat template")
 
     def ready(self, run):
@@ -156,19 +157,20 @@ class PreferenceTune(Stage):
                 raise UserError(f"--resume: {self.data} no longer gives the pairs {run.out} was trained on")
         else:
             t0 = time.perf_counter()
-            self.ref = reference_logps(run.eng, self.train + self.val, hp.batch_size)
-            print(f"reference: log-probabilities of {len(self.ref):,} pairs under {self.base} in "
+            self.ref = reference_logps(run.eng, self.train + self.val, hp.batch_size, comm=run.comm)
+            run.say(f"reference: log-probabilities of {len(self.ref):,} pairs under {self.base} in "
                   f"{time.perf_counter() - t0:.1f} s (kept in the checkpoint)")
         # the held-out prompts, and the starting model's greedy replies to them (kept for --resume)
         self.prompts = list(dict.fromkeys(tuple(c[:n].tolist()) for (c, n), _ in self.val))[:GREEDY_PROMPTS]
+        main = run.world.is_main  # rank 0 alone compares greedy replies at the end
         self.before = (ck.train_state["greedy_before"] if ck is not None
-                       else greedy_replies(run.eng, run.tok, self.prompts))
+                       else greedy_replies(run.eng, run.tok, self.prompts) if main else None)
         ref_train, ref_val = self.ref[:len(self.train)], self.ref[len(self.train):]
         run.source = PairBatches(self.train, ref_train, hp.batch_size * hp.grad_accum, cfg.context,
-                                 cfg.mtp_heads, hp.seed)
+                                 cfg.mtp_heads, hp.seed, run.world.rank, run.world.world_size)
         run.val_full, run.val_quick = (pair_eval_batches(self.val, ref_val, hp.batch_size, cfg.context,
                                                          cfg.mtp_heads, limit=limit)
-                                       for limit in (hp.final_eval_batches, hp.eval_batches))
+                                       for limit in run.eval_limits())
 
     def origin(self, run):
         if run.ck is not None:
@@ -180,7 +182,7 @@ class PreferenceTune(Stage):
         return "dpo", f" pairs, beta {self.beta:g}, {remedy} (defaults of {self.preset})"
 
     def objective(self, run):
-        return DPO(self.beta, self.alpha)
+        return DPO(self.beta, self.alpha, run.comm)
 
     def train_state(self, run):
         return dict(data=os.path.abspath(self.data), base=os.path.abspath(self.base), beta=self.beta,

@@ -1,19 +1,24 @@
-"""The launcher of `nanoeuler train|sft ... --gpus N`: N worker processes running the same command, one per
-GPU (or, with the CPU engine, per CPU rank), watched until they end.
+"""The launcher of `nanoeuler train|sft|dpo|eval ... --gpus N`: N worker processes running the same command,
+one per GPU (or, with the CPU engine, per CPU rank), watched until they end.
 
     nanoeuler train base --gpus 2     # two workers: `nanoeuler train base --gpus 2` with RANK=0 and RANK=1
+    # two hosts of 8 GPUs, one launcher on each (node rank 0 on host0, 1 on host1):
+    nanoeuler train base --gpus 8 --nnodes 2 --node-rank 0 --master-addr host0 --master-port 29500
 
-Each worker gets the torchrun-style variables that distributed.World reads (RANK, WORLD_SIZE, LOCAL_RANK =
-RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT = a free port), NANOEULER_RDZV_KEY (a random key for the CPU ranks'
-rendezvous), NCCL_NVLS_ENABLE=0 unless it is set (docs/multi-gpu.md), and NANOEULER_HEARTBEAT_FD, the write
-end of a pipe down which it sends a byte after every training step (distributed.heartbeat).
+Each worker gets the torchrun-style variables that world.World reads (RANK = node rank x N + local rank,
+WORLD_SIZE = nodes x N, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK = the node rank, MASTER_ADDR and MASTER_PORT:
+127.0.0.1 and a free port on one node), NANOEULER_LAUNCHER=1 (these variables, not Slurm's or MPI's, say
+which rank it is), NANOEULER_RDZV_KEY (a random key for the rendezvous on one node; across nodes the user's
+own or the default), NCCL_NVLS_ENABLE=0 unless it is set (docs/multi-gpu.md), and NANOEULER_HEARTBEAT_FD,
+the write end of a pipe down which it sends a byte after every training step (distributed.heartbeat).
 
 Workers run in sessions of their own, so a Ctrl-C at the terminal reaches the launcher alone, which forwards
 it to every rank: they agree on the step to stop after, rank 0 saves, all exit 130. A second Ctrl-C is
 forwarded too, and aborts them. When a rank exits with an error or is killed, or a rank that has begun
 training takes no step for NANOEULER_STEP_TIMEOUT seconds, the launcher stops the others (SIGTERM, then
 SIGKILL) and the run ends with a one-line error naming the rank; the last checkpoint (written atomically)
-is kept.
+is kept. On several nodes each launcher watches its own ranks; a rank lost on another node ends this node's
+through NCCL's timeout (NANOEULER_TIMEOUT) or the peers' errors.
 """
 import dataclasses
 import os
@@ -39,9 +44,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_self(n, argv):
-    """Run `python -m nanoeuler ARGV` as n ranks; the exit status of the run."""
-    return launch([sys.executable, "-m", "nanoeuler", *argv], n)
+def launch_self(n, argv, nodes=None):
+    """Run `python -m nanoeuler ARGV` as n ranks (on this node of `nodes`); the exit status of the run."""
+    return launch([sys.executable, "-m", "nanoeuler", *argv], n, nodes=nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Nodes:
+    """Several hosts, one launcher on each: how many, which one this is, and where rank 0's rendezvous is."""
+    count: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = None
 
 
 @dataclasses.dataclass
@@ -52,17 +66,24 @@ class _Rank:
     beat: float = None  # when its last step ended (monotonic); None before the first
 
 
-def launch(command, n, step_timeout=None):
-    """Run `command` as ranks 0..n-1 and watch them (see the module's docstring). Returns 0 when every rank
-    finished, 130 when they stopped on Ctrl-C; raises UserError naming the rank that failed or hung."""
+def launch(command, n, step_timeout=None, nodes=None):
+    """Run `command` as this node's n ranks (ranks 0..n-1 on one node) and watch them (see the module's
+    docstring). Returns 0 when every rank finished, 130 when they stopped on Ctrl-C; raises UserError naming
+    the rank that failed or hung."""
     step_timeout = step_timeout or env_int("NANOEULER_STEP_TIMEOUT", STEP_TIMEOUT, minimum=1)
-    port, key = free_port(), secrets.token_hex(16)
+    nodes = nodes or Nodes()
+    if nodes.count == 1:
+        port, key = nodes.master_port or free_port(), secrets.token_hex(16)
+    else:  # every node's launcher must name the same place, and the same key
+        port, key = nodes.master_port, os.environ.get("NANOEULER_RDZV_KEY", "nanoeuler")
     ranks = []
     try:
-        for rank in range(n):
+        for local in range(n):
             read, write = os.pipe()
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NANOEULER_RDZV_KEY=key,
+            rank = nodes.rank * n + local
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n * nodes.count), LOCAL_RANK=str(local),
+                       LOCAL_WORLD_SIZE=str(n), GROUP_RANK=str(nodes.rank), MASTER_ADDR=nodes.master_addr,
+                       MASTER_PORT=str(port), NANOEULER_RDZV_KEY=key, NANOEULER_LAUNCHER="1",
                        NANOEULER_HEARTBEAT_FD=str(write))
             env.setdefault("NCCL_NVLS_ENABLE", "0")
             try:

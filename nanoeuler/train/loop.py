@@ -193,6 +193,7 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
             write_report(out)
 
     peak = _peak_flops(eng)  # MFU is reported on the GPU, whose peak we know
+    gpus = parallel.comm.world_size if peak else 1  # tokens/s and MFU per GPU beside the total
     bar = tqdm(total=hp.steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1,
                disable=not main)
     step, tps_avg, status, stop = start_step, None, 0, False
@@ -201,25 +202,31 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
             while step < hp.steps and not stop:
                 t0 = time.perf_counter()
                 lr = lr_at(hp, step)
-                losses, tokens = objective.train_step(eng, source.next(), hp)
+                shares, tokens = objective.train_step(eng, source.next(), hp)
+                # one collective a step for the ranks' losses, tokens and Ctrl-C flags; before the optimizer
+                # step, so that the host goes on to the next batch while the GPU runs the update
+                *totals, tokens, stops = parallel.sum([*shares.values(), tokens, interrupt.requested])
+                losses = dict(zip(shares, totals))
                 if not all(math.isfinite(v) for v in losses.values()):
                     raise UserError(f"training diverged at step {step + 1} (loss {losses['loss']}); the last "
                                     f"checkpoint in {out} is kept; try a lower --lr")
                 grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip)
                 step += 1
                 heartbeat()
-                stop = parallel.any(interrupt.requested)
+                stop = stops > 0
                 last = step == hp.steps
                 if main:
                     tps = tokens / (time.perf_counter() - t0)  # SFT batches may be shorter than the context
                     tps_avg = tps if tps_avg is None else 0.9 * tps_avg + 0.1 * tps
                     # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
-                    tokens_seen += tokens
+                    tokens_seen += int(tokens)
                     record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
                                   tokens_per_s=round(tps, 1), tokens_seen=tokens_seen,
                                   time_s=round(time0 + time.perf_counter() - t_run, 2))
-                    if peak:
-                        record.update(mfu=round(tps * flops_per_token(eng.cfg) / peak, 4))
+                    if gpus > 1:
+                        record.update(tokens_per_s_per_gpu=round(tps / gpus, 1))
+                    if peak:  # of all the GPUs' peak: the mean utilisation of one
+                        record.update(mfu=round(tps * flops_per_token(eng.cfg) / (peak * gpus), 4))
                     if eng.device_memory() is not None:
                         record.update(gpu_mem_gib=round(eng.device_memory() / 2 ** 30, 3))
                     if last or step % hp.eval_every == 0:
@@ -233,8 +240,10 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
                         record.update(log_first)
                         log_first = None
                     log.write(record)
-                    mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / peak:.1%}" if peak else ""
-                    bar.set_postfix_str(f"loss {record['loss']:.3f}, {tps_avg:,.0f} tok/s{mfu}", refresh=False)
+                    mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / (peak * gpus):.1%}" if peak else ""
+                    rate = (f"{tps_avg:,.0f} tok/s" if gpus == 1 else
+                            f"{tps_avg:,.0f} tok/s in total, {tps_avg / gpus:,.0f} a GPU")
+                    bar.set_postfix_str(f"loss {record['loss']:.3f}, {rate}{mfu}", refresh=False)
                     bar.update(1)
                     if step % hp.sample_every == 0 or last:
                         text = sample_text(eng, tok, sample_prompt, hp.sample_tokens, seed=hp.seed + step)

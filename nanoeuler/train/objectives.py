@@ -12,22 +12,28 @@ from nanoeuler.train.distributed import SingleProcess
 
 class CrossEntropy:
     """Pretraining's and SFT's objective for fit(): a batch is (inputs, targets), split into hp.grad_accum
-    passes normalised by the supervised targets of the global batch (every rank's, through comm)."""
+    passes normalised by the supervised targets of the global batch (every rank's, through comm).
+
+    train_step (of both objectives) returns this rank's share of each loss field, shares that add up over the
+    ranks (fit() sums them with the other per-step numbers in one collective), and this rank's tokens."""
     ylabel = "loss (nats/token, head 0)"
 
     def __init__(self, comm=None):
         self.comm = comm or SingleProcess()
 
     def train_step(self, eng, batch, hp):
-        """Gradients of this rank's batch into eng.grads; (the record's loss fields, tokens of all ranks)."""
+        """Gradients of this rank's batch into eng.grads; (this rank's shares of the record's loss fields, which
+        add up over the ranks to the global batch's, and this rank's tokens). The global target counts are
+        summed on the device: the host does not wait for them."""
         inputs, targets = batch
-        counts = self.comm.all_reduce_sum(supervised_counts(targets))
+        counts = self.comm.all_reduce_sum(eng.xp.asarray(supervised_counts(targets)))
         loss = loss0 = 0.0
-        for i, rows in enumerate(np.array_split(np.arange(len(inputs)), hp.grad_accum)):
-            part, part0 = cross_entropy_backward(eng, inputs[rows], targets[:, rows], counts, accumulate=i > 0)
+        passes = np.array_split(np.arange(len(inputs)), hp.grad_accum)
+        for i, rows in enumerate(passes):
+            part, part0 = cross_entropy_backward(eng, inputs[rows], targets[:, rows], counts, accumulate=i > 0,
+                                                 final=i == len(passes) - 1)
             loss, loss0 = loss + part, loss0 + part0
-        loss, loss0, tokens = self.comm.all_reduce_sum(np.array([loss, loss0, inputs.size], dtype=np.float64))
-        return dict(loss=float(loss0), loss_all_heads=float(loss)), int(tokens)
+        return dict(loss=loss0, loss_all_heads=loss), inputs.size
 
     def evaluate(self, eng, batches):
         val_loss, val_bpb = bits_per_byte(eng, batches)
@@ -48,22 +54,29 @@ class DPO:
     chosen tokens. alpha > 0: RPO (DPO + alpha * the chosen replies' NLL per token); 0: plain DPO."""
     ylabel = "loss (nats/pair)"
 
-    def __init__(self, beta, alpha=0.0):
+    def __init__(self, beta, alpha=0.0, comm=None):
         self.beta, self.alpha = beta, alpha
+        self.comm = comm or SingleProcess()
 
     def train_step(self, eng, batch, hp):
+        """Gradients of this rank's pairs into eng.grads, normalised by the pairs and chosen tokens of every
+        rank; (this rank's shares of the loss, reward accuracy and margin, which add up over the ranks, and its
+        tokens)."""
         inputs, targets, ref = batch
         P = len(inputs) // 2
-        tokens = chosen_tokens(targets)
+        pairs = P * self.comm.world_size  # every rank holds the same number of pairs (PairBatches)
+        tokens = int(self.comm.all_reduce_sum(np.array([chosen_tokens(targets)], dtype=np.float64))[0])
         loss, zs = 0.0, []
-        for i, rows in enumerate(np.array_split(np.arange(P), min(hp.grad_accum, P))):
+        groups = np.array_split(np.arange(P), min(hp.grad_accum, P))
+        for i, rows in enumerate(groups):
             both = np.concatenate([rows, rows + P])
-            part, z = dpo_backward(eng, inputs[both], targets[:, both], ref[both], self.beta, pairs=P,
-                                   accumulate=i > 0, alpha=self.alpha, tokens=tokens)
+            part, z = dpo_backward(eng, inputs[both], targets[:, both], ref[both], self.beta, pairs=pairs,
+                                   accumulate=i > 0, alpha=self.alpha, tokens=tokens, final=i == len(groups) - 1)
             loss += part
             zs.append(z)
         z = np.concatenate(zs)
-        return dict(loss=loss, reward_accuracy=tie_accuracy(z), reward_margin=float(z.mean())), inputs.size
+        wins = (z > 0).sum() + 0.5 * (z == 0).sum()  # tie_accuracy's, over every rank's pairs
+        return dict(loss=loss, reward_accuracy=float(wins / pairs), reward_margin=float(z.sum() / pairs)), inputs.size
 
     def evaluate(self, eng, batches):
         """The held-out objective, reward accuracy and margin, and the mean log-probability of the chosen and

@@ -36,7 +36,6 @@ class Stage:
     """The hooks of one training command (see the module docstring); `kind` is what its checkpoints' training
     state says, `command` how the user runs it."""
     kind = command = None
-    parallel = True  # data parallelism over ranks (--gpus)
 
     def begin(self, run):
         """Which model and data: set run.cfg (for the device rule), run.hyper, and run.params (new runs)."""
@@ -110,8 +109,6 @@ class Run:
 def run_stage(stage, args):
     """Run a training command: the skeleton above with `stage`'s hooks. Returns its exit status."""
     run = Run(args)
-    if not stage.parallel and run.world.world_size > 1:
-        raise UserError(f"{stage.command} runs in one process; data parallelism (--gpus) is for train and sft")
     if args.resume:
         run.ck = load_for_resume(run.out, stage.kind, stage.command)
     elif os.path.isfile(run.out) and not args.overwrite:
@@ -155,7 +152,7 @@ def run_stage(stage, args):
                  train_state=dict(kind=stage.kind, precision=eng.precision, device=run.device,
                                   machine=machine(run.device), argv=sys.argv[1:], **stage.train_state(run)),
                  eval_task=eval_task, **stage.fit_options(run))
-    if status == 0:
+    if status == 0 and run.world.is_main:
         run.say(f"done in {time.perf_counter() - t0:.0f} s: {stage.done(run)}")
     return status
 
@@ -185,12 +182,13 @@ def training_eval(args, hp):
 
 
 def run_world(args):
-    """This process's distributed.World: from the torchrun-style environment that `--gpus N` (launch.py) or
-    another launcher sets, else a world of one; --gpus, when given, must agree with it."""
+    """This process's World (train/world.py): from the variables that `--gpus N` (launch.py), torchrun, srun
+    or mpirun set, else a world of one; --gpus (x --nnodes), when given, must agree with it."""
     world = World.from_env()
-    gpus = getattr(args, "gpus", None)
-    if gpus is not None and gpus != world.world_size:
-        raise UserError(f"--gpus {gpus} but WORLD_SIZE is {world.world_size}")
+    gpus, nodes = getattr(args, "gpus", None), getattr(args, "nnodes", None) or 1
+    if gpus is not None and gpus * nodes != world.world_size:
+        hosts = f" x --nnodes {nodes}" if nodes > 1 else ""
+        raise UserError(f"--gpus {gpus}{hosts} but WORLD_SIZE is {world.world_size}")
     return world
 
 
