@@ -1,0 +1,107 @@
+"""Data-parallel training on N GPUs against one GPU, through the command line a user runs, in one run.
+
+Each configuration is a real `nanoeuler train PRESET` (one GPU, or `--gpus N`, with or without `--zero 1`) of
+a few hundred steps on the same corpus and tokenizer; its metrics log gives the median tokens/s over the
+steps after the warm-up (all ranks together) and the GPU memory of rank 0 (CuPy's pool: its high-water mark).
+Prints each configuration's tokens/s, its ratio to one GPU at the same per-rank batch, and its memory.
+
+    PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --data shakespeare.txt --tokenizer tok.json
+    PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --presets base large --batch-sizes 16 32 --gpus 2
+    PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --equivalence 100 --precision fp32   # losses, 2x16 vs 1x32
+
+--equivalence STEPS instead trains one GPU at batch 2B, one GPU at batch B in 2 accumulation passes, and
+N GPUs at batch B from one seed, and prints the three loss curves' largest relative differences.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def train(args, preset, batch, gpus, zero, steps, extra=(), out_dir=None, name="run"):
+    """One `nanoeuler train` run; its metrics log's records."""
+    out = os.path.join(out_dir, f"{name}.bin")
+    command = [sys.executable, "-m", "nanoeuler", "train", preset, "--device", "gpu", "--data", args.data,
+               "--steps", str(steps), "--batch-size", str(batch), "--grad-accum", "1", "--eval-every", "100000",
+               "--sample-every", "100000", "--ckpt-every", "100000", "--out", out, "--overwrite",
+               "--precision", args.precision, *extra]
+    if args.tokenizer:
+        command += ["--tokenizer", args.tokenizer]
+    if gpus > 1:
+        command += ["--gpus", str(gpus)] + (["--zero", "1"] if zero else [])
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    with open(os.path.join(out_dir, f"{name}.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def speed(args, out_dir):
+    rows = []
+    for preset in args.presets:
+        for batch in args.batch_sizes:
+            base = None
+            for gpus, zero in [(1, False)] + [(args.gpus, z) for z in (False, True)]:
+                log = train(args, preset, batch, gpus, zero, args.steps, out_dir=out_dir,
+                            name=f"{preset}_{batch}_{gpus}_{int(zero)}")
+                steps = [r for r in log if "tokens_per_s" in r][args.warmup:]
+                tps = statistics.median(r["tokens_per_s"] for r in steps)
+                mem = max(r.get("gpu_mem_gib", 0) for r in log)
+                mfu = statistics.median(r.get("mfu", 0) for r in steps)
+                base = base or tps
+                rows.append((preset, batch, gpus, "zero1" if zero else "-", tps, tps / base, mfu, mem))
+                print(f"{preset} batch {batch} x {gpus} GPU {'zero1' if zero else ''}: {tps:,.0f} tokens/s, "
+                      f"{tps / base:.3f}x, MFU {mfu:.1%} a GPU, {mem:.2f} GiB", flush=True)
+    print("\n| preset | per-rank batch | GPUs | ZeRO | tokens/s (all GPUs) | vs 1 GPU | MFU a GPU | GPU memory (GiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset, batch, gpus, zero, tps, ratio, mfu, mem in rows:
+        print(f"| {preset} | {batch} | {gpus} | {zero} | {tps:,.0f} | {ratio:.3f}x | {mfu:.1%} | {mem:.2f} |")
+
+
+def equivalence(args, out_dir):
+    """Losses of N GPUs x B against one GPU x N*B and one GPU x (N passes of B) from one seed."""
+    preset, batch, n, steps = args.presets[0], args.batch_sizes[0], args.gpus, args.equivalence
+    extra = ["--eval-every", str(args.eval_every)] if args.eval_every else []
+    runs = {
+        f"1 GPU x {n * batch}": train(args, preset, n * batch, 1, False, steps, extra, out_dir, "one"),
+        f"1 GPU x ({n} passes of {batch})": train(args, preset, batch * n, 1, False, steps,
+                                                  extra + ["--grad-accum", str(n)], out_dir, "accum"),
+        f"{n} GPUs x {batch}": train(args, preset, batch, n, False, steps, extra, out_dir, "ranks"),
+    }
+    curves = {name: [r["loss"] for r in log if "loss" in r and "step" in r] for name, log in runs.items()}
+    vals = {name: [(r["step"], r["val_loss"]) for r in log if "val_loss" in r] for name, log in runs.items()}
+    names = list(curves)
+    ref = curves[names[0]]
+    for name in names:
+        curve = curves[name]
+        rel = [abs(a - b) / abs(b) for a, b in zip(curve, ref)]
+        first = next((i + 1 for i, r in enumerate(rel) if r > 1e-6), None)
+        print(f"{name}: loss at step 1 {curve[0]:.6f}, step {len(curve)} {curve[-1]:.6f}; largest relative "
+              f"difference to {names[0]} {max(rel):.2e}, first above 1e-6 at step {first}; val {vals[name][-1:]}")
+    acc, ranks = curves[names[1]], curves[names[2]]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(ranks, acc))
+    print(f"{names[2]} against {names[1]} (the same sums in the same order): largest relative difference {rel:.2e}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="shakespeare.txt")
+    parser.add_argument("--tokenizer", help="a tokenizer.json (default: each run learns one)")
+    parser.add_argument("--presets", nargs="+", default=["base"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--warmup", type=int, default=30, help="steps left out of the median")
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--equivalence", type=int, metavar="STEPS", help="compare loss curves instead of speed")
+    parser.add_argument("--eval-every", type=int, help="with --equivalence: validation every N steps")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out_dir:
+        (equivalence if args.equivalence else speed)(args, out_dir)
+
+
+if __name__ == "__main__":
+    main()
