@@ -13,9 +13,9 @@ from nanoeuler.model.engine import make_engine
 @pytest.fixture(scope="module")
 def eng():
     cfg = tiny_config(300)  # context 32
-    e = make_engine(cfg)
-    e.load_params(sharp_params(cfg, seed=3, scale=0.3))
-    return e
+    engine = make_engine(cfg)
+    engine.load_params(sharp_params(cfg, seed=3, scale=0.3))
+    return engine
 
 
 def _prompt(n, seed):
@@ -86,52 +86,52 @@ def test_a_seed_repeats_a_sample_and_another_seed_differs(eng):
 def test_sampled_ids_stay_inside_the_top_k_and_top_p_cuts(eng):
     """sample_rows keeps the values at or above the k-th largest, then those at or above the largest value
     whose tokens hold top_p of the kept mass (ties kept): every draw lands there, and all of it gets drawn."""
-    L = eng.layers
+    layers = eng.layers
     rng = np.random.default_rng(0)
-    V, R = 40, 6
-    logits = np.round(rng.standard_normal((R, V)) * 3, 1).astype(np.float32)  # rounded: ties
+    V, rows = 40, 6
+    logits = np.round(rng.standard_normal((rows, V)) * 3, 1).astype(np.float32)  # rounded: ties
     top_k = np.array([0, 1, 5, 0, 7, 40], np.int32)
     top_p = np.array([0.5, 1.0, 1.0, 0.9, 0.6, 0.0], np.float32)
     temperature = np.array([1.0, 1.0, 0.7, 2.0, 1.0, 1.0], np.float32)
     kept = []
-    for r in range(R):
+    for r in range(rows):
         z = logits[r].astype(np.float64)
         keep = np.ones(V, bool) if top_k[r] == 0 else z >= np.sort(z)[::-1][top_k[r] - 1]
         p = np.where(keep, np.exp((z - z.max()) / temperature[r]), 0)
         mass = np.array([p[z >= v].sum() for v in z])
         edge = z[mass >= top_p[r] * p.sum() * (1 - 1e-6)].max()
         kept.append(set(np.flatnonzero(keep & (z >= edge)).tolist()))
-    drawn = [set() for _ in range(R)]
-    ids = np.empty(R, np.int32)
+    drawn = [set() for _ in range(rows)]
+    ids = np.empty(rows, np.int32)
     for i in range(400):
-        L.sample_rows(ids, logits, top_k, temperature, top_p, np.full(R, 9, np.uint32), np.zeros(R, np.uint32),
-                      np.full(R, i, np.int32))
-        for r in range(R):
+        layers.sample_rows(ids, logits, top_k, temperature, top_p, np.full(rows, 9, np.uint32),
+                           np.zeros(rows, np.uint32), np.full(rows, i, np.int32))
+        for r in range(rows):
             drawn[r].add(int(ids[r]))
     assert drawn == kept
     assert kept[1] == {int(logits[1].argmax())} and kept[5] == {int(logits[5].argmax())}  # top-1, top-p 0
     assert len(kept[2]) >= 5 and len(kept[0]) > 1
-    L.sample_rows(ids, logits, top_k, np.zeros(R, np.float32), top_p, np.zeros(R, np.uint32),
-                  np.zeros(R, np.uint32), np.zeros(R, np.int32))
+    layers.sample_rows(ids, logits, top_k, np.zeros(rows, np.float32), top_p, np.zeros(rows, np.uint32),
+                       np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
     assert ids.tolist() == logits.argmax(axis=1).tolist()  # temperature 0: the argmax
 
 
 def test_cancel_frees_the_row_and_stop_ends_without_the_stop_id(eng):
     gen = BatchGenerator(eng, rows=2)
-    a = gen.add(Request(_prompt(4, 1), 30))
-    b = gen.add(Request(_prompt(5, 2), 30))
-    c = gen.add(Request(_prompt(6, 3), 3))
+    cancelled = gen.add(Request(_prompt(4, 1), 30))
+    running = gen.add(Request(_prompt(5, 2), 30))
+    waiting = gen.add(Request(_prompt(6, 3), 3))
     for _ in range(4):
         gen.step()
-    assert a.slot is not None and b.slot is not None and c.slot is None  # c waits for a row
-    slot = a.slot
-    gen.cancel(a)
-    assert a.finish_reason == "cancelled" and slot in gen.free
+    assert cancelled.slot is not None and running.slot is not None and waiting.slot is None  # waits for a row
+    slot = cancelled.slot
+    gen.cancel(cancelled)
+    assert cancelled.finish_reason == "cancelled" and slot in gen.free
     gen.step()
-    assert c.slot == slot
+    assert waiting.slot == slot
     while gen.busy():
         gen.step()
-    assert c.finish_reason == "length" and len(c.ids) == 3
+    assert waiting.finish_reason == "length" and len(waiting.ids) == 3
     # stop: the same greedy prompt, stopped at its third token
     first = list(generate(eng, list(_prompt(5, 2)), 3, temperature=0))
     gen = BatchGenerator(eng, rows=1)

@@ -239,13 +239,13 @@ def test_dpo_resume_after_interrupt_is_bit_identical_without_recomputing_the_ref
     assert len(calls) == 1  # the replies after; the starting model's come from the checkpoint
     full, resumed = ([r for r in map(json.loads, open(tmp_path / f"{n}.jsonl")) if "step" in r] for n in "ab")
     assert [r["step"] for r in resumed] == list(range(1, 9))
-    for a, b in zip(full, resumed):
+    for record, record_resumed in zip(full, resumed):
         for key in ("loss", "lr", "grad_norm", "reward_accuracy", "val_loss", "val_reward_accuracy",
                     "val_reward_margin", "val_chosen_logp_delta", "val_rejected_logp_delta"):
-            assert a.get(key) == b.get(key), (a["step"], key)
-    ca, cb = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
-    np.testing.assert_array_equal(ca.params, cb.params)
-    np.testing.assert_array_equal(ca.opt[0], cb.opt[0])
+            assert record.get(key) == record_resumed.get(key), (record["step"], key)
+    ckpt_full, ckpt_resumed = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
+    np.testing.assert_array_equal(ckpt_full.params, ckpt_resumed.params)
+    np.testing.assert_array_equal(ckpt_full.opt[0], ckpt_resumed.opt[0])
     run_only = ("log", "argv")  # the run's own command line and log path (a.bin vs b.bin)
     same = lambda state: {k: v for k, v in state.items() if k not in run_only}
-    assert ca.chat and cb.chat and same(ca.train_state) == same(cb.train_state)
+    assert ckpt_full.chat and ckpt_resumed.chat and same(ckpt_full.train_state) == same(ckpt_resumed.train_state)

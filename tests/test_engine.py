@@ -9,7 +9,7 @@ import pytest
 
 from nanoeuler.check.gradients import CHECK_CONFIGS, gradient_check
 from nanoeuler.model.config import PRESETS, Config, param_count, param_layout, rope_tables, views
-from nanoeuler.model.cpu import layers as L
+from nanoeuler.model.cpu import layers as cpu_layers
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.model.losses import cross_entropy_backward
@@ -18,16 +18,16 @@ from nanoeuler.check.problems import random_problem, relative_error
 rng = np.random.default_rng(1234)
 
 
-def numeric_grad(f, x, h=1e-4):
-    """Central differences of the scalar f() with respect to every entry of x (modified in place)."""
+def numeric_grad(loss, x, h=1e-4):
+    """Central differences of the scalar loss() with respect to every entry of x (modified in place)."""
     g = np.zeros_like(x)
     flat, gflat = x.reshape(-1), g.reshape(-1)
     for i in range(flat.size):
         old = flat[i]
         flat[i] = old + h
-        up = f()
+        up = loss()
         flat[i] = old - h
-        down = f()
+        down = loss()
         flat[i] = old
         gflat[i] = (up - down) / (2 * h)
     return g
@@ -40,51 +40,51 @@ def assert_close(analytic, numeric, tol=1e-7):
 
 def test_matmul_backward():
     x, w = rng.normal(size=(5, 7)), rng.normal(size=(3, 7))
-    R = rng.normal(size=(5, 3))
+    upstream = rng.normal(size=(5, 3))
     out = np.empty((5, 3))
 
-    def f():
-        L.matmul_forward(out, x, w)
-        return float((out * R).sum())
+    def loss():
+        cpu_layers.matmul_forward(out, x, w)
+        return float((out * upstream).sum())
 
     dx, dw = np.empty_like(x), np.full_like(w, 0.5)  # weight gradients accumulate onto what is there
-    L.matmul_backward(dx, dw, R, x, w)
-    assert_close(dx, numeric_grad(f, x))
-    assert_close(dw - 0.5, numeric_grad(f, w))
+    cpu_layers.matmul_backward(dx, dw, upstream, x, w)
+    assert_close(dx, numeric_grad(loss, x))
+    assert_close(dw - 0.5, numeric_grad(loss, w))
 
 
 def test_embedding_backward():
     emb = rng.normal(size=(11, 6))
     tokens = np.array([3, 1, 3, 10, 0, 3], dtype=np.int32)
-    R = rng.normal(size=(6, 6))
+    upstream = rng.normal(size=(6, 6))
     out = np.empty((6, 6))
 
-    def f():
-        L.embedding_forward(out, tokens, emb)
-        return float((out * R).sum())
+    def loss():
+        cpu_layers.embedding_forward(out, tokens, emb)
+        return float((out * upstream).sum())
 
     demb = np.zeros_like(emb)
-    L.embedding_backward(demb, R, tokens)
-    assert_close(demb, numeric_grad(f, emb))
+    cpu_layers.embedding_backward(demb, upstream, tokens)
+    assert_close(demb, numeric_grad(loss, emb))
 
 
 def test_rmsnorm_backward():
     N, C = 6, 13
     x, w = rng.normal(size=(N, C)), rng.normal(1, 0.3, size=C)
-    R = rng.normal(size=(N, C))
+    upstream = rng.normal(size=(N, C))
     out, rstd = np.empty((N, C)), np.empty(N)
 
-    def f():
-        L.rmsnorm_forward(out, rstd, x, w, 1e-5)
-        return float((out * R).sum())
+    def loss():
+        cpu_layers.rmsnorm_forward(out, rstd, x, w, 1e-5)
+        return float((out * upstream).sum())
 
-    f()
+    loss()
     ref = x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
     assert np.allclose(out, ref)
     dx, dw = np.ones((N, C)), np.zeros(C)  # the input gradient accumulates into the residual's
-    L.rmsnorm_backward(dx, dw, R, x, w, rstd)
-    assert_close(dx - 1, numeric_grad(f, x))
-    assert_close(dw, numeric_grad(f, w))
+    cpu_layers.rmsnorm_backward(dx, dw, upstream, x, w, rstd)
+    assert_close(dx - 1, numeric_grad(loss, x))
+    assert_close(dw, numeric_grad(loss, w))
 
 
 def test_rope_matches_rotate_half_and_backward():
@@ -93,25 +93,25 @@ def test_rope_matches_rotate_half_and_backward():
     x = rng.normal(size=(B, T, heads, D))
     y = x.copy()
     at3 = np.array([3], dtype=np.int32)  # positions come as a one-element array (the GPU reads it on the device)
-    L.rope_forward(y, cos, sin, 2, at3)  # rotate the first 2 heads, positions 3..7
+    cpu_layers.rope_forward(y, cos, sin, 2, at3)  # rotate the first 2 heads, positions 3..7
     # Hugging Face Llama: q * cos + rotate_half(q) * sin, with cos/sin repeated over both halves
     pos = np.arange(3, 3 + T)
     ang = pos[:, None] * 10000.0 ** (-np.arange(0, D, 2) / D)[None, :]
-    c, s = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
+    cos_ref, sin_ref = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
     rot = np.concatenate([-x[..., D // 2:], x[..., :D // 2]], -1)
-    ref = x * c[None, :, None, :] + rot * s[None, :, None, :]
+    ref = x * cos_ref[None, :, None, :] + rot * sin_ref[None, :, None, :]
     assert np.allclose(y[:, :, :2], ref[:, :, :2])
     assert np.array_equal(y[:, :, 2], x[:, :, 2])
-    R = rng.normal(size=x.shape)
+    upstream = rng.normal(size=x.shape)
 
-    def f():
+    def loss():
         z = x.copy()
-        L.rope_forward(z, cos, sin, 2, at3)
-        return float((z * R).sum())
+        cpu_layers.rope_forward(z, cos, sin, 2, at3)
+        return float((z * upstream).sum())
 
-    d = R.copy()
-    L.rope_backward(d, cos, sin, 2, at3)
-    assert_close(d, numeric_grad(f, x))
+    d = upstream.copy()
+    cpu_layers.rope_backward(d, cos, sin, 2, at3)
+    assert_close(d, numeric_grad(loss, x))
 
 
 def naive_attention(qkv, H, G, q_start=0):
@@ -131,18 +131,18 @@ def test_attention_forward_backward(H, G):
     B, T, D = 2, 7, 6
     qkv = rng.normal(size=(B, T, H + 2 * G, D))
     out, lse = np.empty((B, T, H, D)), np.empty((B, H, T))
-    L.attention_forward(out, lse, qkv, H, G)
+    cpu_layers.attention_forward(out, lse, qkv, H, G)
     assert np.allclose(out, naive_attention(qkv, H, G))
-    R = rng.normal(size=out.shape)
+    upstream = rng.normal(size=out.shape)
 
-    def f():
-        L.attention_forward(out, lse, qkv, H, G)
-        return float((out * R).sum())
+    def loss():
+        cpu_layers.attention_forward(out, lse, qkv, H, G)
+        return float((out * upstream).sum())
 
     dqkv = np.full_like(qkv, np.nan)  # every entry must be written
-    f()
-    L.attention_backward(dqkv, R, out.copy(), lse.copy(), qkv, H, G)
-    assert_close(dqkv, numeric_grad(f, qkv))
+    loss()
+    cpu_layers.attention_backward(dqkv, upstream, out.copy(), lse.copy(), qkv, H, G)
+    assert_close(dqkv, numeric_grad(loss, qkv))
 
 
 @pytest.mark.parametrize("T,H,G,D", [(37, 6, 2, 32), (128, 4, 2, 32), (20, 3, 1, 10)])
@@ -155,9 +155,9 @@ def test_attention_float32_matches_float64(T, H, G, D):
     results = {}
     for dt in (np.float64, np.float32):
         out, lse = np.full((B, T, H, D), np.nan, dt), np.full((B, H, T), np.nan, dt)
-        L.attention_forward(out, lse, qkv.astype(dt), H, G)
+        cpu_layers.attention_forward(out, lse, qkv.astype(dt), H, G)
         dqkv = np.full(qkv.shape, np.nan, dt)
-        L.attention_backward(dqkv, dout.astype(dt), out, lse, qkv.astype(dt), H, G)
+        cpu_layers.attention_backward(dqkv, dout.astype(dt), out, lse, qkv.astype(dt), H, G)
         results[dt] = (out, lse, dqkv)
     assert np.allclose(results[np.float64][0], naive_attention(qkv, H, G))
     for ref, got in zip(results[np.float64], results[np.float32]):
@@ -172,16 +172,16 @@ def test_attention_over_the_kv_cache_matches_full():
     cos, sin = rope_tables(D, S, 10000.0, np.float64)
     qkv = rng.normal(size=(B, T, H + 2 * G, D))
     rotated = qkv.copy()
-    L.rope_forward(rotated, cos, sin, H + G, np.zeros(1, dtype=np.int32))
+    cpu_layers.rope_forward(rotated, cos, sin, H + G, np.zeros(1, dtype=np.int32))
     full, lse = np.empty((B, T, H, D)), np.empty((B, H, T))
-    L.attention_forward(full, lse, rotated, H, G)
+    cpu_layers.attention_forward(full, lse, rotated, H, G)
     cache = np.full((B, S, 2 * G, D), np.nan)
     pos = np.zeros(1, dtype=np.int32)
     for lo, hi in ((0, 6), (6, 7), (7, 9)):
         out, lse_c = np.full((B, hi - lo, H, D), np.nan), np.full((B, H, hi - lo), np.nan)
-        L.attention_cached(out, lse_c, rotated[:, lo:hi].copy(), cache, H, G, pos)
+        cpu_layers.attention_cached(out, lse_c, rotated[:, lo:hi].copy(), cache, H, G, pos)
         assert np.allclose(out, full[:, lo:hi]) and np.allclose(lse_c, lse[:, :, lo:hi])
-        L.advance_position(pos, hi - lo)
+        cpu_layers.advance_position(pos, hi - lo)
     assert pos[0] == T
     assert np.allclose(cache[:, :T], rotated[:, :, H:]) and np.isnan(cache[:, T:]).all()
 
@@ -191,28 +191,28 @@ def test_normed_product_is_the_layers_in_turn():
     N, C, O = 3, 10, 7
     x, g, w = rng.normal(size=(N, C)), rng.normal(size=C), rng.normal(size=(O, C))
     out, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, C))
-    L.rmsnorm_matmul_forward(out, rstd, x, g, w, 1e-5, xn)
+    cpu_layers.rmsnorm_matmul_forward(out, rstd, x, g, w, 1e-5, xn)
     ref_xn, ref_rstd = np.empty((N, C)), np.empty(N)
-    L.rmsnorm_forward(ref_xn, ref_rstd, x, g, 1e-5)
+    cpu_layers.rmsnorm_forward(ref_xn, ref_rstd, x, g, 1e-5)
     assert np.allclose(out, ref_xn @ w.T) and np.allclose(rstd, ref_rstd) and np.allclose(xn, ref_xn)
 
 
 def test_swiglu_backward():
     N, F = 5, 9
     gu = rng.normal(size=(N, 2 * F)) * 2
-    R = rng.normal(size=(N, F))
+    upstream = rng.normal(size=(N, F))
     out = np.empty((N, F))
 
-    def f():
-        L.swiglu_forward(out, gu)
-        return float((out * R).sum())
+    def loss():
+        cpu_layers.swiglu_forward(out, gu)
+        return float((out * upstream).sum())
 
-    f()
+    loss()
     g, u = gu[:, :F], gu[:, F:]
     assert np.allclose(out, g / (1 + np.exp(-g)) * u)
     d = np.empty_like(gu)
-    L.swiglu_backward(d, R, gu)
-    assert_close(d, numeric_grad(f, gu))
+    cpu_layers.swiglu_backward(d, upstream, gu)
+    assert_close(d, numeric_grad(loss, gu))
 
 
 def test_crossentropy_forward_backward():
@@ -223,23 +223,23 @@ def test_crossentropy_forward_backward():
     dscale = rng.uniform(-2, 2, (K, N))  # one scale per head and row, of either sign (DPO's weights)
     losses = np.empty((K, N))
 
-    def f():
-        L.crossentropy_forward(losses, logits, targets)
+    def loss():
+        cpu_layers.crossentropy_forward(losses, logits, targets)
         return float((losses * dscale).sum())
 
-    f()
+    loss()
     for k in range(K):
         z = logits[:, k * V:(k + 1) * V]
         ref = np.log(np.exp(z).sum(1)) - z[np.arange(N), np.maximum(targets[k], 0)]
         assert np.allclose(losses[k], np.where(targets[k] >= 0, ref, 0.0))
     d = logits.copy()
-    L.crossentropy_forward_backward(np.empty((K, N)), d, targets, dscale)
-    assert_close(d, numeric_grad(f, logits))
+    cpu_layers.crossentropy_forward_backward(np.empty((K, N)), d, targets, dscale)
+    assert_close(d, numeric_grad(loss, logits))
     assert not d[2, :V].any() and not d[5, 2 * V:].any()
 
 
 # the models of `nanoeuler check`: K = 1 (the shipped `small`) and K = 2 (multi-token heads)
-by_heads = pytest.mark.parametrize("cfg", CHECK_CONFIGS, ids=lambda c: f"K{c.mtp_heads}")
+by_heads = pytest.mark.parametrize("cfg", CHECK_CONFIGS, ids=lambda cfg: f"K{cfg.mtp_heads}")
 
 
 @by_heads
@@ -259,13 +259,13 @@ def test_gqa_extremes_gradient_check(cfg, n_kv_heads):
 
 def test_gradient_check_detects_a_wrong_backward(monkeypatch):
     """The check must be able to fail: break SwiGLU's backward slightly and it has to notice."""
-    broken = L.swiglu_backward
+    broken = cpu_layers.swiglu_backward
 
     def wrong(dgate_up, dout, gate_up):
         broken(dgate_up, dout, gate_up)
         dgate_up *= 1.001
 
-    monkeypatch.setattr(L, "swiglu_backward", wrong)
+    monkeypatch.setattr(cpu_layers, "swiglu_backward", wrong)
     errors = gradient_check(CHECK_CONFIGS[1], samples=2, seed=5, report=lambda line: None)
     assert errors["layers.0.w_gate"] > 1e-4 and errors["final_norm"] < 1e-6
 

@@ -180,8 +180,9 @@ def test_bpb_is_trainings_final_evaluation(tiny_ckpt, corpus, tokenizer, tmp_pat
     ck = checkpoint.load(tiny_ckpt)
     eng = make_engine(ck.cfg)
     eng.load_params(ck.params)
-    c = open_corpus(corpus, tokenizer, progress=False)
-    batches = eval_batches(c.tokens, c.byte_len, 8, ck.cfg.context, ck.cfg.mtp_heads)[:3]  # consecutive windows
+    opened = open_corpus(corpus, tokenizer, progress=False)
+    # consecutive windows
+    batches = eval_batches(opened.tokens, opened.byte_len, 8, ck.cfg.context, ck.cfg.mtp_heads)[:3]
     loss, bpb = bits_per_byte(eng, batches)
     assert got["bpb"] == pytest.approx(bpb, rel=1e-9) and got["n"] == 3 * 8 * ck.cfg.context
 

@@ -48,14 +48,15 @@ def test_cuda_sources_compile(tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("check,precision", [(c, p) for c in KERNEL_CHECKS for p in c.precisions],
+@pytest.mark.parametrize("check,precision", [(check, precision) for check in KERNEL_CHECKS
+                                             for precision in check.precisions],
                          ids=lambda v: v if isinstance(v, str) else v.__name__[len("check_"):])
 def test_kernel_matches_cpu_layer(check, precision):
-    from nanoeuler.model.cpu import layers as R
-    from nanoeuler.model.gpu import layers as L
+    from nanoeuler.model.cpu import layers as cpu_layers
+    from nanoeuler.model.gpu import layers as gpu_layers
 
-    with L.precision(precision):
-        for label, err, tol in check(_Case(np.random.default_rng(11), precision), L, R):
+    with gpu_layers.precision(precision):
+        for label, err, tol in check(_Case(np.random.default_rng(11), precision), gpu_layers, cpu_layers):
             assert err <= tol, f"{label}: {err:.2e} > {tol:.0e}"
 
 

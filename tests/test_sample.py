@@ -17,17 +17,17 @@ from nanoeuler.model.losses import cross_entropy, cross_entropy_backward
 def eng():
     """A tiny model with weights large enough that logits differ clearly from position to position."""
     cfg = tiny_config(300)
-    e = make_engine(cfg)
-    e.load_params(sharp_params(cfg, seed=1, scale=0.3))
-    return e
+    engine = make_engine(cfg)
+    engine.load_params(sharp_params(cfg, seed=1, scale=0.3))
+    return engine
 
 
 def _ids(n, seed=0):
     return np.random.default_rng(seed).integers(0, 300, n).astype(np.int32)
 
 
-def _rel(a, b):
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+def _rel(got, want):
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
 def test_kv_cache_decode_matches_full_forward(eng):
@@ -119,7 +119,8 @@ def test_greedy_and_filters():
 
 def test_nucleus_keeps_the_likeliest_tokens_lowest_ids_first_on_ties():
     """top-p keeps the fewest likeliest tokens whose mass reaches top_p; among equal probabilities at the cut,
-    the lowest ids (the order of a stable sort of the ids by probability, which distribution no longer does)."""
+    the lowest ids (the order a stable sort of the ids by probability gives; distribution keeps it without
+    sorting the ids)."""
     p = distribution(np.array([1.0, 2.0, 2.0, 2.0, 0.0], dtype=np.float32), 1.0, 0, 0.5)
     assert np.count_nonzero(p) == 2 and p[1] == p[2] == 0.5  # ids 1, 2 of the three tied ones
     rng = np.random.default_rng(0)
@@ -136,18 +137,18 @@ def test_nucleus_keeps_the_likeliest_tokens_lowest_ids_first_on_ties():
 
 
 def test_seed_reproduces_samples(eng):
-    a = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(7)))
-    b = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(7)))
-    c = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(8)))
-    assert a == b and a != c and len(a) == 30
+    seed7 = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(7)))
+    seed7_again = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(7)))
+    seed8 = list(generate(eng, _ids(5), 30, 1.0, 0, 0.9, np.random.default_rng(8)))
+    assert seed7 == seed7_again and seed7 != seed8 and len(seed7) == 30
 
 
 def test_prompt_longer_than_context_keeps_its_last_tokens(eng):
     T = eng.cfg.context
     long = _ids(3 * T + 5)
-    a = list(generate(eng, long, 10, temperature=0))
-    b = list(generate(eng, long[-T:], 10, temperature=0))
-    assert a == b
+    from_long = list(generate(eng, long, 10, temperature=0))
+    from_tail = list(generate(eng, long[-T:], 10, temperature=0))
+    assert from_long == from_tail
 
 
 def test_generation_slides_past_the_context(eng):
@@ -183,10 +184,10 @@ def test_stream_prints_characters_split_across_tokens(tokenizer):
 
 def test_infer_cli(tiny_ckpt):
     greedy = ["--ckpt", tiny_ckpt, "--temperature", "0", "--max-new-tokens", "12", "--device", "cpu"]
-    a = run_cli("infer", "ROMEO:", *greedy)
-    b = run_cli("infer", "ROMEO:", *greedy)
-    assert a.returncode == 0, a.stderr
-    assert a.stdout == b.stdout and a.stdout.startswith("ROMEO:")
+    first = run_cli("infer", "ROMEO:", *greedy)
+    second = run_cli("infer", "ROMEO:", *greedy)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.startswith("ROMEO:")
     # argv cannot hold NUL; \udcff is how Python passes the lone (non-UTF-8) byte 0xff through argv
     for prompt in ["", "\x07 odd \u00e9\u2603\U0001f600 \udcff bytes", "word " * 200]:
         r = run_cli("infer", prompt, "--ckpt", tiny_ckpt, "--max-new-tokens", "5", "--seed", "1", "--top-k", "5")
@@ -235,9 +236,9 @@ def _spec_engine(vocab, K, context, seed, same_heads=False):
     from nanoeuler.model.config import Config
     cfg = Config(dim=32, n_layers=2, n_heads=1, n_kv_heads=1, hidden=64, vocab_size=vocab, context=context,
                  mtp_heads=K)
-    e = make_engine(cfg)
-    e.load_params(sharp_params(cfg, seed=seed, scale=0.5, same_heads=same_heads))
-    return e
+    engine = make_engine(cfg)
+    engine.load_params(sharp_params(cfg, seed=seed, scale=0.5, same_heads=same_heads))
+    return engine
 
 
 def test_every_head_decode_matches_the_full_forward(eng):
@@ -253,23 +254,23 @@ def test_every_head_decode_matches_the_full_forward(eng):
 def test_a_verifying_step_gives_single_steps_bits():
     """A position decoded in a step of K rows gets the logits of a step of its own to the bit (the CPU's
     matrix products of a few rows are row by row): what makes speculative greedy decoding plain greedy."""
-    e = _spec_engine(vocab=50, K=3, context=40, seed=2)
+    engine = _spec_engine(vocab=50, K=3, context=40, seed=2)
     ids = _ids(12, seed=4) % 50
-    one, three = decoder_of(e).new_cache(1), decoder_of(e).new_cache(1)
+    one, three = decoder_of(engine).new_cache(1), decoder_of(engine).new_cache(1)
     for cache in (one, three):
-        decoder_of(e).logits(cache, ids[None, :9])
-    singles = np.stack([decoder_of(e).logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 12)])
-    assert np.array_equal(singles, decoder_of(e).logits(three, ids[None, 9:12], all_heads=True)[0])
+        decoder_of(engine).logits(cache, ids[None, :9])
+    singles = np.stack([decoder_of(engine).logits(one, ids[None, t:t + 1], all_heads=True)[0, 0] for t in range(9, 12)])
+    assert np.array_equal(singles, decoder_of(engine).logits(three, ids[None, 9:12], all_heads=True)[0])
 
 
 def test_speculative_greedy_is_plain_greedy_through_window_slides():
     """K = 3 heads drafting; 120 tokens from a 40-token context slide the window three times."""
     for same_heads in (False, True):
-        e = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=same_heads)
+        engine = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=same_heads)
         prompt = [1, 2, 3, 4, 5]
         stats = {}
-        plain = list(generate(e, prompt, 120, temperature=0))
-        spec = list(generate(e, prompt, 120, temperature=0, speculative=True, stats=stats))
+        plain = list(generate(engine, prompt, 120, temperature=0))
+        spec = list(generate(engine, prompt, 120, temperature=0, speculative=True, stats=stats))
         assert spec == plain
         assert stats["tokens"] == 120 and stats["drafted"] == 2 * stats["steps"]
         assert (stats["accepted"] > 20) == same_heads, stats
@@ -278,15 +279,15 @@ def test_speculative_greedy_is_plain_greedy_through_window_slides():
 def test_verify_drafts_chains_the_steps_a_host_would_take():
     """decoder.verify's steps chained on the device keep what a host checking every head's argmax keeps, move
     the cache to the same place, and hand on the same next tokens; some drafts accepted, some not."""
-    e = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=True)
-    chained, host = decoder_of(e).new_cache(1), decoder_of(e).new_cache(1)
+    engine = _spec_engine(vocab=50, K=3, context=40, seed=1, same_heads=True)
+    chained, host = decoder_of(engine).new_cache(1), decoder_of(engine).new_cache(1)
     for cache in (chained, host):
-        decoder_of(e).greedy(cache, np.array([[1, 2, 3]], dtype=np.int32))
-        tokens = decoder_of(e).greedy(cache, np.array([[4]], dtype=np.int32), all_heads=True)[0, -1].tolist()
-    kept, accepted, following = decoder_of(e).verify(chained, [tokens], steps=6)
+        decoder_of(engine).greedy(cache, np.array([[1, 2, 3]], dtype=np.int32))
+        tokens = decoder_of(engine).greedy(cache, np.array([[4]], dtype=np.int32), all_heads=True)[0, -1].tolist()
+    kept, accepted, following = decoder_of(engine).verify(chained, [tokens], steps=6)
     expect, counts = [], []
     for _ in range(6):
-        out = decoder_of(e).greedy(host, np.array([tokens], dtype=np.int32), all_heads=True)[0]  # (K, K)
+        out = decoder_of(engine).greedy(host, np.array([tokens], dtype=np.int32), all_heads=True)[0]  # (K, K)
         n = 0
         while n < 2 and out[n, 0] == tokens[n + 1]:
             n += 1
@@ -304,21 +305,21 @@ def test_speculative_sampling_follows_the_model_distribution():
     (t1, t2) from speculative sampling matches the model's exact one (chi-square), while the head-1 drafts'
     own distribution is far from it (so accepting drafts blindly would fail)."""
     V, n = 6, 3000
-    e = _spec_engine(vocab=V, K=2, context=16, seed=7)
+    engine = _spec_engine(vocab=V, K=2, context=16, seed=7)
     prompt = [1, 2, 3]
-    cache = decoder_of(e).new_cache(1)
-    first = decoder_of(e).logits(cache, np.array([prompt]), all_heads=True)[0, -1]  # (K, V)
+    cache = decoder_of(engine).new_cache(1)
+    first = decoder_of(engine).logits(cache, np.array([prompt]), all_heads=True)[0, -1]  # (K, V)
     softmax = lambda z: np.exp(z - z.max()) / np.exp(z - z.max()).sum()
     p1, q2 = softmax(first[0].astype(np.float64)), softmax(first[1].astype(np.float64))
     exact = np.zeros((V, V))
     for t1 in range(V):
-        c = decoder_of(e).new_cache(1)
-        decoder_of(e).logits(c, np.array([prompt]))
-        exact[t1] = p1[t1] * softmax(decoder_of(e).logits(c, np.array([[t1]]))[0].astype(np.float64))
+        after_t1 = decoder_of(engine).new_cache(1)
+        decoder_of(engine).logits(after_t1, np.array([prompt]))
+        exact[t1] = p1[t1] * softmax(decoder_of(engine).logits(after_t1, np.array([[t1]]))[0].astype(np.float64))
     rng = np.random.default_rng(0)
     counts = np.zeros((V, V))
     for _ in range(n):
-        t1, t2 = generate(e, prompt, 2, temperature=1.0, top_p=1.0, rng=rng, speculative=True)
+        t1, t2 = generate(engine, prompt, 2, temperature=1.0, top_p=1.0, rng=rng, speculative=True)
         counts[t1, t2] += 1
     chi2 = lambda expected: float((((counts - n * expected) ** 2) / (n * expected)).sum())
     assert chi2(exact) < 80  # 35 degrees of freedom: mean 35, p < 1e-4 above 80
@@ -327,9 +328,9 @@ def test_speculative_sampling_follows_the_model_distribution():
 
 def test_speculative_needs_draft_heads():
     from nanoeuler.errors import UserError
-    e = _spec_engine(vocab=20, K=1, context=16, seed=1)
+    engine = _spec_engine(vocab=20, K=1, context=16, seed=1)
     with pytest.raises(UserError, match="K >= 2"):
-        list(generate(e, [1], 5, temperature=0, speculative=True))
+        list(generate(engine, [1], 5, temperature=0, speculative=True))
 
 
 def test_infer_speculative_cli_prints_the_greedy_text_and_stats(tiny_ckpt):

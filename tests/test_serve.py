@@ -175,28 +175,30 @@ def test_greedy_completion_is_nanoeuler_infer(base, model, tiny_ckpt):
 
 
 def test_streaming_seed_stop_and_too_long_prompts(base, model):
-    c = base.client
-    text, reason, usage = streamed(c.completions.create(model="tiny", prompt="KING:", max_tokens=20, temperature=0,
-                                                        stream=True, stream_options={"include_usage": True}))
+    client = base.client
+    text, reason, usage = streamed(client.completions.create(model="tiny", prompt="KING:", max_tokens=20,
+                                                             temperature=0, stream=True,
+                                                             stream_options={"include_usage": True}))
     assert (text, reason, usage.prompt_tokens, usage.completion_tokens) == expected(model, "KING:", 20)
     # a seed repeats a sample, exactly as generate() with that seed draws it
     sample = dict(model="tiny", prompt="Now", max_tokens=25, temperature=1.0, top_p=0.9, seed=11)
-    a, b = (c.completions.create(**sample).choices[0].text for _ in range(2))
-    assert a == b == expected(model, "Now", 25, 1.0, 0.9, 11)[0]
+    first, second = (client.completions.create(**sample).choices[0].text for _ in range(2))
+    assert first == second == expected(model, "Now", 25, 1.0, 0.9, 11)[0]
     # stop strings end the text where one first appears, cut, streamed or not
     stop = [text[7:10], "\x00never"]
     for stream in (False, True):
-        r = c.completions.create(model="tiny", prompt="KING:", max_tokens=20, temperature=0, stop=stop, stream=stream)
+        r = client.completions.create(model="tiny", prompt="KING:", max_tokens=20, temperature=0, stop=stop,
+                                      stream=stream)
         got = streamed(r)[:2] if stream else (r.choices[0].text, r.choices[0].finish_reason)
         assert got == (text[:text.find(stop[0])], "stop") == expected(model, "KING:", 20, stop=stop)[:2]
     # a prompt longer than the context is refused (the CLI keeps its last tokens instead)
     long = "To be, or not to be, that is the question. " * 40
-    with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="tiny", prompt=long, max_tokens=10)
-    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=long, max_tokens=10)
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
     # generation ends at the end of the context
     ids = start_ids(model[1], long)[:28]
-    r = c.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0)
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=100, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 32 - 28 + 1
 
 

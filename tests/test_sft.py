@@ -159,27 +159,27 @@ def test_masked_positions_contribute_no_gradient():
 
 def test_batches_cover_each_epoch_and_resume_exactly():
     examples = [(np.full(i + 2, i), 1) for i in range(7)]  # example i: tokens i, i, ...
-    a = instructions.ExampleBatches(examples, 3, 16, 2, seed=4)
-    drawn = [a.next()[0] for _ in range(2)]
-    b = instructions.ExampleBatches(examples, 3, 16, 2, seed=99)
-    b.load_state(json.loads(json.dumps(a.state())))
+    original = instructions.ExampleBatches(examples, 3, 16, 2, seed=4)
+    drawn = [original.next()[0] for _ in range(2)]
+    restored = instructions.ExampleBatches(examples, 3, 16, 2, seed=99)
+    restored.load_state(json.loads(json.dumps(original.state())))
     for _ in range(5):  # across two epoch boundaries
-        (ia, ta), (ib, tb) = a.next(), b.next()
-        np.testing.assert_array_equal(ia, ib)
-        np.testing.assert_array_equal(ta, tb)
-        drawn.append(ia)
+        (inputs, targets), (inputs_restored, targets_restored) = original.next(), restored.next()
+        np.testing.assert_array_equal(inputs, inputs_restored)
+        np.testing.assert_array_equal(targets, targets_restored)
+        drawn.append(inputs)
     order = [int(row[0]) for batch in drawn for row in batch]
     for epoch in range(3):  # each epoch is a permutation, a different one each time
         assert sorted(order[7 * epoch:7 * epoch + 7]) == list(range(7))
-    assert order[:7] != order[7:14] and a.state() == {"seed": 4, "epoch": 2, "pos": 7}
+    assert order[:7] != order[7:14] and original.state() == {"seed": 4, "epoch": 2, "pos": 7}
 
 
 def _cli(capsys, *argv):
     """Run the CLI in-process: (exit status, stdout, stderr)."""
-    with pytest.raises(SystemExit) as e:
-        cli.main([str(a) for a in argv])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(arg) for arg in argv])
     out, err = capsys.readouterr()
-    return e.value.code, out, err
+    return exit_info.value.code, out, err
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -217,7 +217,7 @@ REPLY = r"Hello, [^\n]+!"  # the shape of every response in sft_greetings.json
 
 
 def _main(module, *argv):
-    return module.main(cli.build_parser()[0].parse_args([str(a) for a in argv]))
+    return module.main(cli.build_parser()[0].parse_args([str(arg) for arg in argv]))
 
 
 @pytest.fixture(scope="module")
@@ -284,12 +284,12 @@ def test_sft_resume_after_interrupt_is_bit_identical(pipeline, tmp_path, monkeyp
     assert _main(sft, "sft", "--resume", "--out", tmp_path / "b.bin", "--device", "cpu") == 0
     full, resumed = ([json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in "ab")
     assert [r["step"] for r in resumed] == list(range(1, 13))
-    for a, b in zip(full, resumed):
+    for record, record_resumed in zip(full, resumed):
         for key in ("loss", "loss_all_heads", "lr", "grad_norm", "val_loss", "val_bpb"):
-            assert a.get(key) == b.get(key), (a["step"], key)
-    ca, cb = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
-    np.testing.assert_array_equal(ca.params, cb.params)
-    assert ca.chat and cb.chat and ca.train_state == cb.train_state
+            assert record.get(key) == record_resumed.get(key), (record["step"], key)
+    ckpt_full, ckpt_resumed = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
+    np.testing.assert_array_equal(ckpt_full.params, ckpt_resumed.params)
+    assert ckpt_full.chat and ckpt_resumed.chat and ckpt_full.train_state == ckpt_resumed.train_state
 
 
 class _Terminal(io.StringIO):

@@ -117,33 +117,33 @@ def test_merges_worked_by_hand(tmp_path):
 
 def naive_train(words, n_tokens):
     """Recount every pair before each merge: the definition that the incremental trainer must match."""
-    words = {tuple(w): c for w, c in words.items()}
-    token_bytes = [bytes([b]) for b in range(256)]
+    words = {tuple(word): count for word, count in words.items()}
+    token_bytes = [bytes([byte]) for byte in range(256)]
     merges = []
     while len(token_bytes) < n_tokens:
         counts = collections.Counter()
-        for w, c in words.items():
-            for pair in zip(w, w[1:]):
-                counts[pair] += c
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                counts[pair] += count
         if not counts:
             break
-        a, b = max(counts, key=lambda p: (counts[p], -p[0], -p[1]))
-        joined = token_bytes[a] + token_bytes[b]
+        left, right = max(counts, key=lambda pair: (counts[pair], -pair[0], -pair[1]))
+        joined = token_bytes[left] + token_bytes[right]
         if joined not in token_bytes:
             token_bytes.append(joined)
         new = token_bytes.index(joined)
-        merges.append([a, b])
+        merges.append([left, right])
         merged = {}
-        for w, c in words.items():
+        for word, count in words.items():
             out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == (a, b):
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == (left, right):
                     out.append(new)
                     i += 2
                 else:
-                    out.append(w[i])
+                    out.append(word[i])
                     i += 1
-            merged[tuple(out)] = merged.get(tuple(out), 0) + c
+            merged[tuple(out)] = merged.get(tuple(out), 0) + count
         words = merged
     return merges
 
@@ -403,10 +403,10 @@ def test_errors_are_user_errors(tok, tmp_path):
 
 
 def run(capsysbinary, *args):
-    with pytest.raises(SystemExit) as e:
-        cli_main([str(a) for a in args])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([str(arg) for arg in args])
     out = capsysbinary.readouterr()
-    return e.value.code, out.out, out.err.decode()
+    return exit_info.value.code, out.out, out.err.decode()
 
 
 def test_cli_train_encode_decode(tmp_path, capsysbinary, varied_corpus, tiny_ckpt, tokenizer):

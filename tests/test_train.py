@@ -69,14 +69,14 @@ def test_resume_after_interrupt_is_bit_identical(tiny_preset, corpus, tokenizer_
     resumed = _log(tmp_path / "b.jsonl")
 
     assert [r["step"] for r in resumed] == list(range(1, 13))
-    for a, b in zip(full, resumed):
+    for record, record_resumed in zip(full, resumed):  # exactly equal floats, not approximately
         for key in ("loss", "loss_all_heads", "lr", "grad_norm", "val_loss", "val_bpb"):
-            assert a.get(key) == b.get(key), (a["step"], key)  # exactly equal floats, not approximately
-    ca, cb = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
-    np.testing.assert_array_equal(ca.params, cb.params)
-    np.testing.assert_array_equal(ca.opt[0], cb.opt[0])
-    np.testing.assert_array_equal(ca.opt[1], cb.opt[1])
-    assert ca.train_state == cb.train_state
+            assert record.get(key) == record_resumed.get(key), (record["step"], key)
+    ckpt_full, ckpt_resumed = (checkpoint.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
+    np.testing.assert_array_equal(ckpt_full.params, ckpt_resumed.params)
+    np.testing.assert_array_equal(ckpt_full.opt[0], ckpt_resumed.opt[0])
+    np.testing.assert_array_equal(ckpt_full.opt[1], ckpt_resumed.opt[1])
+    assert ckpt_full.train_state == ckpt_resumed.train_state
 
 
 def test_resume_rewinds_the_log_to_the_checkpoint(tiny_preset, corpus, tokenizer_file, tmp_path):
@@ -182,18 +182,18 @@ def test_token_cache_is_rebuilt_when_stale(corpus, tokenizer, tmp_path):
 
 def test_random_windows_resume_from_state(tokenizer, corpus):
     tokens = np.arange(1000) % 300
-    a = RandomWindows(tokens, 3, 8, 2, seed=5)
+    original = RandomWindows(tokens, 3, 8, 2, seed=5)
     for _ in range(4):
-        a.next()
-    b = RandomWindows(tokens, 3, 8, 2, seed=99)
-    b.load_state(json.loads(json.dumps(a.state())))
+        original.next()
+    restored = RandomWindows(tokens, 3, 8, 2, seed=99)
+    restored.load_state(json.loads(json.dumps(original.state())))
     for _ in range(3):
-        ia, ta = a.next()
-        ib, tb = b.next()
-        np.testing.assert_array_equal(ia, ib)
-        np.testing.assert_array_equal(ta, tb)
-    np.testing.assert_array_equal(ta[1][:, :-1], ta[0][:, 1:])  # head k's target is 1+k ahead
-    np.testing.assert_array_equal(ia[:, 1:], ta[0][:, :-1])
+        inputs, targets = original.next()
+        inputs_restored, targets_restored = restored.next()
+        np.testing.assert_array_equal(inputs, inputs_restored)
+        np.testing.assert_array_equal(targets, targets_restored)
+    np.testing.assert_array_equal(targets[1][:, :-1], targets[0][:, 1:])  # head k's target is 1+k ahead
+    np.testing.assert_array_equal(inputs[:, 1:], targets[0][:, :-1])
 
 
 def test_learning_rate_schedule():
@@ -238,12 +238,12 @@ def test_ctrl_c_from_the_terminal_saves_and_exits_cleanly(corpus, tmp_path):
 
 
 def test_gradient_norm_accumulates_in_float64():
-    from nanoeuler.model.cpu import layers as L
+    from nanoeuler.model.cpu import layers as cpu_layers
     x = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)  # not a multiple of a chunk
     exact = math.fsum((x.astype(np.float64) ** 2).tolist())  # float32 squares are exact in float64
-    assert L.sum_squares(x) == pytest.approx(exact, rel=1e-12)
-    assert L.sum_squares(x.astype(np.float64)) == pytest.approx(exact, rel=1e-12)
-    assert L.sum_squares(x[:0]) == 0.0 and L.sum_squares(np.float32([3, 4])) == 25.0
+    assert cpu_layers.sum_squares(x) == pytest.approx(exact, rel=1e-12)
+    assert cpu_layers.sum_squares(x.astype(np.float64)) == pytest.approx(exact, rel=1e-12)
+    assert cpu_layers.sum_squares(x[:0]) == 0.0 and cpu_layers.sum_squares(np.float32([3, 4])) == 25.0
 
 
 def test_device_rule(monkeypatch):
