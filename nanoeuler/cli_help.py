@@ -62,18 +62,18 @@ GUIDE = {
          "nanoeuler sft --ckpt base.bin --data mine.json --out mine_chat.bin --steps 300"]),
     "dpo": (
         "Preference tuning of a chat checkpoint on {prompt, chosen, rejected} pairs: DPO against the starting "
-        "model as the reference, with the chosen replies' likelihood kept up by RPO's NLL term (--rpo-alpha). "
-        "Evidence (docs/dpo.md, H100, 2026-11-24): base, pairs whose chosen reply adds a prefix: greedy replies "
-        "to 160 unseen prompts with the prefix 6% -> 100% and fluent; plain DPO (--rpo-alpha 0): 6% -> 1%, "
-        "replies of dots. The defaults follow the preset nearest to the checkpoint's size. Missing "
-        "data/preferences.jsonl: `python -m nanoeuler.data.fetch preferences`.",
+        "model as the reference, with the chosen replies' likelihood kept up by RPO's NLL term (--rpo-alpha; "
+        "0 is plain DPO, which can win its margins while its replies drift onto unrelated tokens: docs/dpo.md). "
+        "Writes a chat checkpoint. The defaults follow the "
+        "preset nearest to the checkpoint's size. Missing data/preferences.jsonl: `python -m "
+        "nanoeuler.data.fetch preferences`.",
         ["nanoeuler dpo                                  # nanoeuler_chat.bin + data/preferences.jsonl -> nanoeuler_dpo.bin",
          "nanoeuler dpo --data pairs.jsonl --beta 0.2 --steps 300",
          "nanoeuler chat --ckpt nanoeuler_dpo.bin        # then talk to the result"]),
     "infer": (
         "Continue a prompt with a trained model (head 0; --speculative drafts with the other heads and gives "
-        "the same distribution). An empty prompt starts from nothing; a prompt longer than the context keeps "
-        "its last tokens.",
+        "the same distribution; --num-samples N decodes N samples as one batch). An empty prompt starts from a "
+        "newline; a prompt longer than the context keeps its last tokens.",
         ["nanoeuler infer 'ROMEO:'                        # sample from nanoeuler.bin",
          "nanoeuler infer 'ROMEO:' --temperature 0 --max-new-tokens 50   # greedy",
          "nanoeuler infer '' --seed 1 --top-k 40 --stats # reproducible, with tokens/s on stderr"]),
