@@ -99,7 +99,7 @@ def test_the_bucket_plan_reduces_final_gradients_in_pieces_that_every_rank_can_s
             buckets = bucket_plan(offsets, total, ranks, minimum)
             padded = -(-total // ranks) * ranks
             assert buckets[0][1] == padded and buckets[-1][0] == 0
-            assert all(a[0] == b[1] for a, b in zip(buckets, buckets[1:]))  # contiguous, from the end
+            assert all(upper[0] == lower[1] for upper, lower in zip(buckets, buckets[1:]))  # contiguous, from the end
             assert all((end - start) % ranks == 0 and end > start for start, end in buckets)
             assert all(end - start >= minimum for start, end in buckets[:-1])
             # a bucket holds only gradients final at the offset that closes it
@@ -111,7 +111,8 @@ def test_the_bucket_plan_reduces_final_gradients_in_pieces_that_every_rank_can_s
             seen = np.zeros(padded, int)
             for rank in range(ranks):
                 pieces = shard_pieces(buckets, rank, ranks)
-                assert [at for *_, at in pieces] == list(np.cumsum([0] + [e - s for s, e, _ in pieces])[:-1])
+                sizes = [end - start for start, end, _ in pieces]
+                assert [at for *_, at in pieces] == list(np.cumsum([0] + sizes)[:-1])
                 for start, end, _ in pieces:
                     seen[start:end] += 1
             assert (seen == 1).all()
@@ -172,8 +173,8 @@ def _run_ranks(n, work):
                 results[r] = work(_TakingTurns(comm, lock))
             finally:
                 comm.close()
-        except BaseException as e:
-            errors.append(e)
+        except BaseException as error:
+            errors.append(error)
         finally:
             lock.release()
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
@@ -212,7 +213,7 @@ def _train_steps(batch, comm=None, zero=False, device="cpu"):
 
 @pytest.mark.parametrize("zero", [False, True], ids=["all-reduce", "zero1"])
 def test_two_ranks_train_exactly_like_one_rank_at_twice_the_batch(zero):
-    """The issue's arithmetic: targets counted over every rank, gradients summed, the same AdamW step (or
+    """Data parallelism's arithmetic: targets counted over every rank, gradients summed, the same AdamW step (or
     ZeRO-1's shards of it): 2 ranks at batch 4 follow 1 rank at batch 8 on the same windows to float32
     rounding, step after step."""
     ref = _train_steps(8)
@@ -386,10 +387,11 @@ keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'NCCL_
 json.dump({{k: os.environ[k] for k in keys}}, open({str(tmp_path)!r} + f'/{{rank}}.json', 'w'))
 """, n=3) == 0
     envs = [json.load(open(tmp_path / f"{r}.json")) for r in range(3)]
-    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [(str(r), str(r), "3") for r in range(3)]
-    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"], e["NANOEULER_RDZV_KEY"]) for e in envs}) == 1
+    assert ([(env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) for env in envs]
+            == [(str(r), str(r), "3") for r in range(3)])
+    assert len({(env["MASTER_ADDR"], env["MASTER_PORT"], env["NANOEULER_RDZV_KEY"]) for env in envs}) == 1
     assert envs[0]["MASTER_ADDR"] == "127.0.0.1" and int(envs[0]["MASTER_PORT"]) > 0
-    assert all(e["NCCL_NVLS_ENABLE"] == "0" for e in envs)
+    assert all(env["NCCL_NVLS_ENABLE"] == "0" for env in envs)
 
 
 def test_a_failing_rank_ends_the_run_with_its_name():
