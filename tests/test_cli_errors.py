@@ -82,7 +82,7 @@ def test_default_data_missing_outside_the_clone_says_how_to_download_it(args, mi
     from nanoeuler.data.corpus import FETCH_COMMANDS
     from nanoeuler.data.fetch import build_parser
 
-    args = [a.format(ckpt=tiny_ckpt) for a in args]
+    args = [arg.format(ckpt=tiny_ckpt) for arg in args]
     r = run_cli(*args, "--out", tmp_path / "o.bin", "--device", "cpu", cwd=tmp_path)
     path = missing.split()[-1]
     _one_line_error(r, f"{missing} not found", f"download it with `{FETCH_COMMANDS[path]}`", "or pass --data FILE")
@@ -151,7 +151,7 @@ def test_the_top_help_is_a_map_of_every_command():
     assert set(sub.choices) == set(COMMANDS) | {"tokenizer"}
     listed = re.findall(r"(?m)^  ([a-z]+)  +\S", r.stdout)
     assert listed == [name for name in FLOW if name in sub.choices]
-    for name, action in ((a.dest, a) for a in sub._choices_actions):
+    for name, action in ((choice.dest, choice) for choice in sub._choices_actions):
         assert f"  {name}" in r.stdout and action.help in r.stdout and FLOW[name] in r.stdout
     assert "python -m nanoeuler.data.fetch" in r.stdout
 
