@@ -190,7 +190,7 @@ def _run_ranks(n, work):
 STEPS, LR = 4, 3e-3
 
 
-def _train_steps(batch, comm=None, zero=False, device="cpu"):
+def _train_steps(batch, comm=None, zero=False, device="cpu", min_bucket=None):
     """STEPS optimizer steps of the tiny model; (losses, grad norms, last gradients, final weights)."""
     cfg = tiny_config(300, gpu=device == "gpu")
     eng = make_engine(cfg, device=device, seed=1, precision="fp32")
@@ -199,25 +199,28 @@ def _train_steps(batch, comm=None, zero=False, device="cpu"):
                            seed=7, rank=rank, world_size=world)
     hp = Hyperparameters(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
                          grad_accum=2 if world == 1 else 1)  # one rank in 2 passes: the accumulation path too
-    parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=zero, min_bucket=0)  # a bucket a layer
+    parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=zero, min_bucket=min_bucket)
     objective = CrossEntropy(parallel.comm)  # comm, or the world of one DataParallel makes of None
     losses, norms = [], []
     for _ in range(STEPS):
         shares, tokens = objective.train_step(eng, source.next(), hp)
-        losses.append(tuple(parallel.sum([shares["loss"], shares["loss_all_heads"], tokens])))
-        norms.append(parallel.step(LR, hp.weight_decay, hp.grad_clip))
+        norm, totals = parallel.step(LR, hp.weight_decay, hp.grad_clip, [shares["loss"], shares["loss_all_heads"],
+                                                                         tokens])
+        losses.append(tuple(totals))
+        norms.append(norm)
     assert parallel.any(rank == 1) == (world > 1)
     grads = to_numpy(eng.grads).copy() if not parallel.zero else None  # the last step's, all-reduced
     return losses, norms, grads, eng.params_numpy(), parallel.opt_state_numpy()
 
 
-@pytest.mark.parametrize("zero", [False, True], ids=["all-reduce", "zero1"])
-def test_two_ranks_train_exactly_like_one_rank_at_twice_the_batch(zero):
+@pytest.mark.parametrize("min_bucket", [None, 0], ids=["one-bucket", "a-bucket-a-layer"])
+@pytest.mark.parametrize("zero", [False, True], ids=["replicated", "zero1"])
+def test_two_ranks_train_exactly_like_one_rank_at_twice_the_batch(zero, min_bucket):
     """Data parallelism's arithmetic: targets counted over every rank, gradients summed, the same AdamW step (or
     ZeRO-1's shards of it): 2 ranks at batch 4 follow 1 rank at batch 8 on the same windows to float32
     rounding, step after step."""
     ref = _train_steps(8)
-    got = _run_ranks(2, lambda comm: _train_steps(4, comm, zero))
+    got = _run_ranks(2, lambda comm: _train_steps(4, comm, zero, min_bucket=min_bucket))
     for losses, norms, grads, params, (m, v) in got:
         np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
         assert [tokens for *_, tokens in losses] == [8 * 32] * STEPS
@@ -263,6 +266,20 @@ def test_a_rendezvous_without_rank_0_and_bad_numbers_are_one_line_errors(monkeyp
     monkeypatch.setenv("NANOEULER_TIMEOUT", "0")
     with pytest.raises(UserError, match="^NANOEULER_TIMEOUT=0 must be at least 1$"):
         timeout()
+
+
+def test_gathering_pieces_of_different_lengths():
+    """all_gather_ranges (ZeRO-1's bf16 weights, whose last piece is cut at the end of the parameters)."""
+    ranges = [(0, 4), (4, 7), (7, 7)]
+
+    def work(comm):
+        buffer = np.full(7, -1.0, dtype=np.float32)
+        start, end = ranges[comm.rank]
+        buffer[start:end] = np.arange(start, end) * 10
+        comm.all_gather_ranges(buffer, ranges)
+        return buffer
+    for got in _run_ranks(3, work):
+        np.testing.assert_array_equal(got, np.arange(7) * 10.0)
 
 
 def test_shared_memory_collectives_grow_and_keep_rank_order():

@@ -62,15 +62,22 @@ class AdamW:
         self.update(eng.params, eng.grads, lr, weight_decay, clip_scale(norm, grad_clip), copy)
         return norm
 
-    def update_pieces(self, params, grads, pieces, lr, weight_decay, grad_scale):
-        """One AdamW step of a shard made of pieces of the parameters (ZeRO-1's): pieces [(start, end, at)] map
-        params[start:end] to grads, moments and mask [at:at + end - start]."""
-        self.steps += 1
+    def update_pieces(self, params, grads, pieces, lr, weight_decay, grad_scale, compute_copy=None, count=True):
+        """One AdamW step of pieces of the parameters: pieces [(start, end, at)] update params[start:end] (and
+        compute_copy's, cut at its end: the parameters may be padded) from grads[start:end], with the moments and
+        decay mask [at:at + end - start] (ZeRO-1's shard, or all of them); count=False for more pieces of the
+        same step."""
+        self.steps += count
+        limit = compute_copy.size if compute_copy is not None else params.size
         for start, end, at in pieces:
+            end = min(end, limit)
+            if end <= start:
+                continue
             shard = slice(at, at + end - start)
-            self.layers.adamw_update(params[start:end], grads[shard], self.m[shard], self.v[shard],
+            self.layers.adamw_update(params[start:end], grads[start:end], self.m[shard], self.v[shard],
                                      self.decay_mask[shard], lr, self.beta1, self.beta2, self.eps, weight_decay,
-                                     grad_scale, self.steps)
+                                     grad_scale, self.steps,
+                                     compute_copy=None if compute_copy is None else compute_copy[start:end])
 
     def shard(self, eng, ranges):
         """The optimizer of one rank's shard, the buffers' elements [start, end) of each range, one after another

@@ -90,11 +90,17 @@ class SingleProcess:
     def barrier(self):
         pass
 
+    def all_gather_ranges(self, buffer, ranges):
+        pass
+
     def start_all_reduce(self, a):
         pass
 
     def start_reduce_scatter(self, src, dst):
         self.reduce_scatter_sum(src, dst)
+
+    def start_all_gather(self, src, dst):
+        self.all_gather(src, dst)
 
     def join(self):
         pass
@@ -108,6 +114,9 @@ class _Synchronous:
 
     def start_reduce_scatter(self, src, dst):
         self.reduce_scatter_sum(src, dst)
+
+    def start_all_gather(self, src, dst):
+        self.all_gather(src, dst)
 
     def join(self):
         pass
@@ -181,6 +190,17 @@ class SharedMemoryCommunicator(_Synchronous):
         dst[...] = gathered
         self.barrier()
 
+    def all_gather_ranges(self, buffer, ranges):
+        """buffer[start:end] of rank q's range (ranges[q]) on every rank; the ranges may differ in length."""
+        longest = max(end - start for start, end in ranges)
+        mine = np.zeros(longest, dtype=buffer.dtype)
+        start, end = ranges[self.rank]
+        mine[:end - start] = buffer[start:end]
+        every = self._exchange(mine)
+        for q, (start, end) in enumerate(ranges):
+            buffer[start:end] = every[q, :end - start]
+        self.barrier()
+
     def broadcast(self, a, root=0):
         value = self._exchange(a)[root].copy()
         self.barrier()
@@ -231,7 +251,8 @@ class NcclCommunicator:
         self._cupy, self._nccl = cupy, nccl
         self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
                        np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.int64): nccl.NCCL_INT64,
-                       np.dtype(np.uint8): nccl.NCCL_UINT8}
+                       np.dtype(np.uint8): nccl.NCCL_UINT8,
+                       np.dtype(np.uint16): nccl.NCCL_FLOAT16}  # bf16 weights: only moved, never summed
         if world.local_rank >= cupy.cuda.runtime.getDeviceCount():
             raise UserError(f"rank {world.rank} needs GPU {world.local_rank} (LOCAL_RANK), but this host has "
                             f"{cupy.cuda.runtime.getDeviceCount()}")
@@ -313,6 +334,24 @@ class NcclCommunicator:
         self._ordered(self._run("all-gather", lambda stream: self._comm.allGather(
             src.data.ptr, dst.data.ptr, src.size, dtype, stream)))
 
+    def all_gather_ranges(self, buffer, ranges):
+        """buffer[start:end] of rank q's range (ranges[q]) on every rank, in place; the ranges may differ in
+        length (one broadcast from each rank, grouped into one launch)."""
+        dtype, nccl = self._args(buffer), self._nccl
+
+        def gather(stream):
+            nccl.groupStart()
+            for root, (start, end) in enumerate(ranges):
+                piece = buffer[start:end]
+                self._comm.broadcast(piece.data.ptr, piece.data.ptr, piece.size, dtype, root, stream)
+            nccl.groupEnd()
+        self._ordered(self._run("all-gather", gather))
+
+    def start_all_gather(self, src, dst):
+        dtype = self._args(src)
+        self._started = self._run("all-gather", lambda stream: self._comm.allGather(
+            src.data.ptr, dst.data.ptr, src.size, dtype, stream))
+
     def start_all_reduce(self, a):
         dtype = self._args(a)
         self._started = self._run("all-reduce", lambda stream: self._comm.allReduce(
@@ -363,9 +402,24 @@ def broadcast_text(comm, text):
 
 
 # ------------------------------------------------------------------------------------- the optimizer step
-def bucket_elements():
-    """Elements of float32 in a gradient bucket at least: NANOEULER_BUCKET_MB MiB (default DEFAULT_BUCKET_MB)."""
-    return int(env_float("NANOEULER_BUCKET_MB", DEFAULT_BUCKET_MB, minimum=0.0) * 2 ** 20 / 4)
+def bucket_elements(hosts):
+    """Elements of float32 in a gradient bucket at least: NANOEULER_BUCKET_MB MiB; by default one bucket (the
+    whole buffer, reduced after the backward pass) when the ranks share one host, DEFAULT_BUCKET_MB across
+    hosts (docs/multi-gpu.md says why)."""
+    default = DEFAULT_BUCKET_MB if hosts > 1 else float("inf")
+    megabytes = env_float("NANOEULER_BUCKET_MB", default, minimum=0.0)
+    return megabytes * 2 ** 20 / 4
+
+
+def count_hosts(comm):
+    """How many hosts the ranks run on (a collective): by host name, and the node rank that `--nnodes` gives
+    each launcher (GROUP_RANK, also torchrun's), so that nodes simulated on one machine count apart."""
+    import hashlib
+    import socket
+    name = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+    ids = np.zeros(comm.world_size, dtype=np.float64)
+    ids[comm.rank] = int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")  # exact in a float64
+    return len(set(comm.all_reduce_sum(ids).tolist()))
 
 
 def bucket_plan(ready_offsets, total, world_size, min_elements):
@@ -373,8 +427,8 @@ def bucket_plan(ready_offsets, total, world_size, min_elements):
     they are reduced. ready_offsets are where the backward pass has made every gradient final from the offset
     to the end, in the order it gets there (descending, the last 0: Engine.gradient_offsets). A bucket closes
     at the first of them, rounded up to a multiple of world_size, that leaves it min_elements or more; so
-    every bucket's size is a multiple of world_size (ZeRO-1 splits each into world_size equal pieces) and
-    holds only final gradients when it is reduced."""
+    every bucket's size is a multiple of world_size (each splits into world_size equal pieces) and holds only
+    final gradients when it is reduced."""
     end = -(-total // world_size) * world_size
     buckets = []
     for offset in ready_offsets:
@@ -386,8 +440,8 @@ def bucket_plan(ready_offsets, total, world_size, min_elements):
 
 
 def shard_pieces(buckets, rank, world_size):
-    """ZeRO-1's shard of `rank`: its piece of every bucket, [(flat start, flat end, offset in the shard)], in
-    the order of the buckets; every rank's shard has the same size, the sum of the pieces."""
+    """The pieces of `rank`: the rank-th of the world_size equal pieces of every bucket, [(flat start, flat end,
+    offset in the shard)], in the order of the buckets; every rank's shard has the same size, their sum."""
     pieces, offset = [], 0
     for start, end in buckets:
         size = (end - start) // world_size
@@ -398,39 +452,47 @@ def shard_pieces(buckets, rank, world_size):
 
 class DataParallel:
     """The parts of a training step that change with N ranks, around an engine and an optimizer that know
-    nothing of them.
+    nothing of them. Each of the N ranks owns the rank-th of N equal pieces of every gradient bucket
+    (bucket_plan, shard_pieces). A step:
 
-    The flat gradient buffer is cut into buckets (bucket_plan) that the step's last backward pass fills from
-    the end (the heads first, the embedding last). As each bucket's gradients become final the engine says
-    so (Engine.gradients_ready) and its reduction starts on the communicator's stream, beside the rest of
-    the backward pass; step() joins them, so only the last bucket's reduction is not hidden.
-
-    Without ZeRO every bucket is all-reduced and every rank takes the same AdamW step over all the weights.
-    With zero (ZeRO stage 1) every bucket is reduce-scattered: rank r keeps the r-th of its N equal pieces
-    and the AdamW moments of those pieces only (1/N of their memory, AdamW.shard), updates those pieces of
-    the weights, and an all-gather of each bucket hands every rank all the updated weights. The clipping
-    norm is the global one (an all-reduce of the shards' sums of squares). In a world of one this is exactly
-    AdamW.step."""
+    1. The gradients are reduce-scattered, each rank receiving the sum of its pieces, in place. With one bucket
+       (the default on one host) that is one collective after the backward pass; with several (across hosts)
+       each bucket's starts on the communicator's stream as soon as the backward pass has finished it
+       (Engine.gradients_ready), beside the rest of the pass. (Without ZeRO and with several buckets, the
+       buckets are all-reduced instead.)
+    2. The global gradient norm for clipping: each rank's sum of squares of its pieces, summed over the ranks
+       in one host collective together with the step's losses, tokens and Ctrl-C flags (`values`).
+    3. The AdamW update:
+       - without ZeRO every rank holds all the moments and takes the same update of all the weights: its own
+         pieces first, while an all-gather brings it the others' summed gradients, then the rest;
+       - with zero (ZeRO stage 1) rank r holds the moments of its pieces only (1/N of their memory,
+         AdamW.shard) and updates those pieces of the weights (the float32 master weights, and in bf16 the
+         compute copy in the same pass); then an all-gather hands every rank the updated compute weights: in
+         bf16 the bf16 copy only (half the bytes), so another rank's pieces of the float32 master weights are
+         stale, and a checkpoint gathers them (params_numpy, a collective).
+    In a world of one this is exactly AdamW.step."""
 
     def __init__(self, eng, optimizer, comm=None, zero=False, min_bucket=None):
         self.eng, self.comm = eng, comm or SingleProcess()
         n, r = self.comm.world_size, self.comm.rank
         self.zero = zero and n > 1
         self.optimizer = optimizer
-        self.buckets, self._launched = [], 0
+        self._launched, self.buckets, self.bf16_gather = 0, [], False
         if n == 1:
             return
         self.comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
         eng.sync_weights()
         eng.pad_buffers(n)
-        self.buckets = bucket_plan(eng.gradient_offsets(), eng.params.size, n,
-                                   bucket_elements() if min_bucket is None else min_bucket)
-        eng.gradients_ready = self._gradients_ready
+        minimum = bucket_elements(count_hosts(self.comm)) if min_bucket is None else min_bucket
+        self.buckets = bucket_plan(eng.gradient_offsets(), eng.params.size, n, minimum)
+        if len(self.buckets) > 1:
+            eng.gradients_ready = self._gradients_ready
+        self.pieces = [shard_pieces(self.buckets, q, n) for q in range(n)]
+        self.mine = self.pieces[r]
+        self.bf16_gather = self.zero and eng.weights is not eng.params
         if self.zero:
-            self.pieces = shard_pieces(self.buckets, r, n)
             # the full moments are dropped: that is the memory saved
-            self.optimizer = optimizer.shard(eng, [(start, end) for start, end, _ in self.pieces])
-            self.grad_shard = eng.xp.empty(self.optimizer.m.size, dtype=eng.dtype)
+            self.optimizer = optimizer.shard(eng, [(start, end) for start, end, _ in self.mine])
             if eng.device_memory() is not None:
                 eng.xp.get_default_memory_pool().free_all_blocks()  # so that CuPy's pool hands it back
 
@@ -440,37 +502,74 @@ class DataParallel:
         while self._launched < len(self.buckets) and self.buckets[self._launched][0] >= offset:
             start, end = self.buckets[self._launched]
             if self.zero:
-                _, _, at = self.pieces[self._launched]
-                size = (end - start) // self.comm.world_size
-                self.comm.start_reduce_scatter(grads[start:end], self.grad_shard[at:at + size])
+                mine, mine_end, _ = self.mine[self._launched]
+                self.comm.start_reduce_scatter(grads[start:end], grads[mine:mine_end])
             else:
                 self.comm.start_all_reduce(grads[start:end])
             self._launched += 1
 
     def sum(self, values):
-        """Every rank's values (floats) summed, as a list of floats: the step's losses, tokens and stop flags."""
+        """Every rank's values (floats) summed, as a list of floats."""
         return [float(v) for v in self.comm.all_reduce_sum(np.array(values, dtype=np.float64))]
 
     def any(self, flag):
         """True on every rank when flag is true on any (a Ctrl-C that reached the ranks at different steps)."""
         return self.sum([float(flag)])[0] > 0
 
-    def step(self, lr, weight_decay, grad_clip):
-        """Sum the ranks' gradients (what the backward pass has not started yet, then all of it joined), clip to
-        the global norm, one AdamW step; returns the norm."""
+    def step(self, lr, weight_decay, grad_clip, values=()):
+        """Sum the ranks' gradients, clip to the global norm, one AdamW step. Returns (the norm, `values` summed
+        over the ranks): the step's other sums ride on the norm's collective."""
         eng, comm, opt = self.eng, self.comm, self.optimizer
-        if self.buckets:
+        if comm.world_size == 1:
+            return opt.step(eng, lr, weight_decay, grad_clip), [float(v) for v in values]
+        grads, every_bucket = eng.grads_padded, len(self.buckets) > 1
+        if every_bucket:  # started by the backward pass: what it did not start, then all of it joined
             self._gradients_ready(0)
-            self._launched = 0
             comm.join()
-        if not self.zero:
-            return opt.step(eng, lr, weight_decay, grad_clip)
-        norm = math.sqrt(comm.all_reduce_sum(np.array([opt.squared_norm(self.grad_shard)]))[0])
-        opt.update_pieces(eng.params_padded, self.grad_shard, self.pieces, lr, weight_decay, clip_scale(norm, grad_clip))
-        for (start, end), (mine, mine_end, _) in zip(self.buckets, self.pieces):
-            comm.all_gather(eng.params_padded[mine:mine_end], eng.params_padded[start:end])
-        eng.sync_weights()
-        return norm
+        else:
+            (start, end), (mine, mine_end, _) = self.buckets[0], self.mine[0]
+            comm.reduce_scatter_sum(grads[start:end], grads[mine:mine_end])
+        self._launched = 0
+        if every_bucket and not self.zero:  # all-reduced: every rank has every sum
+            norm = math.sqrt(opt.squared_norm(eng.grads))
+            copy = None if eng.weights is eng.params else eng.weights
+            opt.update(eng.params, eng.grads, lr, weight_decay, clip_scale(norm, grad_clip), copy)
+            return norm, self.sum(values)
+        squares = sum(opt.squared_norm(grads[start:end]) for start, end, _ in self.mine)
+        squares, *totals = self.sum([squares, *values])
+        norm = math.sqrt(squares)
+        scale = clip_scale(norm, grad_clip)
+        copy = None if eng.weights is eng.params else eng.weights
+        if not self.zero:  # the others' pieces of the summed gradients arrive while this rank updates its own
+            (start, end), (mine, mine_end, _) = self.buckets[0], self.mine[0]
+            comm.start_all_gather(grads[mine:mine_end], grads[start:end])
+            own = [(a, b, a) for a, b, _ in self.mine]
+            opt.update_pieces(eng.params_padded, grads, own, lr, weight_decay, scale, copy)
+            comm.join()
+            others = [(a, b, a) for q, pieces in enumerate(self.pieces) if q != comm.rank for a, b, _ in pieces]
+            opt.update_pieces(eng.params_padded, grads, others, lr, weight_decay, scale, copy, count=False)
+            return norm, totals
+        opt.update_pieces(eng.params_padded, grads, self.mine, lr, weight_decay, scale, copy)
+        if self.bf16_gather:
+            for index in range(len(self.buckets)):
+                comm.all_gather_ranges(eng.weights, self._ranges(index))
+        else:
+            for (start, end), (mine, mine_end, _) in zip(self.buckets, self.mine):
+                comm.all_gather(eng.params_padded[mine:mine_end], eng.params_padded[start:end])
+        return norm, totals
+
+    def _ranges(self, index):
+        """Every rank's piece of bucket `index`, cut at the end of the (unpadded) parameters."""
+        total = self.eng.params.size
+        return [(min(start, total), min(end, total)) for start, end, _ in (p[index] for p in self.pieces)]
+
+    def params_numpy(self):
+        """The float32 weights as a host array, for a checkpoint; with ZeRO in bf16 a collective (every rank
+        must call it): the other ranks' pieces of the master weights are gathered."""
+        if self.bf16_gather:
+            for index in range(len(self.buckets)):
+                self.comm.all_gather_ranges(self.eng.params, self._ranges(index))
+        return self.eng.params_numpy()
 
     def opt_state_numpy(self):
         """The full AdamW moments (m, v) as float32 host arrays, for a checkpoint that any number of ranks (or
@@ -485,7 +584,7 @@ class DataParallel:
             every = to_numpy(gathered).reshape(n, size)
             full = np.empty(self.eng.params_padded.size, dtype=np.float32)
             for rank in range(n):
-                for start, end, at in shard_pieces(self.buckets, rank, n):
+                for start, end, at in self.pieces[rank]:
                     full[start:end] = every[rank, at:at + end - start]
             out.append(full[:total])
         return tuple(out)

@@ -182,13 +182,14 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
     sample = {}  # the last sample printed and its step, kept in the checkpoint for the report
 
     def save(step):
-        m, v = parallel.opt_state_numpy()  # every rank: with ZeRO the moments are gathered from all
+        # every rank: with ZeRO the moments (and in bf16 the master weights) are gathered from all
+        params, (m, v) = parallel.params_numpy(), parallel.opt_state_numpy()
         if main:
             state = dict(train_state or {}, hyper=dataclasses.asdict(hp), source=source.state(),
                          opt_step=parallel.optimizer.steps, world_size=parallel.comm.world_size, **sample)
             if os.path.abspath(log_path) != os.path.abspath(os.path.splitext(out)[0] + ".jsonl"):
                 state.update(log=os.path.abspath(log_path))  # the report finds a log elsewhere than beside `out`
-            checkpoint.save(out, eng.cfg, eng.params_numpy(), tok.to_json(), step, opt=(m, v),
+            checkpoint.save(out, eng.cfg, params, tok.to_json(), step, opt=(m, v),
                             train_state=state, chat=chat)
             write_report(out)
 
@@ -203,14 +204,13 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
                 t0 = time.perf_counter()
                 lr = lr_at(hp, step)
                 shares, tokens = objective.train_step(eng, source.next(), hp)
-                # one collective a step for the ranks' losses, tokens and Ctrl-C flags; before the optimizer
-                # step, so that the host goes on to the next batch while the GPU runs the update
-                *totals, tokens, stops = parallel.sum([*shares.values(), tokens, interrupt.requested])
+                # the ranks' losses, tokens and Ctrl-C flags summed in the collective of the gradient norm
+                grad_norm, (*totals, tokens, stops) = parallel.step(lr, hp.weight_decay, hp.grad_clip,
+                                                                    [*shares.values(), tokens, interrupt.requested])
                 losses = dict(zip(shares, totals))
                 if not all(math.isfinite(v) for v in losses.values()):
                     raise UserError(f"training diverged at step {step + 1} (loss {losses['loss']}); the last "
                                     f"checkpoint in {out} is kept; try a lower --lr")
-                grad_norm = parallel.step(lr, hp.weight_decay, hp.grad_clip)
                 step += 1
                 heartbeat()
                 stop = stops > 0
