@@ -455,11 +455,11 @@ class DataParallel:
     nothing of them. Each of the N ranks owns the rank-th of N equal pieces of every gradient bucket
     (bucket_plan, shard_pieces). A step:
 
-    1. The gradients are reduce-scattered, each rank receiving the sum of its pieces, in place. With one bucket
-       (the default on one host) that is one collective after the backward pass; with several (across hosts)
-       each bucket's starts on the communicator's stream as soon as the backward pass has finished it
-       (Engine.gradients_ready), beside the rest of the pass. (Without ZeRO and with several buckets, the
-       buckets are all-reduced instead.)
+    1. The gradients are reduce-scattered, each rank receiving the sum of its pieces, in place. Each bucket's
+       reduction starts on the communicator's stream as soon as the backward pass has finished it
+       (Engine.gradients_ready): with one bucket (the default on one host) at the pass's end, with several
+       (across hosts) beside the rest of the pass. (Without ZeRO and with several buckets, the buckets are
+       all-reduced instead.)
     2. The global gradient norm for clipping: each rank's sum of squares of its pieces, summed over the ranks
        in one host collective together with the step's losses, tokens and Ctrl-C flags (`values`).
     3. The AdamW update:
@@ -485,23 +485,21 @@ class DataParallel:
         eng.pad_buffers(n)
         minimum = bucket_elements(count_hosts(self.comm)) if min_bucket is None else min_bucket
         self.buckets = bucket_plan(eng.gradient_offsets(), eng.params.size, n, minimum)
-        if len(self.buckets) > 1:
-            eng.gradients_ready = self._gradients_ready
+        # even one bucket starts from the backward pass's end, before the host waits for the step's losses
+        eng.gradients_ready = self._gradients_ready
         self.pieces = [shard_pieces(self.buckets, q, n) for q in range(n)]
         self.mine = self.pieces[r]
         self.bf16_gather = self.zero and eng.weights is not eng.params
         if self.zero:
             # the full moments are dropped: that is the memory saved
             self.optimizer = optimizer.shard(eng, [(start, end) for start, end, _ in self.mine])
-            if eng.device_memory() is not None:
-                eng.xp.get_default_memory_pool().free_all_blocks()  # so that CuPy's pool hands it back
 
     def _gradients_ready(self, offset):
         """Start the reduction of every bucket whose gradients are all final (from `offset` on)."""
         grads = self.eng.grads_padded
         while self._launched < len(self.buckets) and self.buckets[self._launched][0] >= offset:
             start, end = self.buckets[self._launched]
-            if self.zero:
+            if self.zero or len(self.buckets) == 1:
                 mine, mine_end, _ = self.mine[self._launched]
                 self.comm.start_reduce_scatter(grads[start:end], grads[mine:mine_end])
             else:
@@ -523,12 +521,8 @@ class DataParallel:
         if comm.world_size == 1:
             return opt.step(eng, lr, weight_decay, grad_clip), [float(v) for v in values]
         grads, every_bucket = eng.grads_padded, len(self.buckets) > 1
-        if every_bucket:  # started by the backward pass: what it did not start, then all of it joined
-            self._gradients_ready(0)
-            comm.join()
-        else:
-            (start, end), (mine, mine_end, _) = self.buckets[0], self.mine[0]
-            comm.reduce_scatter_sum(grads[start:end], grads[mine:mine_end])
+        self._gradients_ready(0)  # started by the backward pass: what it did not start, then all of it joined
+        comm.join()
         self._launched = 0
         if every_bucket and not self.zero:  # all-reduced: every rank has every sum
             norm = math.sqrt(opt.squared_norm(eng.grads))

@@ -18,15 +18,22 @@ class CrossEntropy:
     ranks (fit() sums them with the other per-step numbers in one collective), and this rank's tokens."""
     ylabel = "loss (nats/token, head 0)"
 
-    def __init__(self, comm=None):
-        self.comm = comm or SingleProcess()
+    def __init__(self, comm=None, every_target=False):
+        """every_target: every rank's batches supervise every position (pretraining's windows), so the global
+        counts are this rank's times the ranks, with no collective."""
+        self.comm, self.every_target = comm or SingleProcess(), every_target
 
     def train_step(self, eng, batch, hp):
         """Gradients of this rank's batch into eng.grads; (this rank's shares of the record's loss fields, which
         add up over the ranks to the global batch's, and this rank's tokens). The global target counts are
         summed on the device: the host does not wait for them."""
         inputs, targets = batch
-        counts = self.comm.all_reduce_sum(eng.xp.asarray(supervised_counts(targets)))
+        counts = supervised_counts(targets)
+        if self.every_target:
+            assert counts.min() == targets[0].size, "a batch with unsupervised targets"
+            counts = counts * self.comm.world_size
+        else:
+            counts = self.comm.all_reduce_sum(eng.xp.asarray(counts))
         loss = loss0 = 0.0
         passes = np.array_split(np.arange(len(inputs)), hp.grad_accum)
         for i, rows in enumerate(passes):

@@ -99,7 +99,7 @@ class Pretrain(Stage):
         return "training", f"x{run.cfg.context} tokens"
 
     def objective(self, run):
-        return CrossEntropy(run.comm)
+        return CrossEntropy(run.comm, every_target=True)  # random windows: every position has its target
 
     def train_state(self, run):
         return dict(preset=self.preset, data=os.path.abspath(self.data))

@@ -136,6 +136,9 @@ def run_stage(stage, args):
     if ck is not None:
         run.source.load_state(ck.train_state["source"])
     parallel = DataParallel(eng, optimizer, run.comm, zero=getattr(args, "zero", 0) == 1)
+    del optimizer  # with ZeRO-1 the full moments it holds are dropped: that is the memory saved
+    if parallel.zero and eng.device_memory() is not None:
+        eng.xp.get_default_memory_pool().free_all_blocks()  # so that CuPy's pool hands them back
 
     slow = " (no GPU: this will be slow)" if run.device == "cpu" and wants_gpu(run.cfg) else ""
     cfg = run.cfg
