@@ -220,16 +220,15 @@ def step_time(eng, rows, repeats=200):
     step = decoder.batch_step(cache, rows, 1)
     counter = step.fields["counter"]
     counter[...] = 0
-    with eng.mode():
+    step.run()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for i in range(repeats):
+        if i % 16 == 0:
+            counter[...] = 0  # the log holds CHAINED steps
         step.run()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for i in range(repeats):
-            if i % 16 == 0:
-                counter[...] = 0  # the log holds CHAINED steps
-            step.run()
-        end.record()
-        end.synchronize()
+    end.record()
+    end.synchronize()
     decoder.release(cache)
     return cp.cuda.get_elapsed_time(start, end) / repeats
 
@@ -237,7 +236,7 @@ def step_time(eng, rows, repeats=200):
 def kernel_times(eng, rows, position, repeats=100):
     """{kernel: us} of a decoding step's kernels at `rows` sequences of one token at `position` (one layer's):
     each recorded 20 times over as a CUDA graph, the replays timed by CUDA events."""
-    cp, L, cfg, p = eng.xp, eng.layers, eng.cfg, eng.p
+    cp, layers, cfg, p = eng.xp, eng.layers, eng.cfg, eng.p
     H, G, D, C, F, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.hidden, cfg.vocab_size
     e = lambda *shape: cp.zeros(shape, dtype=eng.act)
     x, qkv, att, gate_up, sw = e(rows, C), e(rows, 1, H + 2 * G, D), e(rows, 1, H, D), e(rows, 2 * F), e(rows, F)
@@ -249,29 +248,29 @@ def kernel_times(eng, rows, position, repeats=100):
     ids = cp.zeros(rows, np.int32)
     w = "layers.0."
     calls = {
-        "qkv + norm + rope": lambda: L.rmsnorm_matmul_rope_forward(qkv, rstd, x, p[w + "attn_norm"], p[w + "wqkv"],
-                                                                  cfg.norm_eps, None, eng.cos, eng.sin, H + G, pos),
-        f"attention at {position}": lambda: L.attention_cached(att, lse, qkv, kv, H, G, pos, slots),
-        "wo, +=": lambda: L.matmul_forward(x, att.reshape(rows, -1), p[w + "wo"], accumulate=True),
-        "gate|up + norm + swiglu": lambda: L.rmsnorm_matmul_swiglu_forward(sw, gate_up, rstd, x, p[w + "ffn_norm"],
-                                                                          p[w + "w_gate_up"], cfg.norm_eps, None),
-        "down, +=": lambda: L.matmul_forward(x, sw, p[w + "w_down"], accumulate=True),
-        "head 0, float32": lambda: L.matmul_forward(logits, x, p["heads.0"]),
-        "sample, greedy": lambda: L.sample_rows(ids, logits, settings[0], cp.zeros(rows, np.float32), *settings[2:]),
-        "sample, top-p 0.95": lambda: L.sample_rows(ids, logits, *settings),
+        "qkv + norm + rope": lambda: layers.rmsnorm_matmul_rope_forward(
+            qkv, rstd, x, p[w + "attn_norm"], p[w + "wqkv"], cfg.norm_eps, None, eng.cos, eng.sin, H + G, pos),
+        f"attention at {position}": lambda: layers.attention_cached(att, lse, qkv, kv, H, G, pos, slots),
+        "wo, +=": lambda: layers.matmul_forward(x, att.reshape(rows, -1), p[w + "wo"], accumulate=True),
+        "gate|up + norm + swiglu": lambda: layers.rmsnorm_matmul_swiglu_forward(
+            sw, gate_up, rstd, x, p[w + "ffn_norm"], p[w + "w_gate_up"], cfg.norm_eps, None),
+        "down, +=": lambda: layers.matmul_forward(x, sw, p[w + "w_down"], accumulate=True),
+        "head 0, float32": lambda: layers.matmul_forward(logits, x, p["heads.0"]),
+        "sample, greedy": lambda: layers.sample_rows(ids, logits, settings[0], cp.zeros(rows, np.float32),
+                                                     *settings[2:]),
+        "sample, top-p 0.95": lambda: layers.sample_rows(ids, logits, *settings),
     }
     out = {}
-    with eng.mode():
-        for name, call in calls.items():
-            replay = L.graph(lambda: [call() for _ in range(20)])
-            replay()  # records
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            for _ in range(repeats // 20):
-                replay()
-            end.record()
-            end.synchronize()
-            out[name] = 1e3 * cp.cuda.get_elapsed_time(start, end) / (repeats // 20 * 20)
+    for name, call in calls.items():
+        replay = layers.graph(lambda: [call() for _ in range(20)])
+        replay()  # records
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(repeats // 20):
+            replay()
+        end.record()
+        end.synchronize()
+        out[name] = 1e3 * cp.cuda.get_elapsed_time(start, end) / (repeats // 20 * 20)
     return out
 
 

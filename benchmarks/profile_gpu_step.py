@@ -1,9 +1,9 @@
 """Where a GPU training step's time goes: CUDA events around every layer call of the engine.
 
-Each layer function of nanoeuler.model.gpu.layers is wrapped with a pair of CUDA events (on the current stream,
-so the timing adds no synchronisation inside the step); after the timed steps the per-function totals are
-printed, sorted, as ms per step and share of the step. The events themselves cost a few microseconds per
-call, so the sum is a little above the plain step time that bench_gpu_train.py reports.
+Each layer function of the engine's layers (a nanoeuler.model.gpu.layers.Layers) is wrapped with a pair of CUDA
+events (on the current stream, so the timing adds no synchronisation inside the step); after the timed steps
+the per-function totals are printed, sorted, as ms per step and share of the step. The events themselves cost
+a few microseconds per call, so the sum is a little above the plain step time that bench_gpu_train.py reports.
 
     PYTHONPATH=. python3 benchmarks/profile_gpu_step.py                            # base, 16 x 512, bf16
     PYTHONPATH=. python3 benchmarks/profile_gpu_step.py --precision tf32 --batch-size 32
@@ -25,8 +25,9 @@ LAYER_FUNCTIONS = ("matmul_forward", "matmul_backward", "embedding_forward", "em
                    "crossentropy_forward_backward", "adamw_update", "sum_squares", "cast_params")
 
 
-def instrument(L, events):
-    """Replace each layer function by one that records (name, start, end) events around the call."""
+def instrument(layers, events):
+    """Replace each layer function of `layers` (an engine's; its other callers, the fused products, see the
+    replacement too) by one that records (name, start, end) events around the call."""
     import cupy
 
     def wrap(name, fn):
@@ -40,7 +41,7 @@ def instrument(L, events):
             return out
         return timed
     for name in LAYER_FUNCTIONS:
-        setattr(L, name, wrap(name, getattr(L, name)))
+        setattr(layers, name, wrap(name, getattr(layers, name)))
 
 
 def main():
@@ -52,7 +53,6 @@ def main():
     args = ap.parse_args()
 
     import cupy
-    from nanoeuler.model.gpu import layers as L
     from nanoeuler.model.engine import make_engine
 
     cfg = PRESETS[args.preset]
@@ -73,7 +73,7 @@ def main():
     plain = 1e3 * (time.perf_counter() - t) / args.steps
 
     events = []
-    instrument(L, events)
+    instrument(eng.layers, events)
     for _ in range(args.steps):
         step()
     cupy.cuda.Device().synchronize()

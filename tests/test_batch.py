@@ -213,18 +213,17 @@ def test_without_batch_invariance_products_are_blas_and_tokens_stay(eng):
     """make_engine(batch_invariant=False) (`--no-batch-invariance`): a few rows' products are BLAS's, bit for bit,
     where the invariant engine's are _matmul_rows's; the greedy tokens of a batch, whose logits then differ by
     rounding only, are the invariant engine's."""
-    from nanoeuler.model.cpu import layers
+    from nanoeuler.model.cpu.layers import Layers, _matmul_rows
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal((5, 48), np.float32), rng.standard_normal((37, 48), np.float32)
     outs = {}
     for on in (True, False):
         out = np.empty((5, 37), np.float32)
-        with layers.batch_invariant(on):
-            layers.matmul_forward(out, x, w)
+        Layers("fp32", batch_invariant=on).matmul_forward(out, x, w)
         outs[on] = out
     assert np.array_equal(outs[False], x @ w.T)
     reference = np.empty_like(outs[True])
-    layers._matmul_rows(reference, x, w, False)
+    _matmul_rows(reference, x, w, False)
     assert np.array_equal(outs[True], reference) and not np.array_equal(outs[True], outs[False])
     loose = make_engine(eng.cfg, batch_invariant=False)
     loose.load_params(eng.params)

@@ -9,13 +9,14 @@ import pytest
 
 from nanoeuler.check.gradients import CHECK_CONFIGS, gradient_check
 from nanoeuler.model.config import PRESETS, Config, param_count, param_layout, rope_tables, views
-from nanoeuler.model.cpu import layers as cpu_layers
+from nanoeuler.model.cpu.layers import Layers
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.model.losses import cross_entropy_backward
 from nanoeuler.check.problems import random_problem, relative_error
 
 rng = np.random.default_rng(1234)
+cpu_layers = Layers("fp32", batch_invariant=True)  # the CPU engine's layers, as make_engine makes them
 
 
 def numeric_grad(loss, x, h=1e-4):
@@ -265,7 +266,7 @@ def test_gradient_check_detects_a_wrong_backward(monkeypatch):
         broken(dgate_up, dout, gate_up)
         dgate_up *= 1.001
 
-    monkeypatch.setattr(cpu_layers, "swiglu_backward", wrong)
+    monkeypatch.setattr(Layers, "swiglu_backward", staticmethod(wrong))  # in every engine's layers
     errors = gradient_check(CHECK_CONFIGS[1], samples=2, seed=5, report=lambda line: None)
     assert errors["layers.0.w_gate"] > 1e-4 and errors["final_norm"] < 1e-6
 

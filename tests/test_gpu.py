@@ -2,12 +2,15 @@
 as in CI); everything else needs a CUDA GPU and is skipped without one: each kernel against its CPU layer in
 every precision, the whole model's gradients against the CPU engine's, determinism, a few training steps on
 both engines, and bit-exact repeat and resume of GPU training runs."""
+import ast
+import pathlib
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
+import nanoeuler.model
 import nanoeuler.model.gpu
 from nanoeuler.model.gpu.constants import KERNELS, module_defines, module_variants
 from nanoeuler.check.gpu import BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TOL, _Case, model_check
@@ -52,12 +55,46 @@ def test_cuda_sources_compile(tmp_path):
                                              for precision in check.precisions],
                          ids=lambda v: v if isinstance(v, str) else v.__name__[len("check_"):])
 def test_kernel_matches_cpu_layer(check, precision):
-    from nanoeuler.model.cpu import layers as cpu_layers
-    from nanoeuler.model.gpu import layers as gpu_layers
+    from nanoeuler.model.cpu.layers import Layers as CPULayers
+    from nanoeuler.model.gpu.layers import Layers as GPULayers
 
-    with gpu_layers.precision(precision):
-        for label, err, tol in check(_Case(np.random.default_rng(11), precision), gpu_layers, cpu_layers):
-            assert err <= tol, f"{label}: {err:.2e} > {tol:.0e}"
+    gpu_layers, cpu_layers = GPULayers(precision, batch_invariant=True), CPULayers("fp32", batch_invariant=True)
+    for label, err, tol in check(_Case(np.random.default_rng(11), precision), gpu_layers, cpu_layers):
+        assert err <= tol, f"{label}: {err:.2e} > {tol:.0e}"
+
+
+def test_gpu_layers_mirror_the_cpu_layers():
+    """gpu/layers.py's Layers has the methods of cpu/layers.py's, in the same order (cast_params, which writes
+    the bf16 compute copy, is the GPU's alone); read with ast, so it runs without a GPU."""
+    def methods(module):
+        tree = ast.parse((pathlib.Path(nanoeuler.model.__file__).parent / module).read_text())
+        layers = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Layers")
+        # in the order of the class body: methods (def) and the module's functions bound as they are (name = ...)
+        names = [node.name if isinstance(node, ast.FunctionDef) else node.targets[0].id for node in layers.body
+                 if isinstance(node, (ast.FunctionDef, ast.Assign))]
+        return [name for name in names if not name.startswith("_")]
+
+    cpu, gpu = methods("cpu/layers.py"), methods("gpu/layers.py")
+    assert [name for name in gpu if name != "cast_params"] == cpu
+    assert "matmul_forward" in cpu and cpu[-1] == "graph"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_two_gpu_engines_of_different_precision_do_not_interfere():
+    """Each engine's layers carry its precision: an fp32 engine's logits are the same bits before and after a
+    tf32 engine ran in between, and the tf32 engine's differ (its products round to TF32)."""
+    from nanoeuler.check.gpu import MODEL_CONFIG
+    from nanoeuler.check.problems import random_problem
+    from nanoeuler.model.engine import make_engine
+
+    flat, inputs, _ = random_problem(MODEL_CONFIG, np.random.default_rng(3), batch=2)
+    fp32, tf32 = (make_engine(MODEL_CONFIG, device="gpu", precision=precision) for precision in ("fp32", "tf32"))
+    fp32.load_params(flat)
+    tf32.load_params(flat)
+    before = fp32.logits(inputs)
+    fast = tf32.logits(inputs)
+    assert np.array_equal(fp32.logits(inputs), before) and not np.array_equal(fast, before)
 
 
 @pytest.mark.gpu

@@ -102,7 +102,8 @@ def _f32(a):
     return np.asarray(a, dtype=np.float32).astype(np.float64)
 
 
-# Each check returns [(label, error, tolerance)]; L = GPU layers, R = CPU layers, c the case of one precision.
+# Each check(case, gpu_layers, cpu_layers) returns [(label, error, tolerance)]: the GPU's and the CPU's Layers (the
+# CPU's batch-invariant, as the GPU's) run on the inputs of `case`, a _Case of one precision.
 def _precisions(*names):
     def mark(check):
         check.precisions = names
@@ -110,32 +111,32 @@ def _precisions(*names):
     return mark
 
 
-def _matmul_forward_lines(c, L, R, N, I, O, what):
+def _matmul_forward_lines(case, gpu_layers, cpu_layers, N, I, O, what):
     """matmul_forward accumulating into act_t, and into float32 from bf16 operands (the decode logits)."""
-    x, w, base = c.act(c.normal(N, I)), c.act(c.normal(O, I)), c.act(c.normal(N, O))
+    x, w, base = case.act(case.normal(N, I)), case.act(case.normal(O, I)), case.act(case.normal(N, O))
     ref = base.copy()
-    R.matmul_forward(ref, x, w, accumulate=True)
-    g = c.dev(base)
-    L.matmul_forward(g, c.dev(x), c.dev(w), accumulate=True)
+    cpu_layers.matmul_forward(ref, x, w, accumulate=True)
+    g = case.dev(base)
+    gpu_layers.matmul_forward(g, case.dev(x), case.dev(w), accumulate=True)
     ref32 = np.empty((N, O))
-    R.matmul_forward(ref32, x, w)
-    g32 = c.poisoned32(N, O)
-    L.matmul_forward(g32, c.dev(x), c.dev(w))
-    return x, w, [(f"matmul_forward{c.tag} {what}, +=", rel_err(c.get(g), ref), c.tol),
-                  (f"matmul_forward{c.tag} {what}, float32 out", rel_err(c.get(g32), ref32), c.tol)]
+    cpu_layers.matmul_forward(ref32, x, w)
+    g32 = case.poisoned32(N, O)
+    gpu_layers.matmul_forward(g32, case.dev(x), case.dev(w))
+    return x, w, [(f"matmul_forward{case.tag} {what}, +=", rel_err(case.get(g), ref), case.tol),
+                  (f"matmul_forward{case.tag} {what}, float32 out", rel_err(case.get(g32), ref32), case.tol)]
 
 
 @_precisions("fp32", "tf32", "bf16")
-def check_matmul(c, L, R):
+def check_matmul(case, gpu_layers, cpu_layers):
     N, I, O = 77, 45, 51
-    x, w, out = _matmul_forward_lines(c, L, R, N, I, O, f"{N}x{I} @ {O}x{I}.T")
-    dout, base_dw = c.act(c.normal(N, O)), _f32(c.normal(O, I))
+    x, w, out = _matmul_forward_lines(case, gpu_layers, cpu_layers, N, I, O, f"{N}x{I} @ {O}x{I}.T")
+    dout, base_dw = case.act(case.normal(N, O)), _f32(case.normal(O, I))
     rdx, rdw = np.empty((N, I)), base_dw.copy()
-    R.matmul_backward(rdx, rdw, dout, x, w)
-    gdx, gdw = c.poisoned(N, I), c.dev32(base_dw)
-    L.matmul_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w))
-    out += [(f"matmul_backward{c.tag} dx", rel_err(c.get(gdx), rdx), c.tol),
-            (f"matmul_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
+    cpu_layers.matmul_backward(rdx, rdw, dout, x, w)
+    gdx, gdw = case.poisoned(N, I), case.dev32(base_dw)
+    gpu_layers.matmul_backward(gdx, gdw, case.dev(dout), case.dev(x), case.dev(w))
+    out += [(f"matmul_backward{case.tag} dx", rel_err(case.get(gdx), rdx), case.tol),
+            (f"matmul_backward{case.tag} dw (float32, +=)", rel_err(case.get(gdw), rdw), case.tol)]
     # decoding's few rows (the matrix-vector kernel, up to FEW_ROWS): 16-byte loads, and an odd row length
     # without them, rows split over 1 to 16 warps, in 1 to 4 rounds; the same kernel with RMSNorm (C = I)
     # folded in front, and with SwiGLU after
@@ -144,157 +145,166 @@ def check_matmul(c, L, R):
     for N, I, O in ((1, 64, 77), (FEW_ROWS, 136, 33), (3, 45, 51), (2, 1000, 40), (1, 2048, 24), (1, 8192, 16),
                     (3, 4100, 9), (13, 45, 51), (37, 1000, 40), (50, 136, 33), (FEW_ROWS, 256, 72), (37, 384, 24),
                     (50, 2048, 20)):
-        x, w, lines = _matmul_forward_lines(c, L, R, N, I, O, f"{N} rows (matrix-vector) I={I} O={O}")
-        gain = c.act(1 + c.normal(I, scale=0.3))
+        x, w, lines = _matmul_forward_lines(case, gpu_layers, cpu_layers, N, I, O,
+                                            f"{N} rows (matrix-vector) I={I} O={O}")
+        gain = case.act(1 + case.normal(I, scale=0.3))
         ref, rstd, xn = np.empty((N, O)), np.empty(N), np.empty((N, I))
-        R.rmsnorm_matmul_forward(ref, rstd, x, gain, w, 1e-5, xn)
-        g, grstd = c.poisoned(N, O), c.poisoned32(N)
-        L.rmsnorm_matmul_forward(g, grstd, c.dev(x), c.dev(gain), c.dev(w), 1e-5, None)  # no xn: the fused kernel
-        out += lines + [(f"rmsnorm_matmul_forward{c.tag} {N} rows", rel_err(c.get(g), ref), c.tol),
-                        (f"rmsnorm_matmul_forward{c.tag} {N} rows rstd", rel_err(c.get(grstd), rstd), c.tol)]
-        w2 = c.act(c.normal(2 * O, I))
+        cpu_layers.rmsnorm_matmul_forward(ref, rstd, x, gain, w, 1e-5, xn)
+        g, grstd = case.poisoned(N, O), case.poisoned32(N)
+        # no xn: the fused kernel
+        gpu_layers.rmsnorm_matmul_forward(g, grstd, case.dev(x), case.dev(gain), case.dev(w), 1e-5, None)
+        out += lines + [(f"rmsnorm_matmul_forward{case.tag} {N} rows", rel_err(case.get(g), ref), case.tol),
+                        (f"rmsnorm_matmul_forward{case.tag} {N} rows rstd", rel_err(case.get(grstd), rstd), case.tol)]
+        w2 = case.act(case.normal(2 * O, I))
         ref_gu, ref_sw = np.empty((N, 2 * O)), np.empty((N, O))
-        R.rmsnorm_matmul_swiglu_forward(ref_sw, ref_gu, rstd, x, gain, w2, 1e-5, xn)
-        gsw, ggu = c.poisoned(N, O), c.poisoned(N, 2 * O)
-        L.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, c.dev(x), c.dev(gain), c.dev(w2), 1e-5, None)
-        out += [(f"rmsnorm_matmul_swiglu_forward{c.tag} {N} rows gate|up", rel_err(c.get(ggu), ref_gu), c.tol),
-                (f"rmsnorm_matmul_swiglu_forward{c.tag} {N} rows out", rel_err(c.get(gsw), ref_sw), c.tol)]
+        cpu_layers.rmsnorm_matmul_swiglu_forward(ref_sw, ref_gu, rstd, x, gain, w2, 1e-5, xn)
+        gsw, ggu = case.poisoned(N, O), case.poisoned(N, 2 * O)
+        gpu_layers.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, case.dev(x), case.dev(gain), case.dev(w2), 1e-5, None)
+        out += [(f"rmsnorm_matmul_swiglu_forward{case.tag} {N} rows gate|up", rel_err(case.get(ggu), ref_gu), case.tol),
+                (f"rmsnorm_matmul_swiglu_forward{case.tag} {N} rows out", rel_err(case.get(gsw), ref_sw), case.tol)]
     # the qkv product with the rotary embedding of its first 3 of 5 heads, 2 sequences of 3 rows at position 5
     (B, T, NH, D), I = (2, 3, 5, 8), 136
-    x, w, gain = c.act(c.normal(B * T, I)), c.act(c.normal(NH * D, I)), c.act(1 + c.normal(I, scale=0.3))
+    x, w = case.act(case.normal(B * T, I)), case.act(case.normal(NH * D, I))
+    gain = case.act(1 + case.normal(I, scale=0.3))
     cos, sin = (_f32(t) for t in rope_tables(D, 16, 10000.0, np.float64))
     pos = np.full(1, 5, np.int32)
     ref, rstd, xn = np.empty((B, T, NH, D)), np.empty(B * T), np.empty((B * T, I))
-    R.rmsnorm_matmul_rope_forward(ref, rstd, x, gain, w, 1e-5, xn, cos, sin, 3, pos)
-    g = c.poisoned(B, T, NH, D)
-    L.rmsnorm_matmul_rope_forward(g, c.poisoned32(B * T), c.dev(x), c.dev(gain), c.dev(w), 1e-5, None,
-                                  c.dev32(cos), c.dev32(sin), 3, c.cp.asarray(pos))
-    out.append((f"rmsnorm_matmul_rope_forward{c.tag} {B}x{T} rows, 3 of 5 heads rotated", rel_err(c.get(g), ref), c.tol))
+    cpu_layers.rmsnorm_matmul_rope_forward(ref, rstd, x, gain, w, 1e-5, xn, cos, sin, 3, pos)
+    g = case.poisoned(B, T, NH, D)
+    gpu_layers.rmsnorm_matmul_rope_forward(g, case.poisoned32(B * T), case.dev(x), case.dev(gain), case.dev(w), 1e-5,
+                                           None, case.dev32(cos), case.dev32(sin), 3, case.cp.asarray(pos))
+    out.append((f"rmsnorm_matmul_rope_forward{case.tag} {B}x{T} rows, 3 of 5 heads rotated", rel_err(case.get(g), ref),
+                case.tol))
     # batched decoding: 19 sequences of one row, each at its own position
-    B, pos = 19, c.rng.integers(0, 16, 19).astype(np.int32)
-    x = c.act(c.normal(B, I))
+    B, pos = 19, case.rng.integers(0, 16, 19).astype(np.int32)
+    x = case.act(case.normal(B, I))
     ref = np.empty((B, 1, NH, D))
-    R.rmsnorm_matmul_rope_forward(ref, np.empty(B), x, gain, w, 1e-5, np.empty((B, I)), cos, sin, 3, pos)
-    g = c.poisoned(B, 1, NH, D)
-    L.rmsnorm_matmul_rope_forward(g, c.poisoned32(B), c.dev(x), c.dev(gain), c.dev(w), 1e-5, None,
-                                  c.dev32(cos), c.dev32(sin), 3, c.cp.asarray(pos))
-    out.append((f"rmsnorm_matmul_rope_forward{c.tag} {B} sequences at their own positions", rel_err(c.get(g), ref),
-                c.tol))
+    cpu_layers.rmsnorm_matmul_rope_forward(ref, np.empty(B), x, gain, w, 1e-5, np.empty((B, I)), cos, sin, 3, pos)
+    g = case.poisoned(B, 1, NH, D)
+    gpu_layers.rmsnorm_matmul_rope_forward(g, case.poisoned32(B), case.dev(x), case.dev(gain), case.dev(w), 1e-5, None,
+                                           case.dev32(cos), case.dev32(sin), 3, case.cp.asarray(pos))
+    out.append((f"rmsnorm_matmul_rope_forward{case.tag} {B} sequences at their own positions",
+                rel_err(case.get(g), ref), case.tol))
     # batch invariance: a row's bits are the same in a product of 1, 5, 20 or 64 rows, wherever it sits (64 rows
     # of a product this narrow are split over blocks of 16), plain, accumulating, with RMSNorm folded in (its rstd
     # too), with SwiGLU and with the rotary embedding (a sequence a row, each at its own position); rows of 1000
     # (a warp's k-slice of 128 partly past the end) and of 256 (whole slices)
     NH, D = 6, 8
-    cos, sin = (c.dev32(_f32(t)) for t in rope_tables(D, 16, 10000.0, np.float64))
-    pos = c.rng.integers(0, 16, FEW_ROWS).astype(np.int32)
+    cos, sin = (case.dev32(_f32(t)) for t in rope_tables(D, 16, 10000.0, np.float64))
+    pos = case.rng.integers(0, 16, FEW_ROWS).astype(np.int32)
     for I in (1000, 256):
         O = NH * D
-        x, w, gain = c.act(c.normal(FEW_ROWS, I)), c.act(c.normal(O, I)), c.act(1 + c.normal(I, scale=0.3))
-        base = c.act(c.normal(FEW_ROWS, O))
-        dx, dw, dgain = c.dev(x), c.dev(w), c.dev(gain)
+        x, w = case.act(case.normal(FEW_ROWS, I)), case.act(case.normal(O, I))
+        gain = case.act(1 + case.normal(I, scale=0.3))
+        base = case.act(case.normal(FEW_ROWS, O))
+        dx, dw, dgain = case.dev(x), case.dev(w), case.dev(gain)
 
         def plain(rows):
-            g = c.poisoned(len(rows), O)
-            L.matmul_forward(g, dx[c.cp.asarray(rows)], dw)
+            g = case.poisoned(len(rows), O)
+            gpu_layers.matmul_forward(g, dx[case.cp.asarray(rows)], dw)
             return g,
 
         def accumulating(rows):
-            g = c.dev(base[rows])
-            L.matmul_forward(g, dx[c.cp.asarray(rows)], dw, accumulate=True)
+            g = case.dev(base[rows])
+            gpu_layers.matmul_forward(g, dx[case.cp.asarray(rows)], dw, accumulate=True)
             return g,
 
         def normed(rows):
-            g, grstd = c.poisoned(len(rows), O), c.poisoned32(len(rows))
-            L.rmsnorm_matmul_forward(g, grstd, dx[c.cp.asarray(rows)], dgain, dw, 1e-5, None)
+            g, grstd = case.poisoned(len(rows), O), case.poisoned32(len(rows))
+            gpu_layers.rmsnorm_matmul_forward(g, grstd, dx[case.cp.asarray(rows)], dgain, dw, 1e-5, None)
             return g, grstd
 
         def swiglu(rows):
-            gsw, ggu, grstd = c.poisoned(len(rows), O // 2), c.poisoned(len(rows), O), c.poisoned32(len(rows))
-            L.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, dx[c.cp.asarray(rows)], dgain, dw, 1e-5, None)
+            gsw, ggu, grstd = case.poisoned(len(rows), O // 2), case.poisoned(len(rows), O), case.poisoned32(len(rows))
+            gpu_layers.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, dx[case.cp.asarray(rows)], dgain, dw, 1e-5, None)
             return gsw, ggu, grstd
 
         def rotated(rows):
-            g, grstd = c.poisoned(len(rows), 1, NH, D), c.poisoned32(len(rows))
-            L.rmsnorm_matmul_rope_forward(g, grstd, dx[c.cp.asarray(rows)], dgain, dw, 1e-5, None, cos, sin, 4,
-                                          c.cp.asarray(pos[rows]))
+            g, grstd = case.poisoned(len(rows), 1, NH, D), case.poisoned32(len(rows))
+            gpu_layers.rmsnorm_matmul_rope_forward(g, grstd, dx[case.cp.asarray(rows)], dgain, dw, 1e-5, None, cos,
+                                                   sin, 4, case.cp.asarray(pos[rows]))
             return g, grstd
 
         for name, product in (("matmul_forward", plain), ("matmul_forward +=", accumulating),
                               ("rmsnorm_matmul_forward", normed), ("rmsnorm_matmul_swiglu_forward", swiglu),
                               ("rmsnorm_matmul_rope_forward", rotated)):
-            bits = lambda rows: [c.get(a) for a in product(np.asarray(rows))]
+            bits = lambda rows: [case.get(a) for a in product(np.asarray(rows))]
             alone = [bits([r]) for r in range(FEW_ROWS)]
             same = True
             for N in (5, 20, FEW_ROWS):
-                rows = c.rng.permutation(FEW_ROWS)[:N]
+                rows = case.rng.permutation(FEW_ROWS)[:N]
                 among = bits(rows)
                 same &= all(np.array_equal(a, np.stack([alone[r][i][0] for r in rows])) for i, a in enumerate(among))
-            out.append((f"{name}{c.tag} I={I}: a row's bits alone and among 5, 20, {FEW_ROWS} rows",
-                        0.0 if same else math.inf, c.tol))
+            out.append((f"{name}{case.tag} I={I}: a row's bits alone and among 5, 20, {FEW_ROWS} rows",
+                        0.0 if same else math.inf, case.tol))
     return out
 
 
 @_precisions("fp32", "bf16")
-def check_embedding(c, L, R):
+def check_embedding(case, gpu_layers, cpu_layers):
     V, C, N = 53, 37, 129
-    emb, dout = c.act(c.normal(V, C)), c.act(c.normal(N, C))
-    tokens = c.rng.integers(0, V, N).astype(np.int32)
+    emb, dout = case.act(case.normal(V, C)), case.act(case.normal(N, C))
+    tokens = case.rng.integers(0, V, N).astype(np.int32)
     tokens[:9] = 7  # repeated tokens: the backward scatter-add must not lose updates
     ref = np.empty((N, C))
-    R.embedding_forward(ref, tokens, emb)
-    g = c.poisoned(N, C)
-    L.embedding_forward(g, c.cp.asarray(tokens), c.dev(emb))
-    base = _f32(c.normal(V, C))
+    cpu_layers.embedding_forward(ref, tokens, emb)
+    g = case.poisoned(N, C)
+    gpu_layers.embedding_forward(g, case.cp.asarray(tokens), case.dev(emb))
+    base = _f32(case.normal(V, C))
     rdemb = base.copy()
-    R.embedding_backward(rdemb, dout, tokens)
-    gdemb = c.dev32(base)
-    L.embedding_backward(gdemb, c.dev(dout), c.cp.asarray(tokens))
-    return [(f"embedding_forward{c.tag} V={V} C={C} N={N}", rel_err(c.get(g), ref), c.tol),
-            (f"embedding_backward{c.tag} (+=, repeated tokens)", rel_err(c.get(gdemb), rdemb), c.tol)]
+    cpu_layers.embedding_backward(rdemb, dout, tokens)
+    gdemb = case.dev32(base)
+    gpu_layers.embedding_backward(gdemb, case.dev(dout), case.cp.asarray(tokens))
+    return [(f"embedding_forward{case.tag} V={V} C={C} N={N}", rel_err(case.get(g), ref), case.tol),
+            (f"embedding_backward{case.tag} (+=, repeated tokens)", rel_err(case.get(gdemb), rdemb), case.tol)]
 
 
 @_precisions("fp32", "bf16")
-def check_rmsnorm(c, L, R):
+def check_rmsnorm(case, gpu_layers, cpu_layers):
+    # the norm and the residual stream's copy of x, which no layer does alone
+    from nanoeuler.model.gpu.layers import _rmsnorm_forward as _gpu_rmsnorm_forward
+
     out = []
     # a row length off the 4-wide vector path, one on it, one of whole 16-byte chunks (rows in registers)
     for N, C in ((67, 203), (45, 196), (37, 256)):
-        x, w, dout = c.act(c.normal(N, C, scale=2.0)), c.act(1 + c.normal(C, scale=0.3)), c.act(c.normal(N, C))
+        x, w = case.act(case.normal(N, C, scale=2.0)), case.act(1 + case.normal(C, scale=0.3))
+        dout = case.act(case.normal(N, C))
         ref, rrstd = np.empty((N, C)), np.empty(N)
-        R.rmsnorm_forward(ref, rrstd, x, w, 1e-5)
-        g, grstd, gskip = c.poisoned(N, C), c.poisoned32(N), c.poisoned(N, C)
-        L._rmsnorm_forward(g, grstd, c.dev(x), c.dev(w), 1e-5, gskip)  # with the residual stream's copy of x
-        base_dx, base_dw = c.act(c.normal(N, C)), _f32(c.normal(C))
+        cpu_layers.rmsnorm_forward(ref, rrstd, x, w, 1e-5)
+        g, grstd, gskip = case.poisoned(N, C), case.poisoned32(N), case.poisoned(N, C)
+        _gpu_rmsnorm_forward(g, grstd, case.dev(x), case.dev(w), 1e-5, gskip)  # and the residual stream's copy of x
+        base_dx, base_dw = case.act(case.normal(N, C)), _f32(case.normal(C))
         rdx, rdw = base_dx.copy(), base_dw.copy()
         rrstd = _f32(rrstd)
-        R.rmsnorm_backward(rdx, rdw, dout, x, w, rrstd)
-        gdx, gdw = c.dev(base_dx), c.dev32(base_dw)
-        L.rmsnorm_backward(gdx, gdw, c.dev(dout), c.dev(x), c.dev(w), c.dev32(rrstd))
-        out += [(f"rmsnorm_forward{c.tag} N={N} C={C}", rel_err(c.get(g), ref), c.tol),
-                (f"rmsnorm_forward{c.tag} rstd", rel_err(c.get(grstd), rrstd), c.tol),
-                (f"rmsnorm_forward{c.tag} skip (a copy of x: exact)", rel_err(c.get(gskip), x), 0.0),
-                (f"rmsnorm_backward{c.tag} dx (+=)", rel_err(c.get(gdx), rdx), c.tol),
-                (f"rmsnorm_backward{c.tag} dw (float32, +=)", rel_err(c.get(gdw), rdw), c.tol)]
+        cpu_layers.rmsnorm_backward(rdx, rdw, dout, x, w, rrstd)
+        gdx, gdw = case.dev(base_dx), case.dev32(base_dw)
+        gpu_layers.rmsnorm_backward(gdx, gdw, case.dev(dout), case.dev(x), case.dev(w), case.dev32(rrstd))
+        out += [(f"rmsnorm_forward{case.tag} N={N} C={C}", rel_err(case.get(g), ref), case.tol),
+                (f"rmsnorm_forward{case.tag} rstd", rel_err(case.get(grstd), rrstd), case.tol),
+                (f"rmsnorm_forward{case.tag} skip (a copy of x: exact)", rel_err(case.get(gskip), x), 0.0),
+                (f"rmsnorm_backward{case.tag} dx (+=)", rel_err(case.get(gdx), rdx), case.tol),
+                (f"rmsnorm_backward{case.tag} dw (float32, +=)", rel_err(case.get(gdw), rdw), case.tol)]
     return out
 
 
 @_precisions("fp32", "bf16")
-def check_rope(c, L, R):
+def check_rope(case, gpu_layers, cpu_layers):
     out = []
     # the 16-byte kernel, then the general one (D/2 odd last); one position for all, then one a sequence
     for B, T, H, G, D, pos0 in ((3, 37, 6, 2, 64, 5), (2, 11, 3, 1, 36, 40), (3, 5, 3, 1, 6, 9)):
         cos, sin = rope_tables(D, 64, 10000.0, np.float64)
         cos, sin = _f32(cos), _f32(sin)
-        for pos in (np.array([pos0], dtype=np.int32), c.rng.integers(0, 64 - T, B).astype(np.int32)):
+        for pos in (np.array([pos0], dtype=np.int32), case.rng.integers(0, 64 - T, B).astype(np.int32)):
             where = f"pos0={pos0}" if pos.size == 1 else f"positions {pos.tolist()}"
-            for name, rfn, gfn in (("rope_forward", R.rope_forward, L.rope_forward),
-                                   ("rope_backward", R.rope_backward, L.rope_backward)):
-                qkv = c.act(c.normal(B, T, H + 2 * G, D))
+            for name, rfn, gfn in (("rope_forward", cpu_layers.rope_forward, gpu_layers.rope_forward),
+                                   ("rope_backward", cpu_layers.rope_backward, gpu_layers.rope_backward)):
+                qkv = case.act(case.normal(B, T, H + 2 * G, D))
                 ref = qkv.copy()
                 rfn(ref, cos, sin, H + G, pos)
-                g = c.dev(qkv)
-                gfn(g, c.dev32(cos), c.dev32(sin), H + G, c.cp.asarray(pos))
-                out.append((f"{name}{c.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} {where}",
-                            rel_err(c.get(g), ref), c.tol))
+                g = case.dev(qkv)
+                gfn(g, case.dev32(cos), case.dev32(sin), H + G, case.cp.asarray(pos))
+                out.append((f"{name}{case.tag} B={B} T={T} heads {H}+{G}(+{G} v untouched) D={D} {where}",
+                            rel_err(case.get(g), ref), case.tol))
     return out
 
 
@@ -304,204 +314,215 @@ def _attention_cases():
 
 
 @_precisions("fp32", "tf32", "bf16")
-def check_attention(c, L, R):
+def check_attention(case, gpu_layers, cpu_layers):
     out = []
     for B, T, H, G, D in _attention_cases():
         NH = H + 2 * G
-        qkv = c.act(c.normal(B, T, NH, D))
+        qkv = case.act(case.normal(B, T, NH, D))
         ref_o, ref_lse = np.empty((B, T, H, D)), np.empty((B, H, T))
-        R.attention_forward(ref_o, ref_lse, qkv, H, G)
-        go, glse = c.poisoned(B, T, H, D), c.poisoned32(B, H, T)
-        gqkv = c.dev(qkv)
-        L.attention_forward(go, glse, gqkv, H, G)
-        out.append((f"attention_forward{c.tag} B={B} T={T} H={H} G={G} D={D}", rel_err(c.get(go), ref_o), c.tol))
-        out.append((f"attention_forward{c.tag} lse", rel_err(c.get(glse), ref_lse), c.tol))
+        cpu_layers.attention_forward(ref_o, ref_lse, qkv, H, G)
+        go, glse = case.poisoned(B, T, H, D), case.poisoned32(B, H, T)
+        gqkv = case.dev(qkv)
+        gpu_layers.attention_forward(go, glse, gqkv, H, G)
+        out.append((f"attention_forward{case.tag} B={B} T={T} H={H} G={G} D={D}", rel_err(case.get(go), ref_o),
+                    case.tol))
+        out.append((f"attention_forward{case.tag} lse", rel_err(case.get(glse), ref_lse), case.tol))
         # the backward pass reads the forward's output and lse: give both engines the GPU's
-        dout, o, lse32 = c.act(c.normal(B, T, H, D)), c.get(go).astype(np.float64), c.get(glse).astype(np.float64)
+        dout = case.act(case.normal(B, T, H, D))
+        o, lse32 = case.get(go).astype(np.float64), case.get(glse).astype(np.float64)
         # plain, and through the rotary embedding (rope_backward folded into the stores of dq and dk)
         cos, sin = rope_tables(D, T, 10000.0, np.float64)
         for rope, tables in (("", ()), (" +rope", (cos, sin))):
             ref_d = np.empty_like(qkv)
-            R.attention_backward(ref_d, dout, o, lse32, qkv, H, G, *tables)
-            gd = c.poisoned(B, T, NH, D)
-            L.attention_backward(gd, c.dev(dout), go, glse, gqkv, H, G, *(c.dev32(t) for t in tables))
-            gd = c.get(gd)
+            cpu_layers.attention_backward(ref_d, dout, o, lse32, qkv, H, G, *tables)
+            gd = case.poisoned(B, T, NH, D)
+            gpu_layers.attention_backward(gd, case.dev(dout), go, glse, gqkv, H, G, *(case.dev32(t) for t in tables))
+            gd = case.get(gd)
             for part, sl in (("dq", slice(0, H)), ("dk", slice(H, H + G)), ("dv", slice(H + G, NH))):
-                out.append((f"attention_backward{c.tag}{rope} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]),
-                            c.tol))
+                out.append((f"attention_backward{case.tag}{rope} {part}", rel_err(gd[:, :, sl], ref_d[:, :, sl]),
+                            case.tol))
     # decoding: a prompt of 90, then 11 (across a 32-key chunk's end) and 1 new rows, appended to a KV cache
     # of 109 positions and attending to it (the cache's untouched tail stays poisoned on both sides)
     B, S, H, G = 2, 109, 6, 2
     for D in (64, 32):
-        ref_cache, g_cache = np.full((B, S, 2 * G, D), np.nan), c.poisoned(B, S, 2 * G, D)
-        ref_pos, g_pos = np.zeros(1, np.int32), c.cp.zeros(1, np.int32)
+        ref_cache, g_cache = np.full((B, S, 2 * G, D), np.nan), case.poisoned(B, S, 2 * G, D)
+        ref_pos, g_pos = np.zeros(1, np.int32), case.cp.zeros(1, np.int32)
         for n in (90, 11, 1):
-            qkv = c.act(c.normal(B, n, H + 2 * G, D))
+            qkv = case.act(case.normal(B, n, H + 2 * G, D))
             ref_o, ref_lse = np.empty((B, n, H, D)), np.empty((B, H, n))
-            R.attention_cached(ref_o, ref_lse, qkv, ref_cache, H, G, ref_pos)
-            go, glse = c.poisoned(B, n, H, D), c.poisoned32(B, H, n)
-            L.attention_cached(go, glse, c.dev(qkv), g_cache, H, G, g_pos)
-            label = f"attention_cached{c.tag} D={D} pos={ref_pos[0]} n={n}"
-            out += [(label, rel_err(c.get(go), ref_o), c.tol), (f"{label} lse", rel_err(c.get(glse), ref_lse), c.tol)]
-            R.advance_position(ref_pos, n)
-            L.advance_position(g_pos, n)
+            cpu_layers.attention_cached(ref_o, ref_lse, qkv, ref_cache, H, G, ref_pos)
+            go, glse = case.poisoned(B, n, H, D), case.poisoned32(B, H, n)
+            gpu_layers.attention_cached(go, glse, case.dev(qkv), g_cache, H, G, g_pos)
+            label = f"attention_cached{case.tag} D={D} pos={ref_pos[0]} n={n}"
+            out += [(label, rel_err(case.get(go), ref_o), case.tol),
+                    (f"{label} lse", rel_err(case.get(glse), ref_lse), case.tol)]
+            cpu_layers.advance_position(ref_pos, n)
+            gpu_layers.advance_position(g_pos, n)
         stored = int(g_pos.get()[0])
-        out.append((f"attention_cached{c.tag} D={D} the cache (k, v heads of {stored} positions), position",
-                    rel_err(c.get(g_cache)[:, :stored], ref_cache[:, :stored])
-                    + (0.0 if stored == ref_pos[0] == 102 else math.inf), c.tol))
+        out.append((f"attention_cached{case.tag} D={D} the cache (k, v heads of {stored} positions), position",
+                    rel_err(case.get(g_cache)[:, :stored], ref_cache[:, :stored])
+                    + (0.0 if stored == ref_pos[0] == 102 else math.inf), case.tol))
         # batched decoding: sequences in slots 3, 0, 4 of a cache of 5 rows, each at its own position (a chunk
         # of 5 new rows, then one row each), the slots' keys and values written before by the same kernel
         rows_of, context = np.array([3, 0, 4], np.int32), 40
-        ref_slots = c.act(c.normal(5, context, 2 * G, D))
-        g_slots = c.dev(ref_slots)
+        ref_slots = case.act(case.normal(5, context, 2 * G, D))
+        g_slots = case.dev(ref_slots)
         ref_slots = ref_slots.astype(np.float64)
         for n, pos in ((5, np.array([7, 0, 33], np.int32)), (1, np.array([12, 5, 38], np.int32))):
-            qkv = c.act(c.normal(3, n, H + 2 * G, D))
+            qkv = case.act(case.normal(3, n, H + 2 * G, D))
             ref_o, ref_lse = np.empty((3, n, H, D)), np.empty((3, H, n))
-            R.attention_cached(ref_o, ref_lse, qkv, ref_slots, H, G, pos, rows_of)
-            go, glse = c.poisoned(3, n, H, D), c.poisoned32(3, H, n)
-            L.attention_cached(go, glse, c.dev(qkv), g_slots, H, G, c.cp.asarray(pos), c.cp.asarray(rows_of))
-            label = f"attention_cached{c.tag} D={D} slots {rows_of.tolist()} at {pos.tolist()} n={n}"
-            out += [(label, rel_err(c.get(go), ref_o), c.tol), (f"{label} lse", rel_err(c.get(glse), ref_lse), c.tol)]
-        out.append((f"attention_cached{c.tag} D={D} slots: the cache", rel_err(c.get(g_slots), ref_slots), c.tol))
+            cpu_layers.attention_cached(ref_o, ref_lse, qkv, ref_slots, H, G, pos, rows_of)
+            go, glse = case.poisoned(3, n, H, D), case.poisoned32(3, H, n)
+            gpu_layers.attention_cached(go, glse, case.dev(qkv), g_slots, H, G, case.cp.asarray(pos),
+                                        case.cp.asarray(rows_of))
+            label = f"attention_cached{case.tag} D={D} slots {rows_of.tolist()} at {pos.tolist()} n={n}"
+            out += [(label, rel_err(case.get(go), ref_o), case.tol),
+                    (f"{label} lse", rel_err(case.get(glse), ref_lse), case.tol)]
+        out.append((f"attention_cached{case.tag} D={D} slots: the cache", rel_err(case.get(g_slots), ref_slots),
+                    case.tol))
     # batch invariance: a row's bits are the same decoded alone (a block a query head) and among 12 rows (a
     # block a kv head's query heads), for kv groups of 2 and 4 query heads and of 5 (more than a block takes)
     rows, context, D = 12, 70, 64
     for H, G in ((4, 2), (8, 2), (10, 2)):
-        cache, qkv = c.act(c.normal(rows, context, 2 * G, D)), c.act(c.normal(rows, 1, H + 2 * G, D))
-        pos = c.rng.integers(0, context - 1, rows).astype(np.int32)
-        go, glse = c.poisoned(rows, 1, H, D), c.poisoned32(rows, H, 1)
-        L.attention_cached(go, glse, c.dev(qkv), c.dev(cache), H, G, c.cp.asarray(pos),
-                           c.cp.arange(rows, dtype=np.int32))
-        together, together_lse, same = c.get(go), c.get(glse), True
+        cache, qkv = case.act(case.normal(rows, context, 2 * G, D)), case.act(case.normal(rows, 1, H + 2 * G, D))
+        pos = case.rng.integers(0, context - 1, rows).astype(np.int32)
+        go, glse = case.poisoned(rows, 1, H, D), case.poisoned32(rows, H, 1)
+        gpu_layers.attention_cached(go, glse, case.dev(qkv), case.dev(cache), H, G, case.cp.asarray(pos),
+                                    case.cp.arange(rows, dtype=np.int32))
+        together, together_lse, same = case.get(go), case.get(glse), True
         for r in range(rows):
-            go, glse = c.poisoned(1, 1, H, D), c.poisoned32(1, H, 1)
-            L.attention_cached(go, glse, c.dev(qkv[r:r + 1]), c.dev(cache), H, G, c.cp.asarray(pos[r:r + 1]),
-                               c.cp.full(1, r, dtype=np.int32))
-            same &= bool(np.array_equal(c.get(go)[0], together[r]) and np.array_equal(c.get(glse)[0], together_lse[r]))
-        out.append((f"attention_cached{c.tag} H={H} G={G}: a row's bits alone and among {rows} rows",
-                    0.0 if same else math.inf, c.tol))
+            go, glse = case.poisoned(1, 1, H, D), case.poisoned32(1, H, 1)
+            gpu_layers.attention_cached(go, glse, case.dev(qkv[r:r + 1]), case.dev(cache), H, G,
+                                        case.cp.asarray(pos[r:r + 1]), case.cp.full(1, r, dtype=np.int32))
+            same &= bool(np.array_equal(case.get(go)[0], together[r])
+                         and np.array_equal(case.get(glse)[0], together_lse[r]))
+        out.append((f"attention_cached{case.tag} H={H} G={G}: a row's bits alone and among {rows} rows",
+                    0.0 if same else math.inf, case.tol))
     return out
 
 
 @_precisions("fp32")
-def check_sample_rows(c, L, R):
+def check_sample_rows(case, gpu_layers, cpu_layers):
     """sample_rows: at temperature 0 the argmax; sampled, every draw of 300 token indices inside the CPU
     layer's kept set (top-k cuts are exact, top-p ones are set well apart from the edge) and the kept set all
     drawn; then feed_back's inputs, positions, indices and log."""
     Rn, V = 6, 37
-    logits = np.round(c.normal(Rn, V, scale=3.0), 1).astype(np.float32)  # rounded: ties at the cuts
+    logits = np.round(case.normal(Rn, V, scale=3.0), 1).astype(np.float32)  # rounded: ties at the cuts
     logits[5, [3, 30]] = logits[5].max() + 1  # a tie at the top: the first id greedy
     top_k = np.array([0, 1, 5, 0, 7, 0], np.int32)
     top_p = np.array([0.5, 1.0, 1.0, 1.0, 0.6, 0.0], np.float32)
     temp = np.array([1.0, 1.0, 0.7, 2.0, 1.0, 1.0], np.float32)
-    seeds = c.rng.integers(0, 1 << 32, (2, Rn)).astype(np.uint32)
-    ref, got = np.empty(Rn, np.int32), c.cp.full(Rn, -1, np.int32)
+    seeds = case.rng.integers(0, 1 << 32, (2, Rn)).astype(np.uint32)
+    ref, got = np.empty(Rn, np.int32), case.cp.full(Rn, -1, np.int32)
     drawn, kept = [set() for _ in range(Rn)], [set() for _ in range(Rn)]
-    dev = [c.cp.asarray(a) for a in (logits, top_k, temp, top_p, seeds[0], seeds[1])]
+    dev = [case.cp.asarray(a) for a in (logits, top_k, temp, top_p, seeds[0], seeds[1])]
     for i in range(300):
         index = np.full(Rn, i, np.int32)
-        R.sample_rows(ref, logits, top_k, temp, top_p, seeds[0], seeds[1], index)
-        L.sample_rows(got, dev[0], dev[1], dev[2], dev[3], dev[4], dev[5], c.cp.asarray(index))
+        cpu_layers.sample_rows(ref, logits, top_k, temp, top_p, seeds[0], seeds[1], index)
+        gpu_layers.sample_rows(got, dev[0], dev[1], dev[2], dev[3], dev[4], dev[5], case.cp.asarray(index))
         for r in range(Rn):
             kept[r].add(int(ref[r]))
             drawn[r].add(int(got.get()[r]))
     right = drawn == kept and len(kept[3]) > 5
-    L.sample_rows(got, dev[0], dev[1], c.cp.zeros(Rn, np.float32), dev[3], dev[4], dev[5], c.cp.zeros(Rn, np.int32))
+    gpu_layers.sample_rows(got, dev[0], dev[1], case.cp.zeros(Rn, np.float32), dev[3], dev[4], dev[5],
+                           case.cp.zeros(Rn, np.int32))
     greedy = np.array_equal(got.get(), logits.argmax(axis=1))
-    tokens, pos, index = c.cp.zeros((Rn, 1), np.int32), c.cp.asarray(np.array([0, 5, 9, 9, 2, 1], np.int32)), \
-        c.cp.arange(Rn, dtype=np.int32)
-    log, counter = c.cp.full((4, Rn), -1, np.int32), c.cp.full(1, 2, np.int32)
-    L.feed_back(tokens, got, pos, index, log, counter, 10)
+    tokens, pos, index = case.cp.zeros((Rn, 1), np.int32), case.cp.asarray(np.array([0, 5, 9, 9, 2, 1], np.int32)), \
+        case.cp.arange(Rn, dtype=np.int32)
+    log, counter = case.cp.full((4, Rn), -1, np.int32), case.cp.full(1, 2, np.int32)
+    gpu_layers.feed_back(tokens, got, pos, index, log, counter, 10)
     fed = (np.array_equal(tokens.get()[:, 0], got.get()) and pos.get().tolist() == [1, 6, 9, 9, 3, 2]
            and np.array_equal(index.get(), np.arange(1, Rn + 1)) and np.array_equal(log.get()[2], got.get())
            and int(counter.get()[0]) == 3)
     return [(f"sample_rows rows={Rn} V={V}: draws inside the CPU's top-k/top-p cuts, all of them drawn",
-             0.0 if right else math.inf, c.tol),
-            ("sample_rows temperature 0: the argmax (the first of a tie)", 0.0 if greedy else math.inf, c.tol),
-            ("feed_back: inputs, positions (capped), indices, log, counter", 0.0 if fed else math.inf, c.tol)]
+             0.0 if right else math.inf, case.tol),
+            ("sample_rows temperature 0: the argmax (the first of a tie)", 0.0 if greedy else math.inf, case.tol),
+            ("feed_back: inputs, positions (capped), indices, log, counter", 0.0 if fed else math.inf, case.tol)]
 
 
 @_precisions("fp32")
-def check_argmax(c, L, R):
-    logits = _f32(c.normal(7, 1031, scale=3.0))
+def check_argmax(case, gpu_layers, cpu_layers):
+    logits = _f32(case.normal(7, 1031, scale=3.0))
     logits[3, [10, 500]] = logits[3].max() + 1  # a tie: the first index wins, as NumPy's
     ref = np.empty(7, np.int32)
-    R.argmax(ref, logits)
-    got, log = c.cp.full(7, -1, np.int32), c.cp.full((5, 7), -1, np.int32)
-    L.argmax(got, c.dev32(logits), log, c.cp.full(1, 3, np.int32))  # and into row 3 of a log
+    cpu_layers.argmax(ref, logits)
+    got, log = case.cp.full(7, -1, np.int32), case.cp.full((5, 7), -1, np.int32)
+    gpu_layers.argmax(got, case.dev32(logits), log, case.cp.full(1, 3, np.int32))  # and into row 3 of a log
     logged = log.get()
     right = np.array_equal(got.get(), ref) and np.array_equal(logged[3], ref) and (np.delete(logged, 3, 0) == -1).all()
-    return [("argmax rows=7 V=1031 (a tie), logged at position 3", 0.0 if right else math.inf, c.tol)]
+    return [("argmax rows=7 V=1031 (a tie), logged at position 3", 0.0 if right else math.inf, case.tol)]
 
 
 @_precisions("fp32", "bf16")
-def check_swiglu(c, L, R):
+def check_swiglu(case, gpu_layers, cpu_layers):
     out = []
     for N, F in ((71, 93), (37, 92)):  # off and on the 4-wide vector path
-        gu, dout = c.act(c.normal(N, 2 * F, scale=2.0)), c.act(c.normal(N, F))
+        gu, dout = case.act(case.normal(N, 2 * F, scale=2.0)), case.act(case.normal(N, F))
         ref = np.empty((N, F))
-        R.swiglu_forward(ref, gu)
-        g = c.poisoned(N, F)
-        L.swiglu_forward(g, c.dev(gu))
+        cpu_layers.swiglu_forward(ref, gu)
+        g = case.poisoned(N, F)
+        gpu_layers.swiglu_forward(g, case.dev(gu))
         rd = np.empty((N, 2 * F))
-        R.swiglu_backward(rd, dout, gu)
-        gd = c.poisoned(N, 2 * F)
-        L.swiglu_backward(gd, c.dev(dout), c.dev(gu))
-        out += [(f"swiglu_forward{c.tag} N={N} F={F}", rel_err(c.get(g), ref), c.tol),
-                (f"swiglu_backward{c.tag}", rel_err(c.get(gd), rd), c.tol)]
+        cpu_layers.swiglu_backward(rd, dout, gu)
+        gd = case.poisoned(N, 2 * F)
+        gpu_layers.swiglu_backward(gd, case.dev(dout), case.dev(gu))
+        out += [(f"swiglu_forward{case.tag} N={N} F={F}", rel_err(case.get(g), ref), case.tol),
+                (f"swiglu_backward{case.tag}", rel_err(case.get(gd), rd), case.tol)]
     return out
 
 
 @_precisions("fp32", "bf16")
-def check_crossentropy(c, L, R):
+def check_crossentropy(case, gpu_layers, cpu_layers):
     # V = 1031 streams a row; 2048 and 4096 (base's) hold it in registers, 1, 2 or 4 pieces a thread
     results = []
     for N, K, V in ((97, 3, 1031), (21, 2, 2048), (13, 4, 4096)):
-        logits = c.act(c.normal(N, K * V, scale=3.0))
-        targets = c.rng.integers(0, V, (K, N)).astype(np.int32)
+        logits = case.act(case.normal(N, K * V, scale=3.0))
+        targets = case.rng.integers(0, V, (K, N)).astype(np.int32)
         targets[:, 5] = -1
         targets[K - 1, 7:10] = -1
-        dscale = _f32(c.rng.uniform(-1.0, 1.0, (K, N)))  # a scale per head and row, signed as DPO's
+        dscale = _f32(case.rng.uniform(-1.0, 1.0, (K, N)))  # a scale per head and row, signed as DPO's
         ref_l = np.empty((K, N))
-        R.crossentropy_forward(ref_l, logits, targets)
-        gl = c.poisoned32(K, N)
-        L.crossentropy_forward(gl, c.dev(logits), c.cp.asarray(targets))
+        cpu_layers.crossentropy_forward(ref_l, logits, targets)
+        gl = case.poisoned32(K, N)
+        gpu_layers.crossentropy_forward(gl, case.dev(logits), case.cp.asarray(targets))
         ref_l2, ref_d = np.empty((K, N)), logits.copy()
-        R.crossentropy_forward_backward(ref_l2, ref_d, targets, dscale)
-        gl2, gd = c.poisoned32(K, N), c.dev(logits)
-        L.crossentropy_forward_backward(gl2, gd, c.cp.asarray(targets), c.dev32(dscale))
-        results += [(f"crossentropy_forward{c.tag} N={N} K={K} V={V}, -1 targets", rel_err(c.get(gl), ref_l), c.tol),
-                    (f"crossentropy_forward_backward{c.tag} losses", rel_err(c.get(gl2), ref_l2), c.tol),
-                    (f"crossentropy_forward_backward{c.tag} dlogits (in place)", rel_err(c.get(gd), ref_d), c.tol)]
+        cpu_layers.crossentropy_forward_backward(ref_l2, ref_d, targets, dscale)
+        gl2, gd = case.poisoned32(K, N), case.dev(logits)
+        gpu_layers.crossentropy_forward_backward(gl2, gd, case.cp.asarray(targets), case.dev32(dscale))
+        results += [(f"crossentropy_forward{case.tag} N={N} K={K} V={V}, -1 targets", rel_err(case.get(gl), ref_l),
+                     case.tol),
+                    (f"crossentropy_forward_backward{case.tag} losses", rel_err(case.get(gl2), ref_l2), case.tol),
+                    (f"crossentropy_forward_backward{case.tag} dlogits (in place)", rel_err(case.get(gd), ref_d),
+                     case.tol)]
     return results
 
 
 @_precisions("fp32", "bf16")
-def check_adamw(c, L, R):
+def check_adamw(case, gpu_layers, cpu_layers):
     # Reference: the CPU layer on float32 buffers, as the CPU engine trains (both do the arithmetic in
     # float64 and round the stored p, m, v to float32); a float64 reference would keep digits that float32
     # parameters cannot hold, next to a step a thousand times smaller than the parameters. The master
     # weights are float32 in every precision; bf16 adds the compute copy written in the same pass.
     n = 100_003
     f32 = lambda a: np.asarray(a, dtype=np.float32)
-    p, gr = f32(c.normal(n)), f32(c.normal(n))
-    m, v = f32(c.normal(n, scale=0.1)), f32(np.abs(c.normal(n, scale=0.1)))
-    mask = (c.rng.random(n) < 0.9).astype(np.uint8)
+    p, gr = f32(case.normal(n)), f32(case.normal(n))
+    m, v = f32(case.normal(n, scale=0.1)), f32(np.abs(case.normal(n, scale=0.1)))
+    mask = (case.rng.random(n) < 0.9).astype(np.uint8)
     args = (3e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, 5)
     rp, rm, rv = p.copy(), m.copy(), v.copy()
-    R.adamw_update(rp, gr, rm, rv, mask, *args)
-    gp, gm, gv = c.dev32(p), c.dev32(m), c.dev32(v)
-    copy = c.poisoned(n) if c.bf16 else None
-    L.adamw_update(gp, c.dev32(gr), gm, gv, c.cp.asarray(mask), *args, compute_copy=copy)
+    cpu_layers.adamw_update(rp, gr, rm, rv, mask, *args)
+    gp, gm, gv = case.dev32(p), case.dev32(m), case.dev32(v)
+    copy = case.poisoned(n) if case.bf16 else None
+    gpu_layers.adamw_update(gp, case.dev32(gr), gm, gv, case.cp.asarray(mask), *args, compute_copy=copy)
     step = lambda new: new.astype(np.float64) - p  # compare the step itself, not the parameters
     gr64 = gr.astype(np.float64)
-    if c.bf16:  # the copy must be the updated master weights rounded to nearest: exactly, so error 0
-        return [(f"adamw_update{c.tag} compute copy = bf16(master)",
-                 rel_err(c.get(copy), c.act(gp.get())), c.tol)]
-    return [(f"adamw_update n={n} (parameter step)", rel_err(step(gp.get()), step(rp)), c.tol),
-            ("adamw_update moments m, v", max(rel_err(gm.get(), rm), rel_err(gv.get(), rv)), c.tol),
-            ("sum_squares", abs(L.sum_squares(c.dev32(gr)) - R.sum_squares(gr64)) / R.sum_squares(gr64), c.tol)]
+    if case.bf16:  # the copy must be the updated master weights rounded to nearest: exactly, so error 0
+        return [(f"adamw_update{case.tag} compute copy = bf16(master)",
+                 rel_err(case.get(copy), case.act(gp.get())), case.tol)]
+    exact = cpu_layers.sum_squares(gr64)
+    return [(f"adamw_update n={n} (parameter step)", rel_err(step(gp.get()), step(rp)), case.tol),
+            ("adamw_update moments m, v", max(rel_err(gm.get(), rm), rel_err(gv.get(), rv)), case.tol),
+            ("sum_squares", abs(gpu_layers.sum_squares(case.dev32(gr)) - exact) / exact, case.tol)]
 
 
 KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check_attention, check_swiglu,
@@ -564,8 +585,9 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
 
 
 def run_gpu_check(seed=0):
-    from nanoeuler.model.cpu import layers as R
-    from nanoeuler.model.gpu import device_name, layers as L
+    from nanoeuler.model.cpu.layers import Layers as CPULayers
+    from nanoeuler.model.gpu import device_name
+    from nanoeuler.model.gpu.layers import Layers as GPULayers
 
     start = time.time()
     print(f"GPU check on {device_name()}: kernels vs the CPU layers (float64), outputs poisoned with NaN, "
@@ -573,15 +595,15 @@ def run_gpu_check(seed=0):
     rng = np.random.default_rng(seed)
     worst, ok = {}, True
     for precision in ("fp32", "tf32", "bf16"):
-        c = _Case(rng, precision)
-        with L.precision(precision):
-            for check in KERNEL_CHECKS:
-                if precision not in check.precisions:
-                    continue
-                for label, err, tol in check(c, L, R):
-                    print(f"{label:<64} : rel err {err:.2e}")
-                    ok &= err <= tol
-                    worst[precision] = max(worst.get(precision, 0.0), err)
+        case = _Case(rng, precision)
+        gpu_layers, cpu_layers = GPULayers(precision, batch_invariant=True), CPULayers("fp32", batch_invariant=True)
+        for check in KERNEL_CHECKS:
+            if precision not in check.precisions:
+                continue
+            for label, err, tol in check(case, gpu_layers, cpu_layers):
+                print(f"{label:<64} : rel err {err:.2e}")
+                ok &= err <= tol
+                worst[precision] = max(worst.get(precision, 0.0), err)
     cfg = MODEL_CONFIG
     bounds = {"fp32": FP32_TOL, "tf32": TF32_TOL, "bf16": BF16_MODEL_TOL}
     model_worst = {}

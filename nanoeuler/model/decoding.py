@@ -256,7 +256,7 @@ class Step:
         self.run = eng.layers.graph(self._run) if graph else self._run
 
     def _run(self):
-        eng, a, L, B, T = self.eng, self.a, self.eng.layers, self.B, self.T
+        eng, a, layers, B, T = self.eng, self.a, self.eng.layers, self.B, self.T
         eng.forward_layers(self.tokens, a, B, T, self)
         x = a["resid"][-1]
         if self.rows != B * T:  # each sequence's last new row
@@ -269,23 +269,23 @@ class Step:
         # the final norm of the rows, then the head product: one product, into which the GPU folds the norm
         # (Engine.forward_layers leaves the final norm to decoding)
         w = eng.p["heads"] if self.heads > 1 else eng.p["heads.0"]
-        L.rmsnorm_matmul_forward(self.logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w, eng.cfg.norm_eps,
-                                 None if a["xnf"] is None else a["xnf"][:x.shape[0]])
+        layers.rmsnorm_matmul_forward(self.logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w,
+                                      eng.cfg.norm_eps, None if a["xnf"] is None else a["xnf"][:x.shape[0]])
         V, f = eng.cfg.vocab_size, self.fields
         if self.kind == "sample":
-            L.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"],
-                          f["seed_hi"], f["index"])
+            layers.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"],
+                               f["seed_hi"], f["index"])
             if T == 1:
-                L.feed_back(self.tokens, self.ids, f["position"], f["index"], self.log, f["counter"],
-                            self.cache.context)
+                layers.feed_back(self.tokens, self.ids, f["position"], f["index"], self.log, f["counter"],
+                                 self.cache.context)
             return
         if self.kind == "verify":
-            L.argmax(self.ids, self.logits.reshape(-1, V))
-            L.accept_drafts(self.tokens.reshape(T), self.ids, self.log, self.position)
+            layers.argmax(self.ids, self.logits.reshape(-1, V))
+            layers.accept_drafts(self.tokens.reshape(T), self.ids, self.log, self.position)
             return
         if self.kind == "greedy":
-            L.argmax(self.ids, self.logits.reshape(-1, V), self.log, self.position)
-        L.advance_position(self.position, T)
+            layers.argmax(self.ids, self.logits.reshape(-1, V), self.log, self.position)
+        layers.advance_position(self.position, T)
 
     def __call__(self, state, steps=1):
         """Upload state (the host's, flat: the tokens, or `batch_state`'s buffer) and run `steps` steps, then
@@ -308,9 +308,8 @@ class Step:
             else:
                 self.state.set(state)  # one copy to the device, no temporary
         self.held = None  # a sample step's state moves on on the device: uploaded every call
-        with self.eng.mode():
-            for _ in range(steps):
-                self.run()
+        for _ in range(steps):
+            self.run()
 
     def read(self, steps, start=None, state=None):
         """The result of the steps launched last (waits for them): a sample step's ids (steps, B); else, from

@@ -1,10 +1,13 @@
 """The model, composed once for both engines.
 
-`Engine` runs the forward pass and the hand-written backward pass by calling a *layer module*
-(`nanoeuler.model.cpu.layers`, numba; or `nanoeuler.model.gpu.layers`, CUDA kernels + cuBLAS) that has the
-same functions with the same signatures, over arrays of that module's array library (NumPy or CuPy). So the
-CPU and GPU engines differ only in their layers, and everything above them (objectives, the optimizer,
-decoding, training, checkpoints) is written once against this class.
+`Engine` runs the forward pass and the hand-written backward pass by calling its *layers*, `eng.layers`: a
+`Layers` of `nanoeuler.model.cpu.layers` (numba) or of `nanoeuler.model.gpu.layers` (CUDA kernels + cuBLAS),
+whose methods are the same functions with the same signatures, over arrays of that module's array library
+(NumPy or CuPy). The engine's precision and batch invariance are set in its Layers when they are made
+(make_engine), and every layer call, inside the engine or outside it (decoding, the optimizer, the checks),
+goes through that object: there is no mode to enter, and engines of different settings live side by side.
+So the CPU and GPU engines differ only in their layers, and everything above them (objectives, the
+optimizer, decoding, training, checkpoints) is written once against this class.
 
     from nanoeuler.model.engine import make_engine
     eng = make_engine(cfg, device="cpu")          # float32; dtype=np.float64 for the gradient check
@@ -23,7 +26,6 @@ Mixed precision (the GPU's "bf16"): the flat buffers above stay float32 (the mas
 checkpoints hold), and the layers read `weights`, a bf16 copy that AdamW rewrites in its pass; activations
 are bf16, parameter gradients float32. Elsewhere `weights` is `params` itself.
 """
-import contextlib
 import math
 
 import numpy as np
@@ -45,12 +47,11 @@ def to_numpy(a):
 
 
 class Engine:
-    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, precision="fp32", batch_invariant=True):
+    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0):
+        """layers: a Layers of cpu/layers.py or gpu/layers.py (with the engine's precision and batch invariance),
+        over arrays of xp (NumPy or CuPy)."""
         self.cfg, self.layers, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
-        self.precision = precision
-        # decoding's products of a few rows: the row-invariant kernels, or BLAS's (faster, by the row count)
-        self.batch_invariant = batch_invariant
-        self.act = np.dtype(layers.activation_dtype(precision, self.dtype))  # activations' element type
+        self.act = np.dtype(layers.activation_dtype(self.dtype))  # activations' element type
         self.layout, total = param_layout(cfg)
         self.params = xp.asarray(init_params(cfg, seed, self.dtype))
         self.weights = self.params if self.act == self.dtype else xp.empty(total, dtype=self.act)
@@ -89,12 +90,16 @@ class Engine:
             self.weights = self.params
         self.p, self.g = self._fused_views(self.weights), self._fused_views(self.grads)
 
-    @contextlib.contextmanager
-    def mode(self):
-        """The layer module's precision (the GPU's tf32 / fp32 switch; nothing on the CPU) and its products of a
-        few rows (batch-invariant or BLAS's) for the block."""
-        with self.layers.precision(self.precision), self.layers.batch_invariant(self.batch_invariant):
-            yield
+    @property
+    def precision(self):
+        """"fp32", "tf32" or "bf16": the layers' (set when they were made)."""
+        return self.layers.precision
+
+    @property
+    def batch_invariant(self):
+        """Whether decoding's products of a few rows take the row-invariant kernels (else BLAS's: faster, but
+        rounded by the row count); the layers' (set when they were made)."""
+        return self.layers.batch_invariant
 
     def _fused_views(self, flat):
         """Named views plus the fused groups: layers.{i}.wqkv, layers.{i}.w_gate_up and heads."""
@@ -140,61 +145,64 @@ class Engine:
         if self._acts_shape == (B, T):
             return self._acts
         cfg, xp = self.cfg, self.xp
-        N, C, L, D = B * T, cfg.dim, cfg.n_layers, cfg.head_dim
-        H, G, F, KV = cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.mtp_heads * cfg.vocab_size
-        e = lambda *shape: xp.empty(shape, dtype=self.act)      # activations
-        f = lambda *shape: xp.empty(shape, dtype=self.dtype)    # statistics and losses, never bf16
+        N, C, n_layers, D = B * T, cfg.dim, cfg.n_layers, cfg.head_dim
+        H, G, F = cfg.n_heads, cfg.n_kv_heads, cfg.hidden
+        head_logits = cfg.mtp_heads * cfg.vocab_size  # all K heads' logits of a position, one matmul's output
+        act = lambda *shape: xp.empty(shape, dtype=self.act)       # activations
+        stat = lambda *shape: xp.empty(shape, dtype=self.dtype)    # statistics and losses, never bf16
         # the SwiGLU output and the sublayers' normed inputs are kept, not recomputed (docs/gpu-engine.md)
-        a = dict(
-            resid=e(L + 1, N, C), resid_mid=e(L, N, C),          # residual stream before each sublayer
-            xn1=e(L, N, C), xn2=e(L, N, C), rstd1=f(L, N), rstd2=f(L, N),
-            qkv=e(L, B, T, H + 2 * G, D), att=e(L, B, T, H, D), lse=f(L, B, H, T),
-            gate_up=e(L, N, 2 * F), sw=e(L, N, F),
-            hf=e(N, C), rstdf=f(N), logits=e(N, KV), losses=f(cfg.mtp_heads, N),
+        acts = dict(
+            resid=act(n_layers + 1, N, C), resid_mid=act(n_layers, N, C),  # residual stream before each sublayer
+            xn1=act(n_layers, N, C), xn2=act(n_layers, N, C), rstd1=stat(n_layers, N), rstd2=stat(n_layers, N),
+            qkv=act(n_layers, B, T, H + 2 * G, D), att=act(n_layers, B, T, H, D), lse=stat(n_layers, B, H, T),
+            gate_up=act(n_layers, N, 2 * F), sw=act(n_layers, N, F),
+            hf=act(N, C), rstdf=stat(N), logits=act(N, head_logits), losses=stat(cfg.mtp_heads, N),
             # backward scratch
-            dresid=e(N, C), dxn=e(N, C), dqkv=e(B, T, H + 2 * G, D), datt=e(B, T, H, D),
-            dgate_up=e(N, 2 * F), dsw=e(N, F), dhf=e(N, C),
+            dresid=act(N, C), dxn=act(N, C), dqkv=act(B, T, H + 2 * G, D), datt=act(B, T, H, D),
+            dgate_up=act(N, 2 * F), dsw=act(N, F), dhf=act(N, C),
         )
-        self._acts, self._acts_shape = a, (B, T)
-        return a
+        self._acts, self._acts_shape = acts, (B, T)
+        return acts
 
     # ---------------------------------------------------------------------------------------- forward
-    def forward_layers(self, tokens, a, B, T, cache=None):
-        """tokens (B, T) -> a['hf'] (N, C), the final-normed hidden state; fills every activation. With a KV
+    def forward_layers(self, tokens, acts, B, T, cache=None):
+        """tokens (B, T) -> acts['hf'] (N, C), the final-normed hidden state; fills every activation. With a KV
         cache (decoding), the tokens sit at the cache's position and attend to the cache too.
 
         The residual stream: training keeps one buffer per sublayer (the backward pass reads them all), so
         each norm copies its input into the next buffer (`skip`) and the sublayer's matmul adds its output
-        there. Decoding's activations (a['in_place']: decoding.py) are one buffer per kind for all layers, and
-        the stream is updated in place: no copy; decoding stops before the final norm (a['resid'][-1] is the
-        stream), which its head's product folds in."""
-        cfg, L, p = self.cfg, self.layers, self.p
+        there. Decoding's activations (acts['in_place']: decoding.py) are one buffer per kind for all layers,
+        and the stream is updated in place: no copy; decoding stops before the final norm (acts['resid'][-1] is
+        the stream), which its head's product folds in."""
+        cfg, layers, p = self.cfg, self.layers, self.p
         H, G = cfg.n_heads, cfg.n_kv_heads
         N = B * T
-        in_place = a.get("in_place", False)
-        L.embedding_forward(a["resid"][0], tokens.reshape(N), p["tok_emb"])
+        in_place = acts.get("in_place", False)
+        layers.embedding_forward(acts["resid"][0], tokens.reshape(N), p["tok_emb"])
         for i in range(cfg.n_layers):
             w = f"layers.{i}."
-            resid, resid_mid = a["resid"][i], a["resid_mid"][i]
-            qkv, att = a["qkv"][i], a["att"][i]
+            resid, resid_mid = acts["resid"][i], acts["resid_mid"][i]
+            qkv, att = acts["qkv"][i], acts["att"][i]
             # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
             skip = None if in_place else resid_mid
-            resid_next = a["resid"][i + 1]
+            resid_next = acts["resid"][i + 1]
             position = self.zero_position if cache is None else cache.position
-            L.rmsnorm_matmul_rope_forward(qkv, a["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"], cfg.norm_eps,
-                                          a["xn1"][i], self.cos, self.sin, H + G, position, skip)
+            layers.rmsnorm_matmul_rope_forward(qkv, acts["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"],
+                                               cfg.norm_eps, acts["xn1"][i], self.cos, self.sin, H + G, position,
+                                               skip)
             if cache is None:
-                L.attention_forward(att, a["lse"][i], qkv, H, G)
+                layers.attention_forward(att, acts["lse"][i], qkv, H, G)
             else:  # k and v into the cache, attention over it
-                L.attention_cached(att, a["lse"][i], qkv, cache.kv[i], H, G, cache.position, cache.slots)
-            L.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
+                layers.attention_cached(att, acts["lse"][i], qkv, cache.kv[i], H, G, cache.position, cache.slots)
+            layers.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
             # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
-            L.rmsnorm_matmul_swiglu_forward(a["sw"][i], a["gate_up"][i], a["rstd2"][i], resid_mid, p[w + "ffn_norm"],
-                                            p[w + "w_gate_up"], cfg.norm_eps, a["xn2"][i],
-                                            None if in_place else resid_next)
-            L.matmul_forward(resid_next, a["sw"][i], p[w + "w_down"], accumulate=True)
+            layers.rmsnorm_matmul_swiglu_forward(acts["sw"][i], acts["gate_up"][i], acts["rstd2"][i], resid_mid,
+                                                 p[w + "ffn_norm"], p[w + "w_gate_up"], cfg.norm_eps,
+                                                 acts["xn2"][i], None if in_place else resid_next)
+            layers.matmul_forward(resid_next, acts["sw"][i], p[w + "w_down"], accumulate=True)
         if not in_place:  # decoding's head product folds the final norm in (decoding.py)
-            L.rmsnorm_forward(a["hf"], a["rstdf"], a["resid"][cfg.n_layers], p["final_norm"], cfg.norm_eps)
+            layers.rmsnorm_forward(acts["hf"], acts["rstdf"], acts["resid"][cfg.n_layers], p["final_norm"],
+                                   cfg.norm_eps)
 
     def _tokens(self, inputs):
         """inputs as a (B, T) int32 array of the engine's library; refuses what does not fit the context (the
@@ -212,11 +220,11 @@ class Engine:
         targets = np.asarray(targets, dtype=np.int32)
         if targets.shape != (self.cfg.mtp_heads, B, T):
             raise ValueError(f"targets {targets.shape} do not match inputs {inputs.shape} and K heads")
-        a = self._activations(B, T)
-        self.forward_layers(inputs, a, B, T)
-        self.layers.matmul_forward(a["logits"], a["hf"], self.p["heads"])
+        acts = self._activations(B, T)
+        self.forward_layers(inputs, acts, B, T)
+        self.layers.matmul_forward(acts["logits"], acts["hf"], self.p["heads"])
         self._last = (inputs, self.xp.asarray(targets).reshape(self.cfg.mtp_heads, -1), B, T)
-        return a
+        return acts
 
     def _weights(self, weights):
         """A gradient weight per (head, position), (K, N) float32 on the device, from anything that broadcasts
@@ -230,78 +238,74 @@ class Engine:
     def forward(self, inputs, targets):
         """Each head's cross-entropy at every position, losses (K, B*T) on the device (0 where the target is
         -1), without gradients; the activations stay for backward()."""
-        with self.mode():
-            a = self._run_to_logits(inputs, targets)
-            self.layers.crossentropy_forward(a["losses"], a["logits"], self._last[1])
-        return a["losses"]
+        acts = self._run_to_logits(inputs, targets)
+        self.layers.crossentropy_forward(acts["losses"], acts["logits"], self._last[1])
+        return acts["losses"]
 
     def backward(self, weights, accumulate=False, final=True):
         """After forward(): the gradient of sum over (k, n) of weights[k, n] * loss[k, n] into self.grads (or
         added to them with accumulate). final: the last pass of the optimizer step (gradients_ready is called)."""
         inputs, targets, B, T = self._last
-        a = self._acts
-        with self.mode():
-            self.layers.crossentropy_forward_backward(a["losses"], a["logits"], targets, self._weights(weights))
-            self._backward(inputs, a, B, T, accumulate, final)
+        acts = self._acts
+        self.layers.crossentropy_forward_backward(acts["losses"], acts["logits"], targets, self._weights(weights))
+        self._backward(inputs, acts, B, T, accumulate, final)
 
     def forward_backward(self, inputs, targets, weights, accumulate=False, final=True):
         """forward() and backward(weights) in one: the cross-entropy's forward and gradient are one pass.
         Returns the losses (K, B*T) on the device; read them after the call, so the device runs the backward
         pass before the host waits for them."""
-        with self.mode():
-            a = self._run_to_logits(inputs, targets)
-            inputs, targets, B, T = self._last
-            self.layers.crossentropy_forward_backward(a["losses"], a["logits"], targets, self._weights(weights))
-            self._backward(inputs, a, B, T, accumulate, final)
-        return a["losses"]
+        acts = self._run_to_logits(inputs, targets)
+        inputs, targets, B, T = self._last
+        self.layers.crossentropy_forward_backward(acts["losses"], acts["logits"], targets, self._weights(weights))
+        self._backward(inputs, acts, B, T, accumulate, final)
+        return acts["losses"]
 
     def logits(self, inputs):
         """Head-0 logits (B, T, V) of a full forward pass, as float32 NumPy."""
         inputs = self._tokens(inputs)
         B, T = inputs.shape
-        a = self._activations(B, T)
-        with self.mode():
-            self.forward_layers(inputs, a, B, T)
-            self.layers.matmul_forward(a["logits"], a["hf"], self.p["heads"])
+        acts = self._activations(B, T)
+        self.forward_layers(inputs, acts, B, T)
+        self.layers.matmul_forward(acts["logits"], acts["hf"], self.p["heads"])
         V = self.cfg.vocab_size
-        return to_numpy(to_float32(a["logits"][:, :V])).reshape(B, T, V)
+        return to_numpy(to_float32(acts["logits"][:, :V])).reshape(B, T, V)
 
     # --------------------------------------------------------------------------------------- backward
-    def _backward(self, inputs, a, B, T, accumulate, final=True):
-        """From d loss / d logits in a['logits'] to every parameter's gradient (into self.grads, or added)."""
-        cfg, L, p, g = self.cfg, self.layers, self.p, self.g
+    def _backward(self, inputs, acts, B, T, accumulate, final=True):
+        """From d loss / d logits in acts['logits'] to every parameter's gradient (into self.grads, or added)."""
+        cfg, layers, p, g = self.cfg, self.layers, self.p, self.g
         layout = self.layout
         ready = self.gradients_ready if final else None
         N, H, G = B * T, cfg.n_heads, cfg.n_kv_heads
         if not accumulate:
             self.grads.fill(0)
-        dresid, dxn = a["dresid"], a["dxn"]
+        dresid, dxn = acts["dresid"], acts["dxn"]
         # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf
-        L.matmul_backward(a["dhf"], g["heads"], a["logits"], a["hf"], p["heads"])
+        layers.matmul_backward(acts["dhf"], g["heads"], acts["logits"], acts["hf"], p["heads"])
         dresid.fill(0)
-        L.rmsnorm_backward(dresid, g["final_norm"], a["dhf"], a["resid"][cfg.n_layers], p["final_norm"],
-                           a["rstdf"])
+        layers.rmsnorm_backward(dresid, g["final_norm"], acts["dhf"], acts["resid"][cfg.n_layers],
+                                p["final_norm"], acts["rstdf"])
         if ready:
             ready(layout["final_norm"][0])
         for i in reversed(range(cfg.n_layers)):
             w = f"layers.{i}."
             # feed-forward block; dresid is d(resid[i+1]) and, through the skip, d(resid_mid)
-            L.matmul_backward(a["dsw"], g[w + "w_down"], dresid, a["sw"][i], p[w + "w_down"])
-            L.swiglu_backward(a["dgate_up"], a["dsw"], a["gate_up"][i])
-            L.matmul_backward(dxn, g[w + "w_gate_up"], a["dgate_up"], a["xn2"][i], p[w + "w_gate_up"])
-            L.rmsnorm_backward(dresid, g[w + "ffn_norm"], dxn, a["resid_mid"][i], p[w + "ffn_norm"],
-                               a["rstd2"][i])
+            layers.matmul_backward(acts["dsw"], g[w + "w_down"], dresid, acts["sw"][i], p[w + "w_down"])
+            layers.swiglu_backward(acts["dgate_up"], acts["dsw"], acts["gate_up"][i])
+            layers.matmul_backward(dxn, g[w + "w_gate_up"], acts["dgate_up"], acts["xn2"][i], p[w + "w_gate_up"])
+            layers.rmsnorm_backward(dresid, g[w + "ffn_norm"], dxn, acts["resid_mid"][i], p[w + "ffn_norm"],
+                                    acts["rstd2"][i])
             # attention block; dresid is now d(resid_mid) and, through the skip, d(resid[i])
-            L.matmul_backward(a["datt"].reshape(N, -1), g[w + "wo"], dresid, a["att"][i].reshape(N, -1),
-                              p[w + "wo"])
-            L.attention_backward(a["dqkv"], a["datt"], a["att"][i], a["lse"][i], a["qkv"][i], H, G, self.cos,
-                                 self.sin)  # through the rotary embedding too
-            L.matmul_backward(dxn, g[w + "wqkv"], a["dqkv"].reshape(N, -1), a["xn1"][i], p[w + "wqkv"])
-            L.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, a["resid"][i], p[w + "attn_norm"],
-                               a["rstd1"][i])
+            layers.matmul_backward(acts["datt"].reshape(N, -1), g[w + "wo"], dresid,
+                                   acts["att"][i].reshape(N, -1), p[w + "wo"])
+            layers.attention_backward(acts["dqkv"], acts["datt"], acts["att"][i], acts["lse"][i], acts["qkv"][i],
+                                      H, G, self.cos, self.sin)  # through the rotary embedding too
+            layers.matmul_backward(dxn, g[w + "wqkv"], acts["dqkv"].reshape(N, -1), acts["xn1"][i], p[w + "wqkv"])
+            layers.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, acts["resid"][i], p[w + "attn_norm"],
+                                    acts["rstd1"][i])
             if ready:
                 ready(layout[w + "attn_norm"][0])
-        L.embedding_backward(g["tok_emb"], dresid, inputs.reshape(N))
+        layers.embedding_backward(g["tok_emb"], dresid, inputs.reshape(N))
         if ready:
             ready(0)
 
@@ -318,8 +322,8 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, bat
     if device == "cpu":
         if precision != "fp32":
             raise UserError(f"--precision {precision}: the CPU engine computes in fp32 only")
-        from nanoeuler.model.cpu import layers
-        return Engine(cfg, layers, np, dtype, seed, precision, batch_invariant)
+        from nanoeuler.model.cpu.layers import Layers
+        return Engine(cfg, Layers(precision, batch_invariant), np, dtype, seed)
     if device == "gpu":
         from nanoeuler.model.gpu import check_config
         try:
@@ -327,6 +331,6 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, bat
         except ValueError as e:
             raise UserError(str(e)) from None
         import cupy
-        from nanoeuler.model.gpu import layers
-        return Engine(cfg, layers, cupy, dtype, seed, precision, batch_invariant)
+        from nanoeuler.model.gpu.layers import Layers
+        return Engine(cfg, Layers(precision, batch_invariant), cupy, dtype, seed)
     raise ValueError(f"unknown device {device!r}")

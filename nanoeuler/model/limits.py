@@ -3,8 +3,8 @@
 # Products of at most this many rows take the few-row path on both engines (the GPU's tensor-core
 # matrix-vector kernels, the CPU's _matmul_rows), whose sums for a row run in an order set by the row length
 # alone, so a sequence's tokens do not depend on what else is in a batch (infer/batch.py); a decoding step of
-# at most this many rows (sequences x new tokens) is recorded as a CUDA graph (cuBLAS cannot be recorded
-# through CuPy), and prefill goes in chunks of this many tokens.
+# at most this many rows (sequences x new tokens) is recorded as a CUDA graph (gpu/runtime.py: its cuBLAS
+# products too, on a handle of its own), and prefill goes in chunks of this many tokens.
 FEW_ROWS = 64
 # The most sequences of a batched decoding step (infer/batch.py): each a row of the step's products.
 DECODE_ROWS = FEW_ROWS

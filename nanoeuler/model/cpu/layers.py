@@ -9,8 +9,12 @@ docstring says an input gradient accumulates (the residual stream's). Shapes in 
 N = B*T rows, C model dim, H query heads, G kv heads, D head dim, F ffn hidden width, K heads, V vocab.
 The attention and rope layers work on the fused QKV activation `(B, T, H + 2G, D)`: q heads, then k heads,
 then v heads, which is what one matmul against the adjacent wq|wk|wv rows of the flat buffer produces.
+
+An engine calls them through `Layers(precision, batch_invariant)` (Engine.layers, at the end): the layer
+functions as one object's methods, in this module's order, with the engine's settings fixed when it is made
+(no module-wide mode: two engines of different settings in one process do not interfere). The GPU's Layers
+has the same methods in the same order (tests/test_gpu.py reads both classes to check it).
 """
-import contextlib
 import math
 
 import numpy as np
@@ -92,62 +96,12 @@ def _matmul_rows(out, x, w, accumulate):
                 out[n, o] = out[n, o] + v if accumulate else v
 
 
-_batch_invariant = {"on": True}
-
-
-@contextlib.contextmanager
-def batch_invariant(on):
-    """Within the block, products of at most FEW_ROWS rows take _matmul_rows (on: batch-invariant) or BLAS,
-    whose rounding depends on the row count (off)."""
-    before, _batch_invariant["on"] = _batch_invariant["on"], bool(on)
-    try:
-        yield
-    finally:
-        _batch_invariant["on"] = before
-
-
-def matmul_forward(out, x, w, accumulate=False):
-    """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
-    if x.shape[0] <= FEW_ROWS and _batch_invariant["on"]:
-        _matmul_rows(out, x, w, accumulate)
-    elif accumulate:
-        out += x @ w.T
-    else:
-        np.matmul(x, w.T, out=out)
-
-
+# matmul_forward and the products that end in it (rmsnorm_matmul_*_forward) read the batch-invariance
+# setting: they are methods of Layers, at the end.
 def matmul_backward(dx, dw, dout, x, w):
     """dx (N, I) = dout @ w; dw (O, I) += dout.T @ x."""
     np.matmul(dout, w, out=dx)
     dw += dout.T @ x
-
-
-def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):
-    """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input,
-    or is None where nobody reads it (decoding: on the GPU a few rows are then normalised inside the product,
-    one kernel). skip (N, C), where given, receives a copy of x: the residual stream's next buffer (the GPU
-    copies it on the norm's read of x)."""
-    if skip is not None:
-        skip[...] = x
-    if xn is None:
-        xn = np.empty_like(x)
-    rmsnorm_forward(xn, rstd, x, norm_w, eps)
-    matmul_forward(out, xn, w)
-
-
-def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
-    """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
-    embedding of its first n_rot_heads heads (q and k) at positions pos[0] + t (one GPU kernel for decoding's
-    few rows); xn, skip as rmsnorm_matmul_forward."""
-    rmsnorm_matmul_forward(qkv.reshape(x.shape[0], -1), rstd, x, norm_w, w, eps, xn, skip)
-    rope_forward(qkv, cos, sin, n_rot_heads, pos)
-
-
-def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
-    """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, then out (N, F) =
-    silu(gate) * up (one kernel on the GPU for decoding's few rows); xn, skip as rmsnorm_matmul_forward."""
-    rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
-    swiglu_forward(out, gate_up)
 
 
 # ------------------------------------------------------------------------------------------- embedding
@@ -801,14 +755,80 @@ def graph(step):
     return step
 
 
-# ------------------------------------------------------------------------------------------ precision
-def activation_dtype(precision, dtype):
-    """Activations are in the engine's dtype: float32 for training, float64 for the gradient check."""
-    if precision != "fp32":
-        raise ValueError(f"the CPU engine computes in fp32 (or float64), not {precision}")
-    return dtype
+# -------------------------------------------------------------------------------------------------- layers
+class Layers:
+    """One engine's CPU layers (Engine.layers): the layer functions above, in their order, as the methods of
+    one object, as the GPU's Layers are. Its setting, batch_invariant, is read by the products, which are
+    therefore defined here: products of at most FEW_ROWS rows take _matmul_rows (on: a row's bits the same
+    whatever the other rows) or BLAS, whose rounding depends on the row count (off). The other layers read no
+    setting and are this module's functions as they are. precision: "fp32" only; the arrays' dtype decides
+    the arithmetic (float64 for the gradient check)."""
 
+    def __init__(self, precision, batch_invariant):
+        if precision != "fp32":
+            raise ValueError(f"the CPU engine computes in fp32 (or float64), not {precision}")
+        self.precision, self.batch_invariant = precision, bool(batch_invariant)
 
-def precision(name):
-    """The GPU layers switch precision per block of calls; the CPU's is fixed by the arrays' dtype."""
-    return contextlib.nullcontext()
+    def activation_dtype(self, dtype):
+        """Activations are in the engine's dtype: float32 for training, float64 for the gradient check."""
+        return np.dtype(dtype)
+
+    # ------------------------------------------------------------------------------------------ matmul
+    def matmul_forward(self, out, x, w, accumulate=False):
+        """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
+        if x.shape[0] <= FEW_ROWS and self.batch_invariant:
+            _matmul_rows(out, x, w, accumulate)
+        elif accumulate:
+            out += x @ w.T
+        else:
+            np.matmul(x, w.T, out=out)
+
+    matmul_backward = staticmethod(matmul_backward)
+
+    def rmsnorm_matmul_forward(self, out, rstd, x, norm_w, w, eps, xn, skip=None):
+        """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input,
+        or is None where nobody reads it (decoding: on the GPU a few rows are then normalised inside the product,
+        one kernel). skip (N, C), where given, receives a copy of x: the residual stream's next buffer (the GPU
+        copies it on the norm's read of x)."""
+        if skip is not None:
+            skip[...] = x
+        if xn is None:
+            xn = np.empty_like(x)
+        rmsnorm_forward(xn, rstd, x, norm_w, eps)
+        self.matmul_forward(out, xn, w)
+
+    def rmsnorm_matmul_rope_forward(self, qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
+        """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
+        embedding of its first n_rot_heads heads (q and k) at positions pos[0] + t (one GPU kernel for decoding's
+        few rows); xn, skip as rmsnorm_matmul_forward."""
+        self.rmsnorm_matmul_forward(qkv.reshape(x.shape[0], -1), rstd, x, norm_w, w, eps, xn, skip)
+        rope_forward(qkv, cos, sin, n_rot_heads, pos)
+
+    def rmsnorm_matmul_swiglu_forward(self, out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
+        """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, then out (N, F) =
+        silu(gate) * up (one kernel on the GPU for decoding's few rows); xn, skip as rmsnorm_matmul_forward."""
+        self.rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
+        swiglu_forward(out, gate_up)
+
+    # ------------------------------------------------------------------------ the rest, as defined above
+    embedding_forward = staticmethod(embedding_forward)
+    embedding_backward = staticmethod(embedding_backward)
+    rmsnorm_forward = staticmethod(rmsnorm_forward)
+    rmsnorm_backward = staticmethod(rmsnorm_backward)
+    rope_forward = staticmethod(rope_forward)
+    rope_backward = staticmethod(rope_backward)
+    attention_forward = staticmethod(attention_forward)
+    attention_cached = staticmethod(attention_cached)
+    attention_backward = staticmethod(attention_backward)
+    swiglu_forward = staticmethod(swiglu_forward)
+    swiglu_backward = staticmethod(swiglu_backward)
+    crossentropy_forward = staticmethod(crossentropy_forward)
+    crossentropy_forward_backward = staticmethod(crossentropy_forward_backward)
+    adamw_update = staticmethod(adamw_update)
+    sum_squares = staticmethod(sum_squares)
+    argmax = staticmethod(argmax)
+    advance_position = staticmethod(advance_position)
+    accept_drafts = staticmethod(accept_drafts)
+    sample_rows = staticmethod(sample_rows)
+    feed_back = staticmethod(feed_back)
+    graph = staticmethod(graph)

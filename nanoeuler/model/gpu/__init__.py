@@ -1,5 +1,6 @@
 """The GPU engine: CUDA kernels (kernels/*.cu, compiled at run time through CuPy/NVRTC) and cuBLAS, behind the
-same layer functions as the CPU engine (layers.py; nanoeuler.model.engine.Engine drives either).
+same layer functions as the CPU engine (layers.py; nanoeuler.model.engine.Engine drives either), over the CUDA
+runtime of runtime.py (compiling, launching, cuBLAS through nvmath-python, CUDA graphs).
 
 Nothing here imports cupy at import time, so the CPU path never loads it; `available()` probes inside a try.
 """

@@ -49,8 +49,9 @@ def rmsnorm_backward_blocks(K, bf16):
 
 
 def module_variants(name):
-    """The define sets layers.py compiles kernels/<name>.cu with, besides its constants: one per element type
-    (ACT_BF16=1: bf16 activations), and for attention.cu also the 3xTF32 kernels (ATT_PRECISE=1)."""
+    """The define sets kernels/<name>.cu is compiled with (layers.py picks, runtime.py compiles), besides its
+    constants: one per element type (ACT_BF16=1: bf16 activations), and for attention.cu also the 3xTF32
+    kernels (ATT_PRECISE=1)."""
     if name == "decoding":  # float32 logits and int32 ids only
         return ((),)
     variants = ((), ("ACT_BF16=1",))

@@ -1,16 +1,23 @@
-"""The GPU engine's layers: the functions of nanoeuler.model.cpu.layers, same names and signatures, over CuPy arrays.
+"""The GPU engine's layers: the launchers of nanoeuler.model.cpu.layers' layers, same names, signatures and
+order, over CuPy arrays.
 
-Each is a thin launcher: the work happens in a raw CUDA kernel from kernels/*.cu (compiled on first use by
-NVRTC through CuPy and cached by CuPy on disk) or, for every matrix product, in cuBLAS. Shapes and the
-activation layout are those of the CPU layers (see that module's docstring); arrays are C-contiguous.
+Each is a thin launcher: the work happens in a raw CUDA kernel from kernels/*.cu or, for every matrix product
+of many rows, in cuBLAS; how kernels are compiled and launched, cuBLAS called and decoding steps recorded as
+CUDA graphs is runtime.py's. Shapes and the activation layout are those of the CPU layers (see that module's
+docstring); arrays are C-contiguous. The numbers these launchers share with the kernels live in
+constants.py and reach the kernels as compile-time defines.
+
+`Layers(precision, batch_invariant)` is one engine's layers (Engine.layers): its methods are the layer
+functions, and its two settings, fixed when it is made, are read by the launchers that depend on them, so
+there is no module-wide mode and two engines of different settings in one process do not interfere. The
+helpers before it take what they need as arguments.
 
 Decoding: products of at most FEW_ROWS rows (nanoeuler.model.limits) take a matrix-vector kernel of ours
 (bound by reading the weights once, and batch-invariant: a row's bits do not depend on the other rows), or
-cuBLAS where `batch_invariant(False)` says so, and `graph` records a decoding step as a CUDA graph. Positions
-(rope, the KV cache) are read from device memory, so one recording serves every position. The numbers these
-launchers share with the kernels live in constants.py and reach the kernels as compile-time defines.
+cuBLAS where the Layers were made with batch_invariant False, and `graph` records a decoding step as a CUDA
+graph. Positions (rope, the KV cache) are read from device memory, so one recording serves every position.
 
-Precision (`precision(name)` selects it for a block of calls; the Engine does this):
+Precision:
 - "fp32": float32 everywhere, plain FP32 cuBLAS and 3xTF32 attention: what `nanoeuler check --gpu` compares
   against the CPU engine;
 - "tf32": float32 arrays, matmuls on the TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32), one TF32
@@ -18,157 +25,30 @@ Precision (`precision(name)` selects it for a block of calls; the Engine does th
 - "bf16": activations and the compute copy of the weights are bfloat16, stored as uint16 arrays (CuPy has
   no bfloat16 dtype; a bf16 is the top half of a float32). Matmuls take bf16 operands and accumulate in
   float32 (cuBLAS compute type 32F); parameter gradients, norm statistics, softmax statistics and losses
-  stay float32. Each kernel file is compiled once per element type (-DACT_BF16=1), chosen by the dtype of
-  the arrays it is given.
+  stay float32 (float32 operands, where there are any, compute as in tf32). Each kernel file is compiled
+  once per element type (-DACT_BF16=1), chosen by the dtype of the arrays it is given.
 """
-import contextlib
-import ctypes
 import functools
 import math
 
 import cupy
 import numpy as np
-from cupy.cuda import cublas, runtime
 
+from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
-                                           ATT_THREADS, ATT_TILE, ATT_WARPS, KERNELS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
+                                           ATT_THREADS, ATT_TILE, ATT_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
                                            MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, ROPE_HEADS, SAMPLE_THREADS,
-                                           module_defines, rmsnorm_backward_blocks, rmsnorm_chunks)
+                                           rmsnorm_backward_blocks, rmsnorm_chunks)
+from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
 from nanoeuler.model.limits import FEW_ROWS
 
-BF16 = np.dtype(np.uint16)  # storage type of bfloat16 activations
-F32 = np.dtype(np.float32)
-
-_CUDA_TYPE = {F32: runtime.CUDA_R_32F, BF16: runtime.CUDA_R_16BF}
-_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host scalars for alpha / beta
-
 PRECISIONS = ("bf16", "tf32", "fp32")
-_precision = {"name": "tf32"}
 
 
-@contextlib.contextmanager
-def precision(name):
-    """Within the block, float32 arrays compute in `name` ("tf32" or "fp32"; "bf16" arrays are bf16 anyway)."""
-    if name not in PRECISIONS:
-        raise ValueError(f"unknown precision {name!r}")
-    before, _precision["name"] = _precision["name"], name
-    try:
-        yield
-    finally:
-        _precision["name"] = before
-
-
-_batch_invariant = {"on": True}
-
-
-@contextlib.contextmanager
-def batch_invariant(on):
-    """Within the block, products of at most FEW_ROWS rows take the row-invariant kernels (on: a row's bits are
-    the same whatever the other rows) or cuBLAS, whose rounding depends on the row count (off: faster for
-    many rows; docs/decoding.md)."""
-    before, _batch_invariant["on"] = _batch_invariant["on"], bool(on)
-    try:
-        yield
-    finally:
-        _batch_invariant["on"] = before
-
-
-def activation_dtype(name, dtype=np.float32):
-    """The element type of activations and of the weights' compute copy in precision `name`."""
-    if np.dtype(dtype) != F32:
-        raise ValueError("the GPU engine computes in float32 or bfloat16, not float64")
-    return BF16 if name == "bf16" else F32
-
-
-def _fast():
-    return _precision["name"] != "fp32"
-
-
-def _host_address(a):
-    """The address of a NumPy array's data (its array interface), for the C APIs that take host pointers."""
-    return a.__array_interface__["data"][0]
-
-
-@functools.lru_cache(maxsize=None)
-def _module(name, defines=()):
-    """Compile kernels/<name>.cu in the variant `defines` (ACT_BF16=1, ATT_PRECISE=1), with the numbers it shares
-    with Python (constants.module_defines); its #include of common.cuh inlined, so CuPy's cache, which hashes
-    the source text, sees header edits too."""
-    common = (KERNELS / "common.cuh").read_text().replace("#pragma once\n", "")
-    src = (KERNELS / f"{name}.cu").read_text().replace('#include "common.cuh"', common)
-    return cupy.RawModule(code=src, options=("--std=c++17",) + tuple(f"-D{d}" for d in module_defines(name, defines)))
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(module, name, defines=()):
-    return _module(module, defines).get_function(name)
-
-
-_opted_in = {}  # kernel -> the dynamic shared memory it may launch with, where above the default 48 KB
-
-
-def _kernel(module, name, defines=(), dynamic_smem=0):
-    """The kernel, allowed to launch with dynamic_smem bytes of dynamic shared memory: above 48 KB a kernel
-    has to opt in, and the limit only ever rises (it belongs to the kernel, not to one launch)."""
-    k = _compiled(module, name, defines)
-    if dynamic_smem > max(48 * 1024, _opted_in.get(k, 0)):
-        k.max_dynamic_shared_size_bytes = dynamic_smem
-        _opted_in[k] = dynamic_smem
-    return k
-
-
-# ------------------------------------------------------------------------- programmatic dependent launch
-# Decoding's kernels (the matrix-vector products, the cached attention, argmax, the position's advance) are
-# recorded into CUDA graphs with programmatic dependent launch on sm_90+: each may start while the one before
-# it finishes, loading its weights, and waits (common.cuh: wait_for_inputs) only for its inputs. CuPy's
-# launches cannot ask for it, so those go through the driver's cuLaunchKernelEx (cuda-python).
-_dependent_launch = {"on": False}
-
-
-@functools.lru_cache(maxsize=None)
-def _driver():
-    """cuda.bindings.driver, or None where programmatic dependent launch is not to be had (before sm_90)."""
-    if int(cupy.cuda.Device().compute_capability) < 90:
-        return None
-    from cuda.bindings import driver
-    return driver
-
-
-def _launch(kernel, grid, block, args, shared_mem=0, dependent=True):
-    """kernel(grid, block, args) on the current stream; while a decoding step is being recorded and where
-    dependent, with programmatic dependent launch (the kernel must wait_for_inputs before touching its inputs)."""
-    driver = _driver() if _dependent_launch["on"] and dependent else None
-    if driver is None:
-        kernel(grid, block, args, shared_mem=shared_mem)
-        return
-    assert all(isinstance(a, (cupy.ndarray, np.generic)) for a in args), [type(a) for a in args]
-    # kernelParams in cuda-python's NumPy form: an array of the addresses of the arguments' values
-    values = [np.array([a.data.ptr], np.uint64) if isinstance(a, cupy.ndarray) else np.array([a]) for a in args]
-    params = np.array([_host_address(v) for v in values], np.uint64)
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = tuple(grid) + (1,) * (3 - len(grid))
-    config.blockDimX, config.blockDimY, config.blockDimZ = tuple(block) + (1,) * (3 - len(block))
-    config.sharedMemBytes = shared_mem
-    config.hStream = driver.CUstream(cupy.cuda.get_current_stream().ptr)
-    config.attrs, config.numAttrs = [attr], 1
-    # CuPy documents no handle of a RawKernel's CUfunction; .kernel.ptr is that of the Function it loaded
-    function = driver.CUfunction(kernel.kernel.ptr)
-    status, = driver.cuLaunchKernelEx(config, function, params, 0)
-    if status != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuLaunchKernelEx failed: {status.name}")
-
-
+# ------------------------------------------------------------------------------------------- arguments
 def _act_defines(a):
     """The compile-time defines for kernels whose activations have a's dtype."""
     return ("ACT_BF16=1",) if a.dtype == BF16 else ()
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count():
-    return cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
 def _i32(x):
@@ -195,69 +75,12 @@ def _check(*arrays, act=None):
         assert a.dtype == dtype and a.flags.c_contiguous, (a.dtype, dtype, a.shape, a.strides)
 
 
+def _position(pos):
+    assert pos.dtype == np.int32 and pos.ndim == 1 and pos.flags.c_contiguous, (pos.dtype, pos.shape)
+    return pos
+
+
 # ---------------------------------------------------------------------------------------------- matmul
-class _Cublas:
-    """cuBLAS's gemm called through ctypes on a handle of our own, with a workspace set up front: CuPy's
-    wrappers refuse to run during stream capture (cupy #6290), and cuBLAS may not allocate during one, so this
-    is what lets a decoding step whose products are cuBLAS's be recorded as a CUDA graph."""
-
-    WORKSPACE = 32 << 20  # what cuBLAS asks for on Hopper
-
-    def __init__(self):
-        cupy.cuda.device.get_cublas_handle()  # loads the library CuPy was built against
-        with open("/proc/self/maps") as maps:
-            path = next(line.split()[-1] for line in maps if "/libcublas.so" in line)
-        lib = ctypes.CDLL(path)
-        ptr, i32 = ctypes.c_void_p, ctypes.c_int
-        lib.cublasGemmEx.argtypes = [ptr, i32, i32, i32, i32, i32, ptr, ptr, i32, i32, ptr, i32, i32, ptr, ptr,
-                                     i32, i32, i32, i32]
-        lib.cublasSetStream_v2.argtypes = [ptr, ptr]
-        lib.cublasSetWorkspace_v2.argtypes = [ptr, ptr, ctypes.c_size_t]
-        self.lib, self.handle = lib, ptr()
-        self._call("cublasCreate_v2", ctypes.byref(self.handle))
-        self.workspace = cupy.empty(self.WORKSPACE, np.uint8)
-        self._call("cublasSetWorkspace_v2", self.handle, self.workspace.data.ptr, self.WORKSPACE)
-
-    def _call(self, name, *args):
-        status = getattr(self.lib, name)(*args)
-        if status != 0:
-            raise RuntimeError(f"{name} failed: cuBLAS status {status}")
-
-    def gemm(self, *args):
-        self._call("cublasSetStream_v2", self.handle, cupy.cuda.get_current_stream().ptr)
-        self._call("cublasGemmEx", self.handle, *args)
-
-
-@functools.lru_cache(maxsize=None)
-def _cublas(device):
-    """The current device's handle (a cuBLAS handle belongs to the device it was made on; `device` is the key)."""
-    return _Cublas()
-
-
-def _gemm(transa, transb, m, n, k, A, lda, B, ldb, C, ldc, accumulate):
-    """Column-major C (m, n) = op(A) op(B) (+ C), on cuBLAS on the current stream. A and B share a dtype
-    (float32 or bf16); C may be either, and the products accumulate in float32."""
-    ab, c = _CUDA_TYPE[A.dtype], _CUDA_TYPE[C.dtype]
-    compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if A.dtype == F32 and _fast() else cublas.CUBLAS_COMPUTE_32F
-    beta = _ONE if accumulate else _ZERO
-    _cublas(cupy.cuda.Device().id).gemm(transa, transb, m, n, k, _host_address(_ONE), A.data.ptr, ab, lda,
-                                        B.data.ptr, ab, ldb, _host_address(beta), C.data.ptr, c, ldc, compute,
-                                        cublas.CUBLAS_GEMM_DEFAULT)
-
-
-def matmul_forward(out, x, w, accumulate=False):
-    """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
-    cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most FEW_ROWS
-    rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the precision."""
-    _check(x, w, act=x)
-    assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
-    (N, I), O = x.shape, w.shape[0]
-    if N > FEW_ROWS or not _batch_invariant["on"]:
-        _gemm(cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, O, N, I, w, I, x, I, out, O, accumulate)
-    else:
-        _matmul_small(out, x, w, accumulate)
-
-
 def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None):
     """The matrix-vector kernel on N <= FEW_ROWS rows of x (tensor-core products, kernels/matmul.cu; up to 8
     rows, or 1 to 4 tiles of 16, one template whose row arithmetic is the same in each):
@@ -285,11 +108,11 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     if glu_out is not None:
         half = O // 2
     tiles_of_w = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a tile: the mma's n
-    kernel_of = lambda row_tiles, per_warp: _kernel(
+    kernel_of = lambda row_tiles, per_warp: kernel(
         "matmul", f"matmul_small_t{row_tiles}_n{per_warp}" if row_tiles else "matmul_small", _act_defines(x))
     row_tiles, groups, per_warp = _product_split(tiles, tiles_of_w, warps, kernel_of)
     rows_a_block = 16 * row_tiles if row_tiles else 8
-    _launch(kernel_of(row_tiles, per_warp),
+    launch(kernel_of(row_tiles, per_warp),
         (_blocks(tiles_of_w, groups * per_warp), _blocks(N, rows_a_block)), (32 * warps,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
@@ -309,87 +132,10 @@ def _product_split(tiles, tiles_of_w, warps, kernel_of):
     per_warp = MATMUL_PAIR if warps <= MATMUL_PAIR_WARPS else 1
     units = _blocks(tiles_of_w, per_warp)
     registers = cupy.cuda.Device().attributes["MaxRegistersPerMultiprocessor"]  # blocks an SM: by their registers
-    resident = lambda row_tiles: _sm_count() * (registers // (32 * warps * kernel_of(row_tiles, per_warp).num_regs))
+    resident = lambda row_tiles: sm_count() * (registers // (32 * warps * kernel_of(row_tiles, per_warp).num_regs))
     groups = min(8, _blocks(units, resident(tiles)))
     row_tiles = next((n for n in range(1, tiles) if _blocks(units, groups) * -(-tiles // n) <= resident(n)), tiles)
     return row_tiles, groups, per_warp
-
-
-def rmsnorm_matmul_forward(out, rstd, x, norm_w, w, eps, xn, skip=None):
-    """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
-    (what the backward multiplies with), or is None where nobody reads it. skip (N, C), where given, receives
-    a copy of x: the next buffer of the residual stream, which the sublayer's output is then added to; the copy
-    rides on the norm's read of x. A few rows without xn (decoding) take one kernel that normalises its input
-    on the way; else the norm into xn, then the product."""
-    if x.shape[0] > FEW_ROWS or xn is not None:
-        if xn is None:  # a step of more rows than a graph takes: a temporary
-            xn = cupy.empty_like(x)
-        _rmsnorm_forward(xn, rstd, x, norm_w, eps, skip)
-        matmul_forward(out, xn, w)
-        return
-    _check(x, norm_w, w, act=x)
-    _check(rstd)
-    _matmul_small(out, x, w, False, norm_w, rstd, eps, skip=skip)
-
-
-def rmsnorm_matmul_rope_forward(qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
-    """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
-    embedding of its first n_rot_heads heads at positions pos[0] + t (or pos[b] + t: a position a sequence,
-    decoding's few rows only); xn, skip as rmsnorm_matmul_forward. A few rows (decoding) take one kernel."""
-    B, T, NH, D = qkv.shape
-    assert pos.size in (1, B), (pos.shape, B)
-    if B * T > FEW_ROWS or xn is not None:
-        rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
-        rope_forward(qkv, cos, sin, n_rot_heads, pos)
-        return
-    _check(qkv, x, norm_w, w, act=x)
-    _check(rstd, cos, sin)
-    _matmul_small(qkv.reshape(B * T, -1), x, w, False, norm_w, rstd, eps,
-                  rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2), skip=skip)
-
-
-def rmsnorm_matmul_swiglu_forward(out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
-    """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
-    silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows without xn (decoding) take one kernel for
-    all of it."""
-    if x.shape[0] > FEW_ROWS or xn is not None:
-        rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
-        swiglu_forward(out, gate_up)
-        return
-    _check(out, gate_up, x, norm_w, w, act=x)
-    _check(rstd)
-    _matmul_small(gate_up, x, w, False, norm_w, rstd, eps, glu_out=out, skip=skip)
-
-
-def matmul_backward(dx, dw, dout, x, w):
-    """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations)."""
-    _check(dx, dout, x, w, act=x)
-    _check(dw)
-    (N, I), O = x.shape, w.shape[0]
-    _gemm(cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, I, N, O, w, I, dout, O, dx, I, False)
-    _gemm(cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T, I, O, N, x, I, dout, O, dw, I, True)
-
-
-# ------------------------------------------------------------------------------------------- embedding
-def embedding_forward(out, tokens, emb):
-    """out (N, C) = emb (V, C)[tokens (N,)]"""
-    _check(out, emb, act=emb)
-    N, C = out.shape
-    tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
-    _kernel("embedding", "embedding_forward", _act_defines(emb))((_blocks(N * C, 256),), (256,),
-                                                                 (out, tokens, emb, _i32(N), _i32(C)))
-
-
-def embedding_backward(demb, dout, tokens):
-    """demb (V, C) += dout (N, C) scattered by token; each token's rows summed in position order (the sort
-    is a deterministic radix sort), so the result is the same on every run."""
-    _check(demb)
-    _check(dout, act=dout)
-    N, C = dout.shape
-    tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
-    order = cupy.argsort(tokens).astype(np.int32)
-    _kernel("embedding", "embedding_backward", _act_defines(dout))(
-        (N,), (min(256, 32 * _blocks(C, 32)),), (demb, dout, order, tokens[order], _i32(N), _i32(C)))
 
 
 # --------------------------------------------------------------------------------------------- rmsnorm
@@ -404,11 +150,6 @@ def _rmsnorm_chunks(C, *arrays):
     return next((k for k in rmsnorm_chunks(arrays[0].dtype == BF16) if k >= need), None)
 
 
-def rmsnorm_forward(out, rstd, x, w, eps):
-    """out (N, C) = x / sqrt(mean(x^2) + eps) * w; rstd (N,)"""
-    _rmsnorm_forward(out, rstd, x, w, eps, None)
-
-
 def _rmsnorm_forward(out, rstd, x, w, eps, skip):
     """rmsnorm_forward, and with skip (N, C) a copy of x there (rmsnorm_matmul_forward)."""
     _check(out, x, w, act=x)
@@ -417,34 +158,12 @@ def _rmsnorm_forward(out, rstd, x, w, eps, skip):
         _check(skip, act=x)
     N, C = x.shape
     K = _rmsnorm_chunks(C, out, x, w, *(() if skip is None else (skip,)))
-    _kernel("rmsnorm", "rmsnorm_forward" if K is None else f"rmsnorm_forward_k{K}", _act_defines(x))(
+    kernel("rmsnorm", "rmsnorm_forward" if K is None else f"rmsnorm_forward_k{K}", _act_defines(x))(
         (_blocks(N, 8),), (256,),
         (out, rstd, x, w, _i32(N), _i32(C), _f32(eps), np.uint64(0) if skip is None else skip))
 
 
-def rmsnorm_backward(dx, dw, dout, x, w, rstd):
-    """dx (N, C) += input gradient (the residual stream's); dw (C,) += weight gradient (float32), summed
-    over per-block partials in a fixed order: no atomics, the same bits on every run."""
-    _check(dx, dout, x, w, act=x)
-    _check(dw, rstd)
-    N, C = x.shape
-    K = _rmsnorm_chunks(C, dx, dout, x, w)
-    per_sm = 2 if K is None else rmsnorm_backward_blocks(K, x.dtype == BF16)  # the kernel's __launch_bounds__
-    grid, smem = min(_blocks(N, 8), per_sm * _sm_count()), 4 * 8 * C
-    partial = cupy.empty((grid, C), dtype=np.float32)
-    defines = _act_defines(x)
-    name = "rmsnorm_backward" if K is None else f"rmsnorm_backward_k{K}"
-    _kernel("rmsnorm", name, defines, smem)(
-        (grid,), (256,), (dx, partial, dout, x, w, rstd, _i32(N), _i32(C)), shared_mem=smem)
-    _kernel("rmsnorm", "rmsnorm_dw_reduce", defines)((_blocks(C, 32),), (32, 32), (dw, partial, _i32(grid), _i32(C)))
-
-
 # ------------------------------------------------------------------------------------------------ rope
-def _position(pos):
-    assert pos.dtype == np.int32 and pos.ndim == 1 and pos.flags.c_contiguous, (pos.dtype, pos.shape)
-    return pos
-
-
 def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
     """rope_rotate_rows (a row of threads per (b, t) row, 16-byte accesses, cos and sin read once for
     ROPE_HEADS heads) where D/2 is a multiple of 16 bytes of elements and the arrays are 16-byte aligned;
@@ -459,118 +178,29 @@ def _rope(qkv, cos, sin, n_rot_heads, pos, sign):
     threads = half // pack * -(-n_rot_heads // ROPE_HEADS)  # a (b, t) row's
     if half % pack == 0 and all(a.data.ptr % 16 == 0 for a in args) and 0 < threads <= 256:
         rows = 256 // threads
-        _kernel("rope", "rope_rotate_rows", _act_defines(qkv))(
+        kernel("rope", "rope_rotate_rows", _act_defines(qkv))(
             (_blocks(B * T, rows),), (threads, rows),
             args + (_i32(B * T), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D)) + where)
         return
     n = B * T * n_rot_heads * half
-    _kernel("rope", "rope_rotate", _act_defines(qkv))(
+    kernel("rope", "rope_rotate", _act_defines(qkv))(
         (_blocks(n // _vec(half), 256),), (256,),
         args + (_i32(B), _i32(T), _i32(NH), _i32(n_rot_heads), _i32(D)) + where)
 
 
-def rope_forward(qkv, cos, sin, n_rot_heads, pos):
-    """In place on the first n_rot_heads heads of qkv (B, T, H+2G, D), positions pos[0] + t, or pos[b] + t
-    where pos holds one position a sequence (int32 on the device)."""
-    _rope(qkv, cos, sin, n_rot_heads, pos, 1.0)
-
-
-def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
-    """In place: the inverse rotation."""
-    _rope(dqkv, cos, sin, n_rot_heads, pos, -1.0)
-
-
 # ------------------------------------------------------------------------------------------- attention
-def _attention_defines(a):
-    """bf16 or float32 operands; float32 operands in precision fp32 take the 3xTF32 (float32-accurate) path."""
-    return _act_defines(a) + (() if _fast() else ("ATT_PRECISE=1",))
-
-
-def attention_forward(out, lse, qkv, n_heads, n_kv_heads):
-    """Causal GQA FlashAttention over qkv (B, T, H+2G, D): out (B, T, H, D), lse (B, H, T)."""
-    _check(out, qkv, act=qkv)
-    _check(lse)
-    B, T, NH, D = qkv.shape
-    assert out.shape == (B, T, n_heads, D) and lse.shape == (B, n_heads, T), (out.shape, lse.shape)
-    defines = _attention_defines(qkv)
-    threads = _attention_launch(D, defines)[0]
-    _kernel("attention", f"attention_forward_d{D}", defines)(
-        (n_heads, B, _blocks(T, ATT_TILE)), (threads,),
-        (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
-
-
-def attention_cached(out, lse, qkv, cache, n_heads, n_kv_heads, pos, slots=None):
-    """Decoding: qkv (B, n, H+2G, D)'s k and v heads (k rotated already) into the KV cache (S, context, 2G, D)
-    at positions p.., and attention of its queries to the cache's positions 0..p+t, where p is pos[0] (every
-    sequence) or pos[b] (a position a sequence) and sequence b's cache row is slots[b] (b where slots is
-    None). out (B, n, H, D), lse (B, H, n). One kernel, a block a query row and head (a few rows) or a query
-    row and kv head (many rows: its query heads share the key and value loads), whose warps split the keys."""
-    _check(out, qkv, cache, act=qkv)
-    _check(lse)
-    B, n, NH, D = qkv.shape
-    S = cache.shape[1]
-    assert cache.shape[2:] == (2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
-    assert pos.size in (1, B) and (cache.shape[0] == B if slots is None else slots.shape == (B,))
-    if slots is not None:
-        assert slots.dtype == np.int32 and slots.flags.c_contiguous
-    # a few rows: a block a query head, all its warps (latency); many: a block a kv head's query heads, which
-    # share the loads of its keys and values, fewer warps (throughput). The same bits either way.
-    grouped = B * n > ATT_CACHED_FEW_ROWS and n_heads // n_kv_heads <= ATT_CACHED_GROUP
-    warps = ATT_WARPS if B * n <= ATT_CACHED_FEW_ROWS else ATT_CACHED_WARPS_MANY
-    _launch(_kernel("attention", f"attention_cached{'_group' if grouped else ''}_d{D}", _act_defines(qkv)),
-        (n_kv_heads if grouped else n_heads, B * n), (32 * warps,),
-        (out, lse, qkv, cache, _position(pos), _i32(pos.size > 1), np.uint64(0) if slots is None else slots,
-         _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
+def _attention_defines(a, tf32):
+    """bf16 or float32 operands; float32 operands without tf32 (precision fp32) take the 3xTF32 (float32-accurate)
+    path."""
+    return _act_defines(a) + (() if tf32 else ("ATT_PRECISE=1",))
 
 
 @functools.lru_cache(maxsize=None)
 def _attention_launch(D, defines):
     """What attention.cu derives from its tile layout (attention_launch_d<D>): the forward's threads a block, the
     dK/dV and the dQ kernels' dynamic shared memory in bytes."""
-    shape = _module("attention", defines).get_global(f"attention_launch_d{D}")
+    shape = runtime.module("attention", defines).get_global(f"attention_launch_d{D}")
     return tuple(int(v) for v in cupy.ndarray((3,), np.int32, memptr=shape).get())
-
-
-def attention_backward(dqkv, dout, out, lse, qkv, n_heads, n_kv_heads, cos=None, sin=None):
-    """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0).
-    dK and dV come from one kernel (a block per kv head and key tile, looping over its query heads), dQ from
-    another (a block per query head and query tile): every element is written once, with no atomics. With
-    the rotary tables cos, sin, dq and dk are the gradients of the unrotated q and k (rope_backward folded
-    into the kernels' stores, positions 0..T-1)."""
-    _check(dqkv, dout, out, qkv, act=qkv)
-    _check(lse)
-    B, T, NH, D = qkv.shape
-    defines, scale = _attention_defines(qkv), _f32(1.0 / math.sqrt(D))
-    delta = cupy.empty((B, n_heads, T), dtype=np.float32)
-    _kernel("attention", "attention_backward_delta", defines)(
-        (_blocks(B * T * n_heads, 8),), (256,), (delta, dout, out, _i32(B), _i32(T), _i32(n_heads), _i32(D)))
-    if cos is not None:
-        _check(cos, sin)
-    null = np.uint64(0)
-    args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale,
-            null if cos is None else cos, null if sin is None else sin)
-    smem_dkdv, smem_dq = _attention_launch(D, defines)[1:]
-    _kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem_dkdv)(
-        (n_kv_heads, B, _blocks(T, ATT_TILE)), (ATT_THREADS,), args, shared_mem=smem_dkdv)
-    _kernel("attention", f"attention_backward_dq_d{D}", defines, smem_dq)(
-        (n_heads, B, _blocks(T, ATT_TILE)), (ATT_THREADS,), args, shared_mem=smem_dq)
-
-
-# ---------------------------------------------------------------------------------------------- swiglu
-def swiglu_forward(out, gate_up):
-    """out (N, F) = silu(gate) * up from gate_up (N, 2F)"""
-    _check(out, gate_up, act=gate_up)
-    N, F = out.shape
-    _kernel("swiglu", "swiglu_forward", _act_defines(gate_up))((_blocks(N * F // _vec(F), 256),), (256,),
-                                                               (out, gate_up, _i32(N), _i32(F)))
-
-
-def swiglu_backward(dgate_up, dout, gate_up):
-    """dgate_up (N, 2F) overwritten"""
-    _check(dgate_up, dout, gate_up, act=gate_up)
-    N, F = dout.shape
-    _kernel("swiglu", "swiglu_backward", _act_defines(gate_up))((_blocks(N * F // _vec(F), 256),), (256,),
-                                                                (dgate_up, dout, gate_up, _i32(N), _i32(F)))
 
 
 # --------------------------------------------------------------------------------------- cross-entropy
@@ -586,145 +216,321 @@ def _ce_chunks(logits, V):
     return chunks if chunks in (1, 2, 4) else 0
 
 
-def crossentropy_forward(losses, logits, targets):
-    """losses (K, N) from logits (N, K*V) and targets (K, N), -1 ignored."""
-    _check(losses)
-    _check(logits, act=logits)
-    K, N = targets.shape
-    V = logits.shape[1] // K
-    targets = cupy.ascontiguousarray(targets, dtype=np.int32)
-    _kernel("crossentropy", "crossentropy_forward", _act_defines(logits))(
-        (N, K), (_ce_threads(V),), (losses, logits, targets, _i32(N), _i32(K), _i32(V), _i32(_ce_chunks(logits, V))))
+# ---------------------------------------------------------------------------------------------- layers
+class Layers:
+    """One engine's GPU layers: the CPU module's layer functions as methods, in its order, launching on the
+    current device and stream. precision (PRECISIONS) sets how float32 operands multiply: on the TF32 tensor
+    cores (tf32, bf16) or in full float32 (fp32: FP32 cuBLAS, 3xTF32 attention); bf16 arrays are bf16 anyway.
+    batch_invariant: the products of at most FEW_ROWS rows take the row-invariant kernels (a row's bits are the
+    same whatever the other rows) or, off, cuBLAS, whose rounding depends on the row count (faster for many
+    rows; docs/decoding.md)."""
 
+    def __init__(self, precision, batch_invariant):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}")
+        self.precision, self.batch_invariant = precision, bool(batch_invariant)
+        self.tf32 = precision != "fp32"  # float32 operands on the TF32 tensor cores
 
-def crossentropy_forward_backward(losses, logits, targets, dscale):
-    """As crossentropy_forward, then logits := d loss / d logits = (softmax - onehot) * dscale[k, n], dscale
-    (K, N) float32."""
-    _check(losses, dscale)
-    _check(logits, act=logits)
-    K, N = targets.shape
-    if dscale.shape != (K, N):
-        raise ValueError(f"dscale {dscale.shape} must be (K, N) = {(K, N)}")
-    V = logits.shape[1] // K
-    targets = cupy.ascontiguousarray(targets, dtype=np.int32)
-    _kernel("crossentropy", "crossentropy_forward_backward", _act_defines(logits))(
-        (N, K), (_ce_threads(V),),
-        (losses, logits, targets, dscale, _i32(N), _i32(K), _i32(V), _i32(_ce_chunks(logits, V))))
+    def activation_dtype(self, dtype):
+        """The element type of activations and of the weights' compute copy."""
+        if np.dtype(dtype) != F32:
+            raise ValueError("the GPU engine computes in float32 or bfloat16, not float64")
+        return BF16 if self.precision == "bf16" else F32
 
+    # ------------------------------------------------------------------------------------------ matmul
+    def matmul_forward(self, out, x, w, accumulate=False):
+        """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
+        cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most FEW_ROWS
+        rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the precision."""
+        _check(x, w, act=x)
+        assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
+        (N, I), O = x.shape, w.shape[0]
+        if N > FEW_ROWS or not self.batch_invariant:
+            runtime.gemm(True, False, O, N, I, w, I, x, I, out, O, accumulate, self.tf32)
+        else:
+            _matmul_small(out, x, w, accumulate)
 
-# -------------------------------------------------------------------------------------------- decoding
-def argmax(ids, logits, log=None, pos=None):
-    """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32.
-    With log (S, R) int32 and pos, also log[pos[0]] = ids."""
-    _check(logits)
-    assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
-    null = np.uint64(0)
-    _launch(_kernel("decoding", "argmax_rows"), (logits.shape[0],), (1024,),
-            (ids, logits, _i32(logits.shape[1]), null if log is None else log, null if log is None else _position(pos)))
+    def matmul_backward(self, dx, dw, dout, x, w):
+        """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations)."""
+        _check(dx, dout, x, w, act=x)
+        _check(dw)
+        (N, I), O = x.shape, w.shape[0]
+        runtime.gemm(False, False, I, N, O, w, I, dout, O, dx, I, False, self.tf32)
+        runtime.gemm(False, True, I, O, N, x, I, dout, O, dw, I, True, self.tf32)
 
-
-def sample_rows(ids, logits, top_k, temperature, top_p, seed_lo, seed_hi, index):
-    """ids (R,) int32: a token drawn from each row of logits (R, V) float32 with the row's own settings (see the
-    CPU layer: the same algorithm, a block a row); top_k, index int32, temperature, top_p float32, seed_lo,
-    seed_hi uint32, (R,) each."""
-    _check(logits)
-    R, V = logits.shape
-    assert ids.dtype == np.int32 and ids.shape == (R,)
-    for a, dtype in ((top_k, np.int32), (temperature, F32), (top_p, F32), (seed_lo, np.uint32),
-                     (seed_hi, np.uint32), (index, np.int32)):
-        assert a.dtype == dtype and a.shape == (R,) and a.flags.c_contiguous, (a.dtype, a.shape)
-    # many rows: a plain launch, which spreads the blocks over the SMs (started early, they would crowd onto the
-    # first SMs the head's blocks leave, up to 8 an SM: docs/decoding.md)
-    _launch(_kernel("decoding", "sample_rows"), (R,), (SAMPLE_THREADS,),
-            (ids, logits, _i32(V), top_k, temperature, top_p, seed_lo, seed_hi, index), dependent=R == 1)
-
-
-def feed_back(tokens, ids, pos, index, log, counter, context):
-    """After a batched step of one token a sequence (see the CPU layer): ids become the next inputs, positions
-    (at most context - 1) and token indices move on, log[counter[0]] = ids, counter[0] += 1."""
-    B = ids.size
-    assert tokens.size == pos.size == index.size == B and log.shape[1] == B and B <= 1024
-    _launch(_kernel("decoding", "feed_back"), (1,), (B,),
-            (tokens, ids, pos, index, log, counter, _i32(context)))
-
-
-def advance_position(pos, n):
-    """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""
-    _launch(_kernel("decoding", "advance_position"), (1,), (1,), (_position(pos), _i32(n)))
-
-
-def accept_drafts(tokens, ids, log, pos):
-    """The end of a greedy speculative step of one sequence (see the CPU layer): tokens (K,) int32 in and the
-    next step's out, ids (K * K,) every head's argmax at each row, log (S + K, 2) int32, pos advanced."""
-    K = tokens.size
-    assert tokens.dtype == ids.dtype == log.dtype == np.int32 and ids.size == K * K
-    _launch(_kernel("decoding", "accept_drafts"), (1,), (1,), (tokens, ids, log, _position(pos), _i32(K)))
-
-
-@functools.lru_cache(maxsize=None)
-def _graph_stream():
-    # A blocking stream: the legacy default stream, where everything else runs, waits for it and it for the
-    # default stream, so replays need no explicit synchronisation with the work around them.
-    return cupy.cuda.Stream(non_blocking=False)
-
-
-def graph(step):
-    """step (a decoding step: kernels only, over buffers that outlive it, with every changing value in device
-    memory) as a function that replays it as one CUDA graph. The first call runs step and records it; later
-    calls launch the recording, one launch for the whole step (cuBLAS's products too: _Cublas). A temporary
-    would be handed to other arrays after the recording while its replays still write it, so every buffer a
-    step writes must be given to it."""
-    recorded = []
-
-    def replay():
-        stream = _graph_stream()
-        if recorded:
-            recorded[0].launch(stream)
+    def rmsnorm_matmul_forward(self, out, rstd, x, norm_w, w, eps, xn, skip=None):
+        """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
+        (what the backward multiplies with), or is None where nobody reads it. skip (N, C), where given, receives
+        a copy of x: the next buffer of the residual stream, which the sublayer's output is then added to; the copy
+        rides on the norm's read of x. A few rows without xn (decoding) take one kernel that normalises its input
+        on the way; else the norm into xn, then the product."""
+        if x.shape[0] > FEW_ROWS or xn is not None:
+            if xn is None:  # a step of more rows than a graph takes: a temporary
+                xn = cupy.empty_like(x)
+            _rmsnorm_forward(xn, rstd, x, norm_w, eps, skip)
+            self.matmul_forward(out, xn, w)
             return
-        step()  # the first run also compiles any kernel not compiled yet, which recording could not
-        with stream:
-            stream.begin_capture()
-            _dependent_launch["on"] = True
-            try:
-                step()
-            finally:
-                _dependent_launch["on"] = False
-                recording = stream.end_capture()
-        recorded.append(recording)
+        _check(x, norm_w, w, act=x)
+        _check(rstd)
+        _matmul_small(out, x, w, False, norm_w, rstd, eps, skip=skip)
 
-    return replay
+    def rmsnorm_matmul_rope_forward(self, qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
+        """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
+        embedding of its first n_rot_heads heads at positions pos[0] + t (or pos[b] + t: a position a sequence,
+        decoding's few rows only); xn, skip as rmsnorm_matmul_forward. A few rows (decoding) take one kernel."""
+        B, T, NH, D = qkv.shape
+        assert pos.size in (1, B), (pos.shape, B)
+        if B * T > FEW_ROWS or xn is not None:
+            self.rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
+            self.rope_forward(qkv, cos, sin, n_rot_heads, pos)
+            return
+        _check(qkv, x, norm_w, w, act=x)
+        _check(rstd, cos, sin)
+        _matmul_small(qkv.reshape(B * T, -1), x, w, False, norm_w, rstd, eps,
+                      rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2), skip=skip)
 
+    def rmsnorm_matmul_swiglu_forward(self, out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
+        """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
+        silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows without xn (decoding) take one kernel for
+        all of it."""
+        if x.shape[0] > FEW_ROWS or xn is not None:
+            self.rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
+            self.swiglu_forward(out, gate_up)
+            return
+        _check(out, gate_up, x, norm_w, w, act=x)
+        _check(rstd)
+        _matmul_small(gate_up, x, w, False, norm_w, rstd, eps, glu_out=out, skip=skip)
 
-# ---------------------------------------------------------------------------------------------- adamw
-def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step,
-                 compute_copy=None):
-    """One AdamW step over the flat buffers in one launch (see the CPU layer for the formula); when given,
-    compute_copy (the bf16 weights the layers read) is rewritten from the updated weights in the same pass.
-    decay_mask: uint8, 1 where the weight decays."""
-    _check(params, grads, m, v)
-    assert decay_mask.dtype == np.uint8, decay_mask.dtype
-    n = params.size
-    grid = min(_blocks(n, 256), 32 * _sm_count())
-    defines = () if compute_copy is None else _act_defines(compute_copy)
-    copy = np.uint64(0) if compute_copy is None else compute_copy
-    _kernel("adamw", "adamw_update", defines)(
-        (grid,), (256,), (params, grads, m, v, decay_mask, np.int64(n), np.float64(lr), np.float64(beta1),
-                          np.float64(beta2), np.float64(eps), np.float64(weight_decay), np.float64(grad_scale),
-                          np.float64(1.0 - beta1 ** step), np.float64(1.0 - beta2 ** step), copy))
+    # --------------------------------------------------------------------------------------- embedding
+    def embedding_forward(self, out, tokens, emb):
+        """out (N, C) = emb (V, C)[tokens (N,)]"""
+        _check(out, emb, act=emb)
+        N, C = out.shape
+        tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
+        kernel("embedding", "embedding_forward", _act_defines(emb))((_blocks(N * C, 256),), (256,),
+                                                                    (out, tokens, emb, _i32(N), _i32(C)))
 
+    def embedding_backward(self, demb, dout, tokens):
+        """demb (V, C) += dout (N, C) scattered by token; each token's rows summed in position order (the sort
+        is a deterministic radix sort), so the result is the same on every run."""
+        _check(demb)
+        _check(dout, act=dout)
+        N, C = dout.shape
+        tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
+        order = cupy.argsort(tokens).astype(np.int32)
+        kernel("embedding", "embedding_backward", _act_defines(dout))(
+            (N,), (min(256, 32 * _blocks(C, 32)),), (demb, dout, order, tokens[order], _i32(N), _i32(C)))
 
-def cast_params(dst, src):
-    """dst (n,) = src (n,) rounded to dst's dtype: the compute copy of the master weights."""
-    _check(src)
-    assert dst.size == src.size and dst.flags.c_contiguous
-    _kernel("adamw", "cast_params", _act_defines(dst))((min(_blocks(src.size, 256), 32 * _sm_count()),), (256,),
-                                                       (dst, src, np.int64(src.size)))
+    # ----------------------------------------------------------------------------------------- rmsnorm
+    def rmsnorm_forward(self, out, rstd, x, w, eps):
+        """out (N, C) = x / sqrt(mean(x^2) + eps) * w; rstd (N,)"""
+        _rmsnorm_forward(out, rstd, x, w, eps, None)
 
+    def rmsnorm_backward(self, dx, dw, dout, x, w, rstd):
+        """dx (N, C) += input gradient (the residual stream's); dw (C,) += weight gradient (float32), summed
+        over per-block partials in a fixed order: no atomics, the same bits on every run."""
+        _check(dx, dout, x, w, act=x)
+        _check(dw, rstd)
+        N, C = x.shape
+        K = _rmsnorm_chunks(C, dx, dout, x, w)
+        per_sm = 2 if K is None else rmsnorm_backward_blocks(K, x.dtype == BF16)  # the kernel's __launch_bounds__
+        grid, smem = min(_blocks(N, 8), per_sm * sm_count()), 4 * 8 * C
+        partial = cupy.empty((grid, C), dtype=np.float32)
+        defines = _act_defines(x)
+        name = "rmsnorm_backward" if K is None else f"rmsnorm_backward_k{K}"
+        kernel("rmsnorm", name, defines, smem)(
+            (grid,), (256,), (dx, partial, dout, x, w, rstd, _i32(N), _i32(C)), shared_mem=smem)
+        kernel("rmsnorm", "rmsnorm_dw_reduce", defines)((_blocks(C, 32),), (32, 32), (dw, partial, _i32(grid), _i32(C)))
 
-def sum_squares(x):
-    """sum(x^2) of a flat buffer, accumulated in float64 (for the global gradient norm)."""
-    _check(x)
-    grid = max(1, min(_blocks(x.size, 256), 1024))
-    partial = cupy.empty(grid, dtype=np.float64)
-    _kernel("adamw", "sum_squares")((grid,), (256,), (partial, x, np.int64(x.size)))
-    return float(partial.sum())
+    # -------------------------------------------------------------------------------------------- rope
+    def rope_forward(self, qkv, cos, sin, n_rot_heads, pos):
+        """In place on the first n_rot_heads heads of qkv (B, T, H+2G, D), positions pos[0] + t, or pos[b] + t
+        where pos holds one position a sequence (int32 on the device)."""
+        _rope(qkv, cos, sin, n_rot_heads, pos, 1.0)
+
+    def rope_backward(self, dqkv, cos, sin, n_rot_heads, pos):
+        """In place: the inverse rotation."""
+        _rope(dqkv, cos, sin, n_rot_heads, pos, -1.0)
+
+    # --------------------------------------------------------------------------------------- attention
+    def attention_forward(self, out, lse, qkv, n_heads, n_kv_heads):
+        """Causal GQA FlashAttention over qkv (B, T, H+2G, D): out (B, T, H, D), lse (B, H, T)."""
+        _check(out, qkv, act=qkv)
+        _check(lse)
+        B, T, NH, D = qkv.shape
+        assert out.shape == (B, T, n_heads, D) and lse.shape == (B, n_heads, T), (out.shape, lse.shape)
+        defines = _attention_defines(qkv, self.tf32)
+        threads = _attention_launch(D, defines)[0]
+        kernel("attention", f"attention_forward_d{D}", defines)(
+            (n_heads, B, _blocks(T, ATT_TILE)), (threads,),
+            (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
+
+    def attention_cached(self, out, lse, qkv, cache, n_heads, n_kv_heads, pos, slots=None):
+        """Decoding: qkv (B, n, H+2G, D)'s k and v heads (k rotated already) into the KV cache (S, context, 2G, D)
+        at positions p.., and attention of its queries to the cache's positions 0..p+t, where p is pos[0] (every
+        sequence) or pos[b] (a position a sequence) and sequence b's cache row is slots[b] (b where slots is
+        None). out (B, n, H, D), lse (B, H, n). One kernel, a block a query row and head (a few rows) or a query
+        row and kv head (many rows: its query heads share the key and value loads), whose warps split the keys."""
+        _check(out, qkv, cache, act=qkv)
+        _check(lse)
+        B, n, NH, D = qkv.shape
+        S = cache.shape[1]
+        assert cache.shape[2:] == (2 * n_kv_heads, D) and out.shape == (B, n, n_heads, D), (cache.shape, out.shape)
+        assert pos.size in (1, B) and (cache.shape[0] == B if slots is None else slots.shape == (B,))
+        if slots is not None:
+            assert slots.dtype == np.int32 and slots.flags.c_contiguous
+        # a few rows: a block a query head, all its warps (latency); many: a block a kv head's query heads, which
+        # share the loads of its keys and values, fewer warps (throughput). The same bits either way.
+        grouped = B * n > ATT_CACHED_FEW_ROWS and n_heads // n_kv_heads <= ATT_CACHED_GROUP
+        warps = ATT_WARPS if B * n <= ATT_CACHED_FEW_ROWS else ATT_CACHED_WARPS_MANY
+        launch(kernel("attention", f"attention_cached{'_group' if grouped else ''}_d{D}", _act_defines(qkv)),
+            (n_kv_heads if grouped else n_heads, B * n), (32 * warps,),
+            (out, lse, qkv, cache, _position(pos), _i32(pos.size > 1), np.uint64(0) if slots is None else slots,
+             _i32(n), _i32(S), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
+
+    def attention_backward(self, dqkv, dout, out, lse, qkv, n_heads, n_kv_heads, cos=None, sin=None):
+        """dqkv (B, T, H+2G, D) overwritten with dq, dk, dv from dout (B, T, H, D); training layout (q_start 0).
+        dK and dV come from one kernel (a block per kv head and key tile, looping over its query heads), dQ from
+        another (a block per query head and query tile): every element is written once, with no atomics. With
+        the rotary tables cos, sin, dq and dk are the gradients of the unrotated q and k (rope_backward folded
+        into the kernels' stores, positions 0..T-1)."""
+        _check(dqkv, dout, out, qkv, act=qkv)
+        _check(lse)
+        B, T, NH, D = qkv.shape
+        defines, scale = _attention_defines(qkv, self.tf32), _f32(1.0 / math.sqrt(D))
+        delta = cupy.empty((B, n_heads, T), dtype=np.float32)
+        kernel("attention", "attention_backward_delta", defines)(
+            (_blocks(B * T * n_heads, 8),), (256,), (delta, dout, out, _i32(B), _i32(T), _i32(n_heads), _i32(D)))
+        if cos is not None:
+            _check(cos, sin)
+        null = np.uint64(0)
+        args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale,
+                null if cos is None else cos, null if sin is None else sin)
+        smem_dkdv, smem_dq = _attention_launch(D, defines)[1:]
+        kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem_dkdv)(
+            (n_kv_heads, B, _blocks(T, ATT_TILE)), (ATT_THREADS,), args, shared_mem=smem_dkdv)
+        kernel("attention", f"attention_backward_dq_d{D}", defines, smem_dq)(
+            (n_heads, B, _blocks(T, ATT_TILE)), (ATT_THREADS,), args, shared_mem=smem_dq)
+
+    # ------------------------------------------------------------------------------------------ swiglu
+    def swiglu_forward(self, out, gate_up):
+        """out (N, F) = silu(gate) * up from gate_up (N, 2F)"""
+        _check(out, gate_up, act=gate_up)
+        N, F = out.shape
+        kernel("swiglu", "swiglu_forward", _act_defines(gate_up))((_blocks(N * F // _vec(F), 256),), (256,),
+                                                                  (out, gate_up, _i32(N), _i32(F)))
+
+    def swiglu_backward(self, dgate_up, dout, gate_up):
+        """dgate_up (N, 2F) overwritten"""
+        _check(dgate_up, dout, gate_up, act=gate_up)
+        N, F = dout.shape
+        kernel("swiglu", "swiglu_backward", _act_defines(gate_up))((_blocks(N * F // _vec(F), 256),), (256,),
+                                                                   (dgate_up, dout, gate_up, _i32(N), _i32(F)))
+
+    # ----------------------------------------------------------------------------------- cross-entropy
+    def crossentropy_forward(self, losses, logits, targets):
+        """losses (K, N) from logits (N, K*V) and targets (K, N), -1 ignored."""
+        _check(losses)
+        _check(logits, act=logits)
+        K, N = targets.shape
+        V = logits.shape[1] // K
+        targets = cupy.ascontiguousarray(targets, dtype=np.int32)
+        kernel("crossentropy", "crossentropy_forward", _act_defines(logits))(
+            (N, K), (_ce_threads(V),),
+            (losses, logits, targets, _i32(N), _i32(K), _i32(V), _i32(_ce_chunks(logits, V))))
+
+    def crossentropy_forward_backward(self, losses, logits, targets, dscale):
+        """As crossentropy_forward, then logits := d loss / d logits = (softmax - onehot) * dscale[k, n], dscale
+        (K, N) float32."""
+        _check(losses, dscale)
+        _check(logits, act=logits)
+        K, N = targets.shape
+        if dscale.shape != (K, N):
+            raise ValueError(f"dscale {dscale.shape} must be (K, N) = {(K, N)}")
+        V = logits.shape[1] // K
+        targets = cupy.ascontiguousarray(targets, dtype=np.int32)
+        kernel("crossentropy", "crossentropy_forward_backward", _act_defines(logits))(
+            (N, K), (_ce_threads(V),),
+            (losses, logits, targets, dscale, _i32(N), _i32(K), _i32(V), _i32(_ce_chunks(logits, V))))
+
+    # ------------------------------------------------------------------------------------------- adamw
+    def adamw_update(self, params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step,
+                     compute_copy=None):
+        """One AdamW step over the flat buffers in one launch (see the CPU layer for the formula); when given,
+        compute_copy (the bf16 weights the layers read) is rewritten from the updated weights in the same pass.
+        decay_mask: uint8, 1 where the weight decays."""
+        _check(params, grads, m, v)
+        assert decay_mask.dtype == np.uint8, decay_mask.dtype
+        n = params.size
+        grid = min(_blocks(n, 256), 32 * sm_count())
+        defines = () if compute_copy is None else _act_defines(compute_copy)
+        copy = np.uint64(0) if compute_copy is None else compute_copy
+        kernel("adamw", "adamw_update", defines)(
+            (grid,), (256,), (params, grads, m, v, decay_mask, np.int64(n), np.float64(lr), np.float64(beta1),
+                              np.float64(beta2), np.float64(eps), np.float64(weight_decay), np.float64(grad_scale),
+                              np.float64(1.0 - beta1 ** step), np.float64(1.0 - beta2 ** step), copy))
+
+    def cast_params(self, dst, src):
+        """dst (n,) = src (n,) rounded to dst's dtype: the compute copy of the master weights."""
+        _check(src)
+        assert dst.size == src.size and dst.flags.c_contiguous
+        kernel("adamw", "cast_params", _act_defines(dst))((min(_blocks(src.size, 256), 32 * sm_count()),), (256,),
+                                                          (dst, src, np.int64(src.size)))
+
+    def sum_squares(self, x):
+        """sum(x^2) of a flat buffer, accumulated in float64 (for the global gradient norm)."""
+        _check(x)
+        grid = max(1, min(_blocks(x.size, 256), 1024))
+        partial = cupy.empty(grid, dtype=np.float64)
+        kernel("adamw", "sum_squares")((grid,), (256,), (partial, x, np.int64(x.size)))
+        return float(partial.sum())
+
+    # ---------------------------------------------------------------------------------------- decoding
+    def argmax(self, ids, logits, log=None, pos=None):
+        """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32.
+        With log (S, R) int32 and pos, also log[pos[0]] = ids."""
+        _check(logits)
+        assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
+        null = np.uint64(0)
+        launch(kernel("decoding", "argmax_rows"), (logits.shape[0],), (1024,),
+               (ids, logits, _i32(logits.shape[1]), null if log is None else log,
+                null if log is None else _position(pos)))
+
+    def advance_position(self, pos, n):
+        """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""
+        launch(kernel("decoding", "advance_position"), (1,), (1,), (_position(pos), _i32(n)))
+
+    def accept_drafts(self, tokens, ids, log, pos):
+        """The end of a greedy speculative step of one sequence (see the CPU layer): tokens (K,) int32 in and the
+        next step's out, ids (K * K,) every head's argmax at each row, log (S + K, 2) int32, pos advanced."""
+        K = tokens.size
+        assert tokens.dtype == ids.dtype == log.dtype == np.int32 and ids.size == K * K
+        launch(kernel("decoding", "accept_drafts"), (1,), (1,), (tokens, ids, log, _position(pos), _i32(K)))
+
+    def sample_rows(self, ids, logits, top_k, temperature, top_p, seed_lo, seed_hi, index):
+        """ids (R,) int32: a token drawn from each row of logits (R, V) float32 with the row's own settings (see the
+        CPU layer: the same algorithm, a block a row); top_k, index int32, temperature, top_p float32, seed_lo,
+        seed_hi uint32, (R,) each."""
+        _check(logits)
+        R, V = logits.shape
+        assert ids.dtype == np.int32 and ids.shape == (R,)
+        for a, dtype in ((top_k, np.int32), (temperature, F32), (top_p, F32), (seed_lo, np.uint32),
+                         (seed_hi, np.uint32), (index, np.int32)):
+            assert a.dtype == dtype and a.shape == (R,) and a.flags.c_contiguous, (a.dtype, a.shape)
+        # many rows: a plain launch, which spreads the blocks over the SMs (started early, they would crowd onto the
+        # first SMs the head's blocks leave, up to 8 an SM: docs/decoding.md)
+        launch(kernel("decoding", "sample_rows"), (R,), (SAMPLE_THREADS,),
+               (ids, logits, _i32(V), top_k, temperature, top_p, seed_lo, seed_hi, index), dependent=R == 1)
+
+    def feed_back(self, tokens, ids, pos, index, log, counter, context):
+        """After a batched step of one token a sequence (see the CPU layer): ids become the next inputs, positions
+        (at most context - 1) and token indices move on, log[counter[0]] = ids, counter[0] += 1."""
+        B = ids.size
+        assert tokens.size == pos.size == index.size == B and log.shape[1] == B and B <= 1024
+        launch(kernel("decoding", "feed_back"), (1,), (B,),
+               (tokens, ids, pos, index, log, counter, _i32(context)))
+
+    def graph(self, step):
+        """step (a decoding step) as a function that replays it as one CUDA graph (runtime.graph: the first call
+        runs and records it, kernels with programmatic dependent launch; cuBLAS's products are recorded too)."""
+        return runtime.graph(step)

@@ -1,5 +1,5 @@
 // Helpers shared by the nanoeuler kernels. The .cu files are compiled at run time by NVRTC through CuPy
-// (nanoeuler/model/gpu/layers.py inlines this header) and by nvcc in CI (tests/test_gpu.py), so they use no
+// (nanoeuler/model/gpu/runtime.py inlines this header) and by nvcc in CI (tests/test_gpu.py), so they use no
 // standard headers: only CUDA built-ins. The numbers a kernel shares with Python come as -D defines
 // (nanoeuler/model/gpu/constants.py), never with a value of the kernel's own.
 #pragma once
@@ -186,7 +186,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Programmatic dependent launch (sm_90+; layers.py launches decoding's kernels so inside CUDA graphs): a
+// Programmatic dependent launch (sm_90+; runtime.py launches decoding's kernels so inside CUDA graphs): a
 // kernel may start while the one before it is still running. Everything it reads that the kernels before
 // it write, and everything it writes, comes after wait_for_inputs() (which returns once they have finished
 // and their writes are visible); before it, only what no kernel of the step writes (the weights, the

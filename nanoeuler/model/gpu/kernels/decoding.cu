@@ -1,6 +1,6 @@
 // Decoding's bookkeeping on the device: the greedy argmax of the logits, batched decoding's per-row sampling
 // and the feeding back of its ids, the KV cache position's advance, and the acceptance of a speculative step's
-// drafts. layers.py records them into decoding's CUDA graphs with
+// drafts. runtime.py records them into decoding's CUDA graphs with
 // programmatic dependent launch, so each waits for its inputs first (common.cuh: wait_for_inputs).
 #include "common.cuh"
 
