@@ -5,6 +5,27 @@
 // generic kernels for any other C (rows of a multiple of 4 read and write 4 values a lane at once).
 #include "common.cuh"
 
+// The two reductions both builds share. A row's rstd = 1 / sqrt(mean(x^2) + eps) from each lane's share ss of
+// its sum of squares (the warp's lanes added); lane 0 writes it to rstd[row].
+__device__ __forceinline__ float row_rstd(float ss, float* __restrict__ rstd, int row, int C, float eps, int lane) {
+    ss = warp_sum(ss);
+    const float r = 1.f / sqrtf(ss / C + eps);
+    if (lane == 0) rstd[row] = r;
+    return r;
+}
+
+// dw_partial's row blockIdx.x (C,) = the sum of the block's warps' gain partials, dw_part (warps * C floats,
+// each warp's row written by it), added in order of warp once every warp is done.
+__device__ __forceinline__ void sum_warp_rows(float* __restrict__ dw_partial, const float* dw_part, int C) {
+    const int warps = blockDim.x >> 5;
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < warps; ++k) s += dw_part[k * C + c];
+        dw_partial[(long long)blockIdx.x * C + c] = s;
+    }
+}
+
 // ------------------------------------------------------------------------ rows held in registers
 // Lane l of a warp owns the 16-byte chunks l, l + 32, ..., l + 32 (K - 1) of every row (chunks past C masked
 // off): it issues the K loads of its share of a row at once, keeps the row (bf16 still packed) from the sum to
@@ -38,9 +59,7 @@ __device__ __forceinline__ void rmsnorm_forward_regs(act_t* __restrict__ out, fl
 #pragma unroll
         for (int i = 0; i < PACK; ++i) ss += v[i] * v[i];
     }
-    ss = warp_sum(ss);
-    const float r = 1.f / sqrtf(ss / C + eps);
-    if (lane == 0) rstd[row] = r;
+    const float r = row_rstd(ss, rstd, row, C, eps, lane);
     act_t* orow = out + (long long)row * C;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -116,12 +135,7 @@ __device__ __forceinline__ void rmsnorm_backward_regs(act_t* __restrict__ dx, fl
 #pragma unroll
         for (int i = 0; i < PACK; ++i) mine[c + i] = dw[k][i];
     }
-    __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float s = 0.f;
-        for (int k = 0; k < warps; ++k) s += dw_part[k * C + c];
-        dw_partial[(long long)blockIdx.x * C + c] = s;
-    }
+    sum_warp_rows(dw_partial, dw_part, C);
 }
 
 // One kernel per K (layers.py picks the smallest K that holds a row), each with the registers of its own K.
@@ -164,9 +178,7 @@ __device__ __forceinline__ void rmsnorm_forward_row(act_t* __restrict__ out, flo
 #pragma unroll
         for (int i = 0; i < V; ++i) ss += v[i] * v[i];
     }
-    ss = warp_sum(ss);
-    const float r = 1.f / sqrtf(ss / C + eps);
-    if (lane == 0) rstd[row] = r;
+    const float r = row_rstd(ss, rstd, row, C, eps, lane);
     act_t* orow = out + (long long)row * C;
     for (int c = lane * V; c < C; c += 32 * V) {
         float v[V], g[V];
@@ -231,12 +243,7 @@ __device__ __forceinline__ void rmsnorm_backward_rows(act_t* __restrict__ dx, fl
             store_vec<V>(dxr + c, acc);
         }
     }
-    __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float s = 0.f;
-        for (int k = 0; k < warps; ++k) s += dw_part[k * C + c];
-        dw_partial[(long long)blockIdx.x * C + c] = s;
-    }
+    sum_warp_rows(dw_partial, dw_part, C);
 }
 
 extern "C" __global__ void rmsnorm_backward(act_t* __restrict__ dx, float* __restrict__ dw_partial,
