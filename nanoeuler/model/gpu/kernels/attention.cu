@@ -475,6 +475,53 @@ struct AttBackwardSmem {
     static constexpr int DQ = TILES;
 };
 
+// The two backward kernels rebuild P and dS the same way, over a warp's 16 rows x 64 columns of a tile pair
+// (dK/dV's: keys x queries, S^T and dP^T; dQ's: queries x keys, S and dP). att_scores: s = A_s B_s^T and
+// ds = A_d B_d^T, the warp's rows of A_s, A_d the A operands, read once per k step for all eight column tiles.
+template <int D, class M>
+__device__ __forceinline__ void att_scores(float (&s)[ATT_TILE / 8][4], float (&ds)[ATT_TILE / 8][4],
+                                           const typename M::elem_t* As, const typename M::elem_t* Ad,
+                                           const typename M::elem_t* Bs, const typename M::elem_t* Bd, int warp) {
+    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
+#pragma unroll
+    for (int nt = 0; nt < ATT_TILE / 8; ++nt)
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / KS; ++kk) {
+        unsigned as[4], ad[4];
+        M::a_rows(as, As + warp * 16 * LDS + kk * KS, LDS);
+        M::a_rows(ad, Ad + warp * 16 * LDS + kk * KS, LDS);
+#pragma unroll
+        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+            unsigned bs[2], bd[2];
+            M::b_cols(bs, Bs + nt * 8 * LDS + kk * KS, LDS);
+            M::b_cols(bd, Bd + nt * 8 * LDS + kk * KS, LDS);
+            M::mma(s[nt], as, bs);
+            M::mma(ds[nt], ad, bd);
+        }
+    }
+}
+
+// Then P = exp(S - lse) and dS = P (dP - delta) in place of s and ds (P as an operand, kept in s where
+// KEEP_P). Accumulator element e of column tile nt is column c = 8 nt + 2 t + (e & 1) of the thread's row
+// (g, or g + 8 where e >= 2): lse(c, e), masked(c, e) and delta(c, e) give its lse in log2 units, whether the
+// causal mask zeroes it, and its delta.
+template <class M, bool KEEP_P, class Lse, class Masked, class Delta>
+__device__ __forceinline__ void att_p_ds(float (&s)[ATT_TILE / 8][4], float (&ds)[ATT_TILE / 8][4], float sl2,
+                                         int t, Lse lse, Masked masked, Delta delta) {
+#pragma unroll
+    for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = nt * 8 + 2 * t + (e & 1);
+            float pv = exp2f(s[nt][e] * sl2 - lse(c, e));
+            if (masked(c, e)) pv = 0.f;
+            ds[nt][e] = M::operand(pv * (ds[nt][e] - delta(c, e)));
+            if (KEEP_P) s[nt][e] = M::operand(pv);
+        }
+    }
+}
+
 // dK, dV. One block per (kv head, batch, 64-key tile): grid (G, B, key tiles), 128 threads. Key tile 0 has
 // the most query tiles after it, so blockIdx.z is the key tile as it is (the first blocks scheduled are the
 // longest). The block keeps its keys' dK and dV in registers while it walks the group's H / G query heads
@@ -559,39 +606,14 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
         att_copies_wait(STAGES == 2 && it + 1 < n_it);
         __syncthreads();
 
-        // S^T = K Q^T and dP^T = V dO^T, 16 keys x 64 queries per warp; the warp's K, V rows are the A
-        // operands, read once per k step for all eight query column tiles
+        // S^T = K Q^T and dP^T = V dO^T, 16 keys x 64 queries per warp
         float p[ATT_TILE / 8][4], ds[ATT_TILE / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt)
-            p[nt][0] = p[nt][1] = p[nt][2] = p[nt][3] = ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / KS; ++kk) {
-            unsigned ak[4], av[4];
-            M::a_rows(ak, Ks + warp * 16 * LDS + kk * KS, LDS);
-            M::a_rows(av, Vs + warp * 16 * LDS + kk * KS, LDS);
-#pragma unroll
-            for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-                unsigned bq[2], bd[2];
-                M::b_cols(bq, Qs + nt * 8 * LDS + kk * KS, LDS);
-                M::b_cols(bd, dOs + nt * 8 * LDS + kk * KS, LDS);
-                M::mma(p[nt], ak, bq);
-                M::mma(ds[nt], av, bd);
-            }
-        }
+        att_scores<D, M>(p, ds, Ks, Vs, Qs, dOs, warp);
         // P^T = exp(S^T - lse), causal mask on the diagonal tile; dS^T = P^T (dP^T - delta)
         const bool diag = qt == kt;
-#pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int q = nt * 8 + 2 * t + (e & 1);
-                float pv = exp2f(p[nt][e] * sl2 - __fmul_rn(lse_s[q], LOG2E));
-                if (diag && (e < 2 ? key0 : key1) > q0 + q) pv = 0.f;
-                ds[nt][e] = M::operand(pv * (ds[nt][e] - delta_s[q]));
-                p[nt][e] = M::operand(pv);
-            }
-        }
+        att_p_ds<M, true>(
+            p, ds, sl2, t, [&](int q, int) { return __fmul_rn(lse_s[q], LOG2E); },
+            [&](int q, int e) { return diag && (e < 2 ? key0 : key1) > q0 + q; }, [&](int q, int) { return delta_s[q]; });
         // dV += P^T dO and dK += dS^T Q: the query index is the k index
 #pragma unroll
         for (int ks = 0; ks < ATT_TILE / KS; ++ks) {
@@ -679,39 +701,16 @@ __device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ 
         att_copies_wait(STAGES == 2 && kt + 1 <= qt);
         __syncthreads();
 
-        // S = Q K^T and dP = dO V^T, 16 queries x 64 keys per warp; the warp's Q, dO rows are the A operands,
-        // read once per k step for all eight key column tiles
+        // S = Q K^T and dP = dO V^T, 16 queries x 64 keys per warp
         float s[ATT_TILE / 8][4], ds[ATT_TILE / 8][4];
-#pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt)
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = ds[nt][0] = ds[nt][1] = ds[nt][2] = ds[nt][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / KS; ++kk) {
-            unsigned aq[4], ad[4];
-            M::a_rows(aq, Qs + warp * 16 * LDS + kk * KS, LDS);
-            M::a_rows(ad, dOs + warp * 16 * LDS + kk * KS, LDS);
-#pragma unroll
-            for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-                unsigned bk[2], bv[2];
-                M::b_cols(bk, Ks + nt * 8 * LDS + kk * KS, LDS);
-                M::b_cols(bv, Vs + nt * 8 * LDS + kk * KS, LDS);
-                M::mma(s[nt], aq, bk);
-                M::mma(ds[nt], ad, bv);
-            }
-        }
+        att_scores<D, M>(s, ds, Qs, dOs, Ks, Vs, warp);
         // P = exp(S - lse), causal mask on the diagonal tile (keys past T are past every query there);
         // dS = P (dP - delta)
         const bool diag = kt == qt;
-#pragma unroll
-        for (int nt = 0; nt < ATT_TILE / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = k0 + nt * 8 + 2 * t + (e & 1);
-                float pv = exp2f(s[nt][e] * sl2 - (e < 2 ? lse0 : lse1));
-                if (diag && key > (e < 2 ? row0 : row1)) pv = 0.f;
-                ds[nt][e] = M::operand(pv * (ds[nt][e] - (e < 2 ? dl0 : dl1)));
-            }
-        }
+        att_p_ds<M, false>(
+            s, ds, sl2, t, [&](int, int e) { return e < 2 ? lse0 : lse1; },
+            [&](int key, int e) { return diag && k0 + key > (e < 2 ? row0 : row1); },
+            [&](int, int e) { return e < 2 ? dl0 : dl1; });
         // dQ += dS K: the key index is the k index, K's rows read as b_rows numbers them
 #pragma unroll
         for (int ks = 0; ks < ATT_TILE / KS; ++ks) {
