@@ -363,10 +363,10 @@ def launch_nodes(args):
     gpus, count = getattr(args, "gpus", None) or 1, getattr(args, "nnodes", None) or 1
     if gpus == 1 and count == 1:
         return None
-    from nanoeuler.train.world import World
+    from nanoeuler.parallel.world import World
     if World.from_env().world_size > 1:
         return None  # a worker (of this launcher, torchrun, srun or mpirun): run_world checks --gpus against it
-    from nanoeuler.train.launch import Nodes
+    from nanoeuler.parallel.launch import Nodes
     if count == 1:
         if args.node_rank:
             raise UserError("--node-rank needs --nnodes")
@@ -387,7 +387,7 @@ def main(argv=None):
     try:
         nodes = launch_nodes(args)
         if nodes is not None:
-            from nanoeuler.train.launch import launch_self  # the launcher; each worker it starts runs the command
+            from nanoeuler.parallel.launch import launch_self  # the launcher; each worker it starts runs the command
             sys.exit(launch_self(args.gpus or 1, sys.argv[1:] if argv is None else list(argv), nodes))
         if args.command == "tokenizer":
             run = tokenizer_command

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, tiny_config
-from nanoeuler.train import launch, pretrain as train
+from nanoeuler.parallel import launch
+from nanoeuler.train import pretrain as train
 from nanoeuler.train.loop import Hyperparameters
 from nanoeuler.train.objectives import CrossEntropy
 from nanoeuler.data.corpus import RandomWindows
-from nanoeuler.train.distributed import DataParallel, SharedMemoryCommunicator, World
+from nanoeuler.parallel.comm import SharedMemoryCommunicator, World
+from nanoeuler.train.distributed import DataParallel
 from nanoeuler.errors import UserError
 from nanoeuler.model.engine import make_engine, to_numpy
 from nanoeuler.model.optimizer import AdamW
@@ -79,7 +81,7 @@ def test_launchers_that_disagree_or_lack_a_value_are_one_line_errors():
 
 
 def test_slurm_host_lists_give_their_first_host():
-    from nanoeuler.train.world import first_host
+    from nanoeuler.parallel.world import first_host
     assert first_host("node[01-04,07],other") == "node01"
     assert first_host("a1,a2") == "a1" and first_host("single") == "single" and first_host(None) is None
     assert first_host("rack[3-4]-gpu") == "rack3-gpu"
@@ -238,7 +240,7 @@ def test_the_nccl_id_travels_between_processes_in_every_form_cupy_gives_it(monke
     """CuPy 14's get_unique_id gives 128 bytes, earlier versions a tuple of signed ints, and NcclCommunicator
     takes back only its own kind: rank 0 (this process) serves every form through the real rendezvous, and
     rank 1, another process, gets each back as it was and meets rank 0 at the barrier."""
-    from nanoeuler.train.world import rendezvous
+    from nanoeuler.parallel.world import rendezvous
     raw = bytes(np.random.default_rng(3).integers(0, 256, 128).tolist())
     ids = (raw, tuple(b - 256 if b > 127 else b for b in raw), tuple(raw))
     port, key = launch.free_port(), "a key of this test"
@@ -246,7 +248,7 @@ def test_the_nccl_id_travels_between_processes_in_every_form_cupy_gives_it(monke
     meeting = rendezvous(World(0, 2, 0, "127.0.0.1", port), 60, ids)
     assert meeting.value is ids
     rank1 = subprocess.Popen(
-        [sys.executable, "-c", "from nanoeuler.train.world import World, rendezvous\n"
+        [sys.executable, "-c", "from nanoeuler.parallel.world import World, rendezvous\n"
          f"meeting = rendezvous(World(1, 2, 1, '127.0.0.1', {port}), 60)\nmeeting.wait(60)\n"
          "print(repr(meeting.value))"],
         env=dict(os.environ, NANOEULER_RDZV_KEY=key), cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -255,8 +257,8 @@ def test_the_nccl_id_travels_between_processes_in_every_form_cupy_gives_it(monke
 
 
 def test_a_rendezvous_without_rank_0_and_bad_numbers_are_one_line_errors(monkeypatch):
-    from nanoeuler.train.distributed import heartbeat, timeout
-    from nanoeuler.train.world import rendezvous
+    from nanoeuler.parallel.comm import heartbeat, timeout
+    from nanoeuler.parallel.world import rendezvous
     with pytest.raises(UserError, match=r"^rank 1: rank 0 did not open 127.0.0.1:\d+ in 0.2 s$"):
         rendezvous(World(1, 2, 1, "127.0.0.1", launch.free_port()), 0.2)
     for name, call in (("NANOEULER_TIMEOUT", timeout), ("NANOEULER_HEARTBEAT_FD", heartbeat)):
@@ -475,7 +477,7 @@ def test_nccl_world_of_one_trains_like_a_single_process():
     with ZeRO-1 (the AdamW kernel over the shard, the all-gather of the weights) to float32 rounding (its
     gradient norm sums the padded shard)."""
     import cupy
-    from nanoeuler.train.distributed import NcclCommunicator
+    from nanoeuler.parallel.comm import NcclCommunicator
     comm = NcclCommunicator(World(0, 1, 0, "127.0.0.1", launch.free_port()), wait=60)
     try:
         host = np.array([1.5, -2.0, 3.25])

@@ -48,14 +48,28 @@ def parse_eval_task(spec):
     raise UserError(f"--eval-task {spec!r}: expected hellaswag or mc:FILE")
 
 
-def _load_engine(args):
+def _load_engine(args, world):
+    """(engine, tokenizer, checkpoint, device, communicator); the communicator first, which picks this rank's
+    GPU."""
     from nanoeuler.model.device import resolve
     from nanoeuler.model.engine import make_engine
+    from nanoeuler.parallel.comm import make_communicator
     ck = checkpoint.load(args.ckpt)
-    device = resolve(args.device)
+    device = resolve(args.device, ck.cfg if world.world_size == 1 else None)
+    comm = make_communicator(world, device)
     eng = make_engine(ck.cfg, device=device, precision=args.precision)
     eng.load_params(ck.params)
-    return eng, ck.tokenizer(), ck, device
+    return eng, ck.tokenizer(), ck, device, comm
+
+
+def _world(args):
+    """This process's World (parallel/world.py); --gpus (x --nnodes), when given, must agree with it."""
+    from nanoeuler.parallel.world import World
+    world = World.from_env()
+    gpus, nodes = getattr(args, "gpus", None), getattr(args, "nnodes", None) or 1
+    if gpus is not None and gpus * nodes != world.world_size:
+        raise UserError(f"--gpus {gpus} but WORLD_SIZE is {world.world_size}")
+    return world
 
 
 def _table(rows):
@@ -67,7 +81,7 @@ def _write_json(path, obj):
     atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), mode="w")
 
 
-def run_choices(args, eng, tok, ck, device):
+def run_choices(args, eng, tok, ck, device, comm):
     from nanoeuler.eval.tasks import score_choices
     items = read_task_items(args.task, args.data)
     if args.limit:
@@ -75,44 +89,51 @@ def run_choices(args, eng, tok, ck, device):
     if args.chat and not ck.chat:
         raise UserError(f"--chat: {args.ckpt} is not a chat checkpoint (nanoeuler sft writes one)")
     t0 = time.perf_counter()
-    result = score_choices(eng, tok, items, args.batch_size or BATCH_SIZE[device], chat=args.chat)
+    result = score_choices(eng, tok, items, args.batch_size or BATCH_SIZE[device], chat=args.chat, comm=comm,
+                           progress=comm.rank == 0)
     seconds = time.perf_counter() - t0
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
     if result["truncated"]:
-        print(f"note: {result['truncated']} of {sum(len(i['choices']) for i in items)} context + choice sequences "
+        say(f"note: {result['truncated']} of {sum(len(i['choices']) for i in items)} context + choice sequences "
               f"are longer than the model's context of {eng.cfg.context} tokens; their contexts keep their last "
               "tokens", file=sys.stderr)
     n = result["n"]
-    print(_table([("task", "items", "acc", "acc_norm", "time", "items/s"),
+    say(_table([("task", "items", "acc", "acc_norm", "time", "items/s"),
                   (args.task, f"{n}", f"{result['acc']:.4f} ± {result['acc_interval']:.4f}",
                    f"{result['acc_norm']:.4f} ± {result['acc_norm_interval']:.4f}", f"{seconds:.1f} s",
                    f"{n / seconds:,.1f}")]))
     summary = {"task": args.task, "n": n, "acc": result["acc"], "acc_norm": result["acc_norm"],
                "acc_interval95": result["acc_interval"], "acc_norm_interval95": result["acc_norm_interval"],
                "seconds": round(seconds, 3), "items_per_s": round(n / seconds, 2), "truncated": result["truncated"]}
-    if args.predictions:
+    if args.predictions and comm.rank == 0:
         atomic_write(args.predictions, lambda f: f.writelines(json.dumps(p) + "\n" for p in result["predictions"]),
                      mode="w")
     return summary
 
 
-def run_bpb(args, eng, tok, ck, device):
+def run_bpb(args, eng, tok, ck, device, comm):
     from nanoeuler.data.corpus import eval_batches, open_corpus
     from nanoeuler.model.losses import bits_per_byte
     if args.data is None:
         raise UserError("--task bpb needs --data FILE (any text file)")
-    corpus = open_corpus(args.data, tok)
+    for rank in (0, 1):  # rank 0 writes the token cache, then the others read it
+        if (comm.rank == 0) == (rank == 0):
+            corpus = open_corpus(args.data, tok)
+        if comm.world_size > 1 and rank == 0:
+            comm.barrier()
     cfg = eng.cfg
     t0 = time.perf_counter()
     batches = eval_batches(corpus.tokens, corpus.byte_len, args.batch_size or BATCH_SIZE[device] // 4, cfg.context,
                            cfg.mtp_heads)
     if args.limit:
         batches = batches[:args.limit]
-    loss, bpb = bits_per_byte(eng, batches)
+    loss, bpb = bits_per_byte(eng, batches, comm)
     seconds = time.perf_counter() - t0
     tokens = sum(int((targets[0] >= 0).sum()) for _, targets, _ in batches)
-    print(_table([("task", "file", "tokens", "loss", "bits/byte", "time", "tokens/s"),
-                  ("bpb", args.data, f"{tokens:,}", f"{loss:.4f}", f"{bpb:.4f}", f"{seconds:.1f} s",
-                   f"{tokens / seconds:,.0f}")]))
+    if comm.rank == 0:
+        print(_table([("task", "file", "tokens", "loss", "bits/byte", "time", "tokens/s"),
+                      ("bpb", args.data, f"{tokens:,}", f"{loss:.4f}", f"{bpb:.4f}", f"{seconds:.1f} s",
+                       f"{tokens / seconds:,.0f}")]))
     return {"task": "bpb", "n": tokens, "loss": loss, "bpb": bpb, "bytes": sum(b for _, _, b in batches),
             "seconds": round(seconds, 3)}
 
@@ -123,8 +144,11 @@ def main(args):
             check_writable(path)
     if args.predictions and args.task == "bpb":
         raise UserError("--predictions is for the multiple-choice tasks (hellaswag, mc)")
-    eng, tok, ck, device = _load_engine(args)
-    summary = (run_bpb if args.task == "bpb" else run_choices)(args, eng, tok, ck, device)
+    world = _world(args)
+    eng, tok, ck, device, comm = _load_engine(args, world)
+    summary = (run_bpb if args.task == "bpb" else run_choices)(args, eng, tok, ck, device, comm)
+    if not world.is_main:  # the other ranks scored their share of the batches; rank 0 prints and writes
+        return 0
     data = HELLASWAG_DEFAULT if args.task == "hellaswag" and args.data is None else args.data
     summary.update(ckpt=os.path.abspath(args.ckpt), step=ck.step, data=data, device=device, precision=eng.precision)
     if args.json:

@@ -53,10 +53,12 @@ def scoring_row(context_ids, continuation_ids, max_tokens):
     return window, len(continuation_ids)
 
 
-def loglikelihoods(eng, requests, batch_size, progress=True, desc="scoring"):
+def loglikelihoods(eng, requests, batch_size, progress=True, desc="scoring", comm=None):
     """(N,) float64: for each (context ids, continuation ids), the sum of head 0's log-probabilities of the
     continuation's tokens given what precedes them. Continuations longer than the model's context cannot be
-    scored whole, nor empty ones: a ValueError names the first."""
+    scored whole, nor empty ones: a ValueError names the first. With comm (N ranks, `eval --gpus N`), rank r
+    scores every N-th of the batches one process makes, and the ranks' sum (zeros elsewhere) gives every rank
+    all the scores: the numbers of one process."""
     C = eng.cfg.context
     rows, index = {}, np.empty(len(requests), dtype=np.int64)
     for i, (context_ids, continuation_ids) in enumerate(requests):
@@ -72,26 +74,32 @@ def loglikelihoods(eng, requests, batch_size, progress=True, desc="scoring"):
             by_input.setdefault(window[:-1], []).append(r)
     shared = [members for members in by_input.values() if len(members) > 1]
     alone = sorted(set(range(len(unique))) - {r for members in shared for r in members})
-    scores = np.empty(len(unique), dtype=np.float64)
-    with tqdm(total=len(unique), desc=desc, unit=" rows", disable=not progress, dynamic_ncols=True) as bar:
-        _score_rows(eng, unique, alone, batch_size, scores, bar)
-        _score_shared(eng, unique, shared, batch_size, scores, bar)
+    scores = np.zeros(len(unique), dtype=np.float64)
+    share = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    with tqdm(total=len(unique), desc=desc, unit=" rows", disable=not progress or share[0] > 0,
+              dynamic_ncols=True) as bar:
+        _score_rows(eng, unique, alone, batch_size, scores, bar, share)
+        _score_shared(eng, unique, shared, batch_size, scores, bar, share)
+    if share[1] > 1:
+        scores = comm.all_reduce_sum(scores)
     return scores[index]
 
 
-def _batches(items, length, batch_size, context):
-    """items sorted longest first, cut into batches, each with its padded length (a multiple of PAD_MULTIPLE)."""
+def _batches(items, length, batch_size, context, share=(0, 1)):
+    """items sorted longest first, cut into batches, each with its padded length (a multiple of PAD_MULTIPLE);
+    share (rank, ranks): this rank's, every ranks-th batch from the rank-th."""
     items = sorted(items, key=lambda item: -length(item))
-    for start in range(0, len(items), batch_size):
+    rank, ranks = share
+    for start in range(rank * batch_size, len(items), batch_size * ranks):
         batch = items[start:start + batch_size]
         yield batch, min(context, -(-length(batch[0]) // PAD_MULTIPLE) * PAD_MULTIPLE)
 
 
-def _score_rows(eng, unique, rows, batch_size, scores, bar):
+def _score_rows(eng, unique, rows, batch_size, scores, bar, share=(0, 1)):
     """One Engine.forward a batch: targets -1 but at the continuation, so a row's summed losses are minus its
     log-probability."""
     K = eng.cfg.mtp_heads
-    for batch, T in _batches(rows, lambda r: len(unique[r][0]) - 1, batch_size, eng.cfg.context):
+    for batch, T in _batches(rows, lambda r: len(unique[r][0]) - 1, batch_size, eng.cfg.context, share):
         inputs = np.zeros((len(batch), T), dtype=np.int32)
         targets = np.full((K, len(batch), T), -1, dtype=np.int32)
         for b, r in enumerate(batch):
@@ -101,16 +109,16 @@ def _score_rows(eng, unique, rows, batch_size, scores, bar):
             targets[0, b, n - scored:n] = window[n - scored + 1:]
         losses = eng.forward(inputs, targets)[0].reshape(len(batch), T).sum(axis=1)
         scores[batch] = -to_numpy(losses).astype(np.float64)
-        bar.update(len(batch))
+        bar.update(len(batch) * share[1])
 
 
-def _score_shared(eng, unique, groups, batch_size, scores, bar):
+def _score_shared(eng, unique, groups, batch_size, scores, bar, share=(0, 1)):
     """Groups of one-token continuations of one context (multiple choice among single tokens): one forward of the
     context for the whole group, every member's log-probability read off its last position's logits. Batches
     are capped so that their logits stay under LOGITS_BUDGET floats."""
     V = eng.cfg.vocab_size
     rows = max(1, min(batch_size, LOGITS_BUDGET // (eng.cfg.context * V)))
-    for batch, T in _batches(groups, lambda g: len(unique[g[0]][0]) - 1, rows, eng.cfg.context):
+    for batch, T in _batches(groups, lambda g: len(unique[g[0]][0]) - 1, rows, eng.cfg.context, share):
         inputs = np.zeros((len(batch), T), dtype=np.int32)
         for b, members in enumerate(batch):
             window = unique[members[0]][0]
@@ -122,7 +130,7 @@ def _score_shared(eng, unique, groups, batch_size, scores, bar):
             logp = last - top - np.log(np.exp(last - top).sum())
             for r in members:
                 scores[r] = logp[unique[r][0][-1]]
-            bar.update(len(members))
+            bar.update(len(members) * share[1])
 
 
 def choice_requests(tok, items, delimiter=" "):

@@ -36,14 +36,15 @@ def chat_requests(tok, items):
     return requests, first
 
 
-def score_choices(eng, tok, items, batch_size, chat=False, progress=True):
+def score_choices(eng, tok, items, batch_size, chat=False, progress=True, comm=None):
     """Score the items: {"n", "acc", "acc_norm", "acc_interval", "acc_norm_interval", "truncated",
     "predictions"}, where predictions holds {"index", "pred", "pred_norm", "logprobs"} per item and truncated
-    counts the sequences longer than the model's context (their contexts keep their last tokens)."""
+    counts the sequences longer than the model's context (their contexts keep their last tokens). comm: the ranks
+    of `eval --gpus N`, which share the batches (scoring.loglikelihoods)."""
     requests, first = (chat_requests if chat else choice_requests)(tok, items)
     check_requests(items, requests, first, eng.cfg.context)
     truncated = sum(len(c) + len(x) - 1 > eng.cfg.context for c, x in requests)
-    logprobs = loglikelihoods(eng, requests, batch_size, progress=progress)
+    logprobs = loglikelihoods(eng, requests, batch_size, progress=progress, comm=comm)
     predictions, hits, hits_norm = [], [], []
     for i, item in enumerate(items):
         lls = logprobs[first[i]:first[i] + len(item["choices"])]

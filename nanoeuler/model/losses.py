@@ -68,13 +68,21 @@ def sequence_logprobs(eng, inputs, targets):
     return -to_numpy(eng.forward(inputs, targets)[0]).astype(np.float64).reshape(B, T).sum(axis=1)
 
 
-def bits_per_byte(eng, batches):
-    """(mean head-0 loss in nats per token, bits per byte) over eval batches (inputs, targets, n_bytes)."""
+def bits_per_byte(eng, batches, comm=None):
+    """(mean head-0 loss in nats per token, bits per byte) over eval batches (inputs, targets, n_bytes). With comm
+    (N ranks), rank r scores every N-th batch and the ranks' sum of the per-batch losses (zeros elsewhere) gives
+    every rank the numbers of one process, added up in the same order."""
+    rank, ranks = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    parts = np.zeros(len(batches))
+    for i in range(rank, len(batches), ranks):
+        inputs, targets, _ = batches[i]
+        parts[i] = cross_entropy(eng, inputs, targets)[1] * int((targets[0] >= 0).sum())
+    if ranks > 1:
+        parts = comm.all_reduce_sum(parts)
     total, count, n_bytes = 0.0, 0, 0
-    for inputs, targets, b in batches:
-        n = int((targets[0] >= 0).sum())
-        total += cross_entropy(eng, inputs, targets)[1] * n
-        count += n
+    for part, (_, targets, b) in zip(parts, batches):
+        total += part
+        count += int((targets[0] >= 0).sum())
         n_bytes += b
     return total / count, total / math.log(2) / n_bytes
 

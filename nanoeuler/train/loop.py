@@ -30,7 +30,7 @@ from nanoeuler.io import checkpoint
 from nanoeuler.io.files import atomic_write
 from nanoeuler.io.report import read_log, write_report
 from nanoeuler.model.config import flops_per_token
-from nanoeuler.train.distributed import heartbeat
+from nanoeuler.parallel.comm import heartbeat
 
 
 @dataclasses.dataclass

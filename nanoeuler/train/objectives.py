@@ -7,7 +7,7 @@ import numpy as np
 from nanoeuler.model.losses import (bits_per_byte, chosen_tokens, cross_entropy_backward, dpo_backward,
                                     dpo_loss, dpo_margins, sequence_logprobs, supervised_counts,
                                     tie_accuracy)
-from nanoeuler.train.distributed import SingleProcess
+from nanoeuler.parallel.comm import SingleProcess
 
 
 class CrossEntropy:

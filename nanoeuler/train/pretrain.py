@@ -18,7 +18,7 @@ from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import PRESETS
 from nanoeuler.tokenizer.bpe import Tokenizer
-from nanoeuler.train.distributed import broadcast_text
+from nanoeuler.parallel.comm import broadcast_text
 from nanoeuler.train.loop import Hyperparameters
 from nanoeuler.train.objectives import CrossEntropy
 from nanoeuler.train.run import Stage, run_stage

@@ -28,7 +28,8 @@ from nanoeuler.model.config import param_count
 from nanoeuler.model.device import resolve, wants_gpu
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.optimizer import AdamW
-from nanoeuler.train.distributed import DataParallel, World, make_communicator
+from nanoeuler.parallel.comm import World, make_communicator
+from nanoeuler.train.distributed import DataParallel
 from nanoeuler.train.loop import Hyperparameters, fit, schedule_text
 
 
@@ -185,7 +186,7 @@ def training_eval(args, hp):
 
 
 def run_world(args):
-    """This process's World (train/world.py): from the variables that `--gpus N` (launch.py), torchrun, srun
+    """This process's World (parallel/world.py): from the variables that `--gpus N` (parallel/launch.py), torchrun, srun
     or mpirun set, else a world of one; --gpus (x --nnodes), when given, must agree with it."""
     world = World.from_env()
     gpus, nodes = getattr(args, "gpus", None), getattr(args, "nnodes", None) or 1

@@ -10,7 +10,7 @@ WORLD_SIZE = nodes x N, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK = the node rank
 127.0.0.1 and a free port on one node), NANOEULER_LAUNCHER=1 (these variables, not Slurm's or MPI's, say
 which rank it is), NANOEULER_RDZV_KEY (a random key for the rendezvous on one node; across nodes the user's
 own or the default), NCCL_NVLS_ENABLE=0 unless it is set (docs/multi-gpu.md), and NANOEULER_HEARTBEAT_FD,
-the write end of a pipe down which it sends a byte after every training step (distributed.heartbeat).
+the write end of a pipe down which it sends a byte after every training step (comm.heartbeat).
 
 Workers run in sessions of their own, so a Ctrl-C at the terminal reaches the launcher alone, which forwards
 it to every rank: they agree on the step to stop after, rank 0 saves, all exit 130. A second Ctrl-C is

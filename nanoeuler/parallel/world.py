@@ -7,7 +7,7 @@ Launchers, in the order they are looked for (the first found decides; docs/multi
 
 | launcher | rank, ranks, GPU of the host | where rank 0 is reached |
 |---|---|---|
-| `--gpus N` (train/launch.py), torchrun, hand-set | RANK, WORLD_SIZE, LOCAL_RANK | MASTER_ADDR, MASTER_PORT |
+| `--gpus N` (parallel/launch.py), torchrun, hand-set | RANK, WORLD_SIZE, LOCAL_RANK | MASTER_ADDR, MASTER_PORT |
 | Open MPI (`mpirun`, `mpiexec`) | OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK | MPI itself (mpi4py), else MASTER_ADDR/PORT |
 | MPICH, Intel MPI, PMI (`srun --mpi=pmi2`) | PMI_RANK, PMI_SIZE, MPI_LOCALRANKID | MPI itself (mpi4py), else MASTER_ADDR/PORT |
 | Slurm (`srun`) | SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID | MASTER_ADDR (default: the step's first node), MASTER_PORT (default: from the job id) |

@@ -1,0 +1,389 @@
+"""The few collectives that data-parallel work needs, over N ranks: training's gradient sums (train/
+distributed.py), evaluation's gathered scores (eval/), a rank 0's text sent to all.
+
+    world = World.from_env()                    # parallel/world.py: which rank this process is
+    comm = make_communicator(world, device)     # SingleProcess, SharedMemoryCommunicator or NcclCommunicator
+
+A communicator has exactly the collectives the callers use, called by every rank in the same order:
+all_reduce_sum (in place: device arrays, or small float64 host arrays of counts, losses and scores),
+reduce_scatter_sum and all_gather (the two halves of an all-reduce), all_gather_ranges (pieces of different
+lengths), broadcast and barrier; and start_all_reduce / start_reduce_scatter / start_all_gather with join(),
+which let reductions run beside other work. On device arrays a collective is ordered on the GPU (what is
+queued after it sees its result), on host arrays it returns with the result. Three implementations:
+
+- SingleProcess: a world of one; every collective is the identity, so a one-process run computes bit for bit
+  what it computes without data parallelism.
+- SharedMemoryCommunicator: CPU ranks on one host (the CPU engine with --gpus N). Each rank writes its
+  buffer into its slot of a shared-memory segment and reads the others'; the rendezvous's barrier orders the
+  steps. It exists so that the whole data-parallel path (launcher, rendezvous, buckets, sums, ZeRO shards,
+  checkpoints) runs and is tested without a GPU; its "started" reductions are done at once.
+- NcclCommunicator: one GPU per rank, NCCL over device pointers (cupy.cuda.nccl) on a stream of its own, so
+  that reductions can overlap the compute stream's work; the NCCL unique id travels through the rendezvous.
+  cupy is imported only here, only for GPU ranks.
+
+Every rank sums in the same order, so all ranks hold bit-identical sums.
+"""
+import atexit
+import collections
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from nanoeuler.env import env_int
+from nanoeuler.errors import UserError
+from nanoeuler.parallel.world import World, rendezvous  # noqa: F401  (World: the callers' one import)
+
+# A collective that does not complete in this many seconds means a rank died or hangs; the run ends with an
+# error instead of waiting forever. Evaluation, sampling and checkpoints run on rank 0 while the others wait
+# in their next collective, so it must cover the longest of those.
+DEFAULT_TIMEOUT = 1800
+
+
+def timeout():
+    """NANOEULER_TIMEOUT (seconds) or DEFAULT_TIMEOUT."""
+    return env_int("NANOEULER_TIMEOUT", DEFAULT_TIMEOUT, minimum=1)
+
+
+def heartbeat():
+    """Tell the launcher (nanoeuler/parallel/launch.py) that this rank finished a step: one byte down the pipe it
+    passed in NANOEULER_HEARTBEAT_FD. Nothing without a launcher."""
+    fd = env_int("NANOEULER_HEARTBEAT_FD", -1)
+    if fd >= 0:
+        try:
+            os.write(fd, b".")
+        except OSError:
+            pass  # the launcher is gone; it stops the ranks itself when it can
+
+
+# ------------------------------------------------------------------------------------------ communicators
+class SingleProcess:
+    """A world of one: every collective leaves its data as it is."""
+    rank, world_size = 0, 1
+
+    def all_reduce_sum(self, a):
+        return a
+
+    def reduce_scatter_sum(self, src, dst):
+        dst[...] = src[:dst.size]
+
+    def all_gather(self, src, dst):
+        dst[:src.size] = src
+
+    def broadcast(self, a, root=0):
+        return a
+
+    def barrier(self):
+        pass
+
+    def all_gather_ranges(self, buffer, ranges):
+        pass
+
+    def start_all_reduce(self, a):
+        pass
+
+    def start_reduce_scatter(self, src, dst):
+        self.reduce_scatter_sum(src, dst)
+
+    def start_all_gather(self, src, dst):
+        self.all_gather(src, dst)
+
+    def join(self):
+        pass
+
+
+class _Synchronous:
+    """Reductions "started" are done at once: a communicator with no stream to run them on."""
+
+    def start_all_reduce(self, a):
+        self.all_reduce_sum(a)
+
+    def start_reduce_scatter(self, src, dst):
+        self.reduce_scatter_sum(src, dst)
+
+    def start_all_gather(self, src, dst):
+        self.all_gather(src, dst)
+
+    def join(self):
+        pass
+
+
+class SharedMemoryCommunicator(_Synchronous):
+    """CPU ranks on one host. Buffers travel through a shared-memory segment of world_size slots (created by
+    rank 0, grown when a larger buffer comes, its name derived from the rendezvous port); the rendezvous's
+    barrier separates writing the slots from reading them. Each rank sums the slots in rank order itself, so
+    every rank gets the same bits. A barrier that waits longer than the timeout breaks for every rank: a dead
+    or hung rank ends the run with an error, never a hang."""
+
+    def __init__(self, world, wait=None):
+        self.rank, self.world_size, self.wait = world.rank, world.world_size, wait or timeout()
+        self._prefix = f"nanoeuler{world.master_port}_"  # one run per rendezvous port at a time
+        self._meeting = rendezvous(world, self.wait)
+        self._shm, self._generation, self._slot_bytes = None, 0, 0
+        atexit.register(self.close)  # rank 0 unlinks the segment when its process ends
+
+    def barrier(self):
+        try:
+            self._meeting.wait(self.wait)
+        except threading.BrokenBarrierError:
+            raise UserError(f"rank {self.rank}: the other ranks did not answer within {self.wait} s (a rank "
+                            f"died or hangs)") from None
+        except (EOFError, OSError):
+            raise UserError(f"rank {self.rank}: lost rank 0 (it exited or crashed)") from None
+
+    def _slots(self, nbytes):
+        """The segment as (world_size, slot bytes) uint8, grown first if a slot holds fewer than nbytes.
+        Every rank calls this with the same sizes in the same order, so all grow it at the same call."""
+        if nbytes > self._slot_bytes:
+            from multiprocessing import shared_memory
+            old, self._slot_bytes = self._shm, max(nbytes, 2 * self._slot_bytes)
+            self._generation += 1
+            name = f"{self._prefix}{self._generation}"
+            if self.rank == 0:
+                self._shm = shared_memory.SharedMemory(name, create=True, size=self.world_size * self._slot_bytes)
+            self.barrier()
+            if self.rank != 0:
+                self._shm = _attach(name)
+            if old is not None:
+                old.close()
+                if self.rank == 0:
+                    old.unlink()
+        return np.ndarray((self.world_size, self._slot_bytes), np.uint8, self._shm.buf)
+
+    def _exchange(self, a):
+        """Write a into this rank's slot, wait for every rank's; (world_size, a.size) views of all slots."""
+        a = np.ascontiguousarray(a)
+        slots = self._slots(a.nbytes)
+        mine = slots[self.rank, :a.nbytes].view(a.dtype)
+        mine[...] = a.reshape(-1)
+        self.barrier()
+        return slots[:, :a.nbytes].view(a.dtype)
+
+    def all_reduce_sum(self, a):
+        total = self._exchange(a).sum(axis=0, dtype=a.dtype)
+        self.barrier()  # nobody writes a slot again before every rank has read them all
+        a[...] = total.reshape(a.shape)
+        return a
+
+    def reduce_scatter_sum(self, src, dst):
+        n = dst.size
+        shard = self._exchange(src)[:, self.rank * n:(self.rank + 1) * n]
+        dst[...] = shard.sum(axis=0, dtype=src.dtype)
+        self.barrier()
+
+    def all_gather(self, src, dst):
+        gathered = self._exchange(src).reshape(-1)
+        dst[...] = gathered
+        self.barrier()
+
+    def all_gather_ranges(self, buffer, ranges):
+        """buffer[start:end] of rank q's range (ranges[q]) on every rank; the ranges may differ in length."""
+        longest = max(end - start for start, end in ranges)
+        mine = np.zeros(longest, dtype=buffer.dtype)
+        start, end = ranges[self.rank]
+        mine[:end - start] = buffer[start:end]
+        every = self._exchange(mine)
+        for q, (start, end) in enumerate(ranges):
+            buffer[start:end] = every[q, :end - start]
+        self.barrier()
+
+    def broadcast(self, a, root=0):
+        value = self._exchange(a)[root].copy()
+        self.barrier()
+        a[...] = value.reshape(a.shape)
+        return a
+
+    def close(self):
+        if self._shm is not None:
+            self._shm.close()
+            if self.rank == 0:
+                self._shm.unlink()
+            self._shm = None
+
+
+def _attach(name):
+    """Open an existing shared-memory segment without handing it to this process's resource tracker, which
+    would unlink it (and warn) when this process exits, while rank 0 still owns it (Python < 3.13 has no
+    track=False)."""
+    from multiprocessing import resource_tracker, shared_memory
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name, track=False)
+    shm = shared_memory.SharedMemory(name)
+    resource_tracker.unregister(shm._name, "shared_memory")
+    return shm
+
+
+class NcclCommunicator:
+    """One GPU per rank over NCCL (cupy.cuda.nccl.NcclCommunicator on device pointers).
+
+    Every collective runs on the communicator's own stream (non-blocking, so the legacy default stream on
+    which the engine computes does not serialise with it): it starts after the work queued so far on the
+    caller's stream, and the caller's stream waits for it before what comes next (at once, or at join() for
+    the started ones). Rank 0 draws the NCCL unique id and hands it to the others through the rendezvous, as
+    get_unique_id gave it (CuPy 14 gives bytes, earlier versions a tuple of ints). Host arrays (target counts,
+    losses) are copied to the GPU and back, and the host waits for them.
+
+    A watchdog thread follows every collective: one not done within the timeout (or an asynchronous NCCL
+    error) ends the process at once with a one-line error naming this rank and the collective, exit status 2;
+    so does a collective that hangs because a peer died, whatever the host waits in. NVLink multicast (NVLS)
+    is off unless NCCL_NVLS_ENABLE says otherwise (docs/multi-gpu.md)."""
+
+    def __init__(self, world, wait=None):
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        import cupy
+        from cupy.cuda import nccl
+
+        self.rank, self.world_size, self.wait = world.rank, world.world_size, wait or timeout()
+        self._cupy, self._nccl = cupy, nccl
+        self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
+                       np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.int64): nccl.NCCL_INT64,
+                       np.dtype(np.uint8): nccl.NCCL_UINT8,
+                       np.dtype(np.uint16): nccl.NCCL_FLOAT16}  # bf16 weights: only moved, never summed
+        if world.local_rank >= cupy.cuda.runtime.getDeviceCount():
+            raise UserError(f"rank {world.rank} needs GPU {world.local_rank} (LOCAL_RANK), but this host has "
+                            f"{cupy.cuda.runtime.getDeviceCount()}")
+        self.device = world.local_rank
+        meeting = rendezvous(world, self.wait, nccl.get_unique_id() if world.is_main else None)
+        cupy.cuda.Device(self.device).use()
+        self._comm = nccl.NcclCommunicator(world.world_size, meeting.value, world.rank)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._flag = cupy.zeros(1, dtype=np.float32)
+        self._started = None  # the event of the last started collective not yet joined
+        self._pending = collections.deque()  # (event, since, what) of collectives the watchdog follows
+        self._closed = False
+        threading.Thread(target=self._watchdog, daemon=True).start()
+
+    def _args(self, a):
+        if a.dtype not in self._types or not a.flags.c_contiguous:
+            raise TypeError(f"NCCL buffer of {a.dtype}, contiguous {a.flags.c_contiguous}")
+        return self._types[a.dtype]
+
+    def _run(self, what, collective):
+        """collective(stream pointer) on the communicator's stream after the caller's queued work; its event."""
+        cupy = self._cupy
+        caller = cupy.cuda.get_current_stream()
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        ready.record(caller)
+        self._stream.wait_event(ready)
+        collective(self._stream.ptr)
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(self._stream)
+        self._pending.append((done, time.monotonic(), what))
+        return done
+
+    def _watchdog(self):
+        """Ends the process when the oldest collective is not done within the timeout, or NCCL reports an error."""
+        self._cupy.cuda.Device(self.device).use()
+        period = min(1.0, self.wait / 10)
+        while not self._closed:
+            while self._pending and self._pending[0][0].done:
+                self._pending.popleft()
+            if self._pending:
+                _, since, what = self._pending[0]
+                problem = None
+                try:
+                    self._comm.check_async_error()
+                except self._nccl.NcclError as e:
+                    problem = f"NCCL {what} failed: {e}"
+                if problem is None and time.monotonic() - since > self.wait:
+                    problem = f"NCCL {what} did not complete in {self.wait} s (a rank died or hangs)"
+                if problem and not self._closed:
+                    os.write(2, f"nanoeuler: error: rank {self.rank}: {problem}\n".encode())
+                    os._exit(2)
+            time.sleep(period)
+
+    def _ordered(self, done):
+        self._cupy.cuda.get_current_stream().wait_event(done)
+
+    def all_reduce_sum(self, a):
+        host = not isinstance(a, self._cupy.ndarray)
+        d = self._cupy.asarray(a) if host else a
+        dtype = self._args(d)
+        done = self._run("all-reduce", lambda stream: self._comm.allReduce(d.data.ptr, d.data.ptr, d.size, dtype,
+                                                                          self._nccl.NCCL_SUM, stream))
+        self._ordered(done)
+        if host:
+            a[...] = d.get().reshape(a.shape)
+        return a
+
+    def reduce_scatter_sum(self, src, dst):
+        self._ordered(self._reduce_scatter(src, dst))
+
+    def _reduce_scatter(self, src, dst):
+        dtype = self._args(src)
+        return self._run("reduce-scatter", lambda stream: self._comm.reduceScatter(
+            src.data.ptr, dst.data.ptr, dst.size, dtype, self._nccl.NCCL_SUM, stream))
+
+    def all_gather(self, src, dst):
+        """dst (world_size x src.size) from every rank's src; src may be dst's rank-th piece (in place)."""
+        dtype = self._args(src)
+        self._ordered(self._run("all-gather", lambda stream: self._comm.allGather(
+            src.data.ptr, dst.data.ptr, src.size, dtype, stream)))
+
+    def all_gather_ranges(self, buffer, ranges):
+        """buffer[start:end] of rank q's range (ranges[q]) on every rank, in place; the ranges may differ in
+        length (one broadcast from each rank, grouped into one launch)."""
+        dtype, nccl = self._args(buffer), self._nccl
+
+        def gather(stream):
+            nccl.groupStart()
+            for root, (start, end) in enumerate(ranges):
+                piece = buffer[start:end]
+                self._comm.broadcast(piece.data.ptr, piece.data.ptr, piece.size, dtype, root, stream)
+            nccl.groupEnd()
+        self._ordered(self._run("all-gather", gather))
+
+    def start_all_gather(self, src, dst):
+        dtype = self._args(src)
+        self._started = self._run("all-gather", lambda stream: self._comm.allGather(
+            src.data.ptr, dst.data.ptr, src.size, dtype, stream))
+
+    def start_all_reduce(self, a):
+        dtype = self._args(a)
+        self._started = self._run("all-reduce", lambda stream: self._comm.allReduce(
+            a.data.ptr, a.data.ptr, a.size, dtype, self._nccl.NCCL_SUM, stream))
+
+    def start_reduce_scatter(self, src, dst):
+        self._started = self._reduce_scatter(src, dst)
+
+    def join(self):
+        """The caller's stream waits for every started collective (they run in order on one stream)."""
+        if self._started is not None:
+            self._ordered(self._started)
+            self._started = None
+
+    def broadcast(self, a, root=0):
+        host = not isinstance(a, self._cupy.ndarray)
+        d = self._cupy.asarray(a) if host else a
+        dtype = self._args(d)
+        self._ordered(self._run("broadcast", lambda stream: self._comm.broadcast(
+            d.data.ptr, d.data.ptr, d.size, dtype, root, stream)))
+        if host:
+            a[...] = d.get().reshape(a.shape)
+        return a
+
+    def barrier(self):
+        self.all_reduce_sum(self._flag)
+        self._flag.get()  # the host waits here (the watchdog ends a barrier that never opens)
+
+    def close(self):
+        self._closed = True
+        self._cupy.cuda.get_current_stream().synchronize()
+        self._comm.destroy()
+
+
+def make_communicator(world, device):
+    """The communicator for this world on this device."""
+    if world.world_size == 1:
+        return SingleProcess()
+    return NcclCommunicator(world) if device == "gpu" else SharedMemoryCommunicator(world)
+
+
+def broadcast_text(comm, text):
+    """rank 0's text on every rank (others pass None): what rank 0 alone computed, e.g. a new tokenizer."""
+    data = np.frombuffer(text.encode(), np.uint8).copy() if comm.rank == 0 else None
+    size = comm.broadcast(np.array([0 if data is None else data.size], np.int64))[0]
+    data = comm.broadcast(data if data is not None else np.zeros(int(size), np.uint8))
+    return data.tobytes().decode()
