@@ -153,6 +153,26 @@ def test_cli_bad_item_is_one_line_and_good_run_writes_json_and_predictions(tiny_
     assert np.mean([p["pred"] == i["label"] for p, i in zip(predictions, ITEMS)]) == summary["acc"]
 
 
+def test_eval_on_two_ranks_gives_the_numbers_of_one(tiny_ckpt, tmp_path):
+    """eval --gpus 2 (two CPU ranks here): each scores every other batch, the scores are gathered, and the
+    predictions, their log-probabilities and bits per byte are those of one process, bit for bit."""
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    got = {}
+    for ranks in ("1", "2"):
+        mc = run_cli("eval", "--task", "mc", "--data", good, "--ckpt", tiny_ckpt, "--batch-size", "1", "--gpus", ranks,
+                     "--device", "cpu", "--predictions", tmp_path / f"p{ranks}.jsonl")
+        bpb = run_cli("eval", "--task", "bpb", "--data", text, "--ckpt", tiny_ckpt, "--batch-size", "1", "--gpus", ranks,
+                      "--device", "cpu", "--json", tmp_path / f"b{ranks}.json")
+        assert mc.returncode == 0 and bpb.returncode == 0, mc.stderr + bpb.stderr
+        assert mc.stdout.count("acc_norm") == 1  # rank 0 alone prints
+        got[ranks] = ((tmp_path / f"p{ranks}.jsonl").read_text(),
+                      json.loads((tmp_path / f"b{ranks}.json").read_text())["bpb"])
+    assert got["1"] == got["2"]
+
+
 def test_missing_hellaswag_names_its_fetcher(tiny_ckpt, tmp_path):
     r = run_cli("eval", "--task", "hellaswag", "--ckpt", tiny_ckpt, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
