@@ -165,7 +165,6 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd):
 
 
 # ------------------------------------------------------------------------------------------------ rope
-@njit(**pjit)
 def rope_forward(qkv, cos, sin, n_rot_heads, pos):
     """In place on the first n_rot_heads heads (q and k) of qkv (B, T, H+2G, D), positions pos[0] + t, or
     pos[b] + t where pos holds one position a sequence (a batch decoding step's rows). pos is an int32 array,
@@ -174,36 +173,33 @@ def rope_forward(qkv, cos, sin, n_rot_heads, pos):
 
     Element i pairs with i + D/2:  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).
     """
-    B, T, _, D = qkv.shape
-    half = D // 2
-    per_row = pos.shape[0] > 1
-    for bt in prange(B * T):
-        b, t = bt // T, bt % T
-        p = pos[b if per_row else 0] + t
-        for h in range(n_rot_heads):
-            for i in range(half):
-                x1 = qkv[b, t, h, i]
-                x2 = qkv[b, t, h, i + half]
-                qkv[b, t, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
-                qkv[b, t, h, i + half] = x2 * cos[p, i] + x1 * sin[p, i]
+    _rope(qkv, cos, sin, n_rot_heads, pos, False)
 
 
-@njit(**pjit)
 def rope_backward(dqkv, cos, sin, n_rot_heads, pos):
     """In place: the transpose of the rotation, (d1, d2) -> (d1 cos + d2 sin, d2 cos - d1 sin); pos as in
     rope_forward."""
-    B, T, _, D = dqkv.shape
+    _rope(dqkv, cos, sin, n_rot_heads, pos, True)
+
+
+@njit(**pjit)
+def _rope(qkv, cos, sin, n_rot_heads, pos, inverse):
+    """The rotation, or with inverse its transpose: the rotation of the swapped pair (d2, d1), its outputs
+    written back swapped. Each output is then the direction's own formula, the same two products added in
+    the same order (and fused alike under fastmath's contract): the same bits as a function a direction."""
+    B, T, _, D = qkv.shape
     half = D // 2
+    first, second = (half, 0) if inverse else (0, half)
     per_row = pos.shape[0] > 1
     for bt in prange(B * T):
         b, t = bt // T, bt % T
         p = pos[b if per_row else 0] + t
         for h in range(n_rot_heads):
+            xs1, xs2 = qkv[b, t, h, first:first + half], qkv[b, t, h, second:second + half]
             for i in range(half):
-                d1 = dqkv[b, t, h, i]
-                d2 = dqkv[b, t, h, i + half]
-                dqkv[b, t, h, i] = d1 * cos[p, i] + d2 * sin[p, i]
-                dqkv[b, t, h, i + half] = d2 * cos[p, i] - d1 * sin[p, i]
+                x1, x2 = xs1[i], xs2[i]
+                xs1[i] = x1 * cos[p, i] - x2 * sin[p, i]
+                xs2[i] = x2 * cos[p, i] + x1 * sin[p, i]
 
 
 # ------------------------------------------------------------------------------------------- attention
