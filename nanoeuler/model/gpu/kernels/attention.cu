@@ -522,6 +522,12 @@ __device__ __forceinline__ void att_p_ds(float (&s)[ATT_TILE / 8][4], float (&ds
     }
 }
 
+// The parameters both backward kernels' blocks take (the kernels below pass theirs on).
+#define ATT_BACKWARD_PARAMS                                                                                     \
+    act_t *__restrict__ dqkv, const act_t *__restrict__ dout, const float *__restrict__ lse,                   \
+        const float *__restrict__ delta, const act_t *__restrict__ qkv, int T, int H, int G, float scale,      \
+        const float *__restrict__ cos_t, const float *__restrict__ sin_t
+
 // dK, dV. One block per (kv head, batch, 64-key tile): grid (G, B, key tiles), 128 threads. Key tile 0 has
 // the most query tiles after it, so blockIdx.z is the key tile as it is (the first blocks scheduled are the
 // longest). The block keeps its keys' dK and dV in registers while it walks the group's H / G query heads
@@ -530,13 +536,7 @@ __device__ __forceinline__ void att_p_ds(float (&s)[ATT_TILE / 8][4], float (&ds
 // Writes the k and v heads of dqkv (B, T, NH, D), each row once (dK through att_store_row: with cos_t, of the
 // unrotated k). lse natural-log, delta from the kernel above.
 template <int D, class M>
-__device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict__ dqkv,
-                                                              const act_t* __restrict__ dout,
-                                                              const float* __restrict__ lse,
-                                                              const float* __restrict__ delta,
-                                                              const act_t* __restrict__ qkv, int T, int H, int G,
-                                                              float scale, const float* __restrict__ cos_t,
-                                                              const float* __restrict__ sin_t) {
+__device__ __forceinline__ void attention_backward_dkdv_block(ATT_BACKWARD_PARAMS) {
     // dynamic shared memory: AttBackwardSmem<D, M>::DKDV bytes
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS, STAGES = AttStages<M>::N;
@@ -613,7 +613,8 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
         const bool diag = qt == kt;
         att_p_ds<M, true>(
             p, ds, sl2, t, [&](int q, int) { return __fmul_rn(lse_s[q], LOG2E); },
-            [&](int q, int e) { return diag && (e < 2 ? key0 : key1) > q0 + q; }, [&](int q, int) { return delta_s[q]; });
+            [&](int q, int e) { return diag && (e < 2 ? key0 : key1) > q0 + q; },
+            [&](int q, int) { return delta_s[q]; });
         // dV += P^T dO and dK += dS^T Q: the query index is the k index
 #pragma unroll
         for (int ks = 0; ks < ATT_TILE / KS; ++ks) {
@@ -649,13 +650,7 @@ __device__ __forceinline__ void attention_backward_dkdv_block(act_t* __restrict_
 // dS = P (dP - delta), and dQ += dS K with dS straight from the accumulators. dQ * scale is written once into
 // the q head of dqkv (att_store_row: with cos_t, the gradient of the unrotated q).
 template <int D, class M>
-__device__ __forceinline__ void attention_backward_dq_block(act_t* __restrict__ dqkv,
-                                                            const act_t* __restrict__ dout,
-                                                            const float* __restrict__ lse,
-                                                            const float* __restrict__ delta,
-                                                            const act_t* __restrict__ qkv, int T, int H, int G,
-                                                            float scale, const float* __restrict__ cos_t,
-                                                            const float* __restrict__ sin_t) {
+__device__ __forceinline__ void attention_backward_dq_block(ATT_BACKWARD_PARAMS) {
     // dynamic shared memory: AttBackwardSmem<D, M>::DQ bytes
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;

@@ -26,6 +26,12 @@ __device__ __forceinline__ void sum_warp_rows(float* __restrict__ dw_partial, co
     }
 }
 
+// The parameters of both builds' backward (dw_part: the block's dynamic shared memory).
+#define RMSNORM_BACKWARD_PARAMS                                                                                 \
+    act_t *__restrict__ dx, float *__restrict__ dw_partial, const act_t *__restrict__ dout,                    \
+        const act_t *__restrict__ x, const act_t *__restrict__ w, const float *__restrict__ rstd, int N, int C, \
+        float *dw_part
+
 // ------------------------------------------------------------------------ rows held in registers
 // Lane l of a warp owns the 16-byte chunks l, l + 32, ..., l + 32 (K - 1) of every row (chunks past C masked
 // off): it issues the K loads of its share of a row at once, keeps the row (bf16 still packed) from the sum to
@@ -79,10 +85,7 @@ __device__ __forceinline__ void rmsnorm_forward_regs(act_t* __restrict__ out, fl
 // lane's gain partials stay in registers over the warp's rows, then go to the warp's shared row (warps * C
 // floats) once, and the warps' rows are added in order.
 template <int K>
-__device__ __forceinline__ void rmsnorm_backward_regs(act_t* __restrict__ dx, float* __restrict__ dw_partial,
-                                                      const act_t* __restrict__ dout, const act_t* __restrict__ x,
-                                                      const act_t* __restrict__ w, const float* __restrict__ rstd,
-                                                      int N, int C, float* dw_part) {
+__device__ __forceinline__ void rmsnorm_backward_regs(RMSNORM_BACKWARD_PARAMS) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     uint4 wu[K];
     load_chunks<K>(wu, w, C, lane);
@@ -205,10 +208,7 @@ extern "C" __global__ void rmsnorm_forward(act_t* __restrict__ out, float* __res
 // owns its own columns, so each warp keeps its partial in its own shared row (dynamic, warps * C floats)
 // without atomics; the warps' rows are added in order at the end.
 template <int V>
-__device__ __forceinline__ void rmsnorm_backward_rows(act_t* __restrict__ dx, float* __restrict__ dw_partial,
-                                                      const act_t* __restrict__ dout, const act_t* __restrict__ x,
-                                                      const act_t* __restrict__ w, const float* __restrict__ rstd,
-                                                      int N, int C, float* dw_part) {
+__device__ __forceinline__ void rmsnorm_backward_rows(RMSNORM_BACKWARD_PARAMS) {
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float* mine = dw_part + warp * C;
     for (int c = lane; c < C; c += 32) mine[c] = 0.f;
