@@ -27,7 +27,7 @@ from tqdm import tqdm
 from nanoeuler.errors import UserError
 from nanoeuler.infer.generate import sample_text
 from nanoeuler.io import checkpoint
-from nanoeuler.io.files import atomic_write
+from nanoeuler.files import atomic_write
 from nanoeuler.io.report import read_log, write_report
 from nanoeuler.model.config import flops_per_token
 from nanoeuler.parallel.comm import heartbeat

@@ -22,7 +22,7 @@ import time
 
 from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
-from nanoeuler.io.files import check_writable, remove_stale_temporaries
+from nanoeuler.files import check_writable, remove_stale_temporaries
 from nanoeuler.io.report import machine
 from nanoeuler.model.config import param_count
 from nanoeuler.model.device import resolve, wants_gpu
