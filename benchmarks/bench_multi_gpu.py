@@ -67,7 +67,7 @@ def equivalence(args, out_dir):
     extra = ["--eval-every", str(args.eval_every)] if args.eval_every else []
     runs = {
         f"1 GPU x {n * batch}": train(args, preset, n * batch, 1, False, steps, extra, out_dir, "one"),
-        f"1 GPU x ({n} passes of {batch})": train(args, preset, batch * n, 1, False, steps,
+        f"1 GPU x ({n} passes of {batch})": train(args, preset, batch, 1, False, steps,
                                                   extra + ["--grad-accum", str(n)], out_dir, "accum"),
         f"{n} GPUs x {batch}": train(args, preset, batch, n, False, steps, extra, out_dir, "ranks"),
     }

@@ -9,7 +9,6 @@ parallel/comm.py's communicators.
     grad_norm, totals = parallel.step(lr, hp.weight_decay, hp.grad_clip, [loss, tokens, ...])
 """
 import math
-import os
 
 import numpy as np
 
@@ -18,29 +17,13 @@ from nanoeuler.model.engine import to_numpy
 from nanoeuler.model.optimizer import clip_scale
 from nanoeuler.parallel.comm import SingleProcess
 
-# Gradient buckets hold at least this many MiB across hosts (NANOEULER_BUCKET_MB): one layer of `base` (24 MiB) is one
-DEFAULT_BUCKET_MB = 16
-
-
 # ------------------------------------------------------------------------------------- the optimizer step
-def bucket_elements(hosts):
-    """Elements of float32 in a gradient bucket at least: NANOEULER_BUCKET_MB MiB; by default one bucket (the
-    whole buffer, reduced after the backward pass) when the ranks share one host, DEFAULT_BUCKET_MB across
-    hosts (docs/multi-gpu.md says why)."""
-    default = DEFAULT_BUCKET_MB if hosts > 1 else float("inf")
-    megabytes = env_float("NANOEULER_BUCKET_MB", default, minimum=0.0)
-    return megabytes * 2 ** 20 / 4
-
-
-def count_hosts(comm):
-    """How many hosts the ranks run on (a collective): by host name, and the node rank that `--nnodes` gives
-    each launcher (GROUP_RANK, also torchrun's), so that nodes simulated on one machine count apart."""
-    import hashlib
-    import socket
-    name = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
-    ids = np.zeros(comm.world_size, dtype=np.float64)
-    ids[comm.rank] = int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "little")  # exact in a float64
-    return len(set(comm.all_reduce_sum(ids).tolist()))
+def bucket_elements():
+    """Float32 elements of a gradient bucket at least: NANOEULER_BUCKET_MB MiB when it is set (several buckets,
+    each reduced beside the rest of the backward pass), else the whole buffer, one bucket reduced at the
+    pass's end: what measured fastest on 2 GPUs over NVLink and over sockets (docs/multi-gpu.md)."""
+    megabytes = env_float("NANOEULER_BUCKET_MB", 0.0, minimum=0.0)
+    return megabytes * 2 ** 20 / 4 if megabytes else float("inf")
 
 
 def bucket_plan(ready_offsets, total, world_size, min_elements):
@@ -78,8 +61,8 @@ class DataParallel:
 
     1. The gradients are reduce-scattered, each rank receiving the sum of its pieces, in place. Each bucket's
        reduction starts on the communicator's stream as soon as the backward pass has finished it
-       (Engine.gradients_ready): with one bucket (the default on one host) at the pass's end, with several
-       (across hosts) beside the rest of the pass. (Without ZeRO and with several buckets, the buckets are
+       (Engine.gradients_ready): with one bucket (the default) at the pass's end, with several
+       (NANOEULER_BUCKET_MB) beside the rest of the pass. (Without ZeRO and with several buckets, the buckets are
        all-reduced instead.)
     2. The global gradient norm for clipping: each rank's sum of squares of its pieces, summed over the ranks
        in one host collective together with the step's losses, tokens and Ctrl-C flags (`values`).
@@ -104,7 +87,7 @@ class DataParallel:
         self.comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
         eng.sync_weights()
         eng.pad_buffers(n)
-        minimum = bucket_elements(count_hosts(self.comm)) if min_bucket is None else min_bucket
+        minimum = bucket_elements() if min_bucket is None else min_bucket
         self.buckets = bucket_plan(eng.gradient_offsets(), eng.params.size, n, minimum)
         # even one bucket starts from the backward pass's end, before the host waits for the step's losses
         eng.gradients_ready = self._gradients_ready
