@@ -241,10 +241,11 @@ class NcclCommunicator:
                        np.dtype(np.int32): nccl.NCCL_INT32, np.dtype(np.int64): nccl.NCCL_INT64,
                        np.dtype(np.uint8): nccl.NCCL_UINT8,
                        np.dtype(np.uint16): nccl.NCCL_FLOAT16}  # bf16 weights: only moved, never summed
-        if world.local_rank >= cupy.cuda.runtime.getDeviceCount():
-            raise UserError(f"rank {world.rank} needs GPU {world.local_rank} (LOCAL_RANK), but this host has "
-                            f"{cupy.cuda.runtime.getDeviceCount()}")
-        self.device = world.local_rank
+        count = cupy.cuda.runtime.getDeviceCount()
+        if world.local_rank >= count > 1:
+            raise UserError(f"rank {world.rank} needs GPU {world.local_rank} (its local rank), but this host has "
+                            f"{count}")
+        self.device = world.local_rank if count > 1 else 0  # one visible GPU: the launcher bound it to this rank
         meeting = rendezvous(world, self.wait, nccl.get_unique_id() if world.is_main else None)
         cupy.cuda.Device(self.device).use()
         self._comm = nccl.NcclCommunicator(world.world_size, meeting.value, world.rank)
