@@ -242,10 +242,11 @@ class NcclCommunicator:
                        np.dtype(np.uint8): nccl.NCCL_UINT8,
                        np.dtype(np.uint16): nccl.NCCL_FLOAT16}  # bf16 weights: only moved, never summed
         count = cupy.cuda.runtime.getDeviceCount()
-        if world.local_rank >= count > 1:
+        bound = count == 1 and os.environ.get("CUDA_VISIBLE_DEVICES")  # a launcher gave this rank its one GPU
+        if world.local_rank >= count and not bound:
             raise UserError(f"rank {world.rank} needs GPU {world.local_rank} (its local rank), but this host has "
                             f"{count}")
-        self.device = world.local_rank if count > 1 else 0  # one visible GPU: the launcher bound it to this rank
+        self.device = 0 if bound else world.local_rank
         meeting = rendezvous(world, self.wait, nccl.get_unique_id() if world.is_main else None)
         cupy.cuda.Device(self.device).use()
         self._comm = nccl.NcclCommunicator(world.world_size, meeting.value, world.rank)
