@@ -59,41 +59,6 @@ def heartbeat():
 
 
 # ------------------------------------------------------------------------------------------ communicators
-class SingleProcess:
-    """A world of one: every collective leaves its data as it is."""
-    rank, world_size = 0, 1
-
-    def all_reduce_sum(self, a):
-        return a
-
-    def reduce_scatter_sum(self, src, dst):
-        dst[...] = src[:dst.size]
-
-    def all_gather(self, src, dst):
-        dst[:src.size] = src
-
-    def broadcast(self, a, root=0):
-        return a
-
-    def barrier(self):
-        pass
-
-    def all_gather_ranges(self, buffer, ranges):
-        pass
-
-    def start_all_reduce(self, a):
-        pass
-
-    def start_reduce_scatter(self, src, dst):
-        self.reduce_scatter_sum(src, dst)
-
-    def start_all_gather(self, src, dst):
-        self.all_gather(src, dst)
-
-    def join(self):
-        pass
-
-
 class _Synchronous:
     """Reductions "started" are done at once: a communicator with no stream to run them on."""
 
@@ -107,6 +72,29 @@ class _Synchronous:
         self.all_gather(src, dst)
 
     def join(self):
+        pass
+
+
+class SingleProcess(_Synchronous):
+    """A world of one: every collective leaves its data as it is."""
+    rank, world_size = 0, 1
+
+    def all_reduce_sum(self, a):
+        return a
+
+    def reduce_scatter_sum(self, src, dst):
+        dst[...] = src[:dst.size]
+
+    def all_gather(self, src, dst):
+        dst[:src.size] = src
+
+    def all_gather_ranges(self, buffer, ranges):
+        pass
+
+    def broadcast(self, a, root=0):
+        return a
+
+    def barrier(self):
         pass
 
 
