@@ -249,3 +249,36 @@ def test_dpo_resume_after_interrupt_is_bit_identical_without_recomputing_the_ref
     run_only = ("log", "argv")  # the run's own command line and log path (a.bin vs b.bin)
     same = lambda state: {k: v for k, v in state.items() if k not in run_only}
     assert ckpt_full.chat and ckpt_resumed.chat and same(ckpt_full.train_state) == same(ckpt_resumed.train_state)
+
+
+def test_dpo_on_two_ranks_follows_one_process(pipeline, tmp_path):
+    """`nanoeuler dpo --gpus 2` (two CPU ranks over shared memory) at 4 pairs a rank against one process at 8:
+    the reference log-probs split over the ranks, the pairs and chosen tokens normalised over both, the ranks'
+    shares summed: the same losses, reward accuracy and held-out numbers to float32 rounding; rank 0 prints."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    common = ["dpo", "--ckpt", pipeline["chat"], "--data", pipeline["prefs"], "--device", "cpu", "--val-pairs", 8,
+              "--steps", 6, "--lr", 1e-3, "--eval-every", 3, "--sample-every", 6, "--ckpt-every", 6]
+    one = run_cli(*common, "--batch-size", 8, "--out", tmp_path / "one.bin", env=env)
+    assert one.returncode == 0, one.stderr
+    two = run_cli(*common, "--batch-size", 4, "--gpus", 2, "--out", tmp_path / "two.bin", env=env)
+    assert two.returncode == 0, two.stderr
+    ref, got = ([r for r in map(json.loads, open(tmp_path / f"{n}.jsonl")) if "step" in r] for n in ("one", "two"))
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 7))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in ref], rtol=1e-5, err_msg=key)
+    # at step 1 the policy is the reference: every margin is float32 rounding of 0 (the CPU's products of a
+    # batch round by its shape), so the tie rule's accuracy there is that rounding's sign and is left out
+    assert abs(got[0]["reward_margin"]) < 1e-6 and abs(ref[0]["reward_margin"]) < 1e-6
+    assert [r["reward_accuracy"] for r in got[1:]] == [r["reward_accuracy"] for r in ref[1:]]
+    np.testing.assert_allclose([r["reward_margin"] for r in got], [r["reward_margin"] for r in ref], rtol=1e-5,
+                               atol=1e-6)
+    evals = [(r, want) for r, want in zip(got, ref) if "val_loss" in want]
+    assert [r["step"] for r, _ in evals] == [3, 6]
+    for r, want in evals:
+        for key in ("val_loss", "val_reward_accuracy", "val_reward_margin", "val_chosen_logp_delta",
+                    "val_rejected_logp_delta"):
+            assert r[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (r["step"], key)
+    # rank 0 alone prints: each line of the run once, as one process prints it
+    for needle in ("reference: log-probabilities of 48 pairs", "step 3: train loss", "step 6: train loss",
+                   "greedy replies to 8 held-out prompts"):
+        assert two.stdout.count(needle) == one.stdout.count(needle) == 1, (needle, two.stdout)

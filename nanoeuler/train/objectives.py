@@ -87,17 +87,22 @@ class DPO:
 
     def evaluate(self, eng, batches):
         """The held-out objective, reward accuracy and margin, and the mean log-probability of the chosen and
-        the rejected replies under the policy minus under the reference (nats per reply)."""
-        loss, pairs, deltas = 0.0, 0, []
+        the rejected replies under the policy minus under the reference (nats per reply). The objective is the
+        training one over all the held-out pairs at once: the DPO term's mean over the pairs plus alpha times
+        the chosen replies' NLL per chosen token of them all, whatever batches they are scored in (so the same
+        at any batch size or world size)."""
+        loss, nll, pairs, tokens, deltas = 0.0, 0.0, 0, 0, []
         for inputs, targets, ref in batches:
             pi = sequence_logprobs(eng, inputs, targets)
             P = len(pi) // 2
-            loss += dpo_loss(dpo_margins(pi, ref, self.beta), 1, pi, self.alpha, chosen_tokens(targets) / P)
-            pairs += P
+            loss += dpo_loss(dpo_margins(pi, ref, self.beta), 1)
+            nll -= pi[:P].sum()
+            pairs, tokens = pairs + P, tokens + chosen_tokens(targets)
             deltas.append((pi - ref).reshape(2, P))
         delta = np.concatenate(deltas, axis=1)
         z = self.beta * (delta[0] - delta[1])
-        return dict(val_loss=loss / pairs, val_reward_accuracy=tie_accuracy(z), val_reward_margin=float(z.mean()),
+        val_loss = loss / pairs + (self.alpha * nll / tokens if self.alpha else 0.0)
+        return dict(val_loss=float(val_loss), val_reward_accuracy=tie_accuracy(z), val_reward_margin=float(z.mean()),
                     val_chosen_logp_delta=float(delta[0].mean()), val_rejected_logp_delta=float(delta[1].mean()))
 
     def eval_text(self, record):
