@@ -427,6 +427,15 @@ def test_a_rank_that_takes_no_step_ends_the_run():
     assert time.monotonic() - t0 < 10
 
 
+def test_a_stopped_rank_is_named_before_the_ranks_that_wait_for_it():
+    """SIGSTOP on rank 1; rank 0 then waits for it (here: sleeps) and takes no step either."""
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^rank 1 took no training step for 1 s"):
+        _fake_ranks("beat()\nif rank == 1:\n    time.sleep(0.2)\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+                    "time.sleep(60)", timeout=1)
+    assert time.monotonic() - t0 < 10
+
+
 def test_ctrl_c_reaches_every_rank_once():
     """The terminal's Ctrl-C goes to the launcher (the ranks have sessions of their own); it forwards it, the
     ranks save and exit 130, and so does the run."""

@@ -127,13 +127,25 @@ def _supervise(ranks, step_timeout):
                 if code not in (None, 0) and not (interrupts and code == 130):
                     raise UserError(f"rank {r.rank} {_ended(code)}; the other ranks were stopped (the last "
                                     f"checkpoint is kept)")
-                if code is None and r.beat is not None and now - r.beat > step_timeout:
-                    raise UserError(f"rank {r.rank} took no training step for {step_timeout} s (hung?); the ranks "
-                                    f"were stopped (the last checkpoint is kept)")
+            late = [r for r, code in zip(ranks, codes)
+                    if code is None and r.beat is not None and now - r.beat > step_timeout]
+            if late:  # the others wait for it in a collective: name a stopped rank first, else the longest silent
+                r = min(late, key=lambda r: (not _stopped(r.proc.pid), r.beat))
+                raise UserError(f"rank {r.rank} took no training step for {step_timeout} s (hung?); the ranks "
+                                f"were stopped (the last checkpoint is kept)")
             if all(code is not None for code in codes):
                 return 130 if 130 in codes else 0
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _stopped(pid):
+    """Whether the process is stopped (SIGSTOP, a debugger): its state in /proc; False where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _ended(code):
@@ -149,6 +161,8 @@ def _stop(ranks):
         for r in live:
             try:
                 os.killpg(r.proc.pid, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(r.proc.pid, signal.SIGCONT)  # a stopped rank (SIGSTOP) acts on it only once continued
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + GRACE
