@@ -344,8 +344,17 @@ def _tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, gpu):
     def one(*args):
         return _train(*common, *args)
 
-    def two(*args):
-        return launch.launch([sys.executable, "-c", script, "train", *common, *map(str, args), "--gpus", "2"], 2)
+    def two(*args, nodes=False):
+        """2 ranks: of one launcher (--gpus 2), or of two launchers as two hosts would run them (--nnodes 2)."""
+        command = [sys.executable, "-c", script, "train", *common, *map(str, args)]
+        if not nodes:
+            return launch.launch(command + ["--gpus", "2"], 2)
+        port = launch.free_port()
+        node = ("import sys\nfrom nanoeuler.parallel import launch\n"
+                "sys.exit(launch.launch({command!r}, 1, nodes=launch.Nodes(2, {rank}, '127.0.0.1', {port})))")
+        hosts = [subprocess.Popen([sys.executable, "-c", node.format(
+            command=command + ["--gpus", "1", "--nnodes", "2"], rank=rank, port=port)], cwd=ROOT) for rank in (0, 1)]
+        return max(host.wait(timeout=300) for host in hosts)
     return one, two
 
 
@@ -382,6 +391,27 @@ def test_checkpoints_move_between_world_sizes(tiny_runs, tmp_path):
     ck = checkpoint.load(tmp_path / "b.bin", with_opt=True)
     assert ck.train_state["world_size"] == 2 and ck.train_state["hyper"]["batch_size"] == 2
     np.testing.assert_allclose(ck.params, checkpoint.load(tmp_path / "ref.bin").params, atol=1e-5)
+
+
+def test_two_launchers_as_two_hosts_train_like_one_launcher(tiny_runs, tmp_path):
+    """--nnodes 2: one launcher a host, each starting its rank, meeting at node 0's rendezvous."""
+    _, two = tiny_runs
+    assert two("--batch-size", 2, "--out", tmp_path / "a.bin") == 0
+    assert two("--batch-size", 2, "--out", tmp_path / "b.bin", nodes=True) == 0
+    assert [r["loss"] for r in _log(tmp_path / "b.jsonl")] == [r["loss"] for r in _log(tmp_path / "a.jsonl")]
+
+
+def test_nodes_need_their_place_and_rank_0s_address():
+    from nanoeuler.cli import build_parser, launch_nodes
+    parser, _ = build_parser()
+    for flags, message in ((["--nnodes", "2"], "--nnodes 2 needs --node-rank 0..1"),
+                           (["--nnodes", "2", "--node-rank", "2"], "--nnodes 2 needs --node-rank 0..1"),
+                           (["--nnodes", "2", "--node-rank", "1"], "--nnodes 2 needs --master-addr"),
+                           (["--gpus", "2", "--node-rank", "1"], "--node-rank needs --nnodes")):
+        with pytest.raises(UserError, match=message):
+            launch_nodes(parser.parse_args(["train", *flags]))
+    nodes = launch_nodes(parser.parse_args(["train", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0"]))
+    assert (nodes.count, nodes.rank, nodes.master_addr, nodes.master_port) == (2, 1, "h0", 29500)
 
 
 def test_gpus_must_agree_with_the_environment(monkeypatch, tmp_path):
