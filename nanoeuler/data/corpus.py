@@ -6,9 +6,9 @@
 
 The cache is a token file, the one format of nanoeuler/tokenizer/bpe.py (written by Tokenizer.encode_file, read
 by read_token_file): a 128-byte header (magic, version, token count, the corpus file's size and mtime, the
-tokenizer's sha256) followed by the tokens as little-endian uint16. Any mismatch with the corpus or the
-tokenizer rebuilds it, so a stale cache is never used. It is memory-mapped, so a corpus of many GB costs no
-RAM. The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
+tokenizer's sha256) followed by the tokens as little-endian uint16 (uint32 for a vocabulary above 65,536).
+Any mismatch with the corpus or the tokenizer rebuilds it, so a stale cache is never used. It is
+memory-mapped, so a corpus of many GB costs no RAM. The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
 covers it), so bits per byte are measured on text the model never trained on.
 
 A batch source is any object with `next() -> (inputs, targets)`, `state()` and `load_state(state)`; the
@@ -52,8 +52,8 @@ def _read_cache(path, corpus_path, tok):
 
 
 class Corpus:
-    """A tokenized corpus: `tokens` (memmap uint16), its `train` and `val` splits (views), and `byte_len`,
-    the number of bytes each token id decodes to (for bits per byte)."""
+    """A tokenized corpus: `tokens` (memmap uint16, uint32 for a vocabulary above 65,536), its `train` and
+    `val` splits (views), and `byte_len`, the number of bytes each token id decodes to (for bits per byte)."""
 
     def __init__(self, tokens, byte_len, n_bytes):
         self.tokens, self.byte_len = tokens, byte_len
@@ -132,8 +132,6 @@ def check_corpus(path):
 def open_corpus(path, tok, progress=True):
     path = os.fspath(path)
     check_corpus(path)
-    if tok.vocab_size > 2**16:
-        raise UserError(f"a vocabulary of {tok.vocab_size} does not fit the uint16 token cache")
     cache = cache_path(path)
     tokens = _read_cache(cache, path, tok)
     if tokens is None:

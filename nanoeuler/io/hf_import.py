@@ -13,9 +13,9 @@ need no permutation: our RoPE pairs dimensions as Hugging Face's does (rotate-ha
 `nanoeuler export --hf` (nanoeuler/io/export.py), whose tensor names it reads back.
 
 What our engines do not compute is refused in one line: biases, rope scaling, an activation other than
-SiLU, a head size other than dim / heads, a tokenizer that is not a byte-level BPE with GPT-2's
-pretokenization. A head size the GPU attention kernels do not take is imported with a note (the CPU engine
-runs it).
+SiLU, a head size other than dim / heads, a tokenizer that is not a byte-level BPE with the pretokenization
+of GPT-2, SmolLM (digits one by one), Llama 3 or Qwen2. A head size the GPU attention kernels do not take is
+imported with a note (the CPU engine runs it).
 """
 import json
 import os
@@ -156,13 +156,24 @@ def _eos_name(folder, hf):
     return next((t["content"] for t in added if t["id"] == eos_id), None)
 
 
+def _bos_name(folder):
+    """tokenizer_config.json's bos_token when it says add_bos_token (the post-processor may say it instead)."""
+    tc_path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.exists(tc_path):
+        return None
+    tc = _read_json(tc_path)
+    bos = tc.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    return bos if tc.get("add_bos_token") and bos else None
+
+
 def load_hf(folder, context=None):
     """(Config, flat float32 parameters, Tokenizer) of a Hugging Face LlamaForCausalLM folder."""
     if not os.path.isdir(folder):
         raise UserError(f"--hf {folder} is not a directory")
     hf = _read_json(os.path.join(folder, "config.json"))
     cfg = config_from_hf(hf, context, os.path.join(folder, "config.json"))
-    tok = Tokenizer.load(os.path.join(folder, "tokenizer.json"), eos=_eos_name(folder, hf))
+    tok = Tokenizer.load(os.path.join(folder, "tokenizer.json"), eos=_eos_name(folder, hf), bos=_bos_name(folder))
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer.json has {tok.vocab_size} tokens but the model only {cfg.vocab_size}")
     tensors = read_tensors(folder)

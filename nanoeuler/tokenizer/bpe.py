@@ -3,7 +3,7 @@
     tok = Tokenizer.train("shakespeare.txt", 4096)   # learn merges (on a sample if the file is huge)
     ids = tok.encode("Hello world")                  # list of ints; tok.decode(ids) gives the exact bytes
     tok.encode_file("corpus.txt", "corpus.tok")      # streaming, a token file, any size of corpus
-    tokens = read_token_file("corpus.tok")           # its uint16 tokens, memory-mapped
+    tokens = read_token_file("corpus.tok")           # its uint16 (or uint32) tokens, memory-mapped
     tok.save_hf("tokenizer.json")                    # the `tokenizers` library loads it and gives our ids
 
 Ids: 0..255 are the bytes, then one id per new token made by the merges, in merge order, then the special
@@ -14,7 +14,8 @@ punctuation-class characters of their own. The compiled parts live in nanoeuler/
 
 Token files (`.tok`, the one format: what encode_file writes and what training reads, as its cached
 `<corpus>.tok`): a 128-byte header (magic "NEUTOKS\0", format version, token count, the size and mtime of
-the text file they were made from, the tokenizer's sha256), then the tokens as little-endian uint16.
+the text file they were made from, the tokenizer's sha256), then the tokens as little-endian uint16
+(format version 1), or uint32 (version 2) for a vocabulary above 65,536.
 read_token_file checks the header, and with `source`/`tok` that the file still matches that text and
 tokenizer. The command line, `nanoeuler tokenizer train|encode|decode`, is in nanoeuler/cli.py.
 """
@@ -36,7 +37,14 @@ from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 
 UNICODE_VERSION = "16.0.0"  # of unicode_classes.txt, and of the `tokenizers` library's regex engine
-MAX_VOCAB = 1 << 16  # token files are uint16
+MAX_VOCAB = 1 << 16  # what train() makes (its pair keys hold 16-bit token numbers)
+MAX_IDS = 1 << 31  # any tokenizer (a loaded one): ids are int32; token files are uint32 above MAX_VOCAB
+# Pretokenization rules, by the name the JSON forms store: GPT-2's regex; GPT-2's after Digits(individual_digits)
+# (SmolLM, SmolLM2); Llama 3's Split regex (digits three at a time); Qwen2's (the same, digits one at a time).
+RULES = ("gpt2", "gpt2_digits", "llama3", "qwen2")
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 # The scanner looks at most 7 bytes past a pretoken's end (a 3-byte space, then a 4-byte character) to
 # decide where it ends, so a pretoken that ends 8 bytes before the end of a chunk is final.
 _LOOKAHEAD = 8
@@ -44,7 +52,7 @@ _CLASSES = {"L": 1, "N": 2, "W": 3}  # bpe_kernels.LETTER, NUMBER, SPACE; the re
 _CHUNK = 8 << 20  # text is tokenized this many bytes at a time
 _CACHE_PIECES, _CACHE_BYTES = 1 << 20, 64 << 20  # bound of the encoder's piece cache
 TOKENS_MAGIC = b"NEUTOKS\x00"
-TOKENS_VERSION = 1
+TOKENS_VERSION = 1  # uint16 tokens; version 2: uint32 (a vocabulary above MAX_VOCAB)
 # magic, version, token count, source file size, source mtime_ns, tokenizer sha256 (hex); padded to 128 bytes
 TOKENS_HEADER = struct.Struct("<8sI4xQQq64s")
 TOKENS_HEADER_BYTES = 128
@@ -114,7 +122,8 @@ def _progress_bar(enabled, **kw):
 class Tokenizer:
     """Byte-level BPE: merges learned by train(), applied by encode(); see the module docstring."""
 
-    def __init__(self, merges, special_tokens=("</s>",), ids=None, eos="</s>", decode_only=None):
+    def __init__(self, merges, special_tokens=("</s>",), ids=None, eos="</s>", decode_only=None, *, tokens=None,
+                 rule="gpt2", ignore_merges=False, bos=None, nonspecial=()):
         """merges: (left, right) pairs of internal token numbers in order (the bytes are 0..255, then each
         merge's new token in merge order); each makes the token of the two tokens' bytes joined (a new token,
         or the existing one of the same bytes). Use train/load/from_json to make one.
@@ -122,23 +131,51 @@ class Tokenizer:
         Ids are those internal numbers, special tokens after them, unless `ids` gives each of those tokens
         (bytes, new tokens, specials) the id it has elsewhere (a Hugging Face vocabulary orders its tokens
         its own way); `decode_only` ({id: bytes}) adds vocabulary entries that no merge makes, which encode
-        never yields but decode reads. `eos` names the special token that ends a text."""
+        never yields but decode reads. `eos` names the special token that ends a text.
+
+        The form of a tokenizer loaded from a Hugging Face tokenizer.json that the form above cannot hold:
+        `tokens`, the bytes of every ordinary token (internal numbers are their positions; a merge makes
+        the token of its two tokens' bytes, which must be listed, so a merge may use a token that a later
+        merge makes; a byte with no single-byte token is dropped from the text); `rule`, the pretokenization
+        (RULES); `ignore_merges`, a pretoken that is a token is that token; `bos`, a special token that
+        encode() puts first by default; `nonspecial`, the added tokens (of special_tokens) that every text
+        is split on, as `tokenizers` does, not only with allow_special."""
         merges = np.asarray(merges, dtype=np.int64).reshape(-1, 2)
-        token_bytes, results = _merged_tokens(merges)
+        if rule not in RULES:
+            raise UserError(f"unknown pretokenization rule {rule!r} (nanoeuler has {', '.join(RULES)})")
+        if tokens is None:
+            token_bytes, results = _merged_tokens(merges)
+            byte_tok = np.arange(256, dtype=np.int32)
+        else:
+            token_bytes, results, byte_tok = _listed_tokens(merges, tokens)
+        explicit = tokens is not None or rule != "gpt2" or ignore_merges or bos is not None or bool(nonspecial)
         specials = list(special_tokens)
         if eos not in specials or len(set(specials)) != len(specials):
             raise UserError(f"special tokens must be distinct and include the end-of-text token {eos!r}")
+        if bos is not None and bos not in specials:
+            raise UserError(f"the beginning-of-text token {bos!r} is not one of the special tokens")
+        if not set(nonspecial) <= set(specials):
+            raise UserError("corrupt tokenizer: a non-special added token is not among the added tokens")
         index = {t: i for i, t in enumerate(token_bytes)}
         for s in specials:
             data = _as_bytes(s) if isinstance(s, str) and s else None
-            if data is None or _split(data)[2] == 1:
+            if data is None:
+                raise UserError(f"special token {s!r} must be a non-empty string")
+            if explicit:  # a loaded tokenizer's added tokens are whatever its file says (they win over text)
+                continue
+            if _split(data)[2] == 1:
                 raise UserError(f"special token {s!r} must be a string that ordinary text never yields as a "
                                 "single word (mix letters and punctuation, like </s>)")
             if data in index:
                 raise UserError(f"special token {s!r} equals an ordinary token")
         self.merges = merges.astype(np.int32)
         self._results = results
+        self._byte_tok = byte_tok
+        self._explicit = explicit
+        self.rule = rule
+        self.ignore_merges = bool(ignore_merges)
         self.n_ordinary = len(token_bytes)
+        self._ordinary_bytes = token_bytes
         n_tokens = self.n_ordinary + len(specials)
         ids = np.arange(n_tokens) if ids is None else np.asarray(ids, dtype=np.int64)
         decode_only = {int(i): bytes(b) for i, b in (decode_only or {}).items()}
@@ -149,8 +186,8 @@ class Tokenizer:
         vocab_size = int(every_id.max()) + 1
         if every_id.min() < 0 or len(np.unique(every_id)) != len(every_id) or vocab_size != len(every_id):
             raise UserError("corrupt tokenizer: its ids repeat or leave gaps")
-        if vocab_size > MAX_VOCAB:
-            raise UserError(f"vocabulary of {vocab_size} tokens is more than uint16 ids allow ({MAX_VOCAB})")
+        if vocab_size > MAX_IDS:
+            raise UserError(f"vocabulary of {vocab_size} tokens is more than int32 ids allow")
         self.vocab_size = vocab_size
         self._ids = None if own_ids else ids.astype(np.int32)  # internal token -> id, when not the identity
         self._decode_only = decode_only
@@ -162,10 +199,14 @@ class Tokenizer:
             self._token_bytes[ids[i]] = t
         for i, t in decode_only.items():
             self._token_bytes[i] = t
-        by_length = sorted((s.encode() for s in specials), key=len, reverse=True)
-        self._special_re = re.compile(b"|".join(map(re.escape, by_length)))
+        self.nonspecial = [s for s in specials if s in set(nonspecial)]
+        self.bos = bos
+        self.bos_id = None if bos is None else self.special_tokens[bos]
+        # added tokens in text: leftmost, then longest (as `tokenizers` finds them); all of them with
+        # allow_special, else the non-special ones
+        self._added_re = {True: _alternation(specials), False: _alternation(self.nonspecial)}
         self._special_ids = {s.encode(): i for s, i in self.special_tokens.items()}
-        self._max_special = len(by_length[0])
+        self.token_dtype = np.dtype("<u2" if vocab_size <= MAX_VOCAB else "<u4")  # of token files
         self._cache = None  # _PieceCache, made on first encode
 
     # -------------------------------------------------------------------------------------------- training
@@ -204,14 +245,20 @@ class Tokenizer:
 
     # -------------------------------------------------------------------------------------------- encoding
 
-    def encode(self, text, allow_special=False):
+    def encode(self, text, allow_special=False, add_bos=None):
         """Token ids of text (str, or bytes in any encoding). Special tokens written in the text (like
-        "</s>") become their ids only with allow_special=True; otherwise they are ordinary text."""
+        "</s>") become their ids only with allow_special=True; otherwise they are ordinary text (a loaded
+        tokenizer's non-special added tokens are always found). add_bos: put the beginning-of-text token
+        first; by default when the tokenizer has one (a loaded tokenizer whose file adds it; ours have none)."""
         data = _as_bytes(text)
         if len(data) <= _CHUNK:
-            return self._encode_buffer(data, True, allow_special)[0].tolist()
-        parts = [ids for ids, _ in self._encode_stream(io.BytesIO(data).read, allow_special)]
-        return np.concatenate(parts).tolist()
+            ids = self._encode_buffer(data, True, allow_special)[0].tolist()
+        else:
+            parts = [ids for ids, _ in self._encode_stream(io.BytesIO(data).read, allow_special)]
+            ids = np.concatenate(parts).tolist()
+        if self.bos_id is not None and (add_bos is None or add_bos):
+            ids.insert(0, self.bos_id)
+        return ids
 
     def decode(self, ids):
         """The exact bytes that the token ids stand for."""
@@ -236,11 +283,11 @@ class Tokenizer:
                                                           unit="B", unit_scale=True, desc="tokenize") as bar:
                 source = os.fstat(f.fileno())  # as it was when reading began: a later change makes it stale
                 for ids, n_read in self._encode_stream(f.read, allow_special, chunk_bytes):
-                    dst.write(ids.astype("<u2").tobytes())
+                    dst.write(ids.astype(self.token_dtype).tobytes())
                     n += len(ids)
                     bar.update(n_read)
             dst.seek(0)
-            dst.write(_tokens_header(n, source, self))
+            dst.write(_tokens_header(n, source, self, self.token_dtype))
             count.append(n)
 
         count = []
@@ -265,12 +312,13 @@ class Tokenizer:
         parts = []
         start = 0
         margin = _LOOKAHEAD
-        if allow_special:
+        pattern, longest = self._added_re[bool(allow_special)]
+        if pattern is not None:
             # A special token found with its longest possible form in view is final; ordinary text
             # before a later one must also stay a lookahead away from where that one may start.
-            margin += self._max_special
-            for m in self._special_re.finditer(data):
-                if not final and m.start() > len(data) - self._max_special:
+            margin += longest
+            for m in pattern.finditer(data):
+                if not final and m.start() > len(data) - longest:
                     break
                 parts.append(self._encode_plain(data, start, m.start(), True, margin)[0])
                 parts.append(np.array([self._special_ids[m.group()]], np.int32))
@@ -280,11 +328,17 @@ class Tokenizer:
         return (np.concatenate(parts) if len(parts) > 1 else ids), start + used
 
     def _encode_plain(self, data, start, end, final, margin):
-        arr, ends, n_pieces = _split(memoryview(data)[start:end])
+        arr, ends, n_pieces = _split(memoryview(data)[start:end], self.rule)
         if not final:
             n_pieces = int(np.searchsorted(ends[:n_pieces], len(arr) - margin, side="right"))
+            if self.rule in ("llama3", "qwen2"):
+                # \s*[\r\n]+ looks to the end of a whitespace run: pieces of a run the text may continue wait
+                while n_pieces and arr[ends[n_pieces - 2] if n_pieces > 1 else 0:ends[n_pieces - 1]].tobytes().decode(
+                        "utf-8", "replace").isspace():
+                    n_pieces -= 1
         if self._cache is None:
-            self._cache = _PieceCache(self.merges, self._results)
+            self._cache = _PieceCache(self.merges, self._results, self._byte_tok,
+                                      self._ordinary_bytes if self.ignore_merges else None)
         ids = self._cache.encode(arr, ends, n_pieces)
         return (ids if self._ids is None else self._ids[ids]), int(ends[n_pieces - 1]) if n_pieces else 0
 
@@ -296,7 +350,13 @@ class Tokenizer:
         are not our own order (an imported one); ours stay version 1, readable by every nanoeuler."""
         d = {"format": "nanoeuler-bpe", "version": 1, "pretokenizer": "gpt2", "unicode": UNICODE_VERSION,
              "merges": self.merges.tolist(), "special_tokens": list(self.special_tokens)}
-        if self._ids is not None or self.eos != "</s>":
+        if self._explicit:  # version 3: the token list, the rule and the rest of a loaded tokenizer.json
+            ids = self._ids.tolist() if self._ids is not None else list(range(self.vocab_size))
+            d.update(version=3, pretokenizer=self.rule, ids=ids, eos=self.eos,
+                     decode_only={str(i): t.hex() for i, t in self._decode_only.items()},
+                     tokens=[t.hex() for t in self._ordinary_bytes], ignore_merges=self.ignore_merges,
+                     bos=self.bos, nonspecial=self.nonspecial)
+        elif self._ids is not None or self.eos != "</s>":
             ids = self._ids.tolist() if self._ids is not None else list(range(self.vocab_size))
             d.update(version=2, ids=ids, eos=self.eos,
                      decode_only={str(i): t.hex() for i, t in self._decode_only.items()})
@@ -306,9 +366,11 @@ class Tokenizer:
     def from_json(cls, text):
         try:
             d = json.loads(text)
-            ok = (d["format"] == "nanoeuler-bpe" and d["version"] in (1, 2) and d["pretokenizer"] == "gpt2"
+            ok = (d["format"] == "nanoeuler-bpe" and d["version"] in (1, 2, 3)
+                  and d["pretokenizer"] in (RULES if d["version"] == 3 else ("gpt2",))
                   and isinstance(d["merges"], list) and isinstance(d["special_tokens"], list) and "unicode" in d
-                  and (d["version"] == 1 or {"ids", "eos", "decode_only"} <= set(d)))
+                  and (d["version"] == 1 or {"ids", "eos", "decode_only"} <= set(d))
+                  and (d["version"] < 3 or {"tokens", "ignore_merges", "bos", "nonspecial"} <= set(d)))
         except (ValueError, TypeError, KeyError):
             ok = False
         if not ok:
@@ -319,6 +381,9 @@ class Tokenizer:
             merges = np.array(d["merges"], dtype=np.int64).reshape(-1, 2)
             extra = {} if d["version"] == 1 else dict(
                 ids=d["ids"], eos=d["eos"], decode_only={int(i): bytes.fromhex(t) for i, t in d["decode_only"].items()})
+            if d["version"] == 3:
+                extra.update(tokens=[bytes.fromhex(t) for t in d["tokens"]], rule=d["pretokenizer"],
+                             ignore_merges=bool(d["ignore_merges"]), bos=d["bos"], nonspecial=d["nonspecial"])
         except (ValueError, TypeError, AttributeError):
             raise UserError("corrupt tokenizer: merges must be pairs of ids") from None
         return cls(merges, d["special_tokens"], **extra)
@@ -349,22 +414,38 @@ class Tokenizer:
                 raise UserError(f"special token {s!r} has the same name as ordinary token {vocab[s]} in tokenizer.json")
             vocab[s] = i
         byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+        pre = byte_level
+        if self.rule == "gpt2_digits":
+            pre = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+        elif self.rule in ("llama3", "qwen2"):
+            split = {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX if self.rule == "llama3" else QWEN2_REGEX},
+                     "behavior": "Isolated", "invert": False}
+            pre = {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}
+        post = None
+        if self.bos is not None:
+            post = {"type": "TemplateProcessing",
+                    "single": [{"SpecialToken": {"id": self.bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"SpecialToken": {"id": self.bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                             {"SpecialToken": {"id": self.bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {self.bos: {"id": self.bos, "ids": [self.bos_id], "tokens": [self.bos]}}}
         return {
             "version": "1.0", "truncation": None, "padding": None,
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": True} for s, i in self.special_tokens.items()],
-            "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                              "normalized": s in self.nonspecial, "special": s not in self.nonspecial}
+                             for s, i in self.special_tokens.items()],
+            "normalizer": None, "pre_tokenizer": pre, "post_processor": post, "decoder": byte_level,
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                      "ignore_merges": False, "vocab": vocab,
+                      "ignore_merges": self.ignore_merges, "vocab": vocab,
                       "merges": merges},  # "left right" strings: the form every `tokenizers` version reads
         }
 
     @classmethod
-    def load(cls, path, eos=None):
+    def load(cls, path, eos=None, bos=None):
         """A tokenizer from a file: a Hugging Face byte-level BPE tokenizer.json (ours, from save_hf, or any
         other: its ids kept) or our compact JSON (to_json). eos names the end-of-text token of a
-        tokenizer.json (default: </s> if it has one, else its first added token)."""
+        tokenizer.json (default: </s> if it has one, else its first added token); bos a token to put first
+        when its post-processor does not (tokenizer_config.json's add_bos_token)."""
         with _open_input(path) as f:
             text = f.read()
         try:
@@ -372,25 +453,42 @@ class Tokenizer:
         except ValueError:
             raise UserError(f"{path} is not JSON") from None
         if isinstance(d, dict) and "model" in d:
-            return cls._from_hf(d, path, eos)
+            return cls._from_hf(d, path, eos, bos)
         return cls.from_json(text)
 
     @classmethod
-    def _from_hf(cls, d, path, eos=None):
-        """Our tokenizer from a tokenizer.json's dict: any byte-level BPE with GPT-2's pretokenization, its
-        ids kept; a one-line UserError naming what else it holds that we do not do."""
+    def _from_hf(cls, d, path, eos=None, bos=None):
+        """Our tokenizer from a tokenizer.json's dict: a byte-level BPE with one of the pretokenizations of
+        RULES, its ids kept; a one-line UserError naming what else it holds that we do not do. A file that the
+        merges-only form holds (ours, GPT-2's) loads as that form; any other keeps its token list."""
         u2b = {u: b for b, u in bytes_to_unicode().items()}
         try:
             model, pre, added = d["model"], d.get("pre_tokenizer"), d.get("added_tokens") or []
             vocab = model["vocab"]
             merges = [m.split(" ") if isinstance(m, str) else m for m in model["merges"]]
-        except (KeyError, TypeError, AttributeError):
+            added = [(int(t["id"]), t["content"], bool(t.get("special")), t) for t in added]
+        except (KeyError, TypeError, AttributeError, ValueError):
             raise UserError(f"{path} is not a BPE tokenizer.json") from None
-        refusal = _hf_refusal(d, model, pre)
+        rule, post_bos, refusal = _hf_structure(d, model, pre, {i: c for i, c, _, _ in added})
         if refusal:
-            raise UserError(f"{path}: {refusal}; nanoeuler takes a byte-level BPE with GPT-2's pretokenization")
-        specials = sorted((t["id"], t["content"]) for t in added)
-        special_ids = {i for i, _ in specials}
+            raise UserError(f"{path}: {refusal}; nanoeuler takes a byte-level BPE with GPT-2's, SmolLM's (digits "
+                            "one by one), Llama 3's or Qwen2's pretokenization")
+        for _, content, _, t in added:
+            for key in ("lstrip", "rstrip", "single_word"):
+                if t.get(key):
+                    raise UserError(f"{path}: added token {content!r} has {key}, which nanoeuler does not do")
+        added.sort()
+        specials = [c for _, c, _, _ in added]
+        nonspecial = [c for _, c, special, _ in added if not special]
+        special_ids = {i for i, _, _, _ in added}
+        bos = post_bos or bos
+        if bos is not None and bos not in specials:
+            raise UserError(f"{path}: the beginning-of-text token {bos!r} is not an added token")
+        names = specials
+        if eos is None:
+            eos = "</s>" if "</s>" in names else (names[0] if names else None)
+        if eos is None:
+            raise UserError(f"{path} has no special token to end a text with")
 
         def token_bytes(name):
             try:
@@ -398,65 +496,137 @@ class Tokenizer:
             except KeyError:
                 raise UserError(f"{path}: vocabulary entry {name!r} is not byte-level") from None
 
-        byte_ids = [vocab.get(chr_) for chr_ in (bytes_to_unicode()[b] for b in range(256))]
-        if None in byte_ids:
-            raise UserError(f"{path}: the vocabulary lacks byte {byte_ids.index(None)} (a byte-level BPE has all 256)")
-        internal = {bytes([b]): b for b in range(256)}  # token bytes -> internal number
-        pairs = []
-        ids = list(byte_ids)
         for r, pair in enumerate(merges):
             if len(pair) != 2 or any(name not in vocab for name in pair) or "".join(pair) not in vocab:
                 raise UserError(f"{path}: merge {r} {pair!r} names tokens outside its vocabulary")
-            left, right = (internal.get(token_bytes(name)) for name in pair)
-            if left is None or right is None:
-                raise UserError(f"{path}: merge {r} {pair!r} uses a token that no earlier merge makes")
-            pairs.append((left, right))
-            made = token_bytes(pair[0]) + token_bytes(pair[1])
-            if made not in internal:
-                internal[made] = len(ids)
-                ids.append(vocab["".join(pair)])
-        made_ids = set(ids)
-        decode_only = {i: token_bytes(name) for name, i in vocab.items()
-                       if i not in made_ids and i not in special_ids}
-        names = [s for _, s in specials]
-        if eos is None:
-            eos = "</s>" if "</s>" in names else (names[0] if names else None)
-        if eos is None:
-            raise UserError(f"{path} has no special token to end a text with")
-        return cls(pairs, names, ids=ids + [i for i, _ in specials], eos=eos, decode_only=decode_only)
+        extra = dict(rule=rule, ignore_merges=bool(model.get("ignore_merges")), bos=bos, nonspecial=nonspecial)
+        merges_only = rule == "gpt2" and not model.get("ignore_merges") and bos is None and not nonspecial
+        byte_ids = [vocab.get(chr_) for chr_ in (bytes_to_unicode()[b] for b in range(256))]
+        if None in byte_ids and model.get("unk_token") is not None:
+            raise UserError(f"{path}: the vocabulary lacks byte {byte_ids.index(None)} and its BPE has unk_token "
+                            f"{model['unk_token']!r}, which nanoeuler does not do (only a vocabulary that drops them)")
+        if merges_only and None not in byte_ids:
+            internal = {bytes([b]): b for b in range(256)}  # token bytes -> internal number
+            pairs = []
+            ids = list(byte_ids)
+            for pair in merges:
+                left, right = (internal.get(token_bytes(name)) for name in pair)
+                if left is None or right is None:  # a merge that uses a later merge's token: the listed form
+                    break
+                pairs.append((left, right))
+                made = token_bytes(pair[0]) + token_bytes(pair[1])
+                if made not in internal:
+                    internal[made] = len(ids)
+                    ids.append(vocab["".join(pair)])
+            else:
+                made_ids = set(ids)
+                decode_only = {i: token_bytes(name) for name, i in vocab.items()
+                               if i not in made_ids and i not in special_ids}
+                return cls(pairs, names, ids=ids + [i for i, _, _, _ in added], eos=eos, decode_only=decode_only)
+        # the listed form: every vocabulary entry (not an added token) by id, merges of their positions
+        ordinary = sorted((i, name) for name, i in vocab.items() if i not in special_ids)
+        position = {name: k for k, (_, name) in enumerate(ordinary)}
+        pairs = []
+        for r, pair in enumerate(merges):
+            if pair[0] not in position or pair[1] not in position:
+                raise UserError(f"{path}: merge {r} {pair!r} uses an added token")
+            pairs.append((position[pair[0]], position[pair[1]]))
+        return cls(pairs, names, ids=[i for i, _ in ordinary] + [i for i, _, _, _ in added], eos=eos,
+                   tokens=[token_bytes(name) for _, name in ordinary], **extra)
 
 
-def _hf_refusal(d, model, pre):
-    """What in a tokenizer.json nanoeuler's BPE does not do, in a few words, or None."""
-    byte_level = lambda p: (isinstance(p, dict) and p.get("type") == "ByteLevel"  # noqa: E731
-                            and not p.get("add_prefix_space") and p.get("use_regex", True))
+def _hf_structure(d, model, pre, added_names):
+    """(rule, the special token its post-processor puts first or None, what in a tokenizer.json nanoeuler's
+    BPE does not do in a few words or None)."""
+    def byte_level(p, regex=True):
+        return (isinstance(p, dict) and p.get("type") == "ByteLevel" and not p.get("add_prefix_space")
+                and bool(p.get("use_regex", True)) == regex)
+
+    rule = None
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else None
+    if byte_level(pre):
+        rule = "gpt2"
+    elif steps and len(steps) == 2:
+        first, second = steps
+        if first.get("type") == "Digits" and first.get("individual_digits") and byte_level(second):
+            rule = "gpt2_digits"
+        elif (first.get("type") == "Split" and first.get("behavior") == "Isolated" and not first.get("invert")
+              and byte_level(second, regex=False)):
+            rule = {LLAMA3_REGEX: "llama3", QWEN2_REGEX: "qwen2"}.get((first.get("pattern") or {}).get("Regex"))
     if model.get("type") != "BPE":
-        return f"its model is {model.get('type')}, not BPE"
-    if not byte_level(pre):
+        return rule, None, f"its model is {model.get('type')}, not BPE"
+    if rule is None:
         kind = pre.get("type") if isinstance(pre, dict) else pre
         if kind == "Sequence":
             kind = "Sequence of " + ", ".join(p.get("type", "?") for p in pre.get("pretokenizers", []))
-        return f"its pre-tokenizer is {kind}, not ByteLevel (GPT-2 regex, no prefix space)"
+        return rule, None, f"its pre-tokenizer is {kind}, not one nanoeuler has"
     if d.get("normalizer") is not None:
-        return f"it has a normalizer ({d['normalizer'].get('type')})"
+        return rule, None, f"it has a normalizer ({d['normalizer'].get('type')})"
     post = d.get("post_processor")
-    if post is not None and _adds_tokens(post):
-        return f"its post-processor ({post.get('type')}) adds tokens to every text"
-    for key in ("byte_fallback", "ignore_merges", "continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+    bos = None
+    if post is not None:
+        bos = _post_bos(post, added_names)
+        if bos is False:
+            return rule, None, f"its post-processor ({post.get('type')}) adds tokens other than one at the start"
+    for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
-            return f"its BPE has {key} = {model[key]!r}"
-    return None
+            return rule, None, f"its BPE has {key} = {model[key]!r}"
+    return rule, bos, None
 
 
-def _adds_tokens(post):
-    """Whether a tokenizer.json post-processor adds tokens to a single text (ByteLevel only fixes offsets; the
-    TemplateProcessing transformers writes for a tokenizer without BOS is the text alone)."""
+def _post_bos(post, added_names):
+    """The token a tokenizer.json post-processor puts before a single text (None: none; False: it adds
+    something else). ByteLevel only fixes offsets; TemplateProcessing may put one special token first."""
     kind = post.get("type")
     if kind == "Sequence":
-        return any(_adds_tokens(p) for p in post.get("processors", []))
-    if kind == "TemplateProcessing":
-        return any("SpecialToken" in item for item in post.get("single", []))
-    return kind != "ByteLevel"
+        found = [_post_bos(p, added_names) for p in post.get("processors", [])]
+        if False in found or sum(f is not None for f in found) > 1:
+            return False
+        return next((f for f in found if f is not None), None)
+    if kind == "ByteLevel":
+        return None
+    if kind != "TemplateProcessing":
+        return False
+    single = post.get("single", [])
+    if [next(iter(item)) for item in single] == ["Sequence"]:
+        return None
+    if [next(iter(item)) for item in single] != ["SpecialToken", "Sequence"]:
+        return False
+    name = single[0]["SpecialToken"]["id"]
+    ids = (post.get("special_tokens") or {}).get(name, {}).get("ids")
+    if not ids or len(ids) != 1 or added_names.get(ids[0]) is None:
+        return False
+    return added_names[ids[0]]
+
+
+def _alternation(strings):
+    """(compiled regex of the strings as bytes, longest first, and the longest one's length), or (None, 0)."""
+    if not strings:
+        return None, 0
+    by_length = sorted((s.encode() for s in strings), key=len, reverse=True)
+    return re.compile(b"|".join(map(re.escape, by_length))), len(by_length[0])
+
+
+def _listed_tokens(merges, tokens):
+    """(token bytes, the internal number of each merge's result, each byte's token or -1) of an explicit
+    token list: a merge makes the listed token of its two tokens' bytes."""
+    token_bytes = [bytes(t) for t in tokens]
+    index = {t: i for i, t in enumerate(token_bytes)}
+    if len(index) != len(token_bytes) or b"" in index:
+        raise UserError("corrupt tokenizer: its token list repeats a token or has an empty one")
+    results = np.empty(len(merges), np.int32)
+    seen = set()
+    n = len(token_bytes)
+    for r, (a, b) in enumerate(merges.tolist()):
+        if not (0 <= a < n and 0 <= b < n) or (a, b) in seen:
+            raise UserError(f"corrupt tokenizer: merge {r} ({a}, {b}) is invalid or repeated")
+        seen.add((a, b))
+        made = index.get(token_bytes[a] + token_bytes[b])
+        if made is None:
+            raise UserError(f"corrupt tokenizer: merge {r} makes a token that is not in its token list")
+        results[r] = made
+    byte_tok = np.array([index.get(bytes([b]), -1) for b in range(256)], np.int32)
+    return token_bytes, results, byte_tok
 
 
 def _merged_tokens(merges):
@@ -478,13 +648,14 @@ def _merged_tokens(merges):
     return token_bytes, results
 
 
-def _tokens_header(n_tokens, source_stat, tok):
-    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION, n_tokens, source_stat.st_size,
-                              source_stat.st_mtime_ns, tok.sha256().encode())
+def _tokens_header(n_tokens, source_stat, tok, dtype):
+    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION if dtype.itemsize == 2 else 2, n_tokens,
+                              source_stat.st_size, source_stat.st_mtime_ns, tok.sha256().encode())
 
 
 def read_token_file(path, source=None, tok=None):
-    """The tokens of a token file (Tokenizer.encode_file) as a read-only uint16 memmap (a corpus of many GB
+    """The tokens of a token file (Tokenizer.encode_file) as a read-only uint16 (uint32, for a vocabulary above
+    65,536) memmap (a corpus of many GB
     costs no RAM). With `source` (a path) or `tok`, the file must have been made from that file as it is now
     (same size and mtime) and with that tokenizer. Every way it can fail is a one-line UserError."""
     path = os.fspath(path)
@@ -499,9 +670,10 @@ def read_token_file(path, source=None, tok=None):
     if len(head) < TOKENS_HEADER.size or head[:8] != TOKENS_MAGIC:
         raise UserError(f"{path} is not a nanoeuler token file")
     _, version, n_tokens, src_size, src_mtime, sha = TOKENS_HEADER.unpack(head)
-    if version != TOKENS_VERSION:
-        raise UserError(f"token file {path} has format version {version}; this nanoeuler reads {TOKENS_VERSION}")
-    if size != TOKENS_HEADER_BYTES + 2 * n_tokens:
+    if version not in (TOKENS_VERSION, 2):
+        raise UserError(f"token file {path} has format version {version}; this nanoeuler reads {TOKENS_VERSION} and 2")
+    dtype = np.dtype("<u2" if version == TOKENS_VERSION else "<u4")
+    if size != TOKENS_HEADER_BYTES + dtype.itemsize * n_tokens:
         raise UserError(f"token file {path} is truncated or corrupt ({size} bytes for {n_tokens} tokens)")
     if source is not None:
         try:
@@ -513,16 +685,22 @@ def read_token_file(path, source=None, tok=None):
     if tok is not None and sha != tok.sha256().encode():
         raise UserError(f"token file {path} was made with a different tokenizer")
     if n_tokens == 0:  # np.memmap cannot map zero bytes
-        return np.zeros(0, "<u2")
-    return np.memmap(path, dtype="<u2", mode="r", offset=TOKENS_HEADER_BYTES, shape=(n_tokens,))
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=TOKENS_HEADER_BYTES, shape=(n_tokens,))
 
 
-def _split(data):
-    """GPT-2 pretokenization of the bytes data: (data as a uint8 array, piece end offsets, piece count).
-    The array is a writable copy: the kernels are compiled for one array type, the one they make inside."""
+def _split(data, rule="gpt2"):
+    """Pretokenization of the bytes data by a rule of RULES (GPT-2's by default): (data as a uint8 array,
+    piece end offsets, piece count). The array is a writable copy: the kernels are compiled for one array
+    type, the one they make inside."""
     arr = np.frombuffer(bytearray(data), np.uint8)
     ends = np.empty(len(arr), np.int32)
-    return arr, ends, _kernels().split_pieces(arr, len(arr), class_table(), ends)
+    kern = _kernels()
+    if rule == "gpt2":
+        return arr, ends, kern.split_pieces(arr, len(arr), class_table(), ends)
+    if rule == "gpt2_digits":
+        return arr, ends, kern.split_pieces_digits(arr, len(arr), class_table(), ends)
+    return arr, ends, kern.split_pieces_llama3(arr, len(arr), class_table(), ends, 3 if rule == "llama3" else 1)
 
 
 class _PieceTable:
@@ -553,9 +731,20 @@ class _PieceCache:
     """The tokens of every distinct piece met so far, so that each is merged once; it starts afresh when
     it holds more than _CACHE_PIECES pieces or _CACHE_BYTES of them (memory stays bounded on any corpus)."""
 
-    def __init__(self, merges, results):
+    def __init__(self, merges, results, byte_tok, whole_tokens=None):
+        """whole_tokens: the bytes of every token by internal number, when a piece that is a token is that
+        token (ignore_merges)."""
         self.pair_key, self.pair_rank = _kernels().merge_table(merges)
         self.results = results
+        self.byte_tok = byte_tok
+        self.whole = whole_tokens is not None
+        vocab = _PieceTable()
+        if self.whole:
+            data = np.frombuffer(b"".join(whole_tokens), np.uint8).copy()
+            ends = np.cumsum([len(t) for t in whole_tokens]).astype(np.int32)
+            vocab.intern(data, ends, len(whole_tokens))
+        slot_hash, slot_entry, _, key_off, key_len, key_buf = vocab.arrays
+        self.vocab = (slot_hash, slot_entry, key_off, key_len, key_buf)
         self.reset()
 
     def reset(self):
@@ -573,8 +762,8 @@ class _PieceCache:
         if len(self.table) > first:
             key_buf, key_off, key_len = self.table.pieces()
             self.tok_off, self.tok_len, self.tok_buf, self.tok_used = _kernels().bpe_pieces(
-                key_buf, key_off, key_len, first, len(self.table), self.pair_key, self.pair_rank, self.results,
-                self.tok_off, self.tok_len, self.tok_buf, self.tok_used)
+                key_buf, key_off, key_len, first, len(self.table), self.byte_tok, self.pair_key, self.pair_rank,
+                self.results, self.whole, *self.vocab, self.tok_off, self.tok_len, self.tok_buf, self.tok_used)
         return _kernels().gather(ids, self.tok_off, self.tok_len, self.tok_buf)
 
 

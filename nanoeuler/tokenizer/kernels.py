@@ -5,6 +5,8 @@ starts no valid UTF-8 sequence is one character of class OTHER, exactly as Pytho
 decoding would make it. The jobs:
 - `split_pieces`: GPT-2 pretokenization, a hand-written scanner equivalent to the regex
   's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+
+- `split_pieces_digits`: the same after `tokenizers`' Digits(individual_digits=True) (SmolLM's rule), and
+  `split_pieces_llama3`: Llama 3's Split regex (and Qwen2's, one digit at a time).
 - `intern_pieces`: a hash table of distinct pieces; training counts them, encoding caches their tokens.
 - `train_merges`: BPE training with incremental pair counts (pair -> count weighted by piece frequency,
   pair -> positions where it occurs, a lazy max-heap), never a recount per merge.
@@ -56,9 +58,23 @@ def _char(data, i, n, cls):
 
 @njit(cache=True)
 def split_pieces(data, n, cls, ends):
-    """Cut data[:n] into GPT-2 pretokens, writing their end offsets to ends; returns how many there are.
-    The regex alternatives are tried in its order; one function with an inline ASCII path, because a
-    call per character or per piece costs more than the scanning itself."""
+    """Cut data[:n] into GPT-2 pretokens, writing their end offsets to ends; returns how many there are."""
+    return _split_gpt2(data, n, cls, ends, False)
+
+
+@njit(cache=True)
+def split_pieces_digits(data, n, cls, ends):
+    """GPT-2 pretokens after `tokenizers`' Digits(individual_digits=True): every \\p{N} character is a piece
+    of its own, and the GPT-2 regex runs on the text between them (so a space never joins a digit, and a
+    whitespace run before a digit is not shortened by \\s+(?!\\S): the text it sees ends there)."""
+    return _split_gpt2(data, n, cls, ends, True)
+
+
+@njit(cache=True)
+def _split_gpt2(data, n, cls, ends, digits):
+    """The GPT-2 scanner (digits: as split_pieces_digits). The regex alternatives are tried in its order;
+    one function with an inline ASCII path, because a call per character or per piece costs more than the
+    scanning itself."""
     count = 0
     i = 0
     while i < n:
@@ -84,10 +100,12 @@ def split_pieces(data, n, cls, ends):
                     c1, w1 = np.int64(cls[b1]), 1
                 else:
                     c1, w1 = _char(data, j, n, cls)
-                if c1 != SPACE:
+                if c1 != SPACE and not (digits and c1 == NUMBER):
                     c = c1
                     j += w1
-            if c != SPACE:  # \p{L}+, \p{N}+ or [^\s\p{L}\p{N}]+
+            if digits and c == NUMBER:
+                e = j
+            elif c != SPACE:  # \p{L}+, \p{N}+ or [^\s\p{L}\p{N}]+
                 while j < n:
                     bj = data[j]
                     if bj < 0x80:
@@ -111,10 +129,93 @@ def split_pieces(data, n, cls, ends):
                     else:
                         cj, wj = _char(data, j, n, cls)
                     if cj != SPACE:
+                        if digits and cj == NUMBER:
+                            last = j  # the text the regex sees ends at the digit
                         break
                     last = j
                     j += wj
                 e = last if j < n and last > i else j
+        ends[count] = e
+        count += 1
+        i = e
+    return count
+
+
+@njit(cache=True)
+def _cls_at(data, j, n, cls):
+    """(class, byte length) of the character at data[j], or (-1, 0) at the end."""
+    if j >= n:
+        return np.int64(-1), 0
+    b = data[j]
+    if b < 0x80:
+        return np.int64(cls[b]), 1
+    return _char(data, j, n, cls)
+
+
+@njit(cache=True)
+def split_pieces_llama3(data, n, cls, ends, max_digits):
+    """Cut data[:n] into the pretokens of Llama 3's Split regex (max_digits 3; Qwen2's, the same with 1):
+    (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+
+    behaviour Isolated; every character is matched by some alternative, so the pieces cover the text. The
+    contractions are case-insensitive as Oniguruma folds them: S, T, ... and U+017F (long s, C5 BF) for s."""
+    count = 0
+    i = 0
+    while i < n:
+        b = data[i]
+        e = -1
+        if b == 39 and i + 1 < n:  # (?i:'s|'t|'re|'ve|'m|'ll|'d)
+            b1 = data[i + 1] | 32 if data[i + 1] < 0x80 else data[i + 1]
+            if b1 == 115 or b1 == 116 or b1 == 109 or b1 == 100:
+                e = i + 2
+            elif b1 == 0xC5 and i + 2 < n and data[i + 2] == 0xBF:
+                e = i + 3
+            elif i + 2 < n and data[i + 2] < 0x80:
+                b2 = data[i + 2] | 32
+                if (b2 == 101 and (b1 == 114 or b1 == 118)) or (b1 == 108 and b2 == 108):
+                    e = i + 3
+        if e < 0:
+            c, w = _cls_at(data, i, n, cls)
+            j = i + w
+            if c == LETTER or (c != NUMBER and b != 10 and b != 13 and _cls_at(data, j, n, cls)[0] == LETTER):
+                while True:  # [^\r\n\p{L}\p{N}]?\p{L}+
+                    cj, wj = _cls_at(data, j, n, cls)
+                    if cj != LETTER:
+                        break
+                    j += wj
+                e = j
+            elif c == NUMBER:  # \p{N}{1,3}
+                k = 1
+                while k < max_digits:
+                    cj, wj = _cls_at(data, j, n, cls)
+                    if cj != NUMBER:
+                        break
+                    j += wj
+                    k += 1
+                e = j
+            elif c == OTHER or (b == 32 and _cls_at(data, j, n, cls)[0] == OTHER):
+                while True:  # ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+                    cj, wj = _cls_at(data, j, n, cls)
+                    if cj != OTHER:
+                        break
+                    j += wj
+                while j < n and (data[j] == 10 or data[j] == 13):
+                    j += 1
+                e = j
+            else:  # whitespace: \s*[\r\n]+ (to the run's last newline), else \s+(?!\S), else \s+
+                newline = i + 1 if b == 10 or b == 13 else -1
+                last = i
+                while True:
+                    cj, wj = _cls_at(data, j, n, cls)
+                    if cj != SPACE:
+                        break
+                    if data[j] == 10 or data[j] == 13:
+                        newline = j + 1
+                    last = j
+                    j += wj
+                if newline > 0:
+                    e = newline
+                else:
+                    e = last if j < n and last > i else j
         ends[count] = e
         count += 1
         i = e
@@ -135,7 +236,8 @@ def _minus_ones(n):
 
 @njit(cache=True)
 def _pair_slot(pair_key, key):
-    """Slot of the pair key (left << 16 | right): its slot, or the empty (-1) slot where it goes."""
+    """Slot of a pair key (training's left << 16 | right, encoding's left << 32 | right): its slot, or the
+    empty (-1) slot where it goes."""
     mask = len(pair_key) - 1
     i = np.int64((np.uint64(key) * _FIB) >> np.uint64(32)) & mask
     while pair_key[i] != key and pair_key[i] >= 0:
@@ -507,14 +609,15 @@ def train_merges(sym, word_start, word_count, vocab_target, progress):
 
 @njit(cache=True)
 def merge_table(merges):
-    """Pair-key hash table of the merges: (pair_key, pair_rank) for `_pair_slot` lookups."""
+    """Pair-key hash table of the merges (left << 32 | right: any token numbers below 2**31): (pair_key,
+    pair_rank) for `_pair_slot` lookups."""
     cap = 16
     while cap < 2 * len(merges) + 2:
         cap *= 2
     pair_key = _minus_ones(cap)
     pair_rank = np.empty(cap, np.int32)
     for r in range(len(merges)):
-        key = (np.int64(merges[r, 0]) << 16) | merges[r, 1]
+        key = (np.int64(merges[r, 0]) << 32) | merges[r, 1]
         s = _pair_slot(pair_key, key)
         pair_key[s] = key
         pair_rank[s] = r
@@ -523,17 +626,25 @@ def merge_table(merges):
 
 @njit(cache=True)
 def _rank(pair_key, pair_rank, a, b):
-    s = _pair_slot(pair_key, (np.int64(a) << 16) | b)
+    s = _pair_slot(pair_key, (np.int64(a) << 32) | b)
     return pair_rank[s] if pair_key[s] >= 0 else -1
 
 
 @njit(cache=True)
-def _bpe(data, s, e, pair_key, pair_rank, results, sym, nxt, prv, heap, out, o):
+def _bpe(data, s, e, byte_tok, pair_key, pair_rank, results, sym, nxt, prv, heap, out, o):
     """Apply the merges to the piece data[s:e], writing its tokens at out[o:]; returns their number.
-    Lowest rank first, leftmost first among equal ranks (the `tokenizers` BPE model's order)."""
-    m = e - s
+    Each byte starts as its token byte_tok[byte]; a byte without one (-1) is dropped, as the `tokenizers`
+    BPE model drops a character missing from its vocabulary when it has no unk token, and its neighbours
+    become adjacent. Lowest rank first, leftmost first among equal ranks (the `tokenizers` BPE model's order)."""
+    m = 0
+    for k in range(s, e):
+        t = byte_tok[data[k]]
+        if t >= 0:
+            sym[m] = t
+            m += 1
+    if m == 0:
+        return 0
     for k in range(m):
-        sym[k] = data[s + k]
         nxt[k] = k + 1 if k + 1 < m else -1
         prv[k] = k - 1
     hsize = 0
@@ -574,11 +685,37 @@ def _bpe(data, s, e, pair_key, pair_rank, results, sym, nxt, prv, heap, out, o):
 
 
 @njit(cache=True)
-def bpe_pieces(key_buf, key_off, key_len, first, last, pair_key, pair_rank, results, tok_off, tok_len, tok_buf,
-               tok_used):
+def find_piece(data, s, e, slot_hash, slot_entry, key_off, key_len, key_buf):
+    """The entry of data[s:e] in a table of intern_pieces (same hash), or -1."""
+    m = e - s
+    h = _FNV_OFFSET
+    for k in range(s, e):
+        h = (h ^ np.uint64(data[k])) * _FNV_PRIME
+    h = (h ^ (h >> np.uint64(32))) * _FIB
+    h = h ^ (h >> np.uint64(29))
+    mask = len(slot_entry) - 1
+    slot = np.int64(h >> np.uint64(32)) & mask
+    while True:
+        ent = slot_entry[slot]
+        if ent < 0:
+            return -1
+        if slot_hash[slot] == h and key_len[ent] == m:
+            o = key_off[ent]
+            k = 0
+            while k < m and key_buf[o + k] == data[s + k]:
+                k += 1
+            if k == m:
+                return ent
+        slot = (slot + 1) & mask
+
+
+@njit(cache=True)
+def bpe_pieces(key_buf, key_off, key_len, first, last, byte_tok, pair_key, pair_rank, results, whole, v_hash,
+               v_entry, v_off, v_len, v_buf, tok_off, tok_len, tok_buf, tok_used):
     """Encode the interned pieces first..last-1 (see intern_pieces): piece t's tokens go to
-    tok_buf[tok_off[t]:tok_off[t] + tok_len[t]], after the tok_used already there. Returns the (grown)
-    arrays and the new tok_used."""
+    tok_buf[tok_off[t]:tok_off[t] + tok_len[t]], after the tok_used already there. With `whole`
+    (`ignore_merges`), a piece that is itself a token (an entry of the table v_*: entry = token) is that one
+    token, unmerged. Returns the (grown) arrays and the new tok_used."""
     tok_off = _grow(tok_off, last)
     tok_len = _grow(tok_len, last)
     ws = 64
@@ -595,8 +732,15 @@ def bpe_pieces(key_buf, key_off, key_len, first, last, pair_key, pair_rank, resu
             prv = np.empty(ws, np.int32)
             heap = np.empty(3 * ws, np.int64)
         tok_buf = _grow(tok_buf, tok_used + m)
-        c = _bpe(key_buf, key_off[t], key_off[t] + m, pair_key, pair_rank, results, sym, nxt, prv, heap, tok_buf,
-                 tok_used)
+        c = -1
+        if whole:
+            v = find_piece(key_buf, key_off[t], key_off[t] + m, v_hash, v_entry, v_off, v_len, v_buf)
+            if v >= 0:
+                tok_buf[tok_used] = v
+                c = 1
+        if c < 0:
+            c = _bpe(key_buf, key_off[t], key_off[t] + m, byte_tok, pair_key, pair_rank, results, sym, nxt, prv,
+                     heap, tok_buf, tok_used)
         tok_off[t] = tok_used
         tok_len[t] = c
         tok_used += c
