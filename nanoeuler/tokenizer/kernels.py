@@ -283,26 +283,7 @@ def intern_pieces(data, ends, n_pieces, state, slot_hash, slot_entry, ent_hash, 
     for p in range(n_pieces):
         e = ends[p]
         m = e - s
-        # FNV-1a, then a final mix: the slot comes from the high bits, which FNV leaves weak
-        h = _FNV_OFFSET
-        for k in range(s, e):
-            h = (h ^ np.uint64(data[k])) * _FNV_PRIME
-        h = (h ^ (h >> np.uint64(32))) * _FIB
-        h = h ^ (h >> np.uint64(29))
-        mask = len(slot_entry) - 1
-        slot = np.int64(h >> np.uint64(32)) & mask
-        while True:
-            ent = slot_entry[slot]
-            if ent < 0:
-                break
-            if slot_hash[slot] == h and key_len[ent] == m:
-                o = key_off[ent]
-                k = 0
-                while k < m and key_buf[o + k] == data[s + k]:
-                    k += 1
-                if k == m:
-                    break
-            slot = (slot + 1) & mask
+        h, slot, ent = _piece_slot(data, s, e, slot_hash, slot_entry, key_off, key_len, key_buf)
         if ent < 0:
             ent = n_ent
             if n_ent == len(key_off):
@@ -684,10 +665,12 @@ def _bpe(data, s, e, byte_tok, pair_key, pair_rank, results, sym, nxt, prv, heap
     return c
 
 
-@njit(cache=True)
-def find_piece(data, s, e, slot_hash, slot_entry, key_off, key_len, key_buf):
-    """The entry of data[s:e] in a table of intern_pieces (same hash), or -1."""
+@njit(cache=True, inline="always")
+def _piece_slot(data, s, e, slot_hash, slot_entry, key_off, key_len, key_buf):
+    """(hash, slot, entry) of data[s:e] in a table of intern_pieces: its entry's slot, or the free slot where
+    it would go with entry -1."""
     m = e - s
+    # FNV-1a, then a final mix: the slot comes from the high bits, which FNV leaves weak
     h = _FNV_OFFSET
     for k in range(s, e):
         h = (h ^ np.uint64(data[k])) * _FNV_PRIME
@@ -698,15 +681,21 @@ def find_piece(data, s, e, slot_hash, slot_entry, key_off, key_len, key_buf):
     while True:
         ent = slot_entry[slot]
         if ent < 0:
-            return -1
+            return h, slot, -1
         if slot_hash[slot] == h and key_len[ent] == m:
             o = key_off[ent]
             k = 0
             while k < m and key_buf[o + k] == data[s + k]:
                 k += 1
             if k == m:
-                return ent
+                return h, slot, ent
         slot = (slot + 1) & mask
+
+
+@njit(cache=True)
+def find_piece(data, s, e, slot_hash, slot_entry, key_off, key_len, key_buf):
+    """The entry of data[s:e] in a table of intern_pieces (same hash), or -1."""
+    return _piece_slot(data, s, e, slot_hash, slot_entry, key_off, key_len, key_buf)[2]
 
 
 @njit(cache=True)
