@@ -90,22 +90,18 @@ def launchers(args, tmp):
     else:
         same_losses("mpirun -np 2 (Open MPI, mpi4py rendezvous)", f"{tmp}/mpirun.jsonl", ref)
 
-    slurm = [dict(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_JOB_ID="4242",
-                  SLURM_STEP_NODELIST="localhost") for r in range(2)]
-    outs = together([PY + small(args, f"{tmp}/srun.bin")] * 2, slurm)
-    if any(code for code, _, _ in outs):
-        report("srun-style", False, " | ".join(e[-800:] for _, _, e in outs))
-    else:
-        same_losses("srun-style (SLURM_PROCID/NTASKS/LOCALID, first node of SLURM_STEP_NODELIST)",
-                    f"{tmp}/srun.jsonl", ref)
-
-    pmi = [dict(PMI_RANK=str(r), PMI_SIZE="2", MPI_LOCALRANKID=str(r), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT="29612") for r in range(2)]
-    outs = together([PY + small(args, f"{tmp}/pmi.bin")] * 2, pmi)
-    if any(code for code, _, _ in outs):
-        report("MPICH/PMI-style", False, " | ".join(e[-800:] for _, _, e in outs))
-    else:
-        same_losses("MPICH/PMI-style (PMI_RANK/PMI_SIZE, TCP rendezvous)", f"{tmp}/pmi.jsonl", ref)
+    by_hand = (("srun-style (SLURM_PROCID/NTASKS/LOCALID, first node of SLURM_STEP_NODELIST)", "srun",
+                lambda r: dict(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_JOB_ID="4242",
+                               SLURM_STEP_NODELIST="localhost")),
+               ("MPICH/PMI-style (PMI_RANK/PMI_SIZE, TCP rendezvous)", "pmi",
+                lambda r: dict(PMI_RANK=str(r), PMI_SIZE="2", MPI_LOCALRANKID=str(r), MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT="29612")))
+    for name, run_name, variables in by_hand:  # the ranks started by hand with a launcher's variables
+        outs = together([PY + small(args, f"{tmp}/{run_name}.bin")] * 2, [variables(r) for r in range(2)])
+        if any(code for code, _, _ in outs):
+            report(name, False, " | ".join(e[-800:] for _, _, e in outs))
+        else:
+            same_losses(name, f"{tmp}/{run_name}.jsonl", ref)
 
     sockets = dict(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME="lo",
                    NCCL_DEBUG="INFO")
