@@ -160,21 +160,25 @@ def wait_for(condition, limit=300):
         time.sleep(0.05)
 
 
+def signal_rank(proc, rank, sig):
+    """Send sig to one rank of the launcher `proc`; (exit status, seconds until the run ended, its last line)."""
+    os.kill(rank_pids(proc.pid)[rank], sig)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]
+    return proc.returncode, time.monotonic() - t0, lines[-1:]
+
+
 def failures(args, tmp):
     # a hung rank: SIGSTOP rank 1 after 15 steps; the launcher's step timeout ends the run
     out = f"{tmp}/hang.bin"
     proc = subprocess.Popen(PY + small(args, out, steps=100000) + ["--gpus", "2"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, NANOEULER_STEP_TIMEOUT="20"))
     wait_for(lambda: os.path.exists(f"{tmp}/hang.jsonl") and len(log_of(f"{tmp}/hang.jsonl")) >= 15)
-    pids = rank_pids(proc.pid)
-    os.kill(pids[1], signal.SIGSTOP)
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=300)
-    took = time.monotonic() - t0
-    lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]
+    code, took, last = signal_rank(proc, 1, signal.SIGSTOP)
     intact = run(PY + ["report", "--ckpt", out]).returncode == 0
-    report("a hung rank (SIGSTOP), NANOEULER_STEP_TIMEOUT=20", proc.returncode == 2 and took < 80 and intact,
-           f"exit {proc.returncode} after {took:.0f} s, last line {lines[-1:]!r}, checkpoint readable {intact}")
+    report("a hung rank (SIGSTOP), NANOEULER_STEP_TIMEOUT=20", code == 2 and took < 80 and intact,
+           f"exit {code} after {took:.0f} s, last line {last!r}, checkpoint readable {intact}")
 
     # a rank killed while rank 0 writes a checkpoint: base, whose checkpoint takes a while to write
     out = f"{tmp}/kill.bin"
@@ -182,17 +186,12 @@ def failures(args, tmp):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: os.path.exists(out), limit=600)  # the first checkpoint (step 10) is there
     wait_for(lambda: glob.glob(f"{tmp}/kill.tmp*"), limit=600)  # rank 0 is writing the next one
-    pids = rank_pids(proc.pid)
-    os.kill(pids[0], signal.SIGKILL)
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=300)
-    took = time.monotonic() - t0
-    lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]
+    code, took, last = signal_rank(proc, 0, signal.SIGKILL)
     from nanoeuler.io import checkpoint
     ck = checkpoint.load(out)
     # the write under way is lost, or had just been renamed into place: either way a whole checkpoint
-    report("rank 0 killed (SIGKILL) while writing a checkpoint", proc.returncode == 2 and ck.step % 10 == 0,
-           f"exit {proc.returncode} after {took:.1f} s, last line {lines[-1:]!r}, checkpoint at step {ck.step}")
+    report("rank 0 killed (SIGKILL) while writing a checkpoint", code == 2 and ck.step % 10 == 0,
+           f"exit {code} after {took:.1f} s, last line {last!r}, checkpoint at step {ck.step}")
 
     # Ctrl-C at step 50, --resume to 100, on 2 GPUs; the stopped checkpoint also resumes on 1 GPU
     full = f"{tmp}/full.bin"
