@@ -54,6 +54,7 @@ def hf_config(cfg, tok):
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32",
         "bos_token_id": None, "eos_token_id": tok.eos_id, "pad_token_id": None,
+        **({} if cfg.rope_scaling is None else {"rope_scaling": dict(cfg.rope_scaling)}),
     }
 
 

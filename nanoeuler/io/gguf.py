@@ -8,7 +8,9 @@ is llama.cpp's `llama` architecture: the file carries every hyperparameter llama
 widths, layer and head counts, RoPE dimensions and base, the RMSNorm epsilon, vocabulary size, file type),
 head 0 as `output.weight` (the other prediction heads are training aids and stay behind) and the embedding
 as `token_embd.weight`. Matrices are stored as --type (q8_0 blocks of 32: a matrix whose rows are not a
-multiple of 32 falls back to f16), the norm gains as f32, as llama.cpp's own converter does.
+multiple of 32 falls back to f16), the norm gains as f32, as llama.cpp's own converter does. An imported
+model with llama3 RoPE scaling also gets the f32 `rope_freqs.weight` that converter writes for it (the factor
+each RoPE frequency is divided by).
 
 Q/K rows: our RoPE rotates element i of a head with element i + D/2 (rotate-half, Hugging Face's pairing);
 llama.cpp's rope for `llama` rotates element 2i with 2i + 1. So row i of each head goes to row 2i and row
@@ -28,7 +30,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_output, check_writable
 from nanoeuler.io import checkpoint
-from nanoeuler.model.config import views
+from nanoeuler.model.config import rope_inv_freq, views
 
 GGUF_LAYER_NAMES = {  # ours -> llama.cpp's, within block i
     "attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
@@ -75,6 +77,16 @@ def gguf_tensors(cfg, params):
     return out
 
 
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def rope_freq_factors(cfg):
+    """llama.cpp's rope_freqs tensor (as convert_hf_to_gguf.py writes it for llama3 scaling): per frequency,
+    what the unscaled inverse frequency is divided by."""
+    return (rope_inv_freq(cfg.head_dim, cfg.rope_theta) /
+            rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)).astype(np.float32)
+
+
 def read_params(path, cfg, params):
     """A copy of the flat parameters `params` with every tensor the GGUF file at `path` holds replaced by the
     file's values (dequantized, in our row order): the model llama.cpp runs, for our engines."""
@@ -83,6 +95,8 @@ def read_params(path, cfg, params):
     v = views(flat, cfg)
     names = gguf_names(cfg)
     for t in gguf.GGUFReader(path).tensors:
+        if t.name == ROPE_FREQS:  # computed from the config
+            continue
         ours = names[t.name]
         data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(v[ours].shape)
         heads = rope_heads(cfg, ours)
@@ -143,6 +157,8 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     for tensor_name, array in gguf_tensors(cfg, params).items():
         data, raw_dtype = _stored(gguf, array, kind)
         w.add_tensor(tensor_name, data, raw_dtype=raw_dtype)
+    if cfg.rope_scaling is not None:
+        w.add_tensor(ROPE_FREQS, rope_freq_factors(cfg))
     try:
         with atomic_output(path) as f:
             # the writer opens files by name: it writes the temporary that atomic_output renames into place

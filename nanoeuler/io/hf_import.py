@@ -8,14 +8,15 @@ DIR is a `LlamaForCausalLM` folder as `save_pretrained` writes it: config.json, 
 (one file or shards with their index; float32, float16 or bfloat16, read into float32) and a byte-level BPE
 tokenizer.json. It becomes one nanoeuler checkpoint (nanoeuler/io/checkpoint.py) with K = 1 prediction heads:
 `lm_head` becomes head 0 (the embedding, when the model ties them), the tokenizer becomes ours with its ids
-kept (nanoeuler/tokenizer/bpe.py), and RoPE theta and the RMSNorm epsilon go into the config. The Q/K rows
-need no permutation: our RoPE pairs dimensions as Hugging Face's does (rotate-half). This is the inverse of
-`nanoeuler export --hf` (nanoeuler/io/export.py), whose tensor names it reads back.
+kept (nanoeuler/tokenizer/bpe.py), and RoPE theta, its "llama3" scaling (Llama 3.1+: only the tables change)
+and the RMSNorm epsilon go into the config. The Q/K rows need no permutation: our RoPE pairs dimensions as
+Hugging Face's does (rotate-half). This is the inverse of `nanoeuler export --hf` (nanoeuler/io/export.py),
+whose tensor names it reads back.
 
-What our engines do not compute is refused in one line: biases, rope scaling, an activation other than
-SiLU, a head size other than dim / heads, a tokenizer that is not a byte-level BPE with the pretokenization
-of GPT-2, SmolLM (digits one by one), Llama 3 or Qwen2. A head size the GPU attention kernels do not take is
-imported with a note (the CPU engine runs it).
+What our engines do not compute is refused in one line: biases, rope scaling other than llama3, partial
+rotary embeddings, an activation other than SiLU, a head size other than dim / heads, a tokenizer that is not
+a byte-level BPE with the pretokenization of GPT-2, SmolLM (digits one by one), Llama 3 or Qwen2. A head size
+the GPU attention kernels do not take is imported with a note (the CPU engine runs it).
 """
 import json
 import os
@@ -28,7 +29,7 @@ from nanoeuler.errors import UserError
 from nanoeuler.files import check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.io.export import LAYER_NAMES
-from nanoeuler.model.config import Config, param_count, views
+from nanoeuler.model.config import ROPE_TYPES, Config, param_count, views
 from nanoeuler.tokenizer.bpe import Tokenizer
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}  # BF16: the top half of a float32
@@ -89,11 +90,21 @@ def config_from_hf(hf, context=None, where="config.json"):
     rope = hf.get("rope_parameters") or {}
     scaled = next((r for r in (rope, hf.get("rope_scaling") or {}) if r.get("rope_type", r.get("type")) not in
                    (None, "default")), None)
+    scaling = scaled and {("rope_type" if k == "type" else k): v for k, v in scaled.items()
+                          if k not in ("rope_theta", "partial_rotary_factor")}
+    if not scaling:
+        scaling = None
+    elif scaling.get("rope_type") not in ROPE_TYPES:
+        raise UserError(f"{where}: rope scaling type {scaling['rope_type']!r} (nanoeuler computes "
+                        f"{' and '.join(map(repr, ROPE_TYPES))} RoPE only)")
+    elif "original_max_position_embeddings" not in scaling and "max_position_embeddings" in hf:
+        scaling["original_max_position_embeddings"] = hf["max_position_embeddings"]  # transformers' default
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
     refusals = [
         (hf.get("hidden_act", "silu") != "silu", f"activation {hf.get('hidden_act')} (nanoeuler's SwiGLU uses SiLU)"),
         (hf.get("attention_bias"), "attention biases (nanoeuler's model has none)"),
         (hf.get("mlp_bias"), "feed-forward biases (nanoeuler's model has none)"),
-        (scaled, f"rope scaling {scaled} (nanoeuler's RoPE is unscaled)"),
+        (partial != 1.0, f"partial_rotary_factor {partial} (nanoeuler rotates whole heads)"),
         (hf.get("pretraining_tp", 1) != 1, "pretraining_tp > 1"),
     ]
     for refused, what in refusals:
@@ -108,11 +119,17 @@ def config_from_hf(hf, context=None, where="config.json"):
                       n_kv_heads=hf.get("num_key_value_heads") or n_heads, hidden=hf["intermediate_size"],
                       vocab_size=hf["vocab_size"], context=context or hf["max_position_embeddings"], mtp_heads=1,
                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_scaling=scaling)
     except KeyError as e:
         raise UserError(f"{where} has no {e.args[0]}") from None
     except ValueError as e:
         raise UserError(f"{where}: {e}") from None
+
+
+def _scaling_note(cfg):
+    s = cfg.rope_scaling
+    return "" if s is None else (f" ({s['rope_type']} scaling x{s['factor']:g} beyond "
+                                 f"{s['original_max_position_embeddings']} positions)")
 
 
 def params_from_hf(cfg, tensors, tied):
@@ -189,7 +206,8 @@ def main(args):
     checkpoint.save(args.out, cfg, params, tok.to_json(), step=0)
     print(f"imported {args.hf} into {args.out}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
           f"{cfg.n_kv_heads} heads, hidden {cfg.hidden}, context {cfg.context}, vocab {cfg.vocab_size}, "
-          f"rope theta {cfg.rope_theta:g}, norm eps {cfg.norm_eps:g}, {params.size / 1e6:.2f}M parameters; "
+          f"rope theta {cfg.rope_theta:g}{_scaling_note(cfg)}, norm eps {cfg.norm_eps:g}, "
+          f"{params.size / 1e6:.2f}M parameters; "
           f"tokenizer: {tok.vocab_size} tokens, end of text {tok.eos!r} = {tok.eos_id}")
     from nanoeuler.model.gpu import HEAD_SIZES
     if cfg.head_dim not in HEAD_SIZES:

@@ -22,6 +22,9 @@ class Config:
     mtp_heads: int = 2          # K: head k predicts the token 1+k positions ahead
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Hugging Face's rope_scaling dict of an imported model (rope_type "llama3"); None (and absent from the
+    # checkpoint's JSON) for unscaled RoPE. Not hashed: a dict.
+    rope_scaling: dict = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -33,13 +36,16 @@ class Config:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden", "vocab_size", "context", "mtp_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.rope_scaling is not None:
+            rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # raises on what we do not compute
 
     @property
     def head_dim(self):
         return self.dim // self.n_heads
 
     def to_json(self):
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        # optional keys (rope_scaling) are left out when unset: our own models' JSON is unchanged
+        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v is not None}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text):
@@ -137,9 +143,39 @@ def init_params(cfg, seed=0, dtype=np.float32):
     return flat
 
 
-def rope_tables(head_dim, max_pos, theta, dtype):
-    """cos, sin (max_pos, D/2): angle = pos * theta^(-2i/D), the rotate-half (Hugging Face Llama) pairing.
-    Host-side NumPy, the same tables for both engines."""
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_inv_freq(head_dim, theta, scaling=None):
+    """The D/2 inverse frequencies theta^(-2i/D) in float64, scaled as Hugging Face's rope_scaling dict says:
+    rope_type "default" (or no dict) leaves them; "llama3" is transformers' _compute_llama3_parameters (Llama 3.1+):
+    wavelengths under original_max_position_embeddings / high_freq_factor kept, over
+    original_max_position_embeddings / low_freq_factor divided by factor, those between interpolated.
+    ValueError for any other rope_type or a llama3 dict that lacks a key."""
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"rope scaling type {kind!r}: nanoeuler computes {' and '.join(map(repr, ROPE_TYPES))} only")
+    missing = [k for k in LLAMA3_KEYS if not isinstance(scaling.get(k), (int, float))]
+    if missing:
+        raise ValueError(f"llama3 rope scaling without a number for {', '.join(missing)}")
+    factor, low, high, old = (float(scaling[k]) for k in LLAMA3_KEYS)
+    if not (factor > 0 and 0 < low < high and old > 0):
+        raise ValueError(f"llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor: {scaling}")
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_tables(head_dim, max_pos, theta, dtype, scaling=None):
+    """cos, sin (max_pos, D/2): angle = pos * inv_freq (rope_inv_freq: theta^(-2i/D), scaled as `scaling`
+    says), the rotate-half (Hugging Face Llama) pairing. Host-side NumPy, the same tables for both engines."""
+    angles = np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(head_dim, theta, scaling)[None, :]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)

@@ -58,7 +58,7 @@ class Engine:
         self.grads = xp.zeros(total, dtype=self.dtype)
         self.p, self.g = self._fused_views(self.weights), self._fused_views(self.grads)
         self.sync_weights()
-        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype)
+        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype, cfg.rope_scaling)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
         self._acts, self._acts_shape = None, None
