@@ -122,3 +122,15 @@ def tiny_ckpt(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny.bin"
     checkpoint.save(path, cfg, init_params(cfg, seed=3), tokenizer.to_json(), step=0)
     return path
+
+
+# PyTorch and transformers are in the test extra; only the tests that compare with them skip without them
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+

@@ -15,17 +15,6 @@ TEXTS = ["ROMEO: But soft, what light through yonder window breaks?", "  two  sp
 
 
 @pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    """In the test extra; only the round-trip tests need it (and torch), so only they skip without."""
-    return pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
 def exported(tokenizer, tmp_path_factory):
     cfg = tiny_config(tokenizer.vocab_size)
     flat = init_params(cfg, seed=1)

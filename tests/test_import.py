@@ -18,16 +18,6 @@ TEXTS = ["ROMEO: But soft, what light through yonder window breaks?", "  two  sp
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-@pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    return pytest.importorskip("transformers")
-
-
 def hf_tokenizer(corpus, vocab_size):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
@@ -82,13 +72,15 @@ def test_config_and_tokenizer(imported, transformers):
     assert tok.encode("a<|im_start|>b", allow_special=True) == theirs.encode("a<|im_start|>b")
 
 
-def all_in_float64(torch, model):
+def all_in_float64(torch, model, inv_freq=None):
     """transformers computes RMSNorm and RoPE's angles in float32 even in a float64 model (relative errors of
-    2e-6 in these logits): this makes its norms and its rotary module compute in float64."""
-    cfg = model.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    theta = cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta  # 5.x, 4.x
-    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    2e-6 in these logits): this makes its norms and its rotary module compute in float64, with the plain
+    frequencies of its theta or the float64 `inv_freq` given (a scaled RoPE's)."""
+    if inv_freq is None:
+        cfg = model.config
+        hd = cfg.hidden_size // cfg.num_attention_heads
+        theta = cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters") else cfg.rope_theta  # 5.x, 4.x
+        inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
 
     def rotary(x, position_ids):
         angles = position_ids[..., None].double() * inv_freq

@@ -16,21 +16,11 @@ from nanoeuler.io import checkpoint
 from nanoeuler.io.hf_import import read_tensors
 from nanoeuler.model.config import PRESETS, Config, rope_inv_freq, rope_tables
 from nanoeuler.model.engine import make_engine
-from test_import import SPECIALS, hf_tokenizer
+from test_import import SPECIALS, all_in_float64, hf_tokenizer
 
 SCALING = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 64,
            "rope_type": "llama3"}
 THETA, D, T = 500000.0, 64, 200
-
-
-@pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
-@pytest.fixture(scope="module")
-def transformers():
-    return pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -84,25 +74,10 @@ def test_config_keeps_the_dict_and_our_json_is_unchanged(imported):
         Config(rope_scaling={"rope_type": "linear", "factor": 2.0})
 
 
-def float64_rotary(torch, model):
-    """transformers computes RoPE's angles and RMSNorm in float32 even in a float64 model: this makes them float64,
-    with our float64 llama3 frequencies (checked against transformers' in test_inverse_frequencies_are_transformers)."""
-    inv_freq = torch.from_numpy(rope_inv_freq(D, THETA, SCALING))
-
-    def rotary(x, position_ids):
-        angles = position_ids[..., None].double() * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    model.model.rotary_emb.forward = rotary
-    for module in model.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = lambda x, m=module: m.weight * x * torch.rsqrt(
-                x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
-
-
 @pytest.mark.parametrize("dtype, tolerance", [(np.float64, 1e-6), (np.float32, 1e-4)])
 def test_logits_and_greedy_match_transformers(imported, corpus, torch, transformers, dtype, tolerance):
-    """float64: transformers made float64 throughout (float64_rotary); float32: transformers as it is, its own llama3
+    """float64: transformers made float64 throughout (test_import.all_in_float64, with our llama3 frequencies, checked against
+    transformers' in test_inverse_frequencies_are_transformers); float32: transformers as it is, its own llama3
     rotary module. Errors relative to the largest logit (the engine's logits come back as float32)."""
     model, d = imported
     ck = checkpoint.load(d / "m.bin")
@@ -113,7 +88,7 @@ def test_logits_and_greedy_match_transformers(imported, corpus, torch, transform
     model = transformers.LlamaForCausalLM.from_pretrained(d / "hf", torch_dtype=torch.float32).eval()
     if dtype == np.float64:
         model = model.double()
-        float64_rotary(torch, model)
+        all_in_float64(torch, model, torch.from_numpy(rope_inv_freq(D, THETA, SCALING)))
     with torch.no_grad():
         theirs = model(torch.from_numpy(ids).long()).logits.double().numpy()
     ours = eng.logits(ids).astype(np.float64)
