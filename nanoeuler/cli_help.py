@@ -78,8 +78,9 @@ GUIDE = {
          "nanoeuler infer 'ROMEO:' --temperature 0 --max-new-tokens 50   # greedy",
          "nanoeuler infer '' --seed 1 --top-k 40 --stats # reproducible, with tokens/s on stderr"]),
     "chat": (
-        "An interactive conversation with a chat checkpoint (after `sft` or `dpo`), in the chat template. With "
-        "its input from a pipe it answers each line and exits at the end of the input.",
+        "An interactive conversation with a chat checkpoint (after `sft` or `dpo`, or an imported model with its "
+        "own chat template), in its chat template. With its input from a pipe it answers each line and exits at "
+        "the end of the input.",
         ["nanoeuler chat --ckpt nanoeuler_chat.bin",
          "echo 'Name three fruits.' | nanoeuler chat --ckpt nanoeuler_dpo.bin --temperature 0"]),
     "serve": (
@@ -103,7 +104,8 @@ GUIDE = {
          "nanoeuler export --gguf model.gguf --ckpt nanoeuler_chat.bin --type q8_0"]),
     "import": (
         "Turn a Hugging Face LlamaForCausalLM folder (config.json, safetensors, tokenizer.json) into a "
-        "checkpoint that every command here takes.",
+        "checkpoint that every command here takes; an -Instruct model's chat template and end ids come with it "
+        "(chat, serve, sft and dpo then use its template).",
         ["nanoeuler import --hf hf_model --out imported.bin",
          "nanoeuler infer 'Hello' --ckpt imported.bin"]),
     "check": (

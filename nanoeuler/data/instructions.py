@@ -2,8 +2,10 @@
 
 Each example ({instruction, input, output}) is rendered with the chat template (template.py): the prompt's
 tokens, the response's tokens and `</s>`, tokenized separately as chat tokenizes a prompt and then
-generates. The loss is masked to the response: the target of every head k at position t is the token at
-t+1+k if that token belongs to the response or is `</s>`, else -1 (prompt, padding).
+generates; with a model's own template (an imported chat model), the user message and the assistant reply
+in it, the reply's tokens through its end token. The loss is masked to the response: the target of every
+head k at position t is the token at t+1+k if that token belongs to the response or ends it, else -1
+(prompt, padding).
 
 An example longer than the model's window (context + K tokens) is truncated to the window, which keeps the
 prompt and the start of the response and drops the rest and `</s>` (so it never teaches a premature stop);
@@ -178,10 +180,11 @@ def prepare(data, train_idx, val_idx, tok, context, K, long, progress=True):
 
 
 def response_byte_len(tok):
-    """Bytes per token id for bits per byte; </s> counts as one byte (the end of the text) rather than
-    the four of its name, and keeps bits per byte finite for an empty response."""
+    """Bytes per token id for bits per byte; an end token (</s>, an imported model's end ids) counts as one
+    byte (the end of the text) rather than the bytes of its name, and keeps bits per byte finite for an
+    empty response."""
     byte_len = np.array([len(tok.decode([i])) for i in range(tok.vocab_size)], dtype=np.int64)
-    byte_len[tok.eos_id] = 1
+    byte_len[list(tok.end_ids)] = 1
     return byte_len
 
 

@@ -26,13 +26,13 @@ def interval95(hits):
 
 
 def chat_requests(tok, items):
-    """As scoring.choice_requests, through the chat template: the context is the instruction, each choice the
-    response, tokenized apart as chat and SFT do (data/template.py)."""
+    """As scoring.choice_requests, through the chat template (the model's own, or ours: data/template.py): the
+    context is the instruction, each choice the response, tokenized apart as chat and SFT do."""
     requests, first = [], []
     for item in items:
         first.append(len(requests))
         prompt = prompt_ids(tok, item["context"])
-        requests.extend((prompt, tok.encode(choice)) for choice in item["choices"])
+        requests.extend((prompt, tok.encode(choice, add_bos=False)) for choice in item["choices"])
     return requests, first
 
 

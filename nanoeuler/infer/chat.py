@@ -6,11 +6,12 @@
 
 With a pretrained (base) checkpoint the session is one growing text: each line you type is appended to it
 and the model continues it, so it answers in the voice of its corpus. The text is kept (up to the model's
-context) until `/reset`. With a chat checkpoint (`nanoeuler sft`, `chat` = 1 in its metadata) each line is
-one instruction, and the reply runs until the model emits `</s>` (or --max-new-tokens); the model sees the
-conversation so far, every turn in the Alpaca template it was fine-tuned on (template.conversation_ids, as
-`nanoeuler serve` renders a chat request's messages), and when the conversation no longer leaves room for a
-reply, its oldest turns are dropped. `/reset` starts a new conversation. `/quit` or Ctrl-D leaves; Ctrl-C
+context) until `/reset`. With a chat checkpoint (`nanoeuler sft` or `dpo`, `chat` = 1 in its metadata, or an
+imported model with its own chat template) each line is one user message, and the reply runs until the
+model emits an end token (`</s>`, or any of an imported model's end ids) or --max-new-tokens; the model sees
+the conversation so far, every turn in its chat template (the model's own, else the Alpaca template it was
+fine-tuned on: template.conversation_ids, as `nanoeuler serve` renders a chat request's messages), and when
+the conversation no longer leaves room for a reply, its oldest turns are dropped. `/reset` starts a new conversation. `/quit` or Ctrl-D leaves; Ctrl-C
 stops a reply that runs on. Line editing and history (up arrow, also across sessions in ~/.nanoeuler_history)
 come from readline where Python has it.
 """
@@ -22,7 +23,7 @@ import numpy as np
 
 from nanoeuler.infer.generate import TextStream, check_speculative, generate, stats_line
 from nanoeuler.io.checkpoint import load_model
-from nanoeuler.data.template import conversation_ids
+from nanoeuler.data.template import conversation_ids, own_template
 
 HELP = "/reset clears the conversation so far, /quit (or Ctrl-D) leaves, Ctrl-C stops a reply"
 HISTORY = os.path.expanduser("~/.nanoeuler_history")
@@ -50,7 +51,9 @@ def main(args):
     rng = np.random.default_rng(args.seed)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
-    kind = "a chat model: each line is an instruction" if ck.chat else "a base model: it continues your text"
+    kind = ("a base model: it continues your text" if not ck.chat else
+            "a chat model in its own chat template: each line is a message" if own_template(tok) else
+            "a chat model: each line is an instruction")
     print(f"nanoeuler chat: {args.ckpt} (step {ck.step}), {kind}. {HELP}.")
     text = []  # token ids of the whole session, prompt lines and replies
     turns = []  # a chat model's conversation: (instruction, reply)
@@ -87,13 +90,13 @@ def main(args):
             try:
                 stats, t0 = {}, time.perf_counter()
                 for token in generate(eng, text, args.max_new_tokens, args.temperature, args.top_k,
-                                      args.top_p, rng, stop_ids=(tok.eos_id,), speculative=args.speculative,
+                                      args.top_p, rng, stop_ids=tok.end_ids, speculative=args.speculative,
                                       stats=stats):
-                    if token == tok.eos_id:
+                    if token in tok.end_ids:
                         break
                     reply.append(token)
                     stream.write([token])
-                    # a blank line ends a base model's passage; a chat model ends its reply with </s>
+                    # a blank line ends a base model's passage; a chat model ends its reply with an end token
                     if not ck.chat and tok.decode(reply[-4:]).endswith(b"\n\n"):
                         break
             except KeyboardInterrupt:

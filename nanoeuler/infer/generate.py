@@ -240,10 +240,15 @@ class TextStream:
 
 
 def sample_text(eng, tok, prompt, max_new_tokens, temperature=0.8, top_k=0, top_p=1.0, seed=0):
-    """The prompt and its continuation as one string (for the samples printed during training)."""
-    ids = list(generate(eng, start_ids(tok, prompt), max_new_tokens, temperature, top_k, top_p,
-                        np.random.default_rng(seed), stop_ids=(tok.eos_id,)))
-    if ids and ids[-1] == tok.eos_id:
+    """The prompt (a string, or token ids: a chat prompt with its template's special tokens) and its
+    continuation as one string (for the samples printed during training)."""
+    if isinstance(prompt, (list, tuple)):
+        prompt_ids, prompt = list(prompt), tok.decode(prompt).decode("utf-8", errors="replace")
+    else:
+        prompt_ids = start_ids(tok, prompt)
+    ids = list(generate(eng, prompt_ids, max_new_tokens, temperature, top_k, top_p,
+                        np.random.default_rng(seed), stop_ids=tok.end_ids))
+    if ids and ids[-1] in tok.end_ids:
         ids.pop()
     return prompt + tok.decode(ids).decode("utf-8", errors="replace")
 
@@ -268,21 +273,21 @@ def main(args):
     # sample i draws with seed --seed + i, as choice i of a server request with that seed
     seeds = None if args.seed is None else [args.seed + i for i in range(samples)]
     if samples > 1:  # one batch
-        outs = generate(eng, [ids] * samples, *settings, stop_ids=(tok.eos_id,), seed=seeds)
+        outs = generate(eng, [ids] * samples, *settings, stop_ids=tok.end_ids, seed=seeds)
         n = sum(len(out) for out in outs)
         for i, out in enumerate(outs, 1):
             stream = TextStream(tok)
             stream.out.write(f"{'' if i == 1 else chr(10)}--- sample {i} of {samples} ---\n{args.prompt}")
-            stream.write([t for t in out if t != tok.eos_id])
+            stream.write([t for t in out if t not in tok.end_ids])
             stream.close()
             stream.out.write("\n")
     else:
         stream = TextStream(tok)
         stream.out.write(args.prompt)
         n = 0
-        for n, token in enumerate(generate(eng, ids, *settings, stop_ids=(tok.eos_id,), speculative=args.speculative,
+        for n, token in enumerate(generate(eng, ids, *settings, stop_ids=tok.end_ids, speculative=args.speculative,
                                            stats=stats, seed=seeds and seeds[0]), 1):
-            if token != tok.eos_id:
+            if token not in tok.end_ids:
                 stream.write([token])
         stream.close()
         stream.out.write("\n")

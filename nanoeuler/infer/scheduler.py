@@ -59,7 +59,7 @@ class Job:
     thread, must not block, and receives, for each choice index:
         ("prompt", index, [LogProb])        with score_prompts, before anything else of that choice
         ("text", index, delta, [LogProb])   new text, and the log-probabilities of the tokens it completes
-        ("done", index, finish_reason)      "stop" (</s> or a stop string) or "length"
+        ("done", index, finish_reason)      "stop" (an end id, as </s>, or a stop string) or "length"
     then ("end", usage) once, or instead of all that ("error", message) or ("cancelled",)."""
 
     def __init__(self, prompts, n, settings, send, score_prompts=False):
@@ -84,13 +84,13 @@ class Job:
 class Choice:
     """One choice of a job: its request to the generator, its sequence there once started, and its text."""
 
-    def __init__(self, job, index, eos_id):
+    def __init__(self, job, index, end_ids):
         s = job.settings
         self.job, self.index = job, index
         seed = None if s.seed is None else s.seed + index % job.n  # choice 0 of a prompt: the request's seed
         self.request = Request(prompt_ids=tuple(job.prompts[index // job.n]), max_new_tokens=s.max_tokens,
                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed,
-                               stop_ids=(eos_id,), logprobs=s.logprobs)
+                               stop_ids=tuple(end_ids), logprobs=s.logprobs)
         self.sequence = None
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text, self.sent, self.pending = "", 0, []  # pending: LogProbs not yet sent with their text
@@ -295,7 +295,7 @@ class Scheduler:
             if job.score_prompts and job.scored < len(job.prompts):
                 return  # later jobs wait behind it: first come, first served
             if job.choices is None:
-                job.choices = [Choice(job, i, self.tok.eos_id) for i in range(len(job.prompts) * job.n)]
+                job.choices = [Choice(job, i, self.tok.end_ids) for i in range(len(job.prompts) * job.n)]
                 job.unstarted = collections.deque(job.choices)
                 job.open = len(job.choices)
             while job.unstarted and (job.settings.max_tokens == 0 or len(self.active) < self.rows):

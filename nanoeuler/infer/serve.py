@@ -7,7 +7,8 @@
     GET  /                      the web chat page (nanoeuler/infer/web/index.html: one file, no network)
     GET  /v1/models             the one model, named after the checkpoint file (`nanoeuler_chat`) or --served-model-name
     POST /v1/completions        continue prompts (any checkpoint); echo and log-probabilities for scoring
-    POST /v1/chat/completions   answer a conversation rendered in the chat template (chat checkpoints)
+    POST /v1/chat/completions   answer a conversation rendered in the chat template (chat checkpoints: the
+                                model's own template when it brings one, else data/template.py's)
     POST /tokenize, /detokenize, GET /tokenizer_info   the tokenizer, as vLLM serves it (lm-eval reads these)
     GET  /health                active and waiting requests
 
@@ -51,7 +52,8 @@ try:
 except ImportError:
     raise UserError("nanoeuler serve needs its extra: pip install '.[serve]'") from None
 
-from nanoeuler.data.template import conversation_ids
+from nanoeuler.data import jinja_template
+from nanoeuler.data.template import conversation_ids, own_template
 from nanoeuler.infer.generate import start_ids
 from nanoeuler.infer.scheduler import Job, Overloaded, SamplingSettings, Scheduler
 from nanoeuler.io.checkpoint import load_model
@@ -148,13 +150,13 @@ def _text(content, where):
     raise ApiError(400, f"{where}.content must be a string or a list of text parts", where)
 
 
-def conversation(messages):
-    """(system text, turns) of a chat request's messages: turns are (instruction, reply) pairs, the last
-    reply None. Consecutive messages of one role are joined by a blank line; system and developer messages
-    make the system text, wherever they stand."""
+def chat_messages(messages):
+    """A chat request's messages as [{"role", "content"}], validated: content as one string, a developer
+    message as a system one, an assistant message without text (another server's tool call) left out; an
+    assistant message must follow a user message, and the last message must be the user's."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    system, turns = [], []
+    out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -162,20 +164,30 @@ def conversation(messages):
         role = m["role"]
         if role == "assistant" and m.get("content") is None:  # a tool-call turn of another server: no text
             continue
-        text = _text(m.get("content"), where)
-        if role in SYSTEM_ROLES:
+        if role == "assistant" and not any(o["role"] == "user" for o in out):
+            raise ApiError(400, f"{where}: an assistant message must follow a user message", where)
+        out.append({"role": "system" if role in SYSTEM_ROLES else role, "content": _text(m.get("content"), where)})
+    if not out or out[-1]["role"] != "user":
+        raise ApiError(400, "the last message must be the user's", "messages")
+    return out
+
+
+def conversation(messages):
+    """(system text, turns) of a chat request's messages for our Alpaca template: turns are (instruction,
+    reply) pairs, the last reply None. Consecutive messages of one role are joined by a blank line; system
+    and developer messages make the system text, wherever they stand."""
+    system, turns = [], []
+    for m in chat_messages(messages):
+        role, text = m["role"], m["content"]
+        if role == "system":
             system.append(text)
         elif role == "user":
             if turns and turns[-1][1] is None:
                 turns[-1][0] += "\n\n" + text
             else:
                 turns.append([text, None])
-        elif not turns:
-            raise ApiError(400, f"{where}: an assistant message must follow a user message", where)
         else:
             turns[-1][1] = text if turns[-1][1] is None else turns[-1][1] + "\n\n" + text
-    if not turns or turns[-1][1] is not None:
-        raise ApiError(400, "the last message must be the user's", "messages")
     return "\n\n".join(system), [tuple(t) for t in turns]
 
 
@@ -215,7 +227,8 @@ class Parsed:
             if not model.chat:
                 raise ApiError(400, f"{model.id} is a base (pretrained) checkpoint, not a chat one: use "
                                     "/v1/completions", "messages", "not_a_chat_model")
-            self.prompts, self.echo = [conversation(body.get("messages"))], False
+            messages = chat_messages(body.get("messages"))  # the model's own template takes them as they are
+            self.prompts, self.echo = [messages if model.own_template else conversation(messages)], False
             wants = _flag(body, "logprobs")
             top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, None, integer=True)
             if top is not None and not wants:
@@ -247,8 +260,14 @@ class Parsed:
         """Each prompt's token ids (run off the event loop: a long prompt takes a while), or ApiError for one
         longer than the context."""
         if self.chat:
-            system, turns = self.prompts[0]
-            prompts = [conversation_ids(tok, turns, system)]
+            try:
+                if own_template(tok):
+                    prompts = [jinja_template.prompt_ids(tok, self.prompts[0])]
+                else:
+                    system, turns = self.prompts[0]
+                    prompts = [conversation_ids(tok, turns, system)]
+            except UserError as e:  # the model's template refuses the conversation
+                raise ApiError(400, str(e), "messages", "chat_template_error") from None
         else:
             prompts = [p if isinstance(p, list) else start_ids(tok, p) for p in self.prompts]
         # a new token needs a position of its own after the prompt; scoring alone (max_tokens 0) does not
@@ -282,10 +301,11 @@ async def read_json(request):
 class ModelCard:
     """What the server says about its checkpoint."""
 
-    def __init__(self, ckpt, ck, name=None):
+    def __init__(self, ckpt, ck, name=None, tok=None):
         self.id = name or os.path.splitext(os.path.basename(ckpt))[0]
         self.created = int(os.path.getmtime(ckpt))
         self.chat, self.context, self.vocab = ck.chat, ck.cfg.context, ck.cfg.vocab_size
+        self.own_template = own_template(tok)  # an imported chat model: its messages go to its template as they are
 
     def card(self):
         # `chat` and `context` are ours (OpenAI clients ignore them): the web page reads them;
@@ -542,7 +562,9 @@ def build_app(scheduler, model, tok, api_key=None, cors_origins=()):
         return JSONResponse({"prompt": tok.decode(ids).decode("utf-8", errors="replace")})
 
     async def tokenizer_info(request):
-        return JSONResponse({"eos_token": tok.decode([tok.eos_id]).decode(), "bos_token": None, "pad_token": None,
+        named = tok.named_tokens
+        return JSONResponse({"eos_token": tok.decode([tok.eos_id]).decode(), "bos_token": named.get("bos_token"),
+                             "pad_token": named.get("pad_token"),
                              "model_max_length": model.context, "tokenizer_class": "nanoeuler-bpe"})
 
     async def on_api_error(request, e):
@@ -597,7 +619,7 @@ def main(args):
         raise UserError(f"--slots must be 1 to {DECODE_ROWS} (rows of one decoding batch), got {args.slots}")
     sock = listen(args.host, args.port)  # first: a busy port fails before a large model loads
     eng, tok, ck = load_model(args.ckpt, args.device, not args.no_batch_invariance)
-    model = ModelCard(args.ckpt, ck, args.served_model_name)
+    model = ModelCard(args.ckpt, ck, args.served_model_name, tok)
     scheduler = Scheduler(eng, tok, args.slots, args.queue)
     scheduler.warm_up()  # compile (or load) the kernels before serving
     app = build_app(scheduler, model, tok, args.api_key, args.cors_origin or ())

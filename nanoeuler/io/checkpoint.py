@@ -2,8 +2,10 @@
 
 Layout (docs/design.md, "Checkpoint format"): the tensors under their model names (`tok_emb`, `layers.0.wq`,
 ...), optionally the AdamW moments under `opt.m.<name>` / `opt.v.<name>`, and string metadata: `format` =
-"nanoeuler", `config` (JSON), `tokenizer` (JSON), `step`, `chat` ("0"/"1"), and `train` (JSON: whatever the
-training loop needs to continue exactly: hyperparameters, data position, RNG state).
+"nanoeuler", `config` (JSON), `tokenizer` (JSON; an imported model's also holds its chat template and end
+ids), `step`, `chat` ("0"/"1"; a model whose tokenizer has a chat template is a chat model either way), and
+`train` (JSON: whatever the training loop needs to continue exactly: hyperparameters, data position, RNG
+state).
 `safetensors.numpy.load_file` opens it, and so does any other safetensors reader.
 
 Writes are atomic (nanoeuler/files.py): a crash or Ctrl-C at any moment leaves either the old checkpoint
@@ -133,6 +135,15 @@ def _config(path, meta):
     return cfg, step
 
 
+def _has_chat_template(tokenizer_json):
+    """Whether the tokenizer brings its own chat template: a model that has one is a chat model, whatever
+    trained it last (continued pretraining of an imported -Instruct model writes chat = 0)."""
+    try:
+        return json.loads(tokenizer_json).get("chat_template") is not None
+    except (ValueError, AttributeError):
+        return False  # a corrupt tokenizer is reported where it is read
+
+
 def load(path, with_opt=False):
     """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent)."""
     path = os.fspath(path)
@@ -169,7 +180,7 @@ def load(path, with_opt=False):
     except ValueError:
         raise UserError(f"checkpoint {path} is corrupt (unreadable training state)") from None
     return Checkpoint(cfg=cfg, params=flats[""], tokenizer_json=meta["tokenizer"], step=step,
-                      chat=meta.get("chat") == "1",
+                      chat=meta.get("chat") == "1" or _has_chat_template(meta["tokenizer"]),
                       opt=(flats["opt.m."], flats["opt.v."]) if with_opt else None,
                       train_state=train_state)
 

@@ -8,10 +8,11 @@ The model is a Llama as far as `transformers` is concerned: the same RMSNorm (ep
 rotate-half RoPE (so q/k rows need no permutation, unlike exports of Meta's interleaved checkpoints),
 grouped-query attention, SwiGLU and no biases. Head 0 (next-token prediction) becomes `lm_head`; the other
 multi-token-prediction heads are training aids and are left out. The embedding and lm_head stay untied.
-Files: config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with
-a chat checkpoint's `chat_template`: data/template.py's, so `tokenizer.apply_chat_template` renders the
-template it was fine-tuned on), special_tokens_map.json, and README.md, the model card (the run report,
-io/report.py, with loading instructions and the loss curve); each is written atomically.
+Files: config.json, generation_config.json (all of an import's end ids), model.safetensors, tokenizer.json,
+tokenizer_config.json (an import's named special tokens; with a chat checkpoint's `chat_template`: the
+model's own, else data/template.py's, so `tokenizer.apply_chat_template` renders the template it was
+fine-tuned on), special_tokens_map.json, and README.md, the model card (the run report, io/report.py, with
+loading instructions and the loss curve); each is written atomically.
 """
 import json
 import os
@@ -80,13 +81,14 @@ def main(args):
     data = serialize(tensors, metadata={"format": "pt"})
     atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(data))
     write_json("config.json", hf_config(ck.cfg, tok))
-    write_json("generation_config.json", {"eos_token_id": tok.eos_id, "max_length": ck.cfg.context})
+    ends = list(tok.end_ids) if len(tok.end_ids) > 1 else tok.eos_id  # an import's several end ids, all kept
+    write_json("generation_config.json", {"eos_token_id": ends, "max_length": ck.cfg.context})
     tok.save_hf(os.path.join(out, "tokenizer.json"))
     eos = next(name for name, i in tok.special_tokens.items() if i == tok.eos_id)
     write_json("tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": ck.cfg.context,
-        "eos_token": eos, "clean_up_tokenization_spaces": False, "add_bos_token": False,
-        "add_eos_token": False, **({"chat_template": CHAT_TEMPLATE} if ck.chat else {})})
+        **tok.named_tokens, "eos_token": eos, "clean_up_tokenization_spaces": False, "add_bos_token": False,
+        "add_eos_token": False, **({"chat_template": tok.chat_template or CHAT_TEMPLATE} if ck.chat else {})})
     write_json("special_tokens_map.json", {"eos_token": eos})
     card = model_card(args.ckpt, out, ck.chat)
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(card), mode="w")

@@ -21,7 +21,7 @@ attention, are unchanged; V and the output projection are untouched.
 The tokenizer is a GPT-2-style BPE (tokenizer.ggml.model "gpt2"): the tokens in their byte-level spelling,
 the merges, token types (special tokens are control tokens), pre-tokenizer "gpt-2" (llama.cpp's hand-written
 splitter of GPT-2's regex, which is ours), no BOS added, our end-of-text token (`</s>`) as EOS and, for chat
-checkpoints, the chat template (nanoeuler/data/template.py's CHAT_TEMPLATE).
+checkpoints, the chat template (an imported model's own, else nanoeuler/data/template.py's CHAT_TEMPLATE).
 """
 import os
 
@@ -153,7 +153,7 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     w.add_add_eos_token(False)
     if chat:
         from nanoeuler.data.template import CHAT_TEMPLATE
-        w.add_chat_template(CHAT_TEMPLATE)
+        w.add_chat_template(tok.chat_template or CHAT_TEMPLATE)  # an import's own, else ours
     for tensor_name, array in gguf_tensors(cfg, params).items():
         data, raw_dtype = _stored(gguf, array, kind)
         w.add_tensor(tensor_name, data, raw_dtype=raw_dtype)

@@ -13,6 +13,12 @@ and the RMSNorm epsilon go into the config. The Q/K rows need no permutation: ou
 Hugging Face's does (rotate-half). This is the inverse of `nanoeuler export --hf` (nanoeuler/io/export.py),
 whose tensor names it reads back.
 
+An -Instruct model's chat template (chat_template.jinja, else tokenizer_config.json's `chat_template`) and
+its end ids (generation_config.json's and config.json's `eos_token_id`s and the tokenizer's end of text) go
+into the tokenizer (`chat_settings`, Tokenizer.set_chat): a model with a template is a chat model, which
+chat, serve, sft and dpo address in that template (nanoeuler/data/jinja_template.py), and generation stops at
+any of its end ids.
+
 What our engines do not compute is refused in one line: biases, rope scaling other than llama3, partial
 rotary embeddings, an activation other than SiLU, a head size other than dim / heads, a tokenizer that is not
 a byte-level BPE with the pretokenization of GPT-2, SmolLM (digits one by one), Llama 3 or Qwen2. A head size
@@ -184,6 +190,52 @@ def _bos_name(folder):
     return bos if tc.get("add_bos_token") and bos else None
 
 
+# tokenizer_config.json's named special tokens, which transformers hands a chat template as variables
+NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _ids(value):
+    """An eos_token_id field (an id, a list of them, or absent) as a list."""
+    return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
+
+
+def chat_settings(folder, hf, tok):
+    """(chat template or None, end ids, named tokens) of a model folder, for Tokenizer.set_chat: the template
+    as transformers loads it (chat_template.jinja, else tokenizer_config.json's `chat_template`, a string or
+    the one named "default" of a list), compiled here so that a broken one fails at import; the end ids: the
+    union of generation_config.json's and config.json's eos_token_id(s) and the tokenizer's end of text;
+    tokenizer_config.json's named special tokens."""
+    tc_path, jinja_path = os.path.join(folder, "tokenizer_config.json"), os.path.join(folder, "chat_template.jinja")
+    tc = _read_json(tc_path) if os.path.exists(tc_path) else {}
+    template = tc.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+        if template is None:
+            print(f"note: {tc_path} has chat templates {sorted(map(str, named))} but none named 'default': "
+                  "imported without one", file=sys.stderr)
+    if os.path.exists(jinja_path):
+        try:
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read {jinja_path}: {e}") from None
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{tc_path}: chat_template is neither a string nor a list of named templates")
+    if template is not None:
+        from nanoeuler.data.jinja_template import compiled
+        compiled(template)
+    gc_path = os.path.join(folder, "generation_config.json")
+    gc = _read_json(gc_path) if os.path.exists(gc_path) else {}
+    ends = _ids(gc.get("eos_token_id")) + _ids(hf.get("eos_token_id"))
+    if [i for i in ends if not 0 <= i < tok.vocab_size]:
+        print(f"note: end ids {[i for i in ends if not 0 <= i < tok.vocab_size]} of generation_config.json or "
+              f"config.json are not tokens of tokenizer.json ({tok.vocab_size}); left out", file=sys.stderr)
+    named = {k: v.get("content") if isinstance(v, dict) else v for k, v in tc.items() if k in NAMED_TOKENS}
+    named = {k: v for k, v in named.items() if isinstance(v, str)} if tc else None
+    return template, [i for i in ends if 0 <= i < tok.vocab_size], named
+
+
 def load_hf(folder, context=None):
     """(Config, flat float32 parameters, Tokenizer) of a Hugging Face LlamaForCausalLM folder."""
     if not os.path.isdir(folder):
@@ -191,6 +243,7 @@ def load_hf(folder, context=None):
     hf = _read_json(os.path.join(folder, "config.json"))
     cfg = config_from_hf(hf, context, os.path.join(folder, "config.json"))
     tok = Tokenizer.load(os.path.join(folder, "tokenizer.json"), eos=_eos_name(folder, hf), bos=_bos_name(folder))
+    tok.set_chat(*chat_settings(folder, hf, tok))
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer.json has {tok.vocab_size} tokens but the model only {cfg.vocab_size}")
     tensors = read_tensors(folder)
@@ -203,12 +256,15 @@ def main(args):
         raise UserError(f"{args.out} exists: --overwrite replaces it, --out FILE writes elsewhere")
     check_writable(args.out)
     cfg, params, tok = load_hf(args.hf, args.context)
-    checkpoint.save(args.out, cfg, params, tok.to_json(), step=0)
+    checkpoint.save(args.out, cfg, params, tok.to_json(), step=0, chat=tok.chat_template is not None)
     print(f"imported {args.hf} into {args.out}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
           f"{cfg.n_kv_heads} heads, hidden {cfg.hidden}, context {cfg.context}, vocab {cfg.vocab_size}, "
           f"rope theta {cfg.rope_theta:g}{_scaling_note(cfg)}, norm eps {cfg.norm_eps:g}, "
           f"{params.size / 1e6:.2f}M parameters; "
           f"tokenizer: {tok.vocab_size} tokens, end of text {tok.eos!r} = {tok.eos_id}")
+    ends = ", ".join(f"{tok.decode([i]).decode('utf-8', 'replace')!r} = {i}" for i in tok.end_ids)
+    print(f"{'a chat model: its own chat template' if tok.chat_template else 'no chat template (a base model)'}; "
+          f"generation stops at {ends}")
     from nanoeuler.model.gpu import HEAD_SIZES
     if cfg.head_dim not in HEAD_SIZES:
         print(f"note: head size {cfg.head_dim}: the GPU attention kernels take {' or '.join(map(str, HEAD_SIZES))}, "

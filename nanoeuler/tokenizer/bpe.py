@@ -208,6 +208,39 @@ class Tokenizer:
         self._special_ids = {s.encode(): i for s, i in self.special_tokens.items()}
         self.token_dtype = np.dtype("<u2" if vocab_size <= MAX_VOCAB else "<u4")  # of token files
         self._cache = None  # _PieceCache, made on first encode
+        self.set_chat()
+
+    def set_chat(self, chat_template=None, end_ids=None, named_tokens=None):
+        """What a model brings besides its tokens (an imported one; ours keep the defaults): `chat_template`,
+        its Jinja chat template (data/jinja_template.py renders it), or None (ours: data/template.py's Alpaca);
+        `end_ids`, every id that ends a reply (generation stops at any of them), the end-of-text id first;
+        `named_tokens`, tokenizer_config.json's named special tokens ({"bos_token": ..., "eos_token": ...}),
+        the variables of those names that a chat template reads. Returns the tokenizer."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise UserError("corrupt tokenizer: its chat template is not a string")
+        try:
+            ends = list(dict.fromkeys([self.eos_id] + [int(i) for i in end_ids or ()]))
+        except (TypeError, ValueError):
+            raise UserError(f"corrupt tokenizer: end ids {end_ids!r} are not ids") from None
+        if any(not 0 <= i < self.vocab_size for i in ends):
+            raise UserError(f"corrupt tokenizer: end ids {ends} are not all ids of its {self.vocab_size} tokens")
+        named = named_tokens if named_tokens is not None else self._default_named()
+        if not isinstance(named, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
+            raise UserError("corrupt tokenizer: its named tokens are not strings")
+        self.chat_template, self.end_ids, self.named_tokens = chat_template, tuple(ends), dict(named)
+        return self
+
+    def _default_named(self):
+        return {"eos_token": self.eos, **({"bos_token": self.bos} if self.bos is not None else {})}
+
+    def _chat_json(self):
+        """The fields of set_chat that differ from the defaults (to_json writes them; old readers skip them)."""
+        d = {} if self.chat_template is None else {"chat_template": self.chat_template}
+        if self.end_ids != (self.eos_id,):
+            d["end_ids"] = list(self.end_ids)
+        if self.named_tokens != self._default_named():
+            d["named_tokens"] = self.named_tokens
+        return d
 
     # -------------------------------------------------------------------------------------------- training
 
@@ -259,6 +292,12 @@ class Tokenizer:
         if self.bos_id is not None and (add_bos is None or add_bos):
             ids.insert(0, self.bos_id)
         return ids
+
+    def encode_ordinary(self, text):
+        """Token ids of text with no added token recognised, special or not, and no BOS: how a chat template's
+        renderer encodes what the user wrote (transformers' split_special_tokens)."""
+        data = _as_bytes(text)
+        return self._encode_plain(data, 0, len(data), True, 0)[0].tolist()
 
     def decode(self, ids):
         """The exact bytes that the token ids stand for."""
@@ -347,7 +386,9 @@ class Tokenizer:
     def to_json(self):
         """Compact JSON (merges + special tokens): what checkpoints store under __metadata__["tokenizer"].
         Version 2 adds the ids, the end-of-text token and the decode-only entries of a tokenizer whose ids
-        are not our own order (an imported one); ours stay version 1, readable by every nanoeuler."""
+        are not our own order (an imported one); ours stay version 1, readable by every nanoeuler. Any
+        version may add what set_chat holds where it is not the default: `chat_template`, `end_ids` and
+        `named_tokens`."""
         d = {"format": "nanoeuler-bpe", "version": 1, "pretokenizer": "gpt2", "unicode": UNICODE_VERSION,
              "merges": self.merges.tolist(), "special_tokens": list(self.special_tokens)}
         if self._explicit:  # version 3: the token list, the rule and the rest of a loaded tokenizer.json
@@ -360,6 +401,7 @@ class Tokenizer:
             ids = self._ids.tolist() if self._ids is not None else list(range(self.vocab_size))
             d.update(version=2, ids=ids, eos=self.eos,
                      decode_only={str(i): t.hex() for i, t in self._decode_only.items()})
+        d.update(self._chat_json())
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
@@ -386,7 +428,8 @@ class Tokenizer:
                              ignore_merges=bool(d["ignore_merges"]), bos=d["bos"], nonspecial=d["nonspecial"])
         except (ValueError, TypeError, AttributeError):
             raise UserError("corrupt tokenizer: merges must be pairs of ids") from None
-        return cls(merges, d["special_tokens"], **extra)
+        return cls(merges, d["special_tokens"], **extra).set_chat(d.get("chat_template"), d.get("end_ids"),
+                                                                  d.get("named_tokens"))
 
     def sha256(self):
         return hashlib.sha256(self.to_json().encode()).hexdigest()

@@ -44,7 +44,7 @@ from tqdm import tqdm
 from nanoeuler.data.corpus import provenance
 from nanoeuler.data.instructions import split
 from nanoeuler.data.preferences import DEFAULT_DATA, PairBatches, pair_batch, pair_eval_batches, prepare, read_pairs
-from nanoeuler.data.template import render_prompt
+from nanoeuler.data.template import sample_prompt
 from nanoeuler.errors import UserError
 from nanoeuler.infer.generate import generate
 from nanoeuler.io import checkpoint
@@ -82,8 +82,8 @@ def preset_hyper(cfg):
 def greedy_replies(eng, tok, prompts, max_new_tokens=GREEDY_TOKENS):
     """The greedy reply (text, </s> dropped) to each prompt (token ids of a rendered chat prompt), decoded
     together in one batch."""
-    outs = generate(eng, [list(ids) for ids in prompts], max_new_tokens, temperature=0, stop_ids=(tok.eos_id,))
-    return [tok.decode(out[:-1] if out and out[-1] == tok.eos_id else out).decode("utf-8", errors="replace")
+    outs = generate(eng, [list(ids) for ids in prompts], max_new_tokens, temperature=0, stop_ids=tok.end_ids)
+    return [tok.decode(out[:-1] if out and out[-1] in tok.end_ids else out).decode("utf-8", errors="replace")
             for out in outs]
 
 
@@ -190,7 +190,7 @@ class PreferenceTune(Stage):
                     ref=self.ref.tolist(), greedy_before=self.before)
 
     def fit_options(self, run):
-        return dict(chat=True, sample_prompt=render_prompt(self.first["prompt"]), title="nanoeuler dpo",
+        return dict(chat=True, sample_prompt=sample_prompt(run.tok, self.first["prompt"]), title="nanoeuler dpo",
                     log_first=dict(pairs_skipped=self.counts["skipped"], data=provenance(self.data)))
 
     def done(self, run):

@@ -18,7 +18,7 @@ import numpy as np
 from nanoeuler.data.instructions import (DEFAULT_DATA, ExampleBatches, encode_example, eval_batches, fit_example,
                                          prepare, read_data, response_byte_len, split)
 from nanoeuler.data.corpus import provenance
-from nanoeuler.data.template import render_prompt
+from nanoeuler.data.template import render_prompt, sample_prompt  # noqa: F401 (the prompt sft trains on)
 from nanoeuler.io import checkpoint
 from nanoeuler.train.loop import Hyperparameters
 from nanoeuler.train.objectives import CrossEntropy
@@ -85,7 +85,7 @@ class FineTune(Stage):
                     val_examples=self.n_val, examples=self.counts)
 
     def fit_options(self, run):
-        return dict(chat=True, sample_prompt=render_prompt(self.first["instruction"], self.first["input"]),
+        return dict(chat=True, sample_prompt=sample_prompt(run.tok, self.first["instruction"], self.first["input"]),
                     title="nanoeuler sft", log_first=dict(examples_truncated=self.counts["truncated"],
                                                           examples_skipped=self.counts["skipped"],
                                                           data=provenance(self.data) if run.world.is_main else None))
