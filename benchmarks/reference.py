@@ -8,8 +8,9 @@ rotate-half convention (theta `cfg.rope_theta`, 10000), as Hugging Face's `Llama
 grouped-query causal attention through `F.scaled_dot_product_attention` with scale 1/sqrt(head_dim);
 SwiGLU; a final RMSNorm and K prediction heads, head k predicting the token 1+k positions ahead. The loss
 is the mean over the heads of their cross-entropies, a target of -1 counting for nothing. As in our
-engines, wq|wk|wv, w_gate|w_up and heads.0..K-1 are each one parameter, a fused matrix, and weight decay
-goes to the matrices only (`param_groups`, as `config.is_matrix`). By default each fused matrix is one
+engines, wq|wk|wv, w_gate|w_up and heads.0..K-1 are each one parameter, a fused matrix (a tied model's
+`heads` is the `tok_emb` parameter itself), and weight decay goes to the matrices only (`param_groups`, as
+`config.is_matrix`). By default each fused matrix is one
 matmul whose output is split (the faster form on a GPU); `split_matmuls=True` runs a matmul per part on
 slices of it instead, as separate `Linear` layers would (the faster form on a CPU at `small`'s size, where
 the backward pass of the split outputs, a concatenation of large activation gradients, costs more than
@@ -65,7 +66,8 @@ def _fused_names(cfg):
         fused[p + "w_gate_up"] = [p + "w_gate", p + "w_up"]
         fused[p + "w_down"] = [p + "w_down"]
     fused["final_norm"] = ["final_norm"]
-    fused["heads"] = [f"heads.{k}" for k in range(cfg.mtp_heads)]
+    if not cfg.tied:  # a tied head is tok_emb (Reference.w)
+        fused["heads"] = [f"heads.{k}" for k in range(cfg.mtp_heads)]
     return fused
 
 
@@ -105,6 +107,8 @@ class Reference(torch.nn.Module):
 
     def w(self, name):
         """A parameter by its fused name (`layers.0.wqkv`, `heads`, ...)."""
+        if name == "heads" and self.cfg.tied:
+            name = "tok_emb"
         return self.p[self._key(name)]
 
     def param_groups(self, weight_decay):

@@ -239,8 +239,8 @@ def test_crossentropy_forward_backward():
     assert not d[2, :V].any() and not d[5, 2 * V:].any()
 
 
-# the models of `nanoeuler check`: K = 1 (the shipped `small`) and K = 2 (multi-token heads)
-by_heads = pytest.mark.parametrize("cfg", CHECK_CONFIGS, ids=lambda cfg: f"K{cfg.mtp_heads}")
+# the models of `nanoeuler check`: K = 1 (the shipped `small`), K = 2 (multi-token heads), K = 1 tied (an import's)
+by_heads = pytest.mark.parametrize("cfg", CHECK_CONFIGS, ids=lambda cfg: f"K{cfg.mtp_heads}" + "-tied" * cfg.tied)
 
 
 @by_heads

@@ -13,14 +13,16 @@ element type first). Error = ||gpu - cpu|| / ||cpu||. Bounds:
   1.6e-2, leaves room for those and still catches any real fault (a wrong index or a missed term is an O(1)
   error).
 
-Model: the GPU engine's gradients for every parameter tensor against the CPU engine's (float64) on the same
-float32-representable parameters and batch (some targets -1), plus the loss and the KV-cache decode logits,
-in fp32 (bound 1e-5), tf32 and bf16 (each gradient passes through some 50 bf16 roundings on its way back
-through the two layers; as a random walk that is sqrt(50) u = 1.4e-2, and the bound is 2^-4 = 6.3e-2). And
+Model (K = 2 heads, and K = 1 tied to the embedding): the GPU engine's gradients for every parameter tensor
+against the CPU engine's (float64) on the same float32-representable parameters and batch (some targets -1),
+plus the loss and the KV-cache decode logits, in fp32 (bound 1e-5), tf32 and bf16 (each gradient passes
+through some 50 bf16 roundings on its way back through the two layers; as a random walk that is
+sqrt(50) u = 1.4e-2, and the bound is 2^-4 = 6.3e-2). And
 the backward pass must be deterministic: two runs give bit-identical gradients in every precision.
 
     nanoeuler check --gpu
 """
+import dataclasses
 import math
 import time
 
@@ -39,6 +41,8 @@ TOLERANCE = {"fp32": FP32_TOL, "tf32": TF32_TOL, "bf16": BF16_TOL}
 # head_dim 32, GQA 4/2, T = 100 (two attention tiles, the second partial), K = 2 heads
 MODEL_CONFIG = Config(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden=352, vocab_size=300, context=100,
                       mtp_heads=2)
+# the same with one head that is the embedding (an imported tied model): one tensor, two products' gradients
+TIED_CONFIG = dataclasses.replace(MODEL_CONFIG, mtp_heads=1, tied=True)
 
 
 def rel_err(gpu, ref):
@@ -564,7 +568,8 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
         steps = [dec.logits(cache, inputs[:2, :37])]
         steps += [dec.logits(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
         logits.append(np.stack(steps))
-        heads.append(dec.logits(cache, inputs[:2, 40:43], all_heads=True))  # 3 positions x K heads
+        if cfg.mtp_heads > 1:
+            heads.append(dec.logits(cache, inputs[:2, 40:43], all_heads=True))  # 3 positions x K heads
     greedy = decoder_of(gpu).greedy(decoder_of(gpu).new_cache(2), inputs[:2, :37])
     errors = {"loss": abs(gpu_loss - cpu_loss) / abs(cpu_loss)}
     report(f"{'loss':<24} : rel err {errors['loss']:.2e}  (cpu {cpu_loss:.8f}, gpu {gpu_loss:.8f})")
@@ -573,8 +578,9 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
         report(f"{name:<24} : rel err {err:.2e}")
     errors["decode logits"] = rel_err(logits[1], logits[0])
     report(f"{'decode logits (KV cache)':<24} : rel err {errors['decode logits']:.2e}")
-    errors["decode every head"] = rel_err(heads[1], heads[0])
-    report(f"{'decode, every head':<24} : rel err {errors['decode every head']:.2e}")
+    if heads:
+        errors["decode every head"] = rel_err(heads[1], heads[0])
+        report(f"{'decode, every head':<24} : rel err {errors['decode every head']:.2e}")
     errors["decode argmax"] = 0.0 if np.array_equal(greedy, logits[1][0].argmax(axis=-1)) else math.inf
     report(f"{'decode argmax':<24} : {'the logits argmax' if errors['decode argmax'] == 0 else 'WRONG'}")
     cross_entropy_backward(gpu, inputs, targets)
@@ -604,20 +610,22 @@ def run_gpu_check(seed=0):
                 print(f"{label:<64} : rel err {err:.2e}")
                 ok &= err <= tol
                 worst[precision] = max(worst.get(precision, 0.0), err)
-    cfg = MODEL_CONFIG
     bounds = {"fp32": FP32_TOL, "tf32": TF32_TOL, "bf16": BF16_MODEL_TOL}
     model_worst = {}
     for precision, what in (("fp32", "FP32 cuBLAS, 3xTF32 attention"), ("tf32", "TF32 tensor cores"),
                             ("bf16", "bf16 activations and weights, float32 master weights and gradients")):
-        print(f"model in {precision} ({what}) vs CPU engine (float64): dim {cfg.dim}, {cfg.n_layers} layers, "
-              f"{cfg.n_heads}/{cfg.n_kv_heads} q/kv heads (head_dim {cfg.head_dim}), K = {cfg.mtp_heads}, B = 3, "
-              f"T = {cfg.context}, some targets -1")
-        report = print if precision != "tf32" else (lambda line: None)
-        errors = model_check(seed, precision, report=report)
-        model_worst[precision] = max(errors.values())
-        if precision == "tf32":
-            print(f"{'all tensors':<24} : max rel err {model_worst[precision]:.2e}")
-        ok &= model_worst[precision] < bounds[precision]
+        for cfg in (MODEL_CONFIG, TIED_CONFIG):
+            heads = f"K = {cfg.mtp_heads}" + (" tied to the embedding" if cfg.tied else "")
+            print(f"model in {precision} ({what}) vs CPU engine (float64): dim {cfg.dim}, {cfg.n_layers} layers, "
+                  f"{cfg.n_heads}/{cfg.n_kv_heads} q/kv heads (head_dim {cfg.head_dim}), {heads}, B = 3, "
+                  f"T = {cfg.context}, some targets -1")
+            report = print if precision != "tf32" else (lambda line: None)
+            errors = model_check(seed, precision, report=report, cfg=cfg)
+            worst_here = max(errors.values())
+            model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
+            if precision == "tf32":
+                print(f"{'all tensors':<24} : max rel err {worst_here:.2e}")
+            ok &= worst_here < bounds[precision]
     print("worst: " + ", ".join(f"{p} kernels {worst[p]:.2e} (bound {TOLERANCE[p]:.1e}), model {model_worst[p]:.2e} "
                                 f"(bound {bounds[p]:.1e})" for p in ("fp32", "tf32", "bf16")))
     print(f"{'PASS' if ok else 'FAIL'} ({time.time() - start:.1f} s)")

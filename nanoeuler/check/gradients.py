@@ -1,11 +1,12 @@
 """`nanoeuler check`: every hand-written backward pass against finite differences, tensor by tensor.
 
-Two models of the small preset's shape (4 layers, 4 query heads sharing 2 kv heads, RoPE, no biases) at
+Three models of the small preset's shape (4 layers, 4 query heads sharing 2 kv heads, RoPE, no biases) at
 reduced width (dim 32, hidden 96, vocab 64): one with K = 1 prediction head, as the shipped `small`, one
-with K = 2 (multi-token heads). The CPU engine runs each in float64 on a batch of two 24-token sequences
-(long enough for the causal mask to matter) with some targets set to -1 (problems.random_problem). For 8
-random entries of every parameter tensor (`--samples`), the analytic gradient of the training loss is
-compared with a fourth-order central difference
+with K = 2 (multi-token heads), and one with K = 1 whose head is its embedding (tied, as imported SmolLM or
+Llama 3.2: one tensor whose gradient is the sum of the head's and the embedding's). The CPU engine runs each
+in float64 on a batch of two 24-token sequences (long enough for the causal mask to matter) with some
+targets set to -1 (problems.random_problem). For 8 random entries of every parameter tensor (`--samples`),
+the analytic gradient of the training loss is compared with a fourth-order central difference
 
     g ~ (8 (L(p+h) - L(p-h)) - (L(p+2h) - L(p-2h))) / (12 h),   h = 1e-3,
 
@@ -17,7 +18,7 @@ training init (std 0.15, norm gains 1 +- 0.2) so every layer has gradients well 
 softmax and SiLU leave their linear regimes. The check fails (exit status 1) if any entry's error is
 1e-6 or more.
 
-    nanoeuler check            # CPU engine vs finite differences: 39 + 40 tensors, ~1.5 s on 2 cores
+    nanoeuler check            # CPU engine vs finite differences: 39 + 40 + 38 tensors, ~2 s on 2 cores
     nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/check/gpu.py)
 """
 import math
@@ -33,9 +34,10 @@ from nanoeuler.model.losses import (chosen_tokens, cross_entropy, cross_entropy_
 
 THRESHOLD = 1e-6
 # The small preset's structure at reduced width; head_dim 8. K = 1 is the shipped `small`, K = 2 checks the
-# multi-token heads (their fused matmul, the mean over heads, a target -1 in one head only).
+# multi-token heads (their fused matmul, the mean over heads, a target -1 in one head only), tied checks an
+# imported model's one embedding-and-head tensor.
 _SHAPE = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden=96, vocab_size=64, context=24)
-CHECK_CONFIGS = (Config(**_SHAPE, mtp_heads=1), Config(**_SHAPE, mtp_heads=2))
+CHECK_CONFIGS = (Config(**_SHAPE, mtp_heads=1), Config(**_SHAPE, mtp_heads=2), Config(**_SHAPE, mtp_heads=1, tied=True))
 # The preference objective is checked as shipped: DPO plus RPO's chosen-reply NLL (dpo.DEFAULT_RPO_ALPHA).
 DPO_ALPHA = 1.0
 
@@ -153,7 +155,14 @@ def _quick_parallel_regions():
     config.reload_config()
 
 
+def label(cfg):
+    """A check model's name in the report: its K, and whether it is tied."""
+    return f"K = {cfg.mtp_heads}" + (", tied" if cfg.tied else "")
+
+
 def describe(cfg):
+    if cfg.tied:
+        return "the head is the embedding, as imported tied models"
     return "the shipped `small`" if cfg.mtp_heads == 1 else "multi-token heads"
 
 
@@ -170,19 +179,19 @@ def main(args):
     print(f"gradient check: CPU engine in float64 vs 4th-order central differences (h = 1e-3), "
           f"{args.samples} entries per tensor")
     print(f"models: {c.n_layers} layers, {c.n_heads}/{c.n_kv_heads} q/kv heads, RoPE, dim {c.dim}, hidden "
-          f"{c.hidden}, vocab {c.vocab_size}; K = {', '.join(str(m.mtp_heads) for m in CHECK_CONFIGS)}; "
+          f"{c.hidden}, vocab {c.vocab_size}; {'; '.join(label(m) for m in CHECK_CONFIGS)}; "
           f"batch 2 x T = {c.context}, some targets -1")
     start = time.time()
     errors = {}
     for cfg in CHECK_CONFIGS:
-        print(f"K = {cfg.mtp_heads} ({describe(cfg)}):")
+        print(f"{label(cfg)} ({describe(cfg)}):")
         for name, err in gradient_check(cfg, samples=args.samples, seed=args.seed).items():
-            errors[f"K = {cfg.mtp_heads}, {name}"] = err
+            errors[f"{label(cfg)}, {name}"] = err
     for cfg in CHECK_CONFIGS:
-        print(f"DPO objective, K = {cfg.mtp_heads}: 2 pairs, beta 0.5, RPO alpha {DPO_ALPHA:g}, prompts and "
+        print(f"DPO objective, {label(cfg)}: 2 pairs, beta 0.5, RPO alpha {DPO_ALPHA:g}, prompts and "
               "padding masked:")
         for name, err in dpo_gradient_check(cfg, samples=args.samples, seed=args.seed).items():
-            errors[f"DPO K = {cfg.mtp_heads}, {name}"] = err
+            errors[f"DPO {label(cfg)}, {name}"] = err
     worst = max(errors, key=lambda n: math.inf if math.isnan(errors[n]) else errors[n])  # NaN is worst
     print(f"max relative error: {errors[worst]:.2e} ({worst})")
     ok = all(err < THRESHOLD for err in errors.values())

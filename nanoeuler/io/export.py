@@ -7,7 +7,9 @@
 The model is a Llama as far as `transformers` is concerned: the same RMSNorm (eps 1e-5), the same
 rotate-half RoPE (so q/k rows need no permutation, unlike exports of Meta's interleaved checkpoints),
 grouped-query attention, SwiGLU and no biases. Head 0 (next-token prediction) becomes `lm_head`; the other
-multi-token-prediction heads are training aids and are left out. The embedding and lm_head stay untied.
+multi-token-prediction heads are training aids and are left out. A tied model (an import of one, config.tied)
+is written tied: `tie_word_embeddings: true` and no `lm_head.weight`, so transformers reads the embedding as
+the head, as it does for the model that was imported; an untied one says `tie_word_embeddings: false`.
 Files: config.json, generation_config.json (all of an import's end ids), model.safetensors, tokenizer.json,
 tokenizer_config.json (an import's named special tokens; with a chat checkpoint's `chat_template`: the
 model's own, else data/template.py's, so `tokenizer.apply_chat_template` renders the template it was
@@ -37,8 +39,9 @@ LAYER_NAMES = {  # ours -> Hugging Face Llama, within layer i
 def hf_tensors(cfg, params):
     """Our flat parameter buffer -> {Hugging Face name: array}."""
     v = views(params, cfg)
-    out = {"model.embed_tokens.weight": v["tok_emb"], "model.norm.weight": v["final_norm"],
-           "lm_head.weight": v["heads.0"]}
+    out = {"model.embed_tokens.weight": v["tok_emb"], "model.norm.weight": v["final_norm"]}
+    if not cfg.tied:  # a tied head 0 is the embedding: transformers ties lm_head to it
+        out["lm_head.weight"] = v["heads.0"]
     for i in range(cfg.n_layers):
         for ours, theirs in LAYER_NAMES.items():
             out[f"model.layers.{i}.{theirs}.weight"] = v[f"layers.{i}.{ours}"]
@@ -52,7 +55,7 @@ def hf_config(cfg, tok):
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.context, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tied,
         "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32",
         "bos_token_id": None, "eos_token_id": tok.eos_id, "pad_token_id": None,
         **({} if cfg.rope_scaling is None else {"rope_scaling": dict(cfg.rope_scaling)}),
@@ -94,5 +97,6 @@ def main(args):
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(card), mode="w")
     print(f"exported {args.ckpt} (step {ck.step}) to {out}/: LlamaForCausalLM, "
           f"{sum(a.size for a in tensors.values()) / 1e6:.2f}M parameters "
-          f"(head 0 as lm_head), tokenizer.json with {tok.vocab_size} tokens")
+          f"({'lm_head tied to the embedding' if ck.cfg.tied else 'head 0 as lm_head'}), tokenizer.json with "
+          f"{tok.vocab_size} tokens")
     return 0

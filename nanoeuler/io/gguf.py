@@ -7,8 +7,10 @@ Written through the `gguf` package (the llama.cpp project's own writer; pip inst
 is llama.cpp's `llama` architecture: the file carries every hyperparameter llama.cpp reads for it (context,
 widths, layer and head counts, RoPE dimensions and base, the RMSNorm epsilon, vocabulary size, file type),
 head 0 as `output.weight` (the other prediction heads are training aids and stay behind) and the embedding
-as `token_embd.weight`. Matrices are stored as --type (q8_0 blocks of 32: a matrix whose rows are not a
-multiple of 32 falls back to f16), the norm gains as f32, as llama.cpp's own converter does. An imported
+as `token_embd.weight`; a tied model (config.tied) has no `output.weight`, and llama.cpp then takes
+`token_embd.weight` as the output, as it does for the tied Llamas its converter writes. Matrices are stored
+as --type (q8_0 blocks of 32: a matrix whose rows are not a multiple of 32 falls back to f16), the norm
+gains as f32, as llama.cpp's own converter does. An imported
 model with llama3 RoPE scaling also gets the f32 `rope_freqs.weight` that converter writes for it (the factor
 each RoPE frequency is divided by).
 
@@ -53,11 +55,14 @@ def rope_pairs_split(w, n_heads):
 
 
 def gguf_names(cfg):
-    """{llama.cpp tensor name: our tensor name}, in file order; heads 1..K-1 have none."""
+    """{llama.cpp tensor name: our tensor name}, in file order; heads 1..K-1 have none, nor has a tied head 0
+    (it is token_embd)."""
     names = {"token_embd.weight": "tok_emb"}
     for i in range(cfg.n_layers):
         names.update({f"blk.{i}.{theirs}.weight": f"layers.{i}.{ours}" for ours, theirs in GGUF_LAYER_NAMES.items()})
-    names.update({"output_norm.weight": "final_norm", "output.weight": "heads.0"})
+    names["output_norm.weight"] = "final_norm"
+    if not cfg.tied:
+        names["output.weight"] = "heads.0"
     return names
 
 
@@ -177,6 +182,7 @@ def main(args):
     name = os.path.splitext(os.path.basename(args.ckpt))[0]
     write_gguf(args.gguf, ck.cfg, ck.params, tok, args.type, chat=ck.chat, name=name)
     print(f"exported {args.ckpt} (step {ck.step}) to {args.gguf}: llama.cpp GGUF, architecture llama, "
-          f"{args.type} matrices, head 0 as output, {tok.vocab_size} tokens"
+          f"{args.type} matrices, {'output tied to token_embd' if ck.cfg.tied else 'head 0 as output'}, "
+          f"{tok.vocab_size} tokens"
           + (", chat template" if ck.chat else "") + f" ({os.path.getsize(args.gguf) / 1e6:.1f} MB)")
     return 0

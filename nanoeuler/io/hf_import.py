@@ -7,11 +7,19 @@
 DIR is a `LlamaForCausalLM` folder as `save_pretrained` writes it: config.json, the weights as safetensors
 (one file or shards with their index; float32, float16 or bfloat16, read into float32) and a byte-level BPE
 tokenizer.json. It becomes one nanoeuler checkpoint (nanoeuler/io/checkpoint.py) with K = 1 prediction heads:
-`lm_head` becomes head 0 (the embedding, when the model ties them), the tokenizer becomes ours with its ids
-kept (nanoeuler/tokenizer/bpe.py), and RoPE theta, its "llama3" scaling (Llama 3.1+: only the tables change)
-and the RMSNorm epsilon go into the config. The Q/K rows need no permutation: our RoPE pairs dimensions as
-Hugging Face's does (rotate-half). This is the inverse of `nanoeuler export --hf` (nanoeuler/io/export.py),
-whose tensor names it reads back.
+`lm_head` becomes head 0, the tokenizer becomes ours with its ids kept (nanoeuler/tokenizer/bpe.py), and RoPE
+theta, its "llama3" scaling (Llama 3.1+: only the tables change) and the RMSNorm epsilon go into the config.
+The Q/K rows need no permutation: our RoPE pairs dimensions as Hugging Face's does (rotate-half). This is the
+inverse of `nanoeuler export --hf` (nanoeuler/io/export.py), whose tensor names it reads back.
+
+Tied embeddings (SmolLM, Llama 3.2 1B/3B, Qwen2.5 0.5B) stay tied: the config says `tied` and head 0 is
+`tok_emb`, one tensor, stored and trained once. Whether a model is tied is decided as transformers loads it:
+- config.json's `tie_word_embeddings`; absent, the architecture's default in transformers' configuration
+  class (TIE_DEFAULTS: False for LlamaConfig, unlike PretrainedConfig's True in transformers 4);
+- tied, with an `lm_head.weight` equal to the embedding: tied (the copy is dropped); with one that differs:
+  untied, lm_head as head 0, with a note (transformers then unties the two rather than lose either);
+- untied, with no `lm_head.weight`: transformers would give lm_head random values, which is no one's model,
+  so the embedding is taken as the head instead: tied, with a note.
 
 An -Instruct model's chat template (chat_template.jinja, else tokenizer_config.json's `chat_template`) and
 its end ids (generation_config.json's and config.json's `eos_token_id`s and the tokenizer's end of text) go
@@ -24,6 +32,7 @@ rotary embeddings, an activation other than SiLU, a head size other than dim / h
 a byte-level BPE with the pretokenization of GPT-2, SmolLM (digits one by one), Llama 3 or Qwen2. A head size
 the GPU attention kernels do not take is imported with a note (the CPU engine runs it).
 """
+import dataclasses
 import json
 import os
 import struct
@@ -39,6 +48,9 @@ from nanoeuler.model.config import ROPE_TYPES, Config, param_count, views
 from nanoeuler.tokenizer.bpe import Tokenizer
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}  # BF16: the top half of a float32
+# tie_word_embeddings when config.json leaves it out: the default of transformers' configuration class of each
+# model_type (LlamaConfig's, MistralConfig's, Qwen2Config's and Qwen3Config's are all False)
+TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False}
 
 
 def _read_json(path):
@@ -138,11 +150,28 @@ def _scaling_note(cfg):
                                  f"{s['original_max_position_embeddings']} positions)")
 
 
-def params_from_hf(cfg, tensors, tied):
-    """Our flat float32 parameters from Hugging Face's tensors (the names export.hf_tensors writes);
-    head 0 is lm_head, or the embedding when the model ties them."""
-    ours = {"tok_emb": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-            "heads.0": "model.embed_tokens.weight" if tied else "lm_head.weight"}
+def tied_embeddings(hf, tensors):
+    """(tied, note): whether head 0 is the embedding, decided as the module docstring says, and a note for
+    stderr where the config and the weights disagree (else None)."""
+    said = hf.get("tie_word_embeddings")
+    tied = TIE_DEFAULTS.get(hf.get("model_type", "llama"), False) if said is None else bool(said)
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if tied and head is not None and embedding is not None and not np.array_equal(head, embedding):
+        return False, ("config.json ties the embeddings but lm_head.weight differs from them: imported untied, "
+                       "as transformers loads it")
+    if not tied and head is None:
+        why = "says tie_word_embeddings false" if said is not None else "has no tie_word_embeddings (false by default)"
+        return True, (f"config.json {why} but the weights have no lm_head.weight: imported tied, the embedding as "
+                      "the output head (transformers would initialise lm_head at random)")
+    return tied, None
+
+
+def params_from_hf(cfg, tensors):
+    """Our flat float32 parameters from Hugging Face's tensors (the names export.hf_tensors writes); head 0
+    is lm_head, or, in a tied model (cfg.tied), the embedding itself (an lm_head.weight beside it is its copy)."""
+    ours = {"tok_emb": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+    if not cfg.tied:
+        ours["heads.0"] = "lm_head.weight"
     for i in range(cfg.n_layers):
         for name, theirs in LAYER_NAMES.items():
             ours[f"layers.{i}.{name}"] = f"model.layers.{i}.{theirs}.weight"
@@ -247,8 +276,11 @@ def load_hf(folder, context=None):
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer.json has {tok.vocab_size} tokens but the model only {cfg.vocab_size}")
     tensors = read_tensors(folder)
-    tied = hf.get("tie_word_embeddings", True) or "lm_head.weight" not in tensors
-    return cfg, params_from_hf(cfg, tensors, tied), tok
+    tied, note = tied_embeddings(hf, tensors)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    cfg = dataclasses.replace(cfg, tied=tied)
+    return cfg, params_from_hf(cfg, tensors), tok
 
 
 def main(args):
@@ -260,7 +292,7 @@ def main(args):
     print(f"imported {args.hf} into {args.out}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
           f"{cfg.n_kv_heads} heads, hidden {cfg.hidden}, context {cfg.context}, vocab {cfg.vocab_size}, "
           f"rope theta {cfg.rope_theta:g}{_scaling_note(cfg)}, norm eps {cfg.norm_eps:g}, "
-          f"{params.size / 1e6:.2f}M parameters; "
+          f"{params.size / 1e6:.2f}M parameters{' (embedding tied to the output head)' if cfg.tied else ''}; "
           f"tokenizer: {tok.vocab_size} tokens, end of text {tok.eos!r} = {tok.eos_id}")
     ends = ", ".join(f"{tok.decode([i]).decode('utf-8', 'replace')!r} = {i}" for i in tok.end_ids)
     print(f"{'a chat model: its own chat template' if tok.chat_template else 'no chat template (a base model)'}; "

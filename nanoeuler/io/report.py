@@ -112,7 +112,7 @@ def build_report(ckpt):
               f"- {param_count(cfg):,} parameters: dim {cfg.dim}, {cfg.n_layers} layers, "
               f"{cfg.n_heads}/{cfg.n_kv_heads} query/key-value heads, SwiGLU hidden {cfg.hidden}, context "
               f"{cfg.context}, vocabulary {cfg.vocab_size}, {cfg.mtp_heads} prediction "
-              f"head{'s' * (cfg.mtp_heads != 1)}",
+              f"head{'s' * (cfg.mtp_heads != 1)}{' (tied to the embedding)' if cfg.tied else ''}",
               f"- step {step}, {'chat template' if meta.get('chat') == '1' else 'plain text'}", ""]
     if not state:
         return "\n".join(lines)

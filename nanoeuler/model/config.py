@@ -2,6 +2,8 @@
 
 Everything that has to agree between the engines, the checkpoint and the exporters lives here: the
 tensor names and shapes of docs/design.md, in the order they sit in the one flat parameter buffer.
+A tied model (`tied`: an imported model whose output head is its embedding) has no `heads.0` in that
+buffer: head 0 is `tok_emb`, one tensor (the engines read and train it as both).
 """
 import dataclasses
 import json
@@ -25,6 +27,9 @@ class Config:
     # Hugging Face's rope_scaling dict of an imported model (rope_type "llama3"); None (and absent from the
     # checkpoint's JSON) for unscaled RoPE. Not hashed: a dict.
     rope_scaling: dict = dataclasses.field(default=None, hash=False)
+    # Head 0 is tok_emb, one tensor (Hugging Face's tie_word_embeddings); False (and absent from the
+    # checkpoint's JSON) for our own models. Only with one prediction head: heads.1.. could not sit beside it.
+    tied: bool = False
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -36,6 +41,9 @@ class Config:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden", "vocab_size", "context", "mtp_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.tied and self.mtp_heads != 1:
+            raise ValueError(f"tied embeddings take one prediction head (head 0 is the embedding), "
+                             f"not {self.mtp_heads}")
         if self.rope_scaling is not None:
             rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # raises on what we do not compute
 
@@ -44,8 +52,10 @@ class Config:
         return self.dim // self.n_heads
 
     def to_json(self):
-        # optional keys (rope_scaling) are left out when unset: our own models' JSON is unchanged
-        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v is not None}, sort_keys=True)
+        # optional keys (rope_scaling, tied) are left out when unset: our own models' JSON is unchanged
+        unset = {"rope_scaling": None, "tied": False}
+        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if k not in unset or v != unset[k]},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text):
@@ -92,7 +102,8 @@ def param_shapes(cfg):
             (p + "w_down", (cfg.dim, cfg.hidden)),
         ]
     shapes.append(("final_norm", (cfg.dim,)))
-    shapes += [(f"heads.{k}", (cfg.vocab_size, cfg.dim)) for k in range(cfg.mtp_heads)]
+    first_head = 1 if cfg.tied else 0  # a tied head 0 is tok_emb
+    shapes += [(f"heads.{k}", (cfg.vocab_size, cfg.dim)) for k in range(first_head, cfg.mtp_heads)]
     return shapes
 
 
@@ -110,9 +121,11 @@ def param_count(cfg):
 
 
 def flops_per_token(cfg):
-    """Training FLOPs per token (forward + backward): 6 per non-embedding parameter plus causal attention's
-    6 * layers * dim * context (PaLM's accounting); the numerator of MFU."""
-    return 6 * (param_count(cfg) - cfg.vocab_size * cfg.dim) + 6 * cfg.n_layers * cfg.dim * cfg.context
+    """Training FLOPs per token (forward + backward): 6 per parameter a product reads (every one but the
+    embedding's lookup; a tied embedding is head 0's product) plus causal attention's 6 * layers * dim *
+    context (PaLM's accounting); the numerator of MFU."""
+    lookup_only = 0 if cfg.tied else cfg.vocab_size * cfg.dim
+    return 6 * (param_count(cfg) - lookup_only) + 6 * cfg.n_layers * cfg.dim * cfg.context
 
 
 def views(flat, cfg):

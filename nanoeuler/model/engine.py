@@ -20,7 +20,9 @@ pretraining and SFT and the DPO loss are such weights (train/objectives.py). Dec
 
 Parameters and gradients are each one flat buffer (layout: config.param_layout). Because wq|wk|wv,
 w_gate|w_up and heads.0..K-1 sit next to each other in that buffer, each group is one fused matrix here: one
-matmul instead of three, two or K.
+matmul instead of three, two or K. A tied model's head 0 (`heads`, `heads.0`) is a view of `tok_emb`, in the
+weights and in the gradients: the head's product reads the embedding, and its gradient is added to the
+embedding's (every parameter gradient accumulates), so the tensor trains as the sum of both uses.
 
 Mixed precision (the GPU's "bf16"): the flat buffers above stay float32 (the master weights, what
 checkpoints hold), and the layers read `weights`, a bf16 copy that AdamW rewrites in its pass; activations
@@ -116,13 +118,16 @@ class Engine:
             p = f"layers.{i}."
             v[p + "wqkv"] = span(p + "wq", p + "wv", (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
             v[p + "w_gate_up"] = span(p + "w_gate", p + "w_up", 2 * cfg.hidden)
-        v["heads"] = span("heads.0", f"heads.{cfg.mtp_heads - 1}", cfg.mtp_heads * cfg.vocab_size)
+        if cfg.tied:  # head 0 is the embedding (and the only head): the same memory under the heads' names
+            v["heads.0"] = v["heads"] = v["tok_emb"]
+        else:
+            v["heads"] = span("heads.0", f"heads.{cfg.mtp_heads - 1}", cfg.mtp_heads * cfg.vocab_size)
         return v
 
     def gradient_offsets(self):
         """The offsets that gradients_ready is called with in a backward pass, in order: from each of them to
         the end of the flat buffer every gradient is final (the heads and final norm first, then each layer
-        from the last, then the embedding)."""
+        from the last, then the embedding; a tied head 0 is the embedding, final with it at 0)."""
         layers = [self.layout[f"layers.{i}.attn_norm"][0] for i in reversed(range(self.cfg.n_layers))]
         return [self.layout["final_norm"][0], *layers, 0]
 
@@ -280,7 +285,8 @@ class Engine:
         if not accumulate:
             self.grads.fill(0)
         dresid, dxn = acts["dresid"], acts["dxn"]
-        # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf
+        # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf (tied: into tok_emb's gradient,
+        # which the embedding's scatter-add below adds to)
         layers.matmul_backward(acts["dhf"], g["heads"], acts["logits"], acts["hf"], p["heads"])
         dresid.fill(0)
         layers.rmsnorm_backward(dresid, g["final_norm"], acts["dhf"], acts["resid"][cfg.n_layers],

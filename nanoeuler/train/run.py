@@ -145,7 +145,8 @@ def run_stage(stage, args):
     cfg = run.cfg
     run.say(f"model: {stage.origin(run)}, {param_count(cfg) / 1e6:.2f}M parameters (dim {cfg.dim}, {cfg.n_layers} "
             f"layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, context {cfg.context}, vocab {cfg.vocab_size}, "
-            f"{cfg.mtp_heads} prediction head{'s' * (cfg.mtp_heads != 1)}), {run.device.upper()} engine in "
+            f"{cfg.mtp_heads} prediction head{'s' * (cfg.mtp_heads != 1)}{', tied to the embedding' * cfg.tied}), "
+            f"{run.device.upper()} engine in "
             f"{eng.precision}{slow}")
     verb, unit = stage.plan(run)
     run.say(f"{verb}: steps {run.start_step + 1}..{hp.steps} of {run.batch_text()}{unit}, {run.schedule()}")
