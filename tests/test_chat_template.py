@@ -394,23 +394,23 @@ def test_export_writes_the_template_named_tokens_and_end_ids_back(imported, tran
 
 
 @pytest.mark.gpu
-def test_the_gpu_engine_stops_at_any_end_id(imported):
+def test_the_gpu_engine_stops_at_any_end_id(tokenizer):
     """The GPU's decoding chains steps on the device (LOOKAHEAD of them between reads): a sequence still
     ends at the first of its end ids, in a batch and alone, and speculative decoding too."""
     import dataclasses
     import nanoeuler.model.gpu
     from conftest import sharp_params, tiny_config
+    from nanoeuler.tokenizer.bpe import Tokenizer
     if not nanoeuler.model.gpu.available():
         pytest.skip("needs a CUDA GPU (compute capability 8.0+) and cupy")
-    tok = checkpoint.load(imported["llama32"][1]).tokenizer()
-    cfg = dataclasses.replace(tiny_config(tok.vocab_size, gpu=True), context=128)
-    params = sharp_params(cfg, seed=5, scale=0.3, same_heads=True)
+    cfg = dataclasses.replace(tiny_config(tokenizer.vocab_size, gpu=True), context=128)
     eng = make_engine(cfg, device="gpu", precision="fp32")
-    eng.load_params(params)
-    prompt = tok.encode("ROMEO: But soft, what light")
+    eng.load_params(sharp_params(cfg, seed=5, scale=0.3, same_heads=True))
+    prompt = tokenizer.encode("ROMEO: But soft, what light")
     out = list(generate(eng, prompt, 24, temperature=0))
-    k = next(k for k in range(4, len(out)) if out[k] not in out[:k])
-    tok.set_chat(tok.chat_template, [1, 4, out[k]], tok.named_tokens)
+    k = next(k for k in range(4, len(out)) if out[k] not in out[:k] and tokenizer.eos_id not in out[:k + 1])
+    tok = Tokenizer.from_json(tokenizer.to_json()).set_chat(None, [out[k]])
+    assert tok.end_ids == (tokenizer.eos_id, out[k])
     assert list(generate(eng, prompt, 24, temperature=0, stop_ids=tok.end_ids)) == out[:k + 1]
     assert generate(eng, [prompt, prompt[:-2]], 24, temperature=0, stop_ids=tok.end_ids)[0] == out[:k + 1]
     assert list(generate(eng, prompt, 24, temperature=0, stop_ids=tok.end_ids, speculative=True)) == out[:k + 1]
