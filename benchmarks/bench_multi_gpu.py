@@ -2,11 +2,13 @@
 
 Each configuration is a real `nanoeuler train PRESET` (one GPU, or `--gpus N`, with or without `--zero 1`) of
 a few hundred steps on the same corpus and tokenizer; its metrics log gives the median tokens/s over the
-steps after the warm-up (all ranks together) and the GPU memory of rank 0 (CuPy's pool: its high-water mark).
-Prints each configuration's tokens/s, its ratio to one GPU at the same per-rank batch, and its memory.
+steps after the warm-up (all ranks together) and the GPU memory of rank 0 (CuPy's pool at its high-water mark,
+plus the copy engines' inbox). Prints each configuration's tokens/s, its ratio to one GPU at the same per-rank
+batch, that ratio over the number of GPUs (the scaling efficiency), and its memory; with --nccl, each multi-GPU
+configuration also with NCCL's reduce-scatter in place of the copy engines'.
 
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --data shakespeare.txt --tokenizer tok.json
-    PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --presets base large --batch-sizes 16 32 --gpus 2
+    PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --presets base large --batch-sizes 16 32 --gpus 2 4 --nccl
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --equivalence 100 --precision fp32   # losses, 2x16 vs 1x32
 
 --equivalence STEPS instead trains one GPU at batch 2B, one GPU at batch B in 2 accumulation passes, and
@@ -21,8 +23,8 @@ import sys
 import tempfile
 
 
-def train(args, preset, batch, gpus, zero, steps, extra=(), out_dir=None, name="run"):
-    """One `nanoeuler train` run; its metrics log's records."""
+def train(args, preset, batch, gpus, zero, steps, extra=(), out_dir=None, name="run", reduce="copy"):
+    """One `nanoeuler train` run (NANOEULER_REDUCE=reduce); its metrics log's records."""
     out = os.path.join(out_dir, f"{name}.bin")
     command = [sys.executable, "-m", "nanoeuler", "train", preset, "--device", "gpu", "--data", args.data,
                "--steps", str(steps), "--batch-size", str(batch), "--grad-accum", "1", "--eval-every", "100000",
@@ -32,38 +34,47 @@ def train(args, preset, batch, gpus, zero, steps, extra=(), out_dir=None, name="
         command += ["--tokenizer", args.tokenizer]
     if gpus > 1:
         command += ["--gpus", str(gpus)] + (["--zero", "1"] if zero else [])
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        sys.exit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, NANOEULER_REDUCE=reduce))
+    if done.returncode:  # said, and the other configurations still run
+        print(f"FAILED: {' '.join(command)}:\n{done.stderr[-1500:]}", flush=True)
+        return None
     with open(os.path.join(out_dir, f"{name}.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
 def speed(args, out_dir):
     rows = []
+    reductions = ["copy", "nccl"] if args.nccl else ["copy"]
     for preset in args.presets:
         for batch in args.batch_sizes:
             base = None
-            for gpus, zero in [(1, False)] + [(args.gpus, z) for z in (False, True)]:
+            runs = [(1, False, "-")] + [(g, z, r) for g in args.gpus for z in (False, True) for r in reductions]
+            for gpus, zero, reduce in runs:
                 log = train(args, preset, batch, gpus, zero, args.steps, out_dir=out_dir,
-                            name=f"{preset}_{batch}_{gpus}_{int(zero)}")
+                            name=f"{preset}_{batch}_{gpus}_{int(zero)}_{reduce}", reduce=reduce)
+                if log is None:
+                    continue
                 steps = [r for r in log if "tokens_per_s" in r][args.warmup:]
                 tps = statistics.median(r["tokens_per_s"] for r in steps)
                 mem = max(r.get("gpu_mem_gib", 0) for r in log)
                 mfu = statistics.median(r.get("mfu", 0) for r in steps)
                 base = base or tps
-                rows.append((preset, batch, gpus, "zero1" if zero else "-", tps, tps / base, mfu, mem))
-                print(f"{preset} batch {batch} x {gpus} GPU {'zero1' if zero else ''}: {tps:,.0f} tokens/s, "
-                      f"{tps / base:.3f}x, MFU {mfu:.1%} a GPU, {mem:.2f} GiB", flush=True)
-    print("\n| preset | per-rank batch | GPUs | ZeRO | tokens/s (all GPUs) | vs 1 GPU | MFU a GPU | GPU memory (GiB) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for preset, batch, gpus, zero, tps, ratio, mfu, mem in rows:
-        print(f"| {preset} | {batch} | {gpus} | {zero} | {tps:,.0f} | {ratio:.3f}x | {mfu:.1%} | {mem:.2f} |")
+                ratio = tps / base
+                rows.append((preset, batch, gpus, "zero1" if zero else "-", reduce, tps, ratio, ratio / gpus, mfu, mem))
+                print(f"{preset} batch {batch} x {gpus} GPU {'zero1' if zero else ''} {reduce}: {tps:,.0f} tokens/s, "
+                      f"{ratio:.3f}x, MFU {mfu:.1%} a GPU, {mem:.2f} GiB", flush=True)
+    print("\n| preset | per-rank batch | GPUs | ZeRO | reduction | tokens/s (all GPUs) | vs 1 GPU | scaling efficiency "
+          "| MFU a GPU | GPU memory (GiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for preset, batch, gpus, zero, reduce, tps, ratio, efficiency, mfu, mem in rows:
+        print(f"| {preset} | {batch} | {gpus} | {zero} | {reduce} | {tps:,.0f} | {ratio:.3f}x | {efficiency:.1%} "
+              f"| {mfu:.1%} | {mem:.2f} |")
 
 
 def equivalence(args, out_dir):
     """Losses of N GPUs x B against one GPU x N*B and one GPU x (N passes of B) from one seed."""
-    preset, batch, n, steps = args.presets[0], args.batch_sizes[0], args.gpus, args.equivalence
+    preset, batch, n, steps = args.presets[0], args.batch_sizes[0], args.gpus[0], args.equivalence
     extra = ["--eval-every", str(args.eval_every)] if args.eval_every else []
     runs = {
         f"1 GPU x {n * batch}": train(args, preset, n * batch, 1, False, steps, extra, out_dir, "one"),
@@ -92,7 +103,9 @@ def main():
     parser.add_argument("--tokenizer", help="a tokenizer.json (default: each run learns one)")
     parser.add_argument("--presets", nargs="+", default=["base"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
-    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="numbers of GPUs, each against one")
+    parser.add_argument("--nccl", action="store_true",
+                        help="each multi-GPU run also with NCCL reduce-scatter (NANOEULER_REDUCE=nccl)")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=30, help="steps left out of the median")
     parser.add_argument("--precision", default="bf16")

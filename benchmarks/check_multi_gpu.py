@@ -170,19 +170,21 @@ def signal_rank(proc, rank, sig):
 
 
 def failures(args, tmp):
-    # a hung rank: SIGSTOP rank 1 after 15 steps; the launcher's step timeout ends the run
+    n = args.gpus
+    gpus = ["--gpus", str(n)]
+    # a hung rank: SIGSTOP the last rank after 15 steps; the launcher's step timeout ends the run
     out = f"{tmp}/hang.bin"
-    proc = subprocess.Popen(PY + small(args, out, steps=100000) + ["--gpus", "2"], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(PY + small(args, out, steps=100000) + gpus, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, NANOEULER_STEP_TIMEOUT="20"))
     wait_for(lambda: os.path.exists(f"{tmp}/hang.jsonl") and len(log_of(f"{tmp}/hang.jsonl")) >= 15)
-    code, took, last = signal_rank(proc, 1, signal.SIGSTOP)
+    code, took, last = signal_rank(proc, n - 1, signal.SIGSTOP)
     intact = run(PY + ["report", "--ckpt", out]).returncode == 0
-    report("a hung rank (SIGSTOP), NANOEULER_STEP_TIMEOUT=20", code == 2 and took < 80 and intact,
+    report(f"a hung rank of {n} (SIGSTOP), NANOEULER_STEP_TIMEOUT=20", code == 2 and took < 80 and intact,
            f"exit {code} after {took:.0f} s, last line {last!r}, checkpoint readable {intact}")
 
     # a rank killed while rank 0 writes a checkpoint: base, whose checkpoint takes a while to write
     out = f"{tmp}/kill.bin"
-    proc = subprocess.Popen(PY + base_args(args, out, ["--ckpt-every", "10", "--steps", "100000"]) + ["--gpus", "2"],
+    proc = subprocess.Popen(PY + base_args(args, out, ["--ckpt-every", "10", "--steps", "100000"]) + gpus,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: os.path.exists(out), limit=600)  # the first checkpoint (step 10) is there
     wait_for(lambda: glob.glob(f"{tmp}/kill.tmp*"), limit=600)  # rank 0 is writing the next one
@@ -190,15 +192,15 @@ def failures(args, tmp):
     from nanoeuler.io import checkpoint
     ck = checkpoint.load(out)
     # the write under way is lost, or had just been renamed into place: either way a whole checkpoint
-    report("rank 0 killed (SIGKILL) while writing a checkpoint", code == 2 and ck.step % 10 == 0,
+    report(f"rank 0 of {n} killed (SIGKILL) while writing a checkpoint", code == 2 and ck.step % 10 == 0,
            f"exit {code} after {took:.1f} s, last line {last!r}, checkpoint at step {ck.step}")
 
-    # Ctrl-C at step 50, --resume to 100, on 2 GPUs; the stopped checkpoint also resumes on 1 GPU
+    # Ctrl-C at step 50, --resume to 100, on N GPUs; the stopped checkpoint also resumes on 1 GPU
     full = f"{tmp}/full.bin"
-    assert run(PY + small(args, full, steps=100) + ["--gpus", "2"]).returncode == 0
+    assert run(PY + small(args, full, steps=100) + gpus).returncode == 0
     ref = losses(f"{tmp}/full.jsonl")
     out = f"{tmp}/stop.bin"
-    proc = subprocess.Popen(PY + small(args, out, steps=100) + ["--gpus", "2"], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(PY + small(args, out, steps=100) + gpus, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     wait_for(lambda: os.path.exists(f"{tmp}/stop.jsonl") and len(log_of(f"{tmp}/stop.jsonl")) >= 50)
     proc.send_signal(signal.SIGINT)
@@ -206,15 +208,15 @@ def failures(args, tmp):
     stopped = losses(f"{tmp}/stop.jsonl")
     subprocess.run(["cp", out, f"{tmp}/stop1.bin"], check=True)
     subprocess.run(["cp", f"{tmp}/stop.jsonl", f"{tmp}/stop1.jsonl"], check=True)
-    resumed = run(PY + small(args, out, steps=100)[:-1] + ["--resume", "--gpus", "2"])
+    resumed = run(PY + small(args, out, steps=100)[:-1] + ["--resume", *gpus])
     got = losses(f"{tmp}/stop.jsonl")
     ok = proc.returncode == 130 and resumed.returncode == 0 and np.allclose(got, ref, rtol=1e-6, atol=0)
-    report("Ctrl-C at step 50, --resume on 2 GPUs", ok,
+    report(f"Ctrl-C at step 50, --resume on {n} GPUs", ok,
            f"stopped at step {len(stopped)} (exit {proc.returncode}), resumed to {len(got)}; largest relative "
            f"difference to the uninterrupted run {max(abs(a - b) / b for a, b in zip(got, ref)):.1e}")
-    one = run(PY + small(args, f"{tmp}/stop1.bin", steps=100, batch=16)[:-1] + ["--resume"])
+    one = run(PY + small(args, f"{tmp}/stop1.bin", steps=100, batch=8 * n)[:-1] + ["--resume"])
     got = losses(f"{tmp}/stop1.jsonl")
-    report("the stopped checkpoint resumed on 1 GPU (global batch kept: 1 x 16)",
+    report(f"the stopped checkpoint resumed on 1 GPU (global batch kept: 1 x {8 * n})",
            one.returncode == 0 and np.allclose(got, ref, rtol=1e-5, atol=0),
            f"largest relative difference {max(abs(a - b) / b for a, b in zip(got, ref)):.1e}")
 
@@ -266,6 +268,7 @@ def main():
     parser.add_argument("--base-tokenizer", required=True, help="a tokenizer.json of 4096 tokens (base's)")
     parser.add_argument("--only", nargs="+", default=["launchers", "failures", "commands"])
     parser.add_argument("--device", default="gpu", help="cpu: the same runs as CPU ranks (a dry run of this script)")
+    parser.add_argument("--gpus", type=int, default=2, help="ranks of the failure checks (the others take 2)")
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with tempfile.TemporaryDirectory() as tmp:

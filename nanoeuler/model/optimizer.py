@@ -43,9 +43,9 @@ class AdamW:
         self.v = self.xp.zeros(mask.size, dtype=self.dtype)
         self.steps = 0  # updates taken: the bias correction's exponent, saved in checkpoints for resume
 
-    def squared_norm(self, grads):
-        """sum(grads^2), accumulated in float64."""
-        return self.layers.sum_squares(grads)
+    def squared_norm(self, grads, on_device=False):
+        """sum(grads^2), accumulated in float64: a float, or with on_device a scalar the host need not wait for."""
+        return self.layers.sum_squares(grads, on_device)
 
     def update(self, params, grads, lr, weight_decay, grad_scale, compute_copy=None):
         """One AdamW step of params from grads * grad_scale; compute_copy (the bf16 weights the layers read),

@@ -21,6 +21,11 @@ queued after it sees its result), on host arrays it returns with the result. Thr
   that reductions can overlap the compute stream's work; the NCCL unique id travels through the rendezvous.
   cupy is imported only here, only for GPU ranks.
 
+Within one host, NcclCommunicator.copy_engine_reduction gives training's reduce-scatter a path with no kernel
+on the multiprocessors (CopyEngineReduction): each rank copies the other ranks' pieces of a gradient bucket
+straight into their memory (CUDA IPC, the GPUs' copy engines over NVLink or PCIe) as the backward pass finishes
+the bucket, and each rank sums what it received in rank order.
+
 Every rank sums in the same order, so all ranks hold bit-identical sums.
 """
 import atexit
@@ -35,6 +40,8 @@ import numpy as np
 from nanoeuler.env import env_int
 from nanoeuler.errors import UserError
 from nanoeuler.parallel.world import World, rendezvous  # noqa: F401  (World: the callers' one import)
+
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: unified addressing tells where each address is
 
 # A collective that does not complete in this many seconds means a rank died or hangs; the run ends with an
 # error instead of waiting forever. Evaluation, sampling and checkpoints run on rank 0 while the others wait
@@ -358,10 +365,134 @@ class NcclCommunicator:
         self.all_reduce_sum(self._flag)
         self._flag.get()  # the host waits here (the watchdog ends a barrier that never opens)
 
+    def copy_engine_reduction(self, shard_size, whole=False):
+        """A CopyEngineReduction of float32 shards of shard_size elements (whole: an all-reduce of N of them)
+        where every rank can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled, NANOEULER_REDUCE not `nccl`);
+        else None. Every rank gets the same answer (a collective: every rank calls it)."""
+        wanted = os.environ.get("NANOEULER_REDUCE", "copy")
+        if wanted not in ("copy", "nccl"):
+            raise UserError(f"NANOEULER_REDUCE={wanted} must be copy or nccl")
+        usable = wanted == "copy" and os.environ.get("NCCL_P2P_DISABLE", "0") in ("", "0")
+        host = np.zeros(64, np.uint8)  # this host's identity: ranks of other hosts cannot map each other's memory
+        name = (_boot_id() + os.uname().nodename).encode()[:64]
+        host[:len(name)] = np.frombuffer(name, np.uint8)
+        hosts = self._cupy.zeros(self.world_size * 64, np.uint8)
+        self.all_gather(self._cupy.asarray(host), hosts)
+        usable = usable and bool((hosts.reshape(self.world_size, 64) == hosts[:64]).all())
+        reduction = None
+        if usable:
+            try:
+                reduction = CopyEngineReduction(self, shard_size, whole)
+            except self._cupy.cuda.runtime.CUDARuntimeError:
+                reduction = None  # no peer access between these GPUs: NCCL's kernels then
+        if self.all_reduce_sum(np.array([0.0 if reduction else 1.0]))[0] > 0:
+            if reduction:
+                reduction.close()
+            return None
+        return reduction
+
     def close(self):
         self._closed = True
         self._cupy.cuda.get_current_stream().synchronize()
         self._comm.destroy()
+
+
+def _boot_id():
+    """This boot of this machine (two containers may share a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class CopyEngineReduction:
+    """Gradient sums through the GPUs' copy engines, for the ranks of one host.
+
+    Each rank owns a range of the flat gradient buffer: the q-th of N equal shards (a reduce-scatter: ZeRO-1,
+    which then updates only its shard), or all of it (an all-reduce: every rank then takes the whole update).
+    As the backward pass finishes each layer, send() copies the layer's gradients that fall in another rank's
+    range into that rank's inbox: cudaMemcpyAsync to memory of the other rank's that this rank mapped with
+    CUDA IPC, which the copy engines carry over NVLink (or PCIe) with no kernel on the multiprocessors, so the
+    backward pass's matrix products run at full speed beside it (NCCL's reduction kernels, overlapped so,
+    slowed them by as much as they hid). finish(), at the pass's end: a one-element NCCL all-reduce queued
+    after this rank's copies is the barrier (it completes on a rank only when every rank has reached it, so
+    after every rank's copies), then each rank adds its range to what it received in rank order, g0 + g1 +
+    ... + g(N-1) whatever the rank: the sum of one process accumulating the ranks' batches one after another,
+    so an all-reduce leaves every rank the same bits.
+
+    The inbox holds N-1 ranges, one per other rank (`base` on 2 GPUs: 208 MB as shards, 416 MB whole). A rank
+    overwrites another's inbox only in the next step's backward pass, after a collective that follows the
+    sums (the all-gather of the update, or the host's sum of the step's losses) has taken that rank's
+    contribution, so after its sums have read the inbox."""
+
+    def __init__(self, comm, shard_size, whole=False):
+        """shard_size: the flat buffer's elements over N; whole: every rank owns all N * shard_size of them."""
+        cupy = comm._cupy
+        self.comm, self._cupy, self.whole = comm, cupy, whole
+        n, runtime = comm.world_size, cupy.cuda.runtime
+        self.shard_size = shard_size = shard_size * n if whole else shard_size
+        # an allocation of its own (not the pool's): an IPC handle names a whole allocation
+        self._memory = cupy.cuda.memory.Memory(max(1, n - 1) * shard_size * 4)
+        self.inbox = cupy.ndarray((n - 1, shard_size), np.float32, cupy.cuda.MemoryPointer(self._memory, 0))
+        handle = np.frombuffer(runtime.ipcGetMemHandle(self._memory.ptr), np.uint8)
+        handles = cupy.zeros(n * handle.size, np.uint8)
+        comm.all_gather(cupy.asarray(handle), handles)
+        handles = handles.get().reshape(n, handle.size)
+        self._peers = {}  # other rank -> the device address of its inbox, mapped here
+        try:
+            for q in range(n):
+                if q != comm.rank:
+                    self._peers[q] = runtime.ipcOpenMemHandle(handles[q].tobytes())
+        except runtime.CUDARuntimeError:
+            self.close()
+            raise
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._flag = cupy.zeros(1, np.float32)
+
+    def _range(self, rank):
+        """The first element of rank's range of the flat buffer (it holds shard_size)."""
+        return 0 if self.whole else rank * self.shard_size
+
+    def send(self, grads, start, end):
+        """Copy grads[start:end] (final once the work queued so far on the caller's stream is done) to the
+        ranks whose ranges hold them."""
+        cupy, rank, size = self._cupy, self.comm.rank, self.shard_size
+        ready = cupy.cuda.Event(block=False, disable_timing=True)
+        ready.record(cupy.cuda.get_current_stream())
+        self._stream.wait_event(ready)
+        for q, inbox in self._peers.items():
+            first = self._range(q)
+            lo, hi = max(start, first), min(end, first + size)
+            if lo < hi:
+                slot = rank if rank < q else rank - 1  # this rank's part of q's inbox
+                address = inbox + (slot * size + lo - first) * 4
+                cupy.cuda.runtime.memcpyAsync(address, grads[lo:hi].data.ptr, (hi - lo) * 4, MEMCPY_DEFAULT,
+                                              self._stream.ptr)
+
+    def finish(self, grads):
+        """This rank's range of grads summed over the ranks, in place, ordered on the caller's stream."""
+        cupy, rank, size = self._cupy, self.comm.rank, self.shard_size
+        caller = cupy.cuda.get_current_stream()
+        with self._stream:
+            self.comm.all_reduce_sum(self._flag)  # the barrier: after every rank's copies
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(self._stream)
+        caller.wait_event(done)
+        mine = grads[self._range(rank):self._range(rank) + size]
+        parts = list(self.inbox)
+        ordered = parts[:rank] + [mine] + parts[rank:]
+        total = mine if rank <= 1 else ordered[0]  # a + b == b + a: ranks 0 and 1 sum into their own range
+        cupy.add(ordered[0], ordered[1], out=total)
+        for part in ordered[2:]:
+            cupy.add(total, part, out=total)
+        if total is not mine:
+            mine[...] = total
+
+    def close(self):
+        for address in self._peers.values():
+            self._cupy.cuda.runtime.ipcCloseMemHandle(address)
+        self._peers = {}
 
 
 def make_communicator(world, device):

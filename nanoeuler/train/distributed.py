@@ -19,9 +19,10 @@ from nanoeuler.parallel.comm import SingleProcess
 
 # ------------------------------------------------------------------------------------- the optimizer step
 def bucket_elements():
-    """Float32 elements of a gradient bucket at least: NANOEULER_BUCKET_MB MiB when it is set (several buckets,
-    each reduced beside the rest of the backward pass), else the whole buffer, one bucket reduced at the
-    pass's end: what measured fastest on 2 GPUs over NVLink and over sockets (docs/multi-gpu.md)."""
+    """Float32 elements of an NCCL gradient bucket at least: NANOEULER_BUCKET_MB MiB when it is set (several
+    buckets, each reduced beside the rest of the backward pass), else the whole buffer, one bucket reduced at
+    the pass's end: what measured fastest on 2 GPUs over NVLink and over sockets (docs/multi-gpu.md). The copy
+    engines' reduction takes one bucket, sent a layer at a time."""
     megabytes = env_float("NANOEULER_BUCKET_MB", 0.0, minimum=0.0)
     return megabytes * 2 ** 20 / 4 if megabytes else float("inf")
 
@@ -60,12 +61,14 @@ class DataParallel:
     (bucket_plan, shard_pieces). A step:
 
     1. The gradients are reduce-scattered, each rank receiving the sum of its pieces, in place. Each bucket's
-       reduction starts on the communicator's stream as soon as the backward pass has finished it
-       (Engine.gradients_ready): with one bucket (the default) at the pass's end, with several
-       (NANOEULER_BUCKET_MB) beside the rest of the pass. (Without ZeRO and with several buckets, the buckets are
-       all-reduced instead.)
+       reduction starts as soon as the backward pass has finished it (Engine.gradients_ready). Where the ranks
+       share a host, through the GPUs' copy engines (parallel/comm.py's CopyEngineReduction): a bucket a layer,
+       sent beside the rest of the pass, summed at its end. Otherwise through NCCL on the communicator's
+       stream: one bucket (the default) at the pass's end, or several (NANOEULER_BUCKET_MB) beside the rest of
+       the pass. (Through NCCL, without ZeRO and with several buckets, the buckets are all-reduced instead.)
     2. The global gradient norm for clipping: each rank's sum of squares of its pieces, summed over the ranks
-       in one host collective together with the step's losses, tokens and Ctrl-C flags (`values`).
+       in one collective together with the step's losses, tokens and Ctrl-C flags (`values`): the host waits
+       once.
     3. The AdamW update:
        - without ZeRO every rank holds all the moments and takes the same update of all the weights: its own
          pieces first, while an all-gather brings it the others' summed gradients, then the rest;
@@ -81,14 +84,22 @@ class DataParallel:
         n, r = self.comm.world_size, self.comm.rank
         self.zero = zero and n > 1
         self.optimizer = optimizer
-        self._launched, self.buckets, self.bf16_gather = 0, [], False
+        self._launched, self.buckets, self.bf16_gather, self.copies, self._sent = 0, [], False, None, 0
         if n == 1:
             return
         self.comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
         eng.sync_weights()
         eng.pad_buffers(n)
-        minimum = bucket_elements() if min_bucket is None else min_bucket
+        if hasattr(self.comm, "copy_engine_reduction") and eng.dtype == np.float32:
+            # without ZeRO every rank needs every sum: the copy engines all-reduce (N-1 copies of the gradients
+            # received a rank), which costs less than reduce-scatter and all-gather
+            self.copies = self.comm.copy_engine_reduction(eng.grads_padded.size // n, whole=not self.zero)
+        if self.copies is not None:  # one bucket: its shards are sent a layer at a time
+            minimum = float("inf")
+        else:
+            minimum = bucket_elements() if min_bucket is None else min_bucket
         self.buckets = bucket_plan(eng.gradient_offsets(), eng.params.size, n, minimum)
+        self.all_reduced = not self.zero and (self.copies is not None or len(self.buckets) > 1)
         # even one bucket starts from the backward pass's end, before the host waits for the step's losses
         eng.gradients_ready = self._gradients_ready
         self.pieces = [shard_pieces(self.buckets, q, n) for q in range(n)]
@@ -101,18 +112,37 @@ class DataParallel:
     def _gradients_ready(self, offset):
         """Start the reduction of every bucket whose gradients are all final (from `offset` on)."""
         grads = self.eng.grads_padded
+        if self.copies is not None:
+            if self._launched == 0:  # the layers final since the last call (from the padded end at first)
+                self.copies.send(grads, offset, self._sent or grads.size)
+                self._sent = offset
+                if offset == 0:  # summed as soon as the pass ends, before the host waits for the losses
+                    self.copies.finish(grads)
+                    self._launched, self._sent = 1, 0
+            return
         while self._launched < len(self.buckets) and self.buckets[self._launched][0] >= offset:
             start, end = self.buckets[self._launched]
-            if self.zero or len(self.buckets) == 1:
+            if self.all_reduced:
+                self.comm.start_all_reduce(grads[start:end])
+            else:
                 mine, mine_end, _ = self.mine[self._launched]
                 self.comm.start_reduce_scatter(grads[start:end], grads[mine:mine_end])
-            else:
-                self.comm.start_all_reduce(grads[start:end])
             self._launched += 1
+
+    def device_memory(self):
+        """Bytes held on the GPU beside the engine's pool: the copy engines' inbox."""
+        return 0 if self.copies is None else self.copies.inbox.nbytes
 
     def sum(self, values):
         """Every rank's values (floats) summed, as a list of floats."""
         return [float(v) for v in self.comm.all_reduce_sum(np.array(values, dtype=np.float64))]
+
+    def _sum_after(self, value, values):
+        """[value, *values] summed over the ranks, value a scalar on the engine's device (not yet computed when
+        the GPU's queue is behind): one collective, one wait of the host."""
+        both = self.eng.xp.asarray(np.array([0.0, *values], dtype=np.float64))
+        both[0] = value
+        return [float(v) for v in to_numpy(self.comm.all_reduce_sum(both))]
 
     def any(self, flag):
         """True on every rank when flag is true on any (a Ctrl-C that reached the ranks at different steps)."""
@@ -124,23 +154,25 @@ class DataParallel:
         eng, comm, opt = self.eng, self.comm, self.optimizer
         if comm.world_size == 1:
             return opt.step(eng, lr, weight_decay, grad_clip), [float(v) for v in values]
-        grads, every_bucket = eng.grads_padded, len(self.buckets) > 1
+        grads = eng.grads_padded
         self._gradients_ready(0)  # started by the backward pass: what it did not start, then all of it joined
         comm.join()
         self._launched = 0
-        if every_bucket and not self.zero:  # all-reduced: every rank has every sum
-            norm = math.sqrt(opt.squared_norm(eng.grads))
+        if self.all_reduced:  # every rank has every sum, the same bits: rank 0's squares are the norm's
+            squares = opt.squared_norm(eng.grads, on_device=True)
+            squares, *totals = self._sum_after(squares if comm.rank == 0 else 0.0, values)
+            norm = math.sqrt(squares)
             copy = None if eng.weights is eng.params else eng.weights
             opt.update(eng.params, eng.grads, lr, weight_decay, clip_scale(norm, grad_clip), copy)
-            return norm, self.sum(values)
-        squares = sum(opt.squared_norm(grads[start:end]) for start, end, _ in self.mine)
-        squares, *totals = self.sum([squares, *values])
+            return norm, totals
+        squares = sum(opt.squared_norm(grads[start:end], on_device=True) for start, end, _ in self.mine)
+        squares, *totals = self._sum_after(squares, values)
         norm = math.sqrt(squares)
         scale = clip_scale(norm, grad_clip)
         copy = None if eng.weights is eng.params else eng.weights
         if not self.zero:  # the others' pieces of the summed gradients arrive while this rank updates its own
-            (start, end), (mine, mine_end, _) = self.buckets[0], self.mine[0]
-            comm.start_all_gather(grads[mine:mine_end], grads[start:end])
+            for (start, end), (mine, mine_end, _) in zip(self.buckets, self.mine):
+                comm.start_all_gather(grads[mine:mine_end], grads[start:end])
             own = [(a, b, a) for a, b, _ in self.mine]
             opt.update_pieces(eng.params_padded, grads, own, lr, weight_decay, scale, copy)
             comm.join()

@@ -227,8 +227,9 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
                         record.update(tokens_per_s_per_gpu=round(tps / gpus, 1))
                     if peak:  # of all the GPUs' peak: the mean utilisation of one
                         record.update(mfu=round(tps * flops_per_token(eng.cfg) / (peak * gpus), 4))
-                    if eng.device_memory() is not None:
-                        record.update(gpu_mem_gib=round(eng.device_memory() / 2 ** 30, 3))
+                    if eng.device_memory() is not None:  # the engine's pool and the reduction's inbox
+                        memory = eng.device_memory() + parallel.device_memory()
+                        record.update(gpu_mem_gib=round(memory / 2 ** 30, 3))
                     if last or step % hp.eval_every == 0:
                         record.update(objective.evaluate(eng, val_full if last else val_quick))
                         say(f"step {step}: {objective.eval_text(record)}"

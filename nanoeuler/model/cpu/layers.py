@@ -593,16 +593,17 @@ def _sum_squares_partials(partial, x):
         partial[c] = _sum_squares_f64(x[c * SUM_CHUNK:(c + 1) * SUM_CHUNK])
 
 
-def sum_squares(x):
-    """sum(x^2) of a flat buffer, accumulated in float64 whatever x's dtype: the global gradient norm, which
-    clipping divides by (the GPU engine's kernel sums in double too). A float32 dot product rounds its running
-    sums to 24 bits (relative errors of order 1e-5 on big's 14.2M gradients). The partial sums over fixed
-    chunks make the result independent of the thread count; the pass is memory-bound, as fast as the float32
-    dot on big's gradients, and a fraction of a millisecond on small's."""
+def sum_squares(x, on_device=False):
+    """sum(x^2) of a flat buffer, accumulated in float64 whatever x's dtype (a float; with on_device a float64
+    scalar, as the GPU engine's device scalar): the global gradient norm, which clipping divides by (the GPU
+    engine's kernel sums in double too). A float32 dot product rounds its running sums to 24 bits (relative
+    errors of order 1e-5 on big's 14.2M gradients). The partial sums over fixed chunks make the result
+    independent of the thread count; the pass is memory-bound, as fast as the float32 dot on big's gradients,
+    and a fraction of a millisecond on small's."""
     x = x.reshape(-1)
     partial = np.empty(-(-x.shape[0] // SUM_CHUNK), np.float64)
     _sum_squares_partials(partial, x)
-    return float(partial.sum())
+    return partial.sum() if on_device else float(partial.sum())
 
 
 # ------------------------------------------------------------------------------------------- decoding

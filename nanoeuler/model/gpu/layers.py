@@ -477,13 +477,14 @@ class Layers:
         kernel("adamw", "cast_params", _act_defines(dst))((min(_blocks(src.size, 256), 32 * sm_count()),), (256,),
                                                           (dst, src, np.int64(src.size)))
 
-    def sum_squares(self, x):
-        """sum(x^2) of a flat buffer, accumulated in float64 (for the global gradient norm)."""
+    def sum_squares(self, x, on_device=False):
+        """sum(x^2) of a flat buffer, accumulated in float64 (for the global gradient norm): a float, or with
+        on_device a 0-d device array (the host does not wait)."""
         _check(x)
         grid = max(1, min(_blocks(x.size, 256), 1024))
         partial = cupy.empty(grid, dtype=np.float64)
         kernel("adamw", "sum_squares")((grid,), (256,), (partial, x, np.int64(x.size)))
-        return float(partial.sum())
+        return partial.sum() if on_device else float(partial.sum())
 
     # ---------------------------------------------------------------------------------------- decoding
     def argmax(self, ids, logits, log=None, pos=None):
