@@ -60,18 +60,20 @@ class DataParallel:
     nothing of them. Each of the N ranks owns the rank-th of N equal pieces of every gradient bucket
     (bucket_plan, shard_pieces). A step:
 
-    1. The gradients are reduce-scattered, each rank receiving the sum of its pieces, in place. Each bucket's
-       reduction starts as soon as the backward pass has finished it (Engine.gradients_ready). Where the ranks
-       share a host, through the GPUs' copy engines (parallel/comm.py's CopyEngineReduction): a bucket a layer,
-       sent beside the rest of the pass, summed at its end. Otherwise through NCCL on the communicator's
-       stream: one bucket (the default) at the pass's end, or several (NANOEULER_BUCKET_MB) beside the rest of
-       the pass. (Through NCCL, without ZeRO and with several buckets, the buckets are all-reduced instead.)
-    2. The global gradient norm for clipping: each rank's sum of squares of its pieces, summed over the ranks
-       in one collective together with the step's losses, tokens and Ctrl-C flags (`values`): the host waits
-       once.
+    1. The gradients are summed as soon as the backward pass has made them final (Engine.gradients_ready).
+       Where the ranks share a host, through the GPUs' copy engines (parallel/comm.py's CopyEngineReduction),
+       sent a layer at a time beside the rest of the pass and added up at its end: with ZeRO a reduce-scatter
+       (each rank receives the sum of its piece of the one bucket), without it an all-reduce (every rank
+       receives every sum). Otherwise through NCCL on the communicator's stream, a reduce-scatter of one
+       bucket (the default) at the pass's end, or of several (NANOEULER_BUCKET_MB) beside the rest of the pass
+       (without ZeRO these buckets are all-reduced instead).
+    2. The global gradient norm for clipping: each rank's sum of squares of its pieces (after an all-reduce,
+       rank 0's of all of them), summed over the ranks in one collective together with the step's losses,
+       tokens and Ctrl-C flags (`values`): the host waits once.
     3. The AdamW update:
-       - without ZeRO every rank holds all the moments and takes the same update of all the weights: its own
-         pieces first, while an all-gather brings it the others' summed gradients, then the rest;
+       - without ZeRO every rank holds all the moments and takes the same update of all the weights; after a
+         reduce-scatter, its own pieces first, while an all-gather brings it the others' summed gradients,
+         then the rest;
        - with zero (ZeRO stage 1) rank r holds the moments of its pieces only (1/N of their memory,
          AdamW.shard) and updates those pieces of the weights (the float32 master weights, and in bf16 the
          compute copy in the same pass); then an all-gather hands every rank the updated compute weights: in
