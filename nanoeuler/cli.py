@@ -9,7 +9,7 @@
     nanoeuler serve ...                     OpenAI-compatible HTTP server and web chat page
     nanoeuler tokenizer train|encode|decode
     nanoeuler export --hf DIR | --gguf F    a Hugging Face LlamaForCausalLM folder, a GGUF file (llama.cpp)
-    nanoeuler import --hf DIR --out F       a Hugging Face Llama into a checkpoint
+    nanoeuler import --hf DIR|ID --out F    a Hugging Face Llama (a folder or a Hub id) into a checkpoint
     nanoeuler eval --task hellaswag|mc|bpb  scores: HellaSwag, multiple-choice items, bits per byte
     nanoeuler report [--ckpt F]             a checkpoint's run report
 
@@ -274,8 +274,9 @@ def build_parser():
                    help="GGUF weight type of the matrices (default f16; norms stay f32)")
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
 
-    p = sub.add_parser("import", help="turn a Hugging Face LlamaForCausalLM folder into a checkpoint")
-    p.add_argument("--hf", required=True, metavar="DIR", help="the folder: config.json, safetensors, tokenizer.json")
+    p = sub.add_parser("import", help="turn a Hugging Face LlamaForCausalLM (a folder or a Hub id) into a checkpoint")
+    p.add_argument("--hf", required=True, metavar="DIR|ID", help="the folder (config.json, safetensors, tokenizer.json) "
+                   "or a Hub id owner/name[@revision] (pip install 'nanoeuler[hub]'; HF_HUB_CACHE, HF_HUB_OFFLINE)")
     p.add_argument("--out", required=True, help="checkpoint to write")
     p.add_argument("--context", type=_positive_int, help="context length (default: max_position_embeddings)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")

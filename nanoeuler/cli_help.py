@@ -26,7 +26,7 @@ FLOW = {
     "eval": "a checkpoint + data/hellaswag_val.jsonl or --data -> accuracy, or bits per byte",
     "report": "a checkpoint -> its run report",
     "export": "a checkpoint -> a Hugging Face folder (--hf) or a GGUF file (--gguf)",
-    "import": "a Hugging Face Llama folder -> a checkpoint",
+    "import": "a Hugging Face Llama (folder or Hub id) -> a checkpoint",
     "check": "no files: every hand-written backward pass against finite differences",
 }
 
@@ -103,10 +103,12 @@ GUIDE = {
         ["nanoeuler export --hf hf_model                 # nanoeuler.bin -> hf_model/",
          "nanoeuler export --gguf model.gguf --ckpt nanoeuler_chat.bin --type q8_0"]),
     "import": (
-        "Turn a Hugging Face LlamaForCausalLM folder (config.json, safetensors, tokenizer.json) into a "
+        "Turn a Hugging Face LlamaForCausalLM folder (config.json, safetensors, tokenizer.json), or a Hub id "
+        "owner/name[@revision] (fetched into the Hugging Face cache; needs pip install 'nanoeuler[hub]'), into a "
         "checkpoint that every command here takes; an -Instruct model's chat template and end ids come with it "
         "(chat, serve, sft and dpo then use its template).",
         ["nanoeuler import --hf hf_model --out imported.bin",
+         "nanoeuler import --hf HuggingFaceTB/SmolLM2-135M-Instruct --out smol_chat.bin",
          "nanoeuler infer 'Hello' --ckpt imported.bin"]),
     "check": (
         "Verify every hand-written backward pass against finite differences in float64 (the CPU engine), or "

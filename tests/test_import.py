@@ -202,3 +202,45 @@ def test_vocabulary_entries_no_merge_makes_decode(imported, tmp_path):
     assert tok.vocab_size == n + 1 and tok.decode([n]) == b"zqzq" and n not in tok.encode("zqzq zqzq")
     again = Tokenizer.from_json(tok.to_json())
     assert again.decode([n]) == b"zqzq" and again.encode(TEXTS[0]) == tok.encode(TEXTS[0])
+
+
+def _hub_cache(cache, repo, folder, revision="0123456789abcdef0123456789abcdef01234567", extra=()):
+    """A Hugging Face cache as snapshot_download leaves it: models--owner--name/snapshots/REV/* and refs/main."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for f in list(folder.iterdir()) + list(extra):
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def test_a_hub_id_imports_from_the_cache_offline(imported, tmp_path, monkeypatch):
+    """`--hf owner/name[@rev]` is a Hub id, found in HF_HUB_CACHE with HF_HUB_OFFLINE=1 (no network here): the
+    same checkpoint as the folder's; a repo not in the cache, a bad string and a missing folder: one line each."""
+    pytest.importorskip("huggingface_hub")
+    _, d = imported
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    _hub_cache(tmp_path / "cache", "TestOwner/Tiny-Llama", d / "hf", revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for source in ("TestOwner/Tiny-Llama", f"TestOwner/Tiny-Llama@{revision}"):
+        r = run_cli("import", "--hf", source, "--out", tmp_path / "m.bin", "--overwrite", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert f"imported {source} into" in r.stdout
+        ours, theirs = checkpoint.load(tmp_path / "m.bin"), checkpoint.load(d / "m.bin")
+        assert np.array_equal(ours.params, theirs.params) and ours.cfg == theirs.cfg
+    for source, message in [("TestOwner/Absent", "TestOwner/Absent is not in the Hugging Face cache"),
+                            ("TestOwner/Tiny-Llama@v9", "TestOwner/Tiny-Llama at revision v9 is not in the"),
+                            ("no_such_folder", "--hf no_such_folder is not a directory")]:
+        r = run_cli("import", "--hf", source, "--out", tmp_path / "x.bin", cwd=tmp_path)
+        assert r.returncode != 0 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+        assert "HF_HUB_OFFLINE=1" in r.stderr or "/" not in source
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "no_hub"))  # a Python without huggingface_hub
+    (tmp_path / "no_hub" / "huggingface_hub").mkdir(parents=True)
+    (tmp_path / "no_hub" / "huggingface_hub" / "__init__.py").write_text("raise ImportError('absent')")
+    r = run_cli("import", "--hf", "TestOwner/Tiny-Llama", "--out", tmp_path / "x.bin", cwd=tmp_path)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "pip install 'nanoeuler[hub]'" in r.stderr, r.stderr
+    r = run_cli("import", "--hf", d / "hf", "--out", tmp_path / "y.bin", cwd=tmp_path)  # a folder needs no hub
+    assert r.returncode == 0, r.stderr

@@ -1,12 +1,15 @@
-"""Import a Hugging Face Llama: `nanoeuler import --hf DIR --out F [--context N] [--overwrite]`.
+"""Import a Hugging Face Llama: `nanoeuler import --hf DIR|HUB_ID --out F [--context N] [--overwrite]`.
 
     nanoeuler import --hf SmolLM-135M --out smollm.bin
+    nanoeuler import --hf HuggingFaceTB/SmolLM2-135M-Instruct --out smol_chat.bin   # from the Hub (or its cache)
     nanoeuler infer "Once upon a time" --ckpt smollm.bin --temperature 0
     nanoeuler sft --ckpt smollm.bin --out smollm_chat.bin
 
 DIR is a `LlamaForCausalLM` folder as `save_pretrained` writes it: config.json, the weights as safetensors
 (one file or shards with their index; float32, float16 or bfloat16, read into float32) and a byte-level BPE
-tokenizer.json. It becomes one nanoeuler checkpoint (nanoeuler/io/checkpoint.py) with K = 1 prediction heads:
+tokenizer.json. A string that is not a directory but reads `owner/name` (or `owner/name@revision`) is a Hugging
+Face Hub id: `huggingface_hub.snapshot_download` (the `hub` extra) fetches the files this import reads into
+the user's cache (HF_HOME, HF_HUB_CACHE), or finds them there (HF_HUB_OFFLINE=1: the cache only). It becomes one nanoeuler checkpoint (nanoeuler/io/checkpoint.py) with K = 1 prediction heads:
 `lm_head` becomes head 0, the tokenizer becomes ours with its ids kept (nanoeuler/tokenizer/bpe.py), and RoPE
 theta, its "llama3" scaling (Llama 3.1+: only the tables change) and the RMSNorm epsilon go into the config.
 The Q/K rows need no permutation: our RoPE pairs dimensions as Hugging Face's does (rotate-half). This is the
@@ -35,6 +38,7 @@ the GPU attention kernels do not take is imported with a note (the CPU engine ru
 import dataclasses
 import json
 import os
+import re
 import struct
 import sys
 
@@ -51,6 +55,49 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}  # BF16: the
 # tie_word_embeddings when config.json leaves it out: the default of transformers' configuration class of each
 # model_type (LlamaConfig's, MistralConfig's, Qwen2Config's and Qwen3Config's are all False)
 TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "qwen3": False}
+
+
+# what the import reads of a Hub repository (snapshot_download's allow_patterns)
+HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[^@\s]+)?")
+
+
+def hub_folder(source):
+    """The local folder of --hf SOURCE: SOURCE itself when it is a directory; for a Hub id `owner/name[@rev]`,
+    its snapshot in the Hugging Face cache, downloaded (only HUB_FILES) unless HF_HUB_OFFLINE=1 keeps to the
+    cache; anything else, and each way the Hub can fail, a one-line UserError."""
+    source = os.fspath(source)
+    if os.path.isdir(source):
+        return source
+    if not HUB_ID.fullmatch(source):
+        raise UserError(f"--hf {source} is not a directory")
+    repo, _, revision = source.partition("@")
+    try:
+        import huggingface_hub
+        from huggingface_hub import errors
+    except ImportError:
+        raise UserError(f"--hf {source} is not a directory, and a Hugging Face Hub id needs huggingface_hub: "
+                        "pip install 'nanoeuler[hub]'") from None
+    at = f" at revision {revision}" if revision else ""
+    try:
+        return huggingface_hub.snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES)
+    except errors.GatedRepoError:
+        raise UserError(f"{repo} is a gated model: accept its terms on https://huggingface.co/{repo} and log in "
+                        "(`hf auth login` or HF_TOKEN)") from None
+    except errors.RepositoryNotFoundError:
+        raise UserError(f"--hf {source}: no such local folder, and no model {repo} on the Hugging Face Hub (or a "
+                        "private one: log in with `hf auth login` or HF_TOKEN)") from None
+    except errors.RevisionNotFoundError:
+        raise UserError(f"the Hugging Face model {repo} has no revision {revision!r}") from None
+    except errors.LocalEntryNotFoundError:
+        what = (" and HF_HUB_OFFLINE=1 keeps to it: download it once online" if huggingface_hub.constants.HF_HUB_OFFLINE
+                else " and the Hub cannot be reached: connect, or point HF_HUB_CACHE at a cache that has it")
+        raise UserError(f"{repo}{at} is not in the Hugging Face cache ({huggingface_hub.constants.HF_HUB_CACHE})"
+                        f"{what}") from None
+    except (errors.HfHubHTTPError, OSError, ValueError) as e:
+        raise UserError(f"cannot download {repo}{at} from the Hugging Face Hub: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def _read_json(path):
@@ -266,9 +313,8 @@ def chat_settings(folder, hf, tok):
 
 
 def load_hf(folder, context=None):
-    """(Config, flat float32 parameters, Tokenizer) of a Hugging Face LlamaForCausalLM folder."""
-    if not os.path.isdir(folder):
-        raise UserError(f"--hf {folder} is not a directory")
+    """(Config, flat float32 parameters, Tokenizer) of a Hugging Face LlamaForCausalLM folder or Hub id."""
+    folder = hub_folder(folder)
     hf = _read_json(os.path.join(folder, "config.json"))
     cfg = config_from_hf(hf, context, os.path.join(folder, "config.json"))
     tok = Tokenizer.load(os.path.join(folder, "tokenizer.json"), eos=_eos_name(folder, hf), bos=_bos_name(folder))
