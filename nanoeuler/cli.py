@@ -233,8 +233,13 @@ def build_parser():
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")
-    p.add_argument("--slots", type=_positive_int, default=64,
-                   help="sequences decoded together in one batch, each a row of the KV cache (1 to 64; default 64)")
+    p.add_argument("--slots", type=_positive_int, default=None,
+                   help="sequences decoded together in one batch, each a row of the KV cache (1 to 64; default 64, "
+                        "fewer where 64 x 2048 positions do not fit the memory)")
+    p.add_argument("--context", type=_positive_int, default=None,
+                   help="positions a slot of the KV cache holds: a request's prompt and new tokens (default the "
+                        "model's context, or the largest power of two, at least 2048, with which --slots fit the "
+                        "free memory)")
     p.add_argument("--queue", type=_nonneg_int, default=256,
                    help="requests that may wait for a row; beyond that the server answers 429 (default 256)")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on the API (401 otherwise)")

@@ -1,6 +1,6 @@
 """Many sequences decoded together: continuous batching over the decoder's batched steps (model/decoding.py).
 
-    gen = BatchGenerator(eng, rows=64)
+    gen = BatchGenerator(eng, rows=64)               # context=N: slots of N positions (default the model's)
     a = gen.add(Request(prompt_ids=(1, 2, 3), max_new_tokens=20))
     b = gen.add(Request(prompt_ids=(4, 5), max_new_tokens=50, temperature=0.8, top_p=0.95, seed=7))
     while gen.busy():
@@ -82,16 +82,17 @@ def decode_buckets(rows):
 class BatchGenerator:
     """Continuous batching of Requests over one engine (module docstring)."""
 
-    def __init__(self, eng, rows=64, prefill_chunk=FEW_ROWS):
+    def __init__(self, eng, rows=64, prefill_chunk=FEW_ROWS, context=None):
         if not 1 <= rows <= DECODE_ROWS:
             raise ValueError(f"rows must be 1..{DECODE_ROWS}, not {rows}")
         if not 1 <= prefill_chunk <= FEW_ROWS:
             raise ValueError(f"prefill_chunk must be 1..{FEW_ROWS}, not {prefill_chunk}")
         self.eng, self.rows, self.chunk = eng, rows, prefill_chunk
-        self.context = eng.cfg.context
+        # the positions a slot holds: the model's context, or fewer (serve's --context, a short generation's)
+        self.context = eng.cfg.context if context is None else context
         self.decoder = decoder_of(eng)
         # a slot a sequence, and a last, scratch one that a step's padding rows write to
-        self.cache = self.decoder.new_cache(rows + 1)
+        self.cache = self.decoder.new_cache(rows + 1, self.context)
         self.scratch = rows
         self.buckets = decode_buckets(rows)
         self.free = list(range(rows))  # a heap: the lowest free slot first

@@ -21,7 +21,7 @@ import numpy as np
 from nanoeuler.infer.batch import BatchGenerator, Request, decode_buckets
 from nanoeuler.infer.sampling import distribution, pick, residual_draw
 from nanoeuler.io.checkpoint import load_model
-from nanoeuler.model.decoding import decoder_of
+from nanoeuler.model.decoding import cache_positions, decoder_of
 from nanoeuler.model.limits import DECODE_ROWS, FEW_ROWS
 
 # Greedy generation decodes up to this many tokens before reading their ids back: the device never waits for
@@ -67,7 +67,10 @@ def _decode(eng, prompts, max_new_tokens, settings, seeds):
     ctx, keep = eng.cfg.context, _kept(eng.cfg.context)
     # rows a power of two: the decoder keeps a cache (and its graphs) a size, so few sizes
     rows = next(b for b in decode_buckets(DECODE_ROWS) if b >= min(len(prompts), DECODE_ROWS))
-    gen = BatchGenerator(eng, rows=rows)
+    # slots of the positions the longest prompt and its new tokens take (the model's context where they need it
+    # all): no sequence reaches a smaller cache's end, so the tokens are the full cache's
+    need = max(min(len(p), ctx - 1) for p in prompts) + max_new_tokens
+    gen = BatchGenerator(eng, rows=rows, context=cache_positions(need, ctx))
     history = [list(p) for p in prompts]
     emitted = [0] * len(prompts)
     owner = {}
@@ -116,7 +119,10 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
     for key in ("steps", "drafted", "accepted", "tokens"):
         stats.setdefault(key, 0)
     stats.setdefault("per_head", [[0, 0] for _ in range(K - 1)])
-    with _generation(eng, prompt_ids) as (decoder, cache, history):
+    # room for the prompt, its new tokens and the last chained rounds' drafts: no round finds the cache full
+    # before max_new_tokens where the model's context would not
+    need = min(len(prompt_ids), ctx - 1) + max_new_tokens + K * (LOOKAHEAD + 1)
+    with _generation(eng, prompt_ids, cache_positions(need, ctx)) as (decoder, cache, history):
         heads = _prefill(decoder, cache, history[-(ctx - 1):], True, greedy)  # (K,) ids or (K, V) logits
         first = None  # the next token when already decided (a replacement for a rejected proposal)
         emitted = 0
@@ -178,13 +184,13 @@ def speculate(eng, prompt_ids, max_new_tokens, temperature=0.8, top_k=0, top_p=1
 
 
 @contextlib.contextmanager
-def _generation(eng, prompt_ids):
-    """(decoder, a KV cache for one sequence, the token history) of one generation; the cache is handed back
-    at its end."""
+def _generation(eng, prompt_ids, context=None):
+    """(decoder, a KV cache for one sequence of `context` positions (default the model's), the token history)
+    of one generation; the cache is handed back at its end."""
     history = list(prompt_ids)
     assert history, "generation needs at least one token to condition on"
     decoder = decoder_of(eng)
-    cache = decoder.new_cache(1)
+    cache = decoder.new_cache(1, context)
     try:
         yield decoder, cache, history
     finally:

@@ -142,9 +142,10 @@ def prompt_logprobs(eng, prompts, top):
 
 
 class Scheduler:
-    def __init__(self, eng, tok, rows, queue):
+    def __init__(self, eng, tok, rows, queue, context=None):
+        """rows: the KV cache's slots; context: the positions each holds (default the model's)."""
         self.eng, self.tok, self.rows, self.queue = eng, tok, rows, queue
-        self.generator = BatchGenerator(eng, rows=rows)
+        self.generator = BatchGenerator(eng, rows=rows, context=context)
         self.lock = threading.Condition()
         self.inbox = collections.deque()  # submitted jobs the model thread has not taken yet
         self.queued = 0  # jobs with choices not started yet (inbox included): what `queue` bounds

@@ -3,6 +3,7 @@
     pip install '.[serve]'
     nanoeuler serve --ckpt nanoeuler_chat.bin [--host 127.0.0.1] [--port 8000] [--device auto|cpu|gpu]
                     [--api-key KEY] [--cors-origin ORIGIN] [--served-model-name NAME] [--slots 64] [--queue 64]
+                    [--context N]
 
     GET  /                      the web chat page (nanoeuler/infer/web/index.html: one file, no network)
     GET  /v1/models             the one model, named after the checkpoint file (`nanoeuler_chat`) or --served-model-name
@@ -16,7 +17,8 @@ Any OpenAI client works against http://HOST:PORT/v1 (`openai.OpenAI(base_url=...
 and so does lm-evaluation-harness's `local-completions`. docs/serve.md lists every field and error. Requests
 the server cannot honour (a `logit_bias`, penalties, `tools`, a `response_format`, `best_of` other than `n`)
 are a 400 naming the parameter, never silently ignored; a prompt longer than the context is a 400 with code
-`context_length_exceeded`.
+`context_length_exceeded`. The context is the positions a slot of the KV cache holds: the model's, or fewer
+where slots x the model's context does not fit the memory (kv_budget.py; --context, --slots).
 
 Threads: the model stays on the main thread, which loaded it, and runs the scheduler (scheduler.py: every
 active request advances one token per batched step); the HTTP server (Starlette on uvicorn) runs its event
@@ -54,6 +56,7 @@ except ImportError:
 
 from nanoeuler.data import jinja_template
 from nanoeuler.data.template import conversation_ids, own_template
+from nanoeuler.infer import kv_budget
 from nanoeuler.infer.generate import start_ids
 from nanoeuler.infer.scheduler import Job, Overloaded, SamplingSettings, Scheduler
 from nanoeuler.io.checkpoint import load_model
@@ -256,9 +259,9 @@ class Parsed:
             raise ApiError(400, "stream_options must be an object", "stream_options")
         self.include_usage = _flag(options or {}, "include_usage")
 
-    def token_ids(self, tok, context):
+    def token_ids(self, tok, context, model_context=None):
         """Each prompt's token ids (run off the event loop: a long prompt takes a while), or ApiError for one
-        longer than the context."""
+        longer than the context (the server's: the model's context, or a KV cache slot's where that is fewer)."""
         if self.chat:
             try:
                 if own_template(tok):
@@ -275,7 +278,8 @@ class Parsed:
         for i, ids in enumerate(prompts):
             if len(ids) > room:
                 what = "the conversation" if self.chat else "the prompt" if len(prompts) == 1 else f"prompt {i}"
-                raise ApiError(400, f"this model's context is {context} tokens; {what} has {len(ids)}"
+                whose = "model" if model_context in (None, context) else "server"
+                raise ApiError(400, f"this {whose}'s context is {context} tokens; {what} has {len(ids)}"
                                + (", and a new token needs one more" if len(ids) == context else ""),
                                "messages" if self.chat else "prompt", "context_length_exceeded")
         return prompts
@@ -301,10 +305,13 @@ async def read_json(request):
 class ModelCard:
     """What the server says about its checkpoint."""
 
-    def __init__(self, ckpt, ck, name=None, tok=None):
+    def __init__(self, ckpt, ck, name=None, tok=None, context=None):
         self.id = name or os.path.splitext(os.path.basename(ckpt))[0]
         self.created = int(os.path.getmtime(ckpt))
-        self.chat, self.context, self.vocab = ck.chat, ck.cfg.context, ck.cfg.vocab_size
+        self.chat, self.vocab = ck.chat, ck.cfg.vocab_size
+        # the context served (a KV cache slot's positions) and the model's own
+        self.model_context = ck.cfg.context
+        self.context = ck.cfg.context if context is None else context
         self.own_template = own_template(tok)  # an imported chat model: its messages go to its template as they are
 
     def card(self):
@@ -430,7 +437,8 @@ def build_app(scheduler, model, tok, api_key=None, cors_origins=()):
     async def submit(parsed):
         """A job for the scheduler whose events land in an asyncio queue of this event loop."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        prompts = await loop.run_in_executor(tokenizing, parsed.token_ids, tok, model.context)
+        prompts = await loop.run_in_executor(tokenizing, parsed.token_ids, tok, model.context,
+                                             model.model_context)
 
         def send(event):
             with outbox_lock:
@@ -614,13 +622,25 @@ def listen(host, port):
     return sock
 
 
+def kv_cache_plan(eng, slots, context):
+    """The KV cache's slots and positions for this engine (kv_budget.plan over the memory left after the
+    weights), and the startup line that says so."""
+    gpu = eng.xp.__name__ != "numpy"
+    plan = kv_budget.plan(eng.cfg, eng.act.itemsize, kv_budget.available(eng.cfg, gpu), slots, context)
+    name = {"bfloat16": "bf16"}.get(eng.act.name, eng.act.name)
+    return plan, kv_budget.describe(plan, name, eng.cfg.context)
+
+
 def main(args):
-    if args.slots > DECODE_ROWS:
-        raise UserError(f"--slots must be 1 to {DECODE_ROWS} (rows of one decoding batch), got {args.slots}")
+    slots, context = args.slots, getattr(args, "context", None)
+    if slots is not None and slots > DECODE_ROWS:
+        raise UserError(f"--slots must be 1 to {DECODE_ROWS} (rows of one decoding batch), got {slots}")
     sock = listen(args.host, args.port)  # first: a busy port fails before a large model loads
     eng, tok, ck = load_model(args.ckpt, args.device, not args.no_batch_invariance)
-    model = ModelCard(args.ckpt, ck, args.served_model_name, tok)
-    scheduler = Scheduler(eng, tok, args.slots, args.queue)
+    plan, line = kv_cache_plan(eng, slots, context)
+    print(f"nanoeuler serve: {line}", flush=True)
+    model = ModelCard(args.ckpt, ck, args.served_model_name, tok, plan.context)
+    scheduler = Scheduler(eng, tok, plan.slots, args.queue, plan.context)
     scheduler.warm_up()  # compile (or load) the kernels before serving
     app = build_app(scheduler, model, tok, args.api_key, args.cors_origin or ())
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

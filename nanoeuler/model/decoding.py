@@ -46,6 +46,20 @@ def decoder_of(eng):
     return eng._decoder
 
 
+def kv_cache_bytes(cfg, positions, rows, itemsize):
+    """The bytes of a KV cache of `rows` slots of `positions` each: layers x (K and V) x kv heads x head_dim x
+    positions x rows x bytes an element (the engine's activation type: bf16 on the GPU, float32 on the CPU).
+    The one place the cache's size is computed (KVCache allocates it; serve sizes its cache by it)."""
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * int(positions) * int(rows) * int(itemsize)
+
+
+def cache_positions(needed, context):
+    """The positions a one-sequence generation's cache holds: the power of two at or above `needed` (the
+    prompt and its new tokens; few sizes, so released caches and their recorded steps are reused), at most
+    the model's context."""
+    return min(context, 1 << max(int(needed) - 1, 1).bit_length())
+
+
 class KVCache:
     """Keys and values kv (L, rows, context, 2G, D) of up to `rows` sequences, sequence b's in slot kv[:, b]:
     the G k heads (rotated), then the G v heads (the queries are not kept: nothing reads them again).
@@ -53,11 +67,15 @@ class KVCache:
     kernels read it (`position`, int32 on the device); a step's kernels advance the device copy and the step
     then `advanced` the host one. `rewind` moves both back: later positions are overwritten. Batched (sample)
     steps carry a position and a slot a sequence in their own state instead. `steps` keeps the steps run on
-    this cache (their buffers and graphs), by kind and shape."""
+    this cache (their buffers and graphs), by kind and shape. `context`: the positions a slot holds (default
+    the model's; fewer where the model's would not fit, at most the model's: its rotary tables end there)."""
 
-    def __init__(self, xp, cfg, rows, dtype):
-        self.kv = xp.empty((cfg.n_layers, rows, cfg.context, 2 * cfg.n_kv_heads, cfg.head_dim), dtype=dtype)
-        self.context = cfg.context
+    def __init__(self, xp, cfg, rows, dtype, context=None):
+        context = cfg.context if context is None else int(context)
+        if not 1 <= context <= cfg.context:
+            raise ValueError(f"a KV cache of {context} positions: 1 to the model's {cfg.context} expected")
+        self.kv = xp.empty((cfg.n_layers, rows, context, 2 * cfg.n_kv_heads, cfg.head_dim), dtype=dtype)
+        self.context = context
         self.position = xp.zeros(1, dtype=np.int32)
         self._pos = 0
         self.steps = {}
@@ -93,15 +111,16 @@ class Decoder:
         self.graphs = True  # replay small steps as CUDA graphs (GPU); off to measure the difference
         self._spare = []  # released caches, kept with their recorded steps
 
-    def new_cache(self, rows=1):
-        """An empty KV cache of `rows` slots: a released one of that size when there is one (its steps are
-        recorded already), else a new one."""
+    def new_cache(self, rows=1, context=None):
+        """An empty KV cache of `rows` slots of `context` positions (default the model's): a released one of
+        that size when there is one (its steps are recorded already), else a new one."""
+        context = self.eng.cfg.context if context is None else int(context)
         for i, cache in enumerate(self._spare):
-            if cache.rows == rows:
+            if cache.rows == rows and cache.context == context:
                 cache = self._spare.pop(i)
                 cache.rewind(0)
                 return cache
-        return KVCache(self.eng.xp, self.eng.cfg, rows, self.eng.act)
+        return KVCache(self.eng.xp, self.eng.cfg, rows, self.eng.act, context)
 
     def release(self, cache):
         """Hand back a cache no longer used, for new_cache to reuse."""
@@ -245,9 +264,9 @@ class Step:
                     else xp.empty(self.rows * self.heads, dtype=np.int32))
         self.log = None
         if self.feeds_back:
-            self.log = xp.empty((cfg.context, B), dtype=np.int32)
+            self.log = xp.empty((cache.context, B), dtype=np.int32)
         elif kind == "verify":  # (kept id, accepted drafts of the round starting there) by position
-            self.log = xp.zeros((cfg.context + T, 2), dtype=np.int32)
+            self.log = xp.zeros((cache.context + T, 2), dtype=np.int32)
         elif kind == "sample":  # the ids of the chained steps, by step
             self.log = xp.empty((CHAINED, B), dtype=np.int32)
             self.first_rows = xp.arange(0, B * T, T, dtype=np.int32)  # sequence b's rows start at b * T

@@ -1,0 +1,125 @@
+"""How large serve's KV cache is: slots x positions that fit the memory left after the model.
+
+The cache holds `slots` sequences of `context` positions each, plus one scratch slot that a step's padding rows
+write to; its bytes are decoding.kv_cache_bytes (layers x K and V x kv heads x head_dim x positions x slots x
+bytes an element: bf16 on the GPU, float32 on the CPU). The memory it may take:
+- GPU: the device's free memory once the weights are loaded (cudaMemGetInfo, plus what CuPy's pool holds
+  unused), minus a margin for the steps' activations, the scoring forward and workspace;
+- CPU: the machine's available memory (/proc/meminfo MemAvailable, else sysconf's available pages), minus the
+  same margin.
+NANOEULER_MEMORY_AVAILABLE (bytes) replaces the measured free memory (the margin is still taken off).
+
+The choice (`plan`): the model's context for every slot where that fits. Else, with neither --context nor
+--slots given, the largest power of two of positions, at least MIN_CONTEXT (or the model's context where
+that is smaller), that fits the default slots; where even MIN_CONTEXT does not, MIN_CONTEXT with as many slots
+as fit. A --context or --slots given is kept and the other one chosen the same way; given values that do not
+fit are refused in one line naming the bytes needed and available.
+"""
+import os
+from dataclasses import dataclass
+
+from nanoeuler.errors import UserError
+from nanoeuler.infer.scheduler import SCORE_TOKENS  # positions of one scoring forward (its float32 logits)
+from nanoeuler.model.decoding import kv_cache_bytes
+
+MIN_CONTEXT = 2048  # the fewest positions a slot gets unless asked (or the model has fewer)
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    slots: int
+    context: int
+    bytes: int        # of slots + 1 rows (the scratch one included)
+    reason: str       # why, for the startup line: "" where the model's context fits every slot
+
+
+def margin(cfg):
+    """Memory kept out of the cache: 1 GiB of activations and workspace, and twice a scoring forward's float32
+    logits (SCORE_TOKENS positions x vocab)."""
+    return GiB + 2 * SCORE_TOKENS * cfg.vocab_size * 4
+
+
+def cpu_available():
+    """The machine's available memory in bytes (MemAvailable), else sysconf's available pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def gpu_available():
+    """The device's free memory in bytes: cudaMemGetInfo's free plus the blocks CuPy's pool holds unused."""
+    import cupy
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    return free + cupy.get_default_memory_pool().free_bytes()
+
+
+def available(cfg, gpu):
+    """The bytes the cache may take on this engine: the free memory (or NANOEULER_MEMORY_AVAILABLE) minus the
+    margin, at least 0."""
+    override = os.environ.get("NANOEULER_MEMORY_AVAILABLE")
+    free = int(override) if override else gpu_available() if gpu else cpu_available()
+    return max(0, free - margin(cfg))
+
+
+def _size(n):
+    return f"{n / GiB:,.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def plan(cfg, itemsize, budget, slots=None, context=None, default_slots=64):
+    """The CachePlan for a model config, the cache's bytes an element, `budget` bytes it may take, and the
+    --slots / --context given (None: not given); UserError where what was given cannot fit."""
+    model = cfg.context
+    need = lambda s, c: kv_cache_bytes(cfg, c, s + 1, itemsize)
+    if context is not None and not 2 <= context <= model:
+        raise UserError(f"--context must be 2 to the model's context {model:,}, got {context:,}")
+
+    def refuse(s, c):
+        raise UserError(f"a KV cache of {s} slot{'s' if s != 1 else ''} x {c:,} positions needs {need(s, c):,} bytes "
+                        f"({_size(need(s, c))}); {budget:,} bytes ({_size(budget)}) are available after the "
+                        f"model and a margin of {_size(margin(cfg))}: lower --slots or --context")
+
+    if slots is not None and context is not None:
+        if need(slots, context) > budget:
+            refuse(slots, context)
+        return CachePlan(slots, context, need(slots, context), "")
+    s = default_slots if slots is None else slots
+    if context is not None:  # slots chosen: as many as fit, at most the default
+        if need(1, context) > budget:
+            refuse(1, context)
+        fit = s
+        while fit > 1 and need(fit, context) > budget:
+            fit -= 1
+        reason = "" if fit == s else f"{s} slots of {context:,} positions do not fit {_size(budget)}"
+        return CachePlan(fit, context, need(fit, context), reason)
+    if need(s, model) <= budget:
+        return CachePlan(s, model, need(s, model), "")
+    floor = min(MIN_CONTEXT, model)
+    c = 1 << (model.bit_length() - 1)  # the largest power of two at or below the model's context
+    while c > floor and need(s, c) > budget:
+        c //= 2
+    c = max(c, floor)
+    if need(s, c) <= budget:
+        return CachePlan(s, c, need(s, c), f"the model allows {model:,}")
+    if slots is not None:  # the slots given: not even the smallest context fits them
+        refuse(slots, floor)
+    fit = s
+    while fit > 1 and need(fit, floor) > budget:
+        fit -= 1
+    if need(fit, floor) > budget:
+        refuse(1, floor)
+    return CachePlan(fit, floor, need(fit, floor),
+                     f"the model allows {model:,}; {s} slots of {floor:,} positions do not fit {_size(budget)}")
+
+
+def describe(p, dtype_name, model_context):
+    """The startup line's account of the cache."""
+    line = f"KV cache: {p.slots} slot{'s' if p.slots != 1 else ''} x {p.context:,} positions ({dtype_name}, {_size(p.bytes)}"
+    if p.reason:
+        line += f"; {p.reason}: --context/--slots to change"
+    return line + ")"
