@@ -19,7 +19,6 @@ import os
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save as serialize
 
 from nanoeuler.model.config import Config, param_layout, param_shapes, views
 from nanoeuler.errors import UserError
@@ -67,8 +66,24 @@ def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, ch
                 "step": str(int(step)), "chat": "1" if chat else "0"}
     if train_state is not None:
         metadata["train"] = json.dumps(train_state, sort_keys=True)
-    data = serialize(tensors, metadata=metadata)
-    atomic_write(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+
+
+def write_safetensors(f, tensors, metadata):
+    """Write float32 arrays as a safetensors file, as safetensors' own writer lays it out (the tensors sorted by
+    name, the JSON header padded with spaces to 8 bytes), one tensor at a time: no copy of the whole file in
+    memory."""
+    names = sorted(tensors)
+    header, offset = {"__metadata__": metadata}, 0
+    for name in names:
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + tensors[name].nbytes]}
+        offset += tensors[name].nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write(len(blob).to_bytes(8, "little") + blob)
+    for name in names:
+        f.write(memoryview(np.ascontiguousarray(tensors[name], dtype="<f4")).cast("B"))
 
 
 def _header(path):

@@ -120,31 +120,85 @@ def _safetensors_files(folder):
     return files
 
 
-def read_tensors(folder):
-    """{name: float32 array} of every safetensors file of the folder. Read by hand (the header is JSON, the
-    data raw little-endian) because NumPy has no bfloat16, the dtype most published checkpoints use."""
-    tensors = {}
-    for path in _safetensors_files(folder):
+CHUNK = 1 << 22  # values read, converted and checked at a time
+
+
+class Safetensors:
+    """The tensors of a folder's safetensors files, by name, from their headers only; each tensor's bytes are
+    read when asked for, `CHUNK` values at a time, straight into a float32 array the caller gives (BF16: the
+    top half of a float32, exact), so that an import holds the float32 model once (plus one chunk). Read by hand
+    (the header is JSON, the data raw little-endian) because NumPy has no bfloat16, the dtype most published
+    checkpoints use."""
+
+    def __init__(self, folder):
+        self.entries = {}  # name -> (path, dtype, shape, start byte, end byte)
+        for path in _safetensors_files(folder):
+            try:
+                with open(path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(n))
+            except (OSError, ValueError, struct.error) as e:
+                raise UserError(f"cannot read {path}: {e}") from None
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                if entry["dtype"] != "BF16" and entry["dtype"] not in _DTYPES:
+                    raise UserError(f"{path}: tensor {name} is {entry['dtype']}; nanoeuler reads float weights only")
+                lo, hi = entry["data_offsets"]
+                self.entries[name] = (path, entry["dtype"], tuple(entry["shape"]), 8 + n + lo, 8 + n + hi)
+
+    def __contains__(self, name):
+        return name in self.entries
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def shape(self, name):
+        return self.entries[name][2]
+
+    def chunks(self, name):
+        """The tensor's values in order, as float32 arrays of at most CHUNK values."""
+        path, dtype, shape, start, end = self.entries[name]
+        source = np.dtype("<u2" if dtype == "BF16" else _DTYPES[dtype]).newbyteorder("<")
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - start != count * source.itemsize:
+            raise UserError(f"{path}: tensor {name} has {end - start} bytes, its shape {list(shape)} needs "
+                            f"{count * source.itemsize}")
+        buffer = np.empty(min(count, CHUNK), source)
         try:
-            data = np.memmap(path, dtype=np.uint8, mode="r")
-            (n,) = struct.unpack("<Q", data[:8].tobytes())
-            header = json.loads(data[8:8 + n].tobytes())
-        except (OSError, ValueError, struct.error) as e:
+            with open(path, "rb") as f:
+                f.seek(start)
+                for lo in range(0, count, CHUNK):
+                    part = buffer[:min(CHUNK, count - lo)]
+                    if f.readinto(memoryview(part).cast("B")) != part.nbytes:
+                        raise UserError(f"{path} ends inside tensor {name} (a truncated download?)")
+                    yield (part.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else part.astype(np.float32)
+        except OSError as e:
             raise UserError(f"cannot read {path}: {e}") from None
-        base = 8 + n
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            lo, hi = entry["data_offsets"]
-            raw = data[base + lo:base + hi]
-            if entry["dtype"] == "BF16":
-                array = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-            elif entry["dtype"] in _DTYPES:
-                array = raw.view(np.dtype(_DTYPES[entry["dtype"]]).newbyteorder("<")).astype(np.float32)
-            else:
-                raise UserError(f"{path}: tensor {name} is {entry['dtype']}; nanoeuler reads float weights only")
-            tensors[name] = array.reshape(entry["shape"])
-    return tensors
+
+    def read_into(self, name, out):
+        """Fill the float32 array `out` (contiguous, of the tensor's shape) with the tensor's values."""
+        flat, lo = out.reshape(-1), 0
+        for part in self.chunks(name):
+            flat[lo:lo + part.size] = part
+            lo += part.size
+
+    def array(self, name):
+        out = np.empty(self.shape(name), np.float32)
+        self.read_into(name, out)
+        return out
+
+    def equal(self, a, b):
+        """Whether tensors a and b hold the same values, compared a chunk at a time."""
+        return self.shape(a) == self.shape(b) and all(
+            np.array_equal(x, y) for x, y in zip(self.chunks(a), self.chunks(b)))
+
+
+def read_tensors(folder):
+    """{name: float32 array} of every safetensors file of the folder (all of them in memory at once: for
+    tests and comparisons; the import itself streams them through Safetensors)."""
+    index = Safetensors(folder)
+    return {name: index.array(name) for name in index}
 
 
 def config_from_hf(hf, context=None, where="config.json"):
@@ -202,11 +256,13 @@ def tied_embeddings(hf, tensors):
     stderr where the config and the weights disagree (else None)."""
     said = hf.get("tie_word_embeddings")
     tied = TIE_DEFAULTS.get(hf.get("model_type", "llama"), False) if said is None else bool(said)
-    head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-    if tied and head is not None and embedding is not None and not np.array_equal(head, embedding):
+    head, embedding = "lm_head.weight", "model.embed_tokens.weight"
+    if tied and head in tensors and embedding in tensors and not (
+            tensors.equal(head, embedding) if isinstance(tensors, Safetensors)
+            else np.array_equal(tensors[head], tensors[embedding])):
         return False, ("config.json ties the embeddings but lm_head.weight differs from them: imported untied, "
                        "as transformers loads it")
-    if not tied and head is None:
+    if not tied and head not in tensors:
         why = "says tie_word_embeddings false" if said is not None else "has no tie_word_embeddings (false by default)"
         return True, (f"config.json {why} but the weights have no lm_head.weight: imported tied, the embedding as "
                       "the output head (transformers would initialise lm_head at random)")
@@ -214,8 +270,10 @@ def tied_embeddings(hf, tensors):
 
 
 def params_from_hf(cfg, tensors):
-    """Our flat float32 parameters from Hugging Face's tensors (the names export.hf_tensors writes); head 0
-    is lm_head, or, in a tied model (cfg.tied), the embedding itself (an lm_head.weight beside it is its copy)."""
+    """Our flat float32 parameters from Hugging Face's tensors (the names export.hf_tensors writes): a
+    Safetensors index, whose tensors are read one at a time into their views of the flat buffer, or a dict of
+    arrays. Head 0 is lm_head, or, in a tied model (cfg.tied), the embedding itself (an lm_head.weight beside it
+    is its copy)."""
     ours = {"tok_emb": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
     if not cfg.tied:
         ours["heads.0"] = "lm_head.weight"
@@ -232,11 +290,16 @@ def params_from_hf(cfg, tensors):
         theirs = ours[name]
         if theirs not in tensors:
             raise UserError(f"the weights have no {theirs}")
-        if tensors[theirs].shape != view.shape:
-            raise UserError(f"{theirs} has shape {tensors[theirs].shape}, the config says {view.shape}")
-        view[...] = tensors[theirs]
-    if not np.isfinite(flat).all():
-        raise UserError("the weights hold non-finite values")
+        shape = tuple(tensors.shape(theirs) if isinstance(tensors, Safetensors) else tensors[theirs].shape)
+        if shape != view.shape:
+            raise UserError(f"{theirs} has shape {shape}, the config says {view.shape}")
+        if isinstance(tensors, Safetensors):
+            tensors.read_into(theirs, view)
+        else:
+            view[...] = tensors[theirs]
+        for lo in range(0, view.size, CHUNK):  # a chunk at a time: no boolean copy of the model
+            if not np.isfinite(view.reshape(-1)[lo:lo + CHUNK]).all():
+                raise UserError("the weights hold non-finite values")
     return flat
 
 
@@ -321,7 +384,7 @@ def load_hf(folder, context=None):
     tok.set_chat(*chat_settings(folder, hf, tok))
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer.json has {tok.vocab_size} tokens but the model only {cfg.vocab_size}")
-    tensors = read_tensors(folder)
+    tensors = Safetensors(folder)
     tied, note = tied_embeddings(hf, tensors)
     if note:
         print(f"note: {note}", file=sys.stderr)
