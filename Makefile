@@ -38,8 +38,8 @@ browser:
 		echo "make: Chromium could not be installed; the browser test will be skipped"; \
 	fi
 
-# strict: a skipped test fails the run unless it is marked gpu, or browser without NANOEULER_REQUIRE_BROWSER
-# (tests/conftest.py); STRICT_SKIPS=0 lifts that
+# strict: a skipped test fails the run unless it is marked gpu, or browser without NANOEULER_REQUIRE_BROWSER,
+# or llamacpp without NANOEULER_REQUIRE_LLAMACPP (tests/conftest.py); STRICT_SKIPS=0 lifts that
 STRICT_SKIPS ?= 1
 test: $(STAMP) browser
 	NANOEULER_STRICT_SKIPS=$(STRICT_SKIPS) $(PY) -m pytest -q

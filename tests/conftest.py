@@ -13,16 +13,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --------------------------------------------------------------------------------- strict skips
 # With NANOEULER_STRICT_SKIPS=1 (`make test`, hence CI, sets it) a skipped test fails the run unless it is
-# marked gpu, or marked browser (no Chromium: installing it needs root, which a user's machine may not give)
-# while NANOEULER_REQUIRE_BROWSER is unset (.ci/run sets it, so CI runs the browser test or fails): a missing
-# library or tool must not pass for a green run. The skips are listed at the end, allowed ones too.
+# marked gpu, or marked with an optional tool of OPTIONAL_TOOLS while its variable is unset: browser (no
+# Chromium: installing it needs root, which a user's machine may not give; .ci/run sets
+# NANOEULER_REQUIRE_BROWSER, so CI runs the browser test or fails), llamacpp (no llama-cpp-python: its build
+# takes half an hour on 2 cores, docs/gguf.md). A missing library or tool must not pass for a green run. The
+# skips are listed at the end, allowed ones too.
 def _flag(name):
     return os.environ.get(name, "0") not in ("", "0")
 
 
 STRICT_SKIPS = _flag("NANOEULER_STRICT_SKIPS")
-ALLOWED_MARKS = ("gpu",) if _flag("NANOEULER_REQUIRE_BROWSER") else ("gpu", "browser")
-_bad_skips, _allowed_browser_skips = [], []
+OPTIONAL_TOOLS = {"browser": "NANOEULER_REQUIRE_BROWSER", "llamacpp": "NANOEULER_REQUIRE_LLAMACPP"}
+ALLOWED_TOOLS = tuple(mark for mark, variable in OPTIONAL_TOOLS.items() if not _flag(variable))
+ALLOWED_MARKS = ("gpu",) + ALLOWED_TOOLS
+_bad_skips, _allowed_tool_skips = [], []
 
 
 def _record_skip(report):
@@ -31,8 +35,8 @@ def _record_skip(report):
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     skip = (report.nodeid, reason.removeprefix("Skipped: "))
     keywords = getattr(report, "keywords", {})
-    if "browser" in keywords and "browser" in ALLOWED_MARKS:
-        _allowed_browser_skips.append(skip)
+    if any(mark in keywords for mark in ALLOWED_TOOLS):
+        _allowed_tool_skips.append(skip)
     elif not any(mark in keywords for mark in ALLOWED_MARKS):
         _bad_skips.append(skip)
 
@@ -51,10 +55,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _allowed_browser_skips:
-        terminalreporter.section(f"{len(_allowed_browser_skips)} browser test(s) skipped, allowed "
-                                 "(NANOEULER_REQUIRE_BROWSER=1 makes this a failure)", yellow=True)
-        for nodeid, reason in _allowed_browser_skips:
+    if _allowed_tool_skips:
+        terminalreporter.section(f"{len(_allowed_tool_skips)} test(s) of an optional tool skipped, allowed ("
+                                 + ", ".join(f"{v}=1" for m, v in OPTIONAL_TOOLS.items() if m in ALLOWED_TOOLS)
+                                 + " makes such a skip a failure)", yellow=True)
+        for nodeid, reason in _allowed_tool_skips:
             terminalreporter.line(f"{nodeid}: {reason}", yellow=True)
     if STRICT_SKIPS and _bad_skips:
         terminalreporter.section(f"{len(_bad_skips)} skipped, not marked {' or '.join(ALLOWED_MARKS)}: the run "

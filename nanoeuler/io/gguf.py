@@ -21,9 +21,11 @@ checkpoints, which pair as we do. q and k of a head are permuted alike, so their
 attention, are unchanged; V and the output projection are untouched.
 
 The tokenizer is a GPT-2-style BPE (tokenizer.ggml.model "gpt2"): the tokens in their byte-level spelling,
-the merges, token types (special tokens are control tokens), pre-tokenizer "gpt-2" (llama.cpp's hand-written
-splitter of GPT-2's regex, which is ours), no BOS added, our end-of-text token (`</s>`) as EOS and, for chat
-checkpoints, the chat template (an imported model's own, else nanoeuler/data/template.py's CHAT_TEMPLATE).
+the merges, token types (special tokens are control tokens, an import's non-special added tokens user-defined),
+the pre-tokenizer llama.cpp names the tokenizer's rule by (GGUF_PRE: "gpt-2", llama.cpp's hand-written
+splitter of GPT-2's regex, for ours; "smollm" and "llama-bpe" for SmolLM's and Llama 3's), the BOS an imported
+tokenizer adds (none for ours), the end-of-text token (ours: `</s>`) as EOS and, for chat checkpoints, the
+chat template (an imported model's own, else nanoeuler/data/template.py's CHAT_TEMPLATE).
 """
 import os
 
@@ -38,7 +40,11 @@ GGUF_LAYER_NAMES = {  # ours -> llama.cpp's, within block i
     "attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
     "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
 }
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5  # llama.cpp's token types (gguf.TokenType)
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5  # llama.cpp's (gguf.TokenType)
+# tokenizer.ggml.pre by pretokenization rule: the names llama.cpp (src/llama-vocab.cpp) gives these splits, and
+# that its convert_hf_to_gguf.py writes for GPT-2, SmolLM/SmolLM2, Llama 3 and Qwen2 (llama-bpe: ignore_merges
+# and a BOS by default)
+GGUF_PRE = {"gpt2": "gpt-2", "gpt2_digits": "smollm", "llama3": "llama-bpe", "qwen2": "qwen2"}
 
 
 def rope_pairs_adjacent(w, n_heads):
@@ -128,8 +134,9 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
     names, merges = tok.byte_level_names()
-    specials = set(tok.special_tokens.values())
-    types = [TOKEN_CONTROL if i in specials else TOKEN_NORMAL for i in range(tok.vocab_size)]
+    types = [TOKEN_NORMAL] * tok.vocab_size
+    for s, i in tok.special_tokens.items():  # a non-special added token is found in any text: user-defined
+        types[i] = TOKEN_USER_DEFINED if s in tok.nonspecial else TOKEN_CONTROL
     # rows of the model past the tokenizer's vocabulary: named, never produced by the tokenizer
     names += [f"[PAD{i}]" for i in range(tok.vocab_size, cfg.vocab_size)]
     types += [TOKEN_UNUSED] * (cfg.vocab_size - tok.vocab_size)
@@ -148,13 +155,15 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(file_type)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(GGUF_PRE[tok.rule])
     w.add_token_list(names)
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_eos_token_id(tok.eos_id)
-    w.add_bos_token_id(tok.eos_id)  # the token a text follows in training; never added (add_bos_token false)
-    w.add_add_bos_token(False)
+    # the tokenizer's BOS (an import's, put first by encode) is added; ours have none: the BOS id is the token
+    # a text follows in training, never added
+    w.add_bos_token_id(tok.eos_id if tok.bos_id is None else tok.bos_id)
+    w.add_add_bos_token(tok.bos_id is not None)
     w.add_add_eos_token(False)
     if chat:
         from nanoeuler.data.template import CHAT_TEMPLATE

@@ -1,0 +1,224 @@
+"""`import --hf` then `export --gguf` of models of SmolLM2-135M's and Llama-3.2-1B's structure: the GGUF carries
+their tokenizers as llama.cpp's converter would (pre-tokenizer `smollm` / `llama-bpe`, the BOS Llama 3 adds,
+control and user-defined tokens, the chat template, `rope_freqs` for llama3 RoPE scaling), and, where
+llama-cpp-python is installed (mark llamacpp: an allowed skip without it, tests/conftest.py), llama.cpp gives
+our token ids on a fuzzed corpus and our greedy continuations (`nanoeuler infer --temperature 0`).
+
+The models are random, narrower and shallower than the published ones (2 layers; heads of 64 as theirs), with
+their config's other values (theta, epsilon, tied embeddings, Llama 3.2's rope_scaling) and their tokenizers'
+exact structures, built as tests/test_tokenizer_families.py builds them: SmolLM2's Sequence[Digits, ByteLevel]
+with 21 byte tokens missing (1,181 tokens with <|im_start|>, <|im_end|>; SmolLM2-Instruct's chat template);
+Llama 3's Split regex + ByteLevel with ignore_merges, merges that use later tokens, a BOS post-processor, special
+and non-special added tokens, 67,998 tokens (Llama 3's 128,256 reduced; above 65,536 all the same). Weights are
+N(0, 0.5) so that greedy choices are decisive: a continuation may part from ours only where our top two logits
+are within MARGIN (none did). llama.cpp runs the f32 export with an f32 KV cache.
+
+    NANOEULER_LLAMA_CPP_SITE=/tmp/llamacpp-venv/lib/python3.11/site-packages .venv/bin/python -m pytest \\
+        tests/test_gguf_llamacpp.py -s        # docs/gguf.md: installing llama-cpp-python
+"""
+import json
+import os
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from nanoeuler.infer.generate import generate
+from nanoeuler.io import checkpoint
+from nanoeuler.io.checkpoint import load_model
+from test_tokenizer_families import MISSING, SHAKESPEARE, fuzz_texts, llama3_json, smollm_json
+
+SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                 "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                 "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                 "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                 "{% endif %}")
+# config.json of each, as published, but for the widths and depth (hidden 1/3 and 1/8 of theirs, 2 layers)
+SMOLLM2 = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=2, num_attention_heads=3,
+               num_key_value_heads=1, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=True)
+LLAMA32 = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=True,
+               rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+PROMPTS = ["ROMEO: But soft, what light", "def f(x):\n\treturn x ** 2", "In 2024, 1234567 people",
+           "日本語のテキスト", "it's THEY'RE we'd", "\n"]
+NEW_TOKENS, MARGIN = 24, 1e-3
+GGML_TYPE_F32 = 0
+
+
+@pytest.fixture(scope="module")
+def family_corpus():
+    """(fuzzed texts, Shakespeare slices, Shakespeare): what test_tokenizer_families trains and compares on."""
+    with open(SHAKESPEARE, encoding="utf-8") as f:
+        text = f.read(200_000)
+    lines = text.splitlines(keepends=True)
+    return fuzz_texts(), ["".join(lines[i:i + 40]) for i in range(0, 4000, 40)], text
+
+
+def smollm2_tokenizer(family_corpus):
+    d = smollm_json(family_corpus)
+    n = max(d["model"]["vocab"].values()) + 1
+    for k, content in enumerate(["<|im_start|>", "<|im_end|>"]):  # SmolLM2's chat tokens, special
+        d["model"]["vocab"][content] = n + k
+        d["added_tokens"].append({"id": n + k, "content": content, "single_word": False, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "special": True})
+    return d
+
+
+def save_hf(folder, torch, transformers, tokenizer, config, tokenizer_config):
+    """A random LlamaForCausalLM of `config` (weights N(0, 0.5), norm gains N(1, 0.5)) saved with the
+    tokenizer.json dict and tokenizer_config.json given."""
+    folder.mkdir()
+    vocab_size = max(max(tokenizer["model"]["vocab"].values()), max(t["id"] for t in tokenizer["added_tokens"])) + 1
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab_size, **config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.5 + (1.0 if name.endswith("norm.weight") else 0.0))
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def models(family_corpus, torch, transformers, tmp_path_factory):
+    """{name: (checkpoint, f32 GGUF, texts to tokenize)} of the two imports."""
+    d = tmp_path_factory.mktemp("gguf_llamacpp")
+    llama3, words = llama3_json(family_corpus)
+    fuzz, slices, _ = family_corpus
+    specials = "<|eot_id|>hi<tool> x <|reserved_special_token_7|>\n<|end_of_text|>"
+    sources = {
+        "smollm2": (smollm2_tokenizer(family_corpus), SMOLLM2,
+                    {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": SMOL_TEMPLATE},
+                    fuzz + slices + ["Nbsp\u00a0here", "a\x7fb \x0bx\x0cy", "x\u00a0\u00a0y 12\u00a0345",
+                                     "<|im_start|>user\nhi<|im_end|>"]),
+        "llama3.2": (llama3, LLAMA32, {"eos_token": "<|end_of_text|>", "bos_token": "<|begin_of_text|>"},
+                     fuzz + slices + [" ".join(words[::7]), specials, "it's IT'S it'Ll x'RE 'VE 'd 'M 'T"]),
+    }
+    out = {}
+    for name, (tokenizer, config, tokenizer_config, texts) in sources.items():
+        save_hf(d / name, torch, transformers, tokenizer, config, tokenizer_config)
+        r = run_cli("import", "--hf", d / name, "--out", d / f"{name}.bin")
+        assert r.returncode == 0, r.stderr
+        r = run_cli("export", "--gguf", d / f"{name}.gguf", "--ckpt", d / f"{name}.bin", "--type", "f32")
+        assert r.returncode == 0, r.stderr
+        out[name] = (d / f"{name}.bin", d / f"{name}.gguf", texts)
+    return out
+
+
+def fields_of(path):
+    return {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()}
+
+
+@pytest.mark.parametrize("name", ["smollm2", "llama3.2"])
+def test_gguf_keys_are_llama_cpps_for_the_family(models, name):
+    """What convert_hf_to_gguf.py writes for these tokenizers, read back with the gguf package (no llama.cpp)."""
+    ckpt, path, _ = models[name]
+    ck = checkpoint.load(ckpt)
+    tok, fields = ck.tokenizer(), fields_of(path)
+    assert ck.cfg.tied and "output.weight" not in {t.name for t in gguf.GGUFReader(path).tensors}
+    types = fields["tokenizer.ggml.token_type"]
+    assert fields["tokenizer.ggml.eos_token_id"] == tok.eos_id
+    assert all(types[i] == (4 if s in tok.nonspecial else 3) for s, i in tok.special_tokens.items())
+    if name == "smollm2":
+        assert fields["tokenizer.ggml.pre"] == "smollm" and tok.rule == "gpt2_digits"
+        assert fields["tokenizer.ggml.add_bos_token"] is False and tok.bos_id is None
+        assert fields["tokenizer.chat_template"] == SMOL_TEMPLATE
+        assert len(fields["tokenizer.ggml.tokens"]) == tok.vocab_size == 1181  # 1,200 trained, 21 bytes missing, 2 chat tokens
+    else:
+        assert fields["tokenizer.ggml.pre"] == "llama-bpe" and tok.rule == "llama3" and tok.ignore_merges
+        assert fields["tokenizer.ggml.add_bos_token"] is True
+        assert fields["tokenizer.ggml.bos_token_id"] == tok.bos_id == tok.special_tokens["<|begin_of_text|>"]
+        assert types[tok.special_tokens["<tool>"]] == 4 and tok.vocab_size > 65_536
+        assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+
+
+# ------------------------------------------------------------------------------------ llama.cpp itself
+@pytest.fixture(scope="module")
+def llama_cpp():
+    """llama_cpp, from this Python or from the site-packages NANOEULER_LLAMA_CPP_SITE names (appended to
+    sys.path, so that nanoeuler's NumPy stays the one imported)."""
+    site = os.environ.get("NANOEULER_LLAMA_CPP_SITE")
+    if site and site not in sys.path:
+        sys.path.append(site)
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/gguf.md: its own "
+                               "virtualenv, then NANOEULER_LLAMA_CPP_SITE=its site-packages)")
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("name", ["smollm2", "llama3.2"])
+def test_llama_cpp_gives_our_token_ids(llama_cpp, models, name):
+    """llama.cpp's tokenize against ours: with its BOS convention (add_bos=True adds the BOS the file says to
+    add, as our encode does) and without, plain text and with special tokens parsed. SmolLM2: a text where a
+    missing byte sits between two bytes that merge is split apart by llama.cpp (it keeps the byte's symbol
+    through the merges and drops it only after), while `tokenizers`, hence ours, drops it first; those texts are
+    counted apart, and the real SmolLM2 lacks only bytes that UTF-8 text never holds."""
+    ckpt, path, texts = models[name]
+    tok = checkpoint.load(ckpt).tokenizer()
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    missing = set(MISSING) if name == "smollm2" else set()
+    same, apart, differ = 0, 0, []
+    for t in texts:
+        data = t.encode()
+        ours = [tok.encode(t), tok.encode(t, add_bos=False), tok.encode(t, allow_special=True)]
+        theirs = [llm.tokenize(data, add_bos=True, special=False), llm.tokenize(data, add_bos=False, special=False),
+                  llm.tokenize(data, add_bos=True, special=True)]
+        if ours == theirs:
+            same += 1
+        elif missing & set(data):
+            apart += 1
+        else:
+            differ.append((t, ours, theirs))
+    print(f"{name}: llama.cpp {llama_cpp.__version__} gives our ids on {same} of {len(texts)} texts "
+          f"({apart} apart: a missing byte between merging bytes)")
+    assert not differ, differ[:3]
+    assert same >= len(texts) - 10
+
+
+def top2_margins(eng, ids):
+    """Per position of ids, our head-0 logit gap between the best token and the next."""
+    logits = eng.logits(np.array([ids], np.int32))[0]
+    top = np.sort(logits, axis=-1)[:, -2:]
+    return top[:, 1] - top[:, 0]
+
+
+@pytest.mark.llamacpp
+@pytest.mark.parametrize("name", ["smollm2", "llama3.2"])
+def test_llama_cpp_greedy_text_is_ours(llama_cpp, models, name):
+    """llama.cpp's greedy sampler (temperature 0, top_k 1, seed 0) on the f32 GGUF continues each prompt with
+    the ids of `nanoeuler infer --temperature 0` (generate on the CPU engine), and its text is ours; the first
+    prompt through the command itself."""
+    ckpt, path, _ = models[name]
+    eng, tok, _ = load_model(str(ckpt), "cpu")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, seed=0, verbose=False, n_threads=2,
+                          type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    equal, smallest = 0, np.inf
+    for k, prompt in enumerate(PROMPTS):
+        ids = tok.encode(prompt)
+        assert ids == llm.tokenize(prompt.encode(), add_bos=True)
+        ours = list(generate(eng, ids, NEW_TOKENS, temperature=0))
+        theirs = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            theirs.append(token)
+            if len(theirs) == NEW_TOKENS:
+                break
+        margins = top2_margins(eng, ids + ours)[len(ids) - 1:]
+        smallest = min(smallest, float(margins.min()))
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        assert first is None or margins[first] < MARGIN, (prompt, first, ours, theirs)
+        equal += first is None
+        assert llm.detokenize(theirs, special=True) == tok.decode(theirs)
+        if k == 0:  # the command: the prompt, then the text up to an end id
+            r = run_cli("infer", prompt, "--ckpt", ckpt, "--temperature", 0, "--max-new-tokens", NEW_TOKENS,
+                        "--device", "cpu")
+            assert r.returncode == 0, r.stderr
+            end = next((i for i, t in enumerate(theirs) if t in tok.end_ids), len(theirs))
+            assert r.stdout == prompt + tok.decode(theirs[:end]).decode("utf-8", "replace") + "\n"
+    print(f"{name}: llama.cpp's greedy continuation is ours on {equal} of {len(PROMPTS)} prompts "
+          f"({NEW_TOKENS} tokens; smallest top-2 logit gap {smallest:.3g})")
+    assert equal == len(PROMPTS)
+    llm.close()
