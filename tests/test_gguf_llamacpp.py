@@ -156,7 +156,7 @@ def test_llama_cpp_gives_our_token_ids(llama_cpp, models, name):
     add, as our encode does) and without, plain text and with special tokens parsed. SmolLM2: a text where a
     missing byte sits between two bytes that merge is split apart by llama.cpp (it keeps the byte's symbol
     through the merges and drops it only after), while `tokenizers`, hence ours, drops it first; those texts are
-    counted apart, and the real SmolLM2 lacks only bytes that UTF-8 text never holds."""
+    counted apart (a byte UTF-8 text never holds, 0xC0 or 0xF5-0xFF, never meets this)."""
     ckpt, path, texts = models[name]
     tok = checkpoint.load(ckpt).tokenizer()
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
