@@ -350,7 +350,7 @@ def tokenizer_command(args):
             ids = [int(w) for w in words]
         except ValueError:
             raise UserError("token ids must be integers") from None
-        sys.stdout.buffer.write(tok.decode(ids))
+        sys.stdout.buffer.write(tok.decode(ids, text_start=True))
         sys.stdout.buffer.flush()
     return 0
 

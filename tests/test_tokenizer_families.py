@@ -5,7 +5,9 @@
 - SmolLM/SmolLM2's Sequence[Digits(individual_digits), ByteLevel], with 21 of the 256 byte tokens missing;
 - Llama 3's Sequence[Split(its regex), ByteLevel(use_regex=false)] with ignore_merges, merges that use
   tokens made by later merges, more than 65,536 tokens, a BOS from a TemplateProcessing post-processor,
-  special and non-special added tokens.
+  special and non-special added tokens;
+- Qwen2.5's NFC normalizer and Sequence[Split(its regex: digits one by one), ByteLevel(use_regex=false)],
+  its 151,643 ordinary tokens and 22 added ones (special and not), no BOS.
 
 Each tokenizer is trained with `tokenizers`' BpeTrainer in that structure, then edited into its exact form.
 """
@@ -18,7 +20,7 @@ import pytest
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from nanoeuler.tokenizer.bpe import LLAMA3_REGEX, Tokenizer, read_token_file  # noqa: E402
+from nanoeuler.tokenizer.bpe import LLAMA3_REGEX, QWEN2_REGEX, Tokenizer, read_token_file  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(ROOT, "shakespeare.txt")
@@ -60,11 +62,12 @@ def corpus():
     return fuzz_texts(), slices, text
 
 
-def train(pre, corpus, vocab_size=1200):
+def train(pre, corpus, vocab_size=1200, normalizer=None):
     from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
     fuzz, _, text = corpus
     hf = HF(models.BPE())
     hf.pre_tokenizer = pre
+    hf.normalizer = normalizer
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -141,6 +144,38 @@ def llama3_json(corpus):
          "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [bos],
                                                   "tokens": ["<|begin_of_text|>"]}}}]}
     return d, words[:300]
+
+
+QWEN_ADDED = [(c, True) for c in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+                                   "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                                   "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+                                   "<|image_pad|>", "<|video_pad|>")]
+QWEN_ADDED += [(c, False) for c in ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+                                    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")]
+
+
+def qwen2_json(corpus):
+    """Qwen2.5's tokenizer.json structure, its vocabulary padded to Qwen's 151,643 ordinary tokens."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    from nanoeuler.tokenizer.bpe import bytes_to_unicode
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated", invert=False),
+                                   byte_level])
+    d = train(pre, corpus, vocab_size=1500, normalizer=normalizers.NFC())
+    vocab = d["model"]["vocab"]
+    order = [name for name, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if name != "<|endoftext|>"]
+    b2u = bytes_to_unicode()
+    order += ["".join(b2u[b] for b in f"\x01{k}".encode()) for k in range(151_643 - len(order))]  # never in text
+    assert len(order) == 151_643
+    d["model"]["vocab"] = {name: i for i, name in enumerate(order)}
+    d["model"].update(continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    d["added_tokens"] = [{"id": 151_643 + k, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": special} for k, (c, special) in enumerate(QWEN_ADDED)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    d["normalizer"] = {"type": "NFC"}
+    d["post_processor"] = byte_level
+    d["decoder"] = byte_level
+    return d
 
 
 def gpt2_json(corpus):
@@ -225,3 +260,36 @@ def check_saved(ours, hf, texts, tmp_path, name):
     for t in texts:
         ids = again.encode(t, allow_special=True)
         assert ids == exported.encode(t).ids == hf.encode(t).ids
+
+
+def test_qwen2_nfc_nonspecial_added_big_vocab(corpus, tmp_path):
+    fuzz, slices, _ = corpus
+    d = qwen2_json(corpus)
+    extra = ["e\u0301t\u00e9 caf\u0065\u0301 A\u030a \u1100\u1161\u11a8 \u2126", "<|im_start|>user\nhi<|im_end|>\n",
+             "<tool_call>{\"a\": 1}</tool_call><|fim_prefix|>x<|endoftext|>", "<|im_end|>\u0338 >\u0338 12345"]
+    texts = fuzz + slices[:30] + extra
+    n, equal, ours, hf, all_ids = compare(d, tmp_path, texts, "qwen2", eos="<|endoftext|>")
+    assert equal == n and ours.rule == "qwen2" and ours.normalizer == "nfc" and ours.bos_id is None
+    assert ours.vocab_size == 151_665 and ours.token_dtype == np.dtype("<u4")
+    assert len(ours.encode("2024")) == 4 and ours.encode("e\u0301") == ours.encode("\u00e9")
+    assert ours.encode("<tool_call>") == [ours.special_tokens["<tool_call>"]]  # non-special: in any text
+    assert ours.encode("<|im_end|>") != [ours.special_tokens["<|im_end|>"]]  # special: only when allowed
+    import unicodedata
+    for t, ids in zip(texts, all_ids):  # the text between added tokens comes back in NFC
+        assert ours.decode(ids) == unicodedata.normalize("NFC", t).encode() or "\u0338" in t
+    # kept in our JSON and exported (the lighter form of check_saved, for the size of the vocabulary)
+    from tokenizers import Tokenizer as HF
+    again = Tokenizer.from_json(ours.to_json())
+    assert again.normalizer == "nfc" and again.rule == "qwen2"
+    ours.save_hf(tmp_path / "qwen2.export.json")
+    exported = HF.from_file(str(tmp_path / "qwen2.export.json"))
+    for t, ids in zip(texts, all_ids):
+        assert again.encode(t, allow_special=True) == exported.encode(t).ids == ids
+    # a token file: uint32 tokens; streamed in chunks (NFC at the chunk edges) it gives encode's ids
+    src = tmp_path / "text.txt"
+    whole = "".join(texts)
+    src.write_text(whole, encoding="utf-8")
+    count = ours.encode_file(src, tmp_path / "text.tok", progress=False, chunk_bytes=1000)
+    tokens = read_token_file(tmp_path / "text.tok", source=src, tok=ours)
+    assert tokens.dtype == np.dtype("<u4") and count == len(tokens)
+    assert tokens.tolist() == ours.encode(whole) and max(tokens) > 65_536

@@ -20,25 +20,24 @@ read_token_file checks the header, and with `source`/`tok` that the file still m
 tokenizer. The command line, `nanoeuler tokenizer train|encode|decode`, is in nanoeuler/cli.py.
 """
 import functools
-import hashlib
 import io
 import json
 import os
 import re
-import struct
 import sys
 import threading
 import time
+import unicodedata
 from importlib import resources
 
 import numpy as np
 
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
+from nanoeuler.tokenizer.base import (CHUNK, MAX_IDS, MAX_VOCAB, TOKENS_HEADER, TOKENS_HEADER_BYTES, TOKENS_MAGIC,
+                                      TOKENS_VERSION, TokenizerBase, open_input, post_bos, progress_bar)
 
 UNICODE_VERSION = "16.0.0"  # of unicode_classes.txt, and of the `tokenizers` library's regex engine
-MAX_VOCAB = 1 << 16  # what train() makes (its pair keys hold 16-bit token numbers)
-MAX_IDS = 1 << 31  # any tokenizer (a loaded one): ids are int32; token files are uint32 above MAX_VOCAB
 # Pretokenization rules, by the name the JSON forms store: GPT-2's regex; GPT-2's after Digits(individual_digits)
 # (SmolLM, SmolLM2); Llama 3's Split regex (digits three at a time); Qwen2's (the same, digits one at a time).
 RULES = ("gpt2", "gpt2_digits", "llama3", "qwen2")
@@ -49,13 +48,7 @@ QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 # decide where it ends, so a pretoken that ends 8 bytes before the end of a chunk is final.
 _LOOKAHEAD = 8
 _CLASSES = {"L": 1, "N": 2, "W": 3}  # bpe_kernels.LETTER, NUMBER, SPACE; the rest is OTHER (0)
-_CHUNK = 8 << 20  # text is tokenized this many bytes at a time
 _CACHE_PIECES, _CACHE_BYTES = 1 << 20, 64 << 20  # bound of the encoder's piece cache
-TOKENS_MAGIC = b"NEUTOKS\x00"
-TOKENS_VERSION = 1  # uint16 tokens; version 2: uint32 (a vocabulary above MAX_VOCAB)
-# magic, version, token count, source file size, source mtime_ns, tokenizer sha256 (hex); padded to 128 bytes
-TOKENS_HEADER = struct.Struct("<8sI4xQQq64s")
-TOKENS_HEADER_BYTES = 128
 
 
 @functools.cache
@@ -91,6 +84,15 @@ def bytes_to_unicode():
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+@functools.cache
+def _byte_level_decoding():
+    """str.translate's table from a byte-level name's characters to the bytes they stand for (as latin-1
+    characters); any other character below 256 becomes a lone surrogate, which latin-1 cannot encode."""
+    table = {c: "\ud800" for c in range(256)}
+    table.update({ord(c): chr(b) for b, c in bytes_to_unicode().items()})
+    return table
+
+
 def _as_bytes(text):
     if isinstance(text, str):
         # lone surrogates cannot be UTF-8; 'surrogatepass' keeps them as (invalid) bytes that round-trip
@@ -100,30 +102,11 @@ def _as_bytes(text):
     raise TypeError(f"expected str or bytes, got {type(text).__name__}")
 
 
-def _open_input(path):
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
-    if not os.path.isfile(path):
-        f.close()
-        raise UserError(f"{path} is not a regular file")
-    return f
-
-
-def _progress_bar(enabled, **kw):
-    from tqdm import tqdm
-
-    return tqdm(disable=not enabled, dynamic_ncols=True, **kw)
-
-
-class Tokenizer:
+class Tokenizer(TokenizerBase):
     """Byte-level BPE: merges learned by train(), applied by encode(); see the module docstring."""
 
     def __init__(self, merges, special_tokens=("</s>",), ids=None, eos="</s>", decode_only=None, *, tokens=None,
-                 rule="gpt2", ignore_merges=False, bos=None, nonspecial=()):
+                 rule="gpt2", ignore_merges=False, bos=None, nonspecial=(), normalizer=None):
         """merges: (left, right) pairs of internal token numbers in order (the bytes are 0..255, then each
         merge's new token in merge order); each makes the token of the two tokens' bytes joined (a new token,
         or the existing one of the same bytes). Use train/load/from_json to make one.
@@ -139,16 +122,20 @@ class Tokenizer:
         merge makes; a byte with no single-byte token is dropped from the text); `rule`, the pretokenization
         (RULES); `ignore_merges`, a pretoken that is a token is that token; `bos`, a special token that
         encode() puts first by default; `nonspecial`, the added tokens (of special_tokens) that every text
-        is split on, as `tokenizers` does, not only with allow_special."""
+        is split on, as `tokenizers` does, not only with allow_special; `normalizer`, "nfc" to put the text
+        between added tokens in Unicode NFC before it is split (Qwen2's), or None."""
         merges = np.asarray(merges, dtype=np.int64).reshape(-1, 2)
         if rule not in RULES:
             raise UserError(f"unknown pretokenization rule {rule!r} (nanoeuler has {', '.join(RULES)})")
+        if normalizer not in (None, "nfc"):
+            raise UserError(f"unknown normalizer {normalizer!r} (nanoeuler has nfc)")
         if tokens is None:
             token_bytes, results = _merged_tokens(merges)
             byte_tok = np.arange(256, dtype=np.int32)
         else:
             token_bytes, results, byte_tok = _listed_tokens(merges, tokens)
-        explicit = tokens is not None or rule != "gpt2" or ignore_merges or bos is not None or bool(nonspecial)
+        explicit = (tokens is not None or rule != "gpt2" or ignore_merges or bos is not None or bool(nonspecial)
+                    or normalizer is not None)
         specials = list(special_tokens)
         if eos not in specials or len(set(specials)) != len(specials):
             raise UserError(f"special tokens must be distinct and include the end-of-text token {eos!r}")
@@ -173,6 +160,7 @@ class Tokenizer:
         self._byte_tok = byte_tok
         self._explicit = explicit
         self.rule = rule
+        self.normalizer = normalizer
         self.ignore_merges = bool(ignore_merges)
         self.n_ordinary = len(token_bytes)
         self._ordinary_bytes = token_bytes
@@ -210,38 +198,6 @@ class Tokenizer:
         self._cache = None  # _PieceCache, made on first encode
         self.set_chat()
 
-    def set_chat(self, chat_template=None, end_ids=None, named_tokens=None):
-        """What a model brings besides its tokens (an imported one; ours keep the defaults): `chat_template`,
-        its Jinja chat template (data/jinja_template.py renders it), or None (ours: data/template.py's Alpaca);
-        `end_ids`, every id that ends a reply (generation stops at any of them), the end-of-text id first;
-        `named_tokens`, tokenizer_config.json's named special tokens ({"bos_token": ..., "eos_token": ...}),
-        the variables of those names that a chat template reads. Returns the tokenizer."""
-        if chat_template is not None and not isinstance(chat_template, str):
-            raise UserError("corrupt tokenizer: its chat template is not a string")
-        try:
-            ends = list(dict.fromkeys([self.eos_id] + [int(i) for i in end_ids or ()]))
-        except (TypeError, ValueError):
-            raise UserError(f"corrupt tokenizer: end ids {end_ids!r} are not ids") from None
-        if any(not 0 <= i < self.vocab_size for i in ends):
-            raise UserError(f"corrupt tokenizer: end ids {ends} are not all ids of its {self.vocab_size} tokens")
-        named = named_tokens if named_tokens is not None else self._default_named()
-        if not isinstance(named, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
-            raise UserError("corrupt tokenizer: its named tokens are not strings")
-        self.chat_template, self.end_ids, self.named_tokens = chat_template, tuple(ends), dict(named)
-        return self
-
-    def _default_named(self):
-        return {"eos_token": self.eos, **({"bos_token": self.bos} if self.bos is not None else {})}
-
-    def _chat_json(self):
-        """The fields of set_chat that differ from the defaults (to_json writes them; old readers skip them)."""
-        d = {} if self.chat_template is None else {"chat_template": self.chat_template}
-        if self.end_ids != (self.eos_id,):
-            d["end_ids"] = list(self.end_ids)
-        if self.named_tokens != self._default_named():
-            d["named_tokens"] = self.named_tokens
-        return d
-
     # -------------------------------------------------------------------------------------------- training
 
     @classmethod
@@ -254,7 +210,7 @@ class Tokenizer:
                             f"token{'s' * (n_special != 1)}) and {MAX_VOCAB}, got {vocab_size}")
         kern = _kernels()
         t0 = time.time()
-        with _open_input(path) as f:
+        with open_input(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
                 raise UserError(f"{path} is empty")
@@ -284,7 +240,7 @@ class Tokenizer:
         tokenizer's non-special added tokens are always found). add_bos: put the beginning-of-text token
         first; by default when the tokenizer has one (a loaded tokenizer whose file adds it; ours have none)."""
         data = _as_bytes(text)
-        if len(data) <= _CHUNK:
+        if len(data) <= CHUNK:
             ids = self._encode_buffer(data, True, allow_special)[0].tolist()
         else:
             parts = [ids for ids, _ in self._encode_stream(io.BytesIO(data).read, allow_special)]
@@ -299,8 +255,9 @@ class Tokenizer:
         data = _as_bytes(text)
         return self._encode_plain(data, 0, len(data), True, 0)[0].tolist()
 
-    def decode(self, ids):
-        """The exact bytes that the token ids stand for."""
+    def decode(self, ids, text_start=False):
+        """The exact bytes that the token ids stand for (text_start: the ids begin a text, which changes nothing
+        here; a SentencePiece-style tokenizer drops the space it put in front)."""
         if isinstance(ids, np.ndarray):
             ids = ids.tolist()
         ids = list(ids)
@@ -309,31 +266,7 @@ class Tokenizer:
             raise UserError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
         return b"".join(map(self._token_bytes.__getitem__, ids))
 
-    def encode_file(self, in_path, out_path, progress=True, allow_special=False, chunk_bytes=_CHUNK):
-        """Tokenize the file in_path into the token file out_path (the module docstring's format, written
-        atomically), reading chunk_bytes at a time (the text is never held in memory), with the same ids as
-        encode() on the whole text. Returns the token count; read_token_file(out_path) reads the tokens."""
-        _open_input(in_path).close()  # a missing input is an error before anything is written
-
-        def write(dst):
-            dst.write(bytes(TOKENS_HEADER_BYTES))  # the header needs the token count: written once it is known
-            n = 0
-            with _open_input(in_path) as f, _progress_bar(progress, total=os.fstat(f.fileno()).st_size,
-                                                          unit="B", unit_scale=True, desc="tokenize") as bar:
-                source = os.fstat(f.fileno())  # as it was when reading began: a later change makes it stale
-                for ids, n_read in self._encode_stream(f.read, allow_special, chunk_bytes):
-                    dst.write(ids.astype(self.token_dtype).tobytes())
-                    n += len(ids)
-                    bar.update(n_read)
-            dst.seek(0)
-            dst.write(_tokens_header(n, source, self, self.token_dtype))
-            count.append(n)
-
-        count = []
-        atomic_write(out_path, write)
-        return count[0]
-
-    def _encode_stream(self, read, allow_special, chunk_bytes=_CHUNK):
+    def _encode_stream(self, read, allow_special, chunk_bytes=CHUNK):
         """Yield (int32 ids, bytes read) chunk by chunk, read(k) giving the next k bytes of the text; the
         unfinished tail of each chunk is carried over, so the ids are those of the whole text."""
         buf = b""
@@ -367,6 +300,8 @@ class Tokenizer:
         return (np.concatenate(parts) if len(parts) > 1 else ids), start + used
 
     def _encode_plain(self, data, start, end, final, margin):
+        if self.normalizer is not None:
+            return self._encode_normalized(data, start, end, final, margin)
         arr, ends, n_pieces = _split(memoryview(data)[start:end], self.rule)
         if not final:
             n_pieces = int(np.searchsorted(ends[:n_pieces], len(arr) - margin, side="right"))
@@ -380,6 +315,24 @@ class Tokenizer:
                                       self._ordinary_bytes if self.ignore_merges else None)
         ids = self._cache.encode(arr, ends, n_pieces)
         return (ids if self._ids is None else self._ids[ids]), int(ends[n_pieces - 1]) if n_pieces else 0
+
+    def _encode_normalized(self, data, start, end, final, margin):
+        """_encode_plain of the NFC form of data[start:end]; unless final, only up to the last newline that a
+        printable ASCII character follows (NFC and every rule's split restart there)."""
+        cut = end
+        if not final:
+            cut = data.rfind(b"\n", start, max(start, end - margin))
+            while cut >= start and not 0x21 <= data[cut + 1] <= 0x7E:
+                cut = data.rfind(b"\n", start, cut)
+            cut = max(cut + 1, start)
+        text = bytes(data[start:cut]).decode("utf-8", "surrogateescape")
+        normal = unicodedata.normalize("NFC", text).encode("utf-8", "surrogateescape")
+        arr, ends, n_pieces = _split(normal, self.rule)
+        if self._cache is None:
+            self._cache = _PieceCache(self.merges, self._results, self._byte_tok,
+                                      self._ordinary_bytes if self.ignore_merges else None)
+        ids = self._cache.encode(arr, ends, n_pieces)
+        return (ids if self._ids is None else self._ids[ids]), cut - start
 
     # ------------------------------------------------------------------------------------ serialization
 
@@ -397,6 +350,8 @@ class Tokenizer:
                      decode_only={str(i): t.hex() for i, t in self._decode_only.items()},
                      tokens=[t.hex() for t in self._ordinary_bytes], ignore_merges=self.ignore_merges,
                      bos=self.bos, nonspecial=self.nonspecial)
+            if self.normalizer is not None:
+                d["normalizer"] = self.normalizer
         elif self._ids is not None or self.eos != "</s>":
             ids = self._ids.tolist() if self._ids is not None else list(range(self.vocab_size))
             d.update(version=2, ids=ids, eos=self.eos,
@@ -406,8 +361,13 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, text):
+        """A tokenizer from its compact JSON (to_json's); a SentencePiece-style one's is that class's."""
         try:
             d = json.loads(text)
+            if isinstance(d, dict) and d.get("format") == "nanoeuler-sentencepiece-bpe":
+                from nanoeuler.tokenizer.sentencepiece_bpe import SentencePieceBPE
+
+                return SentencePieceBPE.from_json(text)
             ok = (d["format"] == "nanoeuler-bpe" and d["version"] in (1, 2, 3)
                   and d["pretokenizer"] in (RULES if d["version"] == 3 else ("gpt2",))
                   and isinstance(d["merges"], list) and isinstance(d["special_tokens"], list) and "unicode" in d
@@ -425,14 +385,12 @@ class Tokenizer:
                 ids=d["ids"], eos=d["eos"], decode_only={int(i): bytes.fromhex(t) for i, t in d["decode_only"].items()})
             if d["version"] == 3:
                 extra.update(tokens=[bytes.fromhex(t) for t in d["tokens"]], rule=d["pretokenizer"],
-                             ignore_merges=bool(d["ignore_merges"]), bos=d["bos"], nonspecial=d["nonspecial"])
+                             ignore_merges=bool(d["ignore_merges"]), bos=d["bos"], nonspecial=d["nonspecial"],
+                             normalizer=d.get("normalizer"))
         except (ValueError, TypeError, AttributeError):
             raise UserError("corrupt tokenizer: merges must be pairs of ids") from None
         return cls(merges, d["special_tokens"], **extra).set_chat(d.get("chat_template"), d.get("end_ids"),
                                                                   d.get("named_tokens"))
-
-    def sha256(self):
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def save_hf(self, path):
         """Write a Hugging Face tokenizer.json (byte-level BPE) that gives exactly our ids."""
@@ -442,7 +400,7 @@ class Tokenizer:
         """(every token's name by id, the merges as "left right" names): GPT-2's byte-level spelling, which
         tokenizer.json and GGUF store; a special token's name is its text."""
         b2u = bytes_to_unicode()
-        names = ["".join(b2u[b] for b in t) for t in self._token_bytes]
+        names = [t.decode("latin-1").translate(b2u) for t in self._token_bytes]  # b2u: str.translate's table
         for s, i in self.special_tokens.items():
             names[i] = s
         internal = self._ids if self._ids is not None else np.arange(self.n_ordinary)
@@ -476,7 +434,8 @@ class Tokenizer:
             "added_tokens": [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
                               "normalized": s in self.nonspecial, "special": s not in self.nonspecial}
                              for s, i in self.special_tokens.items()],
-            "normalizer": None, "pre_tokenizer": pre, "post_processor": post, "decoder": byte_level,
+            "normalizer": {"type": "NFC"} if self.normalizer == "nfc" else None, "pre_tokenizer": pre,
+            "post_processor": post, "decoder": byte_level,
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": self.ignore_merges, "vocab": vocab,
@@ -486,16 +445,21 @@ class Tokenizer:
     @classmethod
     def load(cls, path, eos=None, bos=None):
         """A tokenizer from a file: a Hugging Face byte-level BPE tokenizer.json (ours, from save_hf, or any
-        other: its ids kept) or our compact JSON (to_json). eos names the end-of-text token of a
+        other: its ids kept), a SentencePiece-style BPE tokenizer.json (Llama 2, Mistral: a SentencePieceBPE of
+        nanoeuler/tokenizer/sentencepiece_bpe.py) or our compact JSON (to_json). eos names the end-of-text token of a
         tokenizer.json (default: </s> if it has one, else its first added token); bos a token to put first
         when its post-processor does not (tokenizer_config.json's add_bos_token)."""
-        with _open_input(path) as f:
+        with open_input(path) as f:
             text = f.read()
         try:
             d = json.loads(text)
         except ValueError:
             raise UserError(f"{path} is not JSON") from None
         if isinstance(d, dict) and "model" in d:
+            from nanoeuler.tokenizer import sentencepiece_bpe
+
+            if isinstance(d["model"], dict) and sentencepiece_bpe.is_sentencepiece_style(d):
+                return sentencepiece_bpe.SentencePieceBPE.from_hf(d, path, eos, bos)
             return cls._from_hf(d, path, eos, bos)
         return cls.from_json(text)
 
@@ -504,7 +468,6 @@ class Tokenizer:
         """Our tokenizer from a tokenizer.json's dict: a byte-level BPE with one of the pretokenizations of
         RULES, its ids kept; a one-line UserError naming what else it holds that we do not do. A file that the
         merges-only form holds (ours, GPT-2's) loads as that form; any other keeps its token list."""
-        u2b = {u: b for b, u in bytes_to_unicode().items()}
         try:
             model, pre, added = d["model"], d.get("pre_tokenizer"), d.get("added_tokens") or []
             vocab = model["vocab"]
@@ -515,7 +478,7 @@ class Tokenizer:
         rule, post_bos, refusal = _hf_structure(d, model, pre, {i: c for i, c, _, _ in added})
         if refusal:
             raise UserError(f"{path}: {refusal}; nanoeuler takes a byte-level BPE with GPT-2's, SmolLM's (digits "
-                            "one by one), Llama 3's or Qwen2's pretokenization")
+                            "one by one), Llama 3's or Qwen2's pretokenization (and NFC), or a SentencePiece-style BPE")
         for _, content, _, t in added:
             for key in ("lstrip", "rstrip", "single_word"):
                 if t.get(key):
@@ -535,15 +498,18 @@ class Tokenizer:
 
         def token_bytes(name):
             try:
-                return bytes(u2b[c] for c in name)
-            except KeyError:
+                return name.translate(_byte_level_decoding()).encode("latin-1")
+            except UnicodeEncodeError:
                 raise UserError(f"{path}: vocabulary entry {name!r} is not byte-level") from None
 
         for r, pair in enumerate(merges):
             if len(pair) != 2 or any(name not in vocab for name in pair) or "".join(pair) not in vocab:
                 raise UserError(f"{path}: merge {r} {pair!r} names tokens outside its vocabulary")
-        extra = dict(rule=rule, ignore_merges=bool(model.get("ignore_merges")), bos=bos, nonspecial=nonspecial)
-        merges_only = rule == "gpt2" and not model.get("ignore_merges") and bos is None and not nonspecial
+        normalizer = "nfc" if d.get("normalizer") == {"type": "NFC"} else None
+        extra = dict(rule=rule, ignore_merges=bool(model.get("ignore_merges")), bos=bos, nonspecial=nonspecial,
+                     normalizer=normalizer)
+        merges_only = (rule == "gpt2" and not model.get("ignore_merges") and bos is None and not nonspecial
+                       and normalizer is None)
         byte_ids = [vocab.get(chr_) for chr_ in (bytes_to_unicode()[b] for b in range(256))]
         if None in byte_ids and model.get("unk_token") is not None:
             raise UserError(f"{path}: the vocabulary lacks byte {byte_ids.index(None)} and its BPE has unk_token "
@@ -603,43 +569,18 @@ def _hf_structure(d, model, pre, added_names):
         if kind == "Sequence":
             kind = "Sequence of " + ", ".join(p.get("type", "?") for p in pre.get("pretokenizers", []))
         return rule, None, f"its pre-tokenizer is {kind}, not one nanoeuler has"
-    if d.get("normalizer") is not None:
+    if d.get("normalizer") not in (None, {"type": "NFC"}):
         return rule, None, f"it has a normalizer ({d['normalizer'].get('type')})"
     post = d.get("post_processor")
     bos = None
     if post is not None:
-        bos = _post_bos(post, added_names)
+        bos = post_bos(post, added_names)
         if bos is False:
             return rule, None, f"its post-processor ({post.get('type')}) adds tokens other than one at the start"
     for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix", "dropout"):
         if model.get(key):
             return rule, None, f"its BPE has {key} = {model[key]!r}"
     return rule, bos, None
-
-
-def _post_bos(post, added_names):
-    """The token a tokenizer.json post-processor puts before a single text (None: none; False: it adds
-    something else). ByteLevel only fixes offsets; TemplateProcessing may put one special token first."""
-    kind = post.get("type")
-    if kind == "Sequence":
-        found = [_post_bos(p, added_names) for p in post.get("processors", [])]
-        if False in found or sum(f is not None for f in found) > 1:
-            return False
-        return next((f for f in found if f is not None), None)
-    if kind == "ByteLevel":
-        return None
-    if kind != "TemplateProcessing":
-        return False
-    single = post.get("single", [])
-    if [next(iter(item)) for item in single] == ["Sequence"]:
-        return None
-    if [next(iter(item)) for item in single] != ["SpecialToken", "Sequence"]:
-        return False
-    name = single[0]["SpecialToken"]["id"]
-    ids = (post.get("special_tokens") or {}).get(name, {}).get("ids")
-    if not ids or len(ids) != 1 or added_names.get(ids[0]) is None:
-        return False
-    return added_names[ids[0]]
 
 
 def _alternation(strings):
@@ -689,11 +630,6 @@ def _merged_tokens(merges):
             token_bytes.append(t)
         results[r] = index[t]
     return token_bytes, results
-
-
-def _tokens_header(n_tokens, source_stat, tok, dtype):
-    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION if dtype.itemsize == 2 else 2, n_tokens,
-                              source_stat.st_size, source_stat.st_mtime_ns, tok.sha256().encode())
 
 
 def read_token_file(path, source=None, tok=None):
@@ -830,7 +766,7 @@ def _count_pieces(f, size, max_bytes, progress):
     window = 1 << 20
     n_windows = max(1, max_bytes // window)
     n_read = 0
-    with _progress_bar(progress, total=size if size <= max_bytes else n_windows * window, unit="B",
+    with progress_bar(progress, total=size if size <= max_bytes else n_windows * window, unit="B",
                        unit_scale=True, desc="count words") as bar:
         if size > max_bytes:
             for k in range(n_windows):
@@ -842,7 +778,7 @@ def _count_pieces(f, size, max_bytes, progress):
         else:
             buf = b""
             while True:
-                block = f.read(_CHUNK)
+                block = f.read(CHUNK)
                 buf += block
                 buf = buf[count(buf, not block):]
                 n_read += len(block)
@@ -869,7 +805,7 @@ def _run_with_progress(fn, args, done, total, enabled, desc, start=0):
             errors.append(e)
 
     worker = threading.Thread(target=target, daemon=True)
-    with _progress_bar(True, total=total, desc=desc) as bar:
+    with progress_bar(True, total=total, desc=desc) as bar:
         worker.start()
         while worker.is_alive():
             worker.join(0.2)
