@@ -109,6 +109,23 @@ def test_model_gradients_match_cpu_engine(precision, bound):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("precision,bound", [("fp32", FP32_TOL), ("bf16", BF16_MODEL_TOL)])
+def test_model_gradients_match_cpu_engine_at_head_size_128(precision, bound):
+    """The model check's model with two 128-wide query heads on one kv head (Llama-3-8B's and Mistral-7B's head
+    size): its gradients, loss and cached decoding against the CPU engine."""
+    import dataclasses
+    from nanoeuler.check.gpu import MODEL_CONFIG
+
+    cfg = dataclasses.replace(MODEL_CONFIG, dim=256, n_heads=2, n_kv_heads=1)
+    assert cfg.head_dim == 128
+    errors = model_check(seed=5, precision=precision, report=lambda line: None, cfg=cfg)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < bound, (worst, errors[worst])
+    assert errors["determinism"] == 0.0
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("precision,tol", [("tf32", 2e-3), ("bf16", 2e-2)])
 def test_training_steps_agree_across_engines(precision, tol):
     """Same init, same batches, same AdamW steps: the losses track each other to the precision's rounding."""

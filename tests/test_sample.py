@@ -227,7 +227,7 @@ def test_gpu_refuses_a_head_size_its_kernels_lack_in_one_line():
     from nanoeuler.model.engine import make_engine
 
     cfg = Config(dim=48, n_layers=1, n_heads=3, n_kv_heads=1, hidden=64, vocab_size=50, context=16)  # head_dim 16
-    with pytest.raises(UserError, match="head_dim 32 or 64, not 16"):
+    with pytest.raises(UserError, match="head_dim 32, 64 or 128, not 16"):
         make_engine(cfg, device="gpu")
 
 

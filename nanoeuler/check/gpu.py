@@ -313,8 +313,9 @@ def check_rope(case, gpu_layers, cpu_layers):
 
 
 def _attention_cases():
-    # (B, T, H, G, D): T past a tile boundary, GQA group 3, MHA, head_dim 64 and 32, one short of a tile
-    return [(2, 77, 6, 2, 64), (1, 130, 4, 4, 32), (2, 63, 4, 2, 32)]
+    # (B, T, H, G, D): T past a tile boundary, GQA group 3, MHA, head_dim 64 and 32, one short of a tile; head_dim
+    # 128 past two tiles, GQA group 2
+    return [(2, 77, 6, 2, 64), (1, 130, 4, 4, 32), (2, 63, 4, 2, 32), (2, 150, 4, 2, 128)]
 
 
 @_precisions("fp32", "tf32", "bf16")
@@ -348,7 +349,7 @@ def check_attention(case, gpu_layers, cpu_layers):
     # decoding: a prompt of 90, then 11 (across a 32-key chunk's end) and 1 new rows, appended to a KV cache
     # of 109 positions and attending to it (the cache's untouched tail stays poisoned on both sides)
     B, S, H, G = 2, 109, 6, 2
-    for D in (64, 32):
+    for D in (64, 32, 128):
         ref_cache, g_cache = np.full((B, S, 2 * G, D), np.nan), case.poisoned(B, S, 2 * G, D)
         ref_pos, g_pos = np.zeros(1, np.int32), case.cp.zeros(1, np.int32)
         for n in (90, 11, 1):
@@ -385,9 +386,10 @@ def check_attention(case, gpu_layers, cpu_layers):
         out.append((f"attention_cached{case.tag} D={D} slots: the cache", rel_err(case.get(g_slots), ref_slots),
                     case.tol))
     # batch invariance: a row's bits are the same decoded alone (a block a query head) and among 12 rows (a
-    # block a kv head's query heads), for kv groups of 2 and 4 query heads and of 5 (more than a block takes)
-    rows, context, D = 12, 70, 64
-    for H, G in ((4, 2), (8, 2), (10, 2)):
+    # block a kv head's query heads), for kv groups of 2 and 4 query heads and of 5 (more than a block takes);
+    # head_dim 128: a block a query head either way, of 8 warps alone and 4 among 12
+    rows, context = 12, 70
+    for H, G, D in ((4, 2, 64), (8, 2, 64), (10, 2, 64), (8, 2, 128)):
         cache, qkv = case.act(case.normal(rows, context, 2 * G, D)), case.act(case.normal(rows, 1, H + 2 * G, D))
         pos = case.rng.integers(0, context - 1, rows).astype(np.int32)
         go, glse = case.poisoned(rows, 1, H, D), case.poisoned32(rows, H, 1)
@@ -400,7 +402,7 @@ def check_attention(case, gpu_layers, cpu_layers):
                                         case.cp.asarray(pos[r:r + 1]), case.cp.full(1, r, dtype=np.int32))
             same &= bool(np.array_equal(case.get(go)[0], together[r])
                          and np.array_equal(case.get(glse)[0], together_lse[r]))
-        out.append((f"attention_cached{case.tag} H={H} G={G}: a row's bits alone and among {rows} rows",
+        out.append((f"attention_cached{case.tag} H={H} G={G} D={D}: a row's bits alone and among {rows} rows",
                     0.0 if same else math.inf, case.tol))
     return out
 

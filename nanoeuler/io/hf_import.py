@@ -408,6 +408,6 @@ def main(args):
           f"generation stops at {ends}")
     from nanoeuler.model.gpu import HEAD_SIZES
     if cfg.head_dim not in HEAD_SIZES:
-        print(f"note: head size {cfg.head_dim}: the GPU attention kernels take {' or '.join(map(str, HEAD_SIZES))}, "
+        print(f"note: head size {cfg.head_dim}: the GPU attention kernels take {', '.join(map(str, HEAD_SIZES))}, "
               "so this model runs on the CPU engine only", file=sys.stderr)
     return 0

@@ -40,11 +40,12 @@ def peak_flops(precision="bf16"):
     return None
 
 
-HEAD_SIZES = (32, 64)  # what the attention kernels are built for
+HEAD_SIZES = (32, 64, 128)  # what the attention kernels are built for
 
 
 def check_config(cfg):
     """Refuse, in one line (ValueError), a model the GPU kernels cannot run."""
     if cfg.head_dim not in HEAD_SIZES:
-        raise ValueError(f"the GPU attention kernels support head_dim 32 or 64, not {cfg.head_dim} "
+        sizes = ", ".join(map(str, HEAD_SIZES[:-1])) + f" or {HEAD_SIZES[-1]}"
+        raise ValueError(f"the GPU attention kernels support head_dim {sizes}, not {cfg.head_dim} "
                          f"(dim {cfg.dim} / {cfg.n_heads} heads); use --device cpu")

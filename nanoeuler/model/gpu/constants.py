@@ -27,6 +27,9 @@ ATT_WARPS = 16     # an attention_cached block (one query row), its warps splitt
 ATT_CACHED_FEW_ROWS = 8
 ATT_CACHED_GROUP = 4
 ATT_CACHED_WARPS_MANY = 4
+# ... and head size 128's attention_cached_d128 blocks at most this many (up to 255 registers a thread: a lane
+# holds a 128-wide key row and 4 dims of 32 value rows)
+ATT_WARPS_D128 = 8
 # decoding.cu: the threads of a sample_rows block (one row of logits)
 SAMPLE_THREADS = 256
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
@@ -35,6 +38,7 @@ RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
 assert FEW_ROWS <= 64, "matmul_small_t<n>_* take x's rows as up to 4 tiles of the mma fragments' 16 rows"
 assert ATT_THREADS == 32 * ATT_TILE // 16, "a warp of the training attention kernels owns 16 rows of a tile"
 assert ATT_WARPS % ATT_CACHED_WARPS_MANY == 0 and ATT_CACHED_WARPS_MANY >= 2, "warp 1 appends k and v"
+assert ATT_WARPS % ATT_WARPS_D128 == 0 and ATT_WARPS_D128 >= 2, "virtual warps split evenly; warp 1 appends"
 
 
 def rmsnorm_chunks(bf16):
@@ -70,7 +74,8 @@ def module_defines(name, variant=()):
                    "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
         "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,
-                      "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY},
+                      "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY,
+                      "ATT_WARPS_D128": ATT_WARPS_D128},
         "rmsnorm": {f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)},
     }.get(name, {})
     return tuple(f"{key}={value}" for key, value in shared.items()) + tuple(variant)

@@ -36,9 +36,9 @@ import numpy as np
 
 from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
-                                           ATT_THREADS, ATT_TILE, ATT_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
-                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, ROPE_HEADS, SAMPLE_THREADS,
-                                           rmsnorm_backward_blocks, rmsnorm_chunks)
+                                           ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, MATMUL_PAIR,
+                                           MATMUL_PAIR_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, ROPE_HEADS,
+                                           SAMPLE_THREADS, rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
 from nanoeuler.model.limits import FEW_ROWS
 
@@ -198,9 +198,15 @@ def _attention_defines(a, tf32):
 @functools.lru_cache(maxsize=None)
 def _attention_launch(D, defines):
     """What attention.cu derives from its tile layout (attention_launch_d<D>): the forward's threads a block, the
-    dK/dV and the dQ kernels' dynamic shared memory in bytes."""
+    dK/dV, the dQ and the forward's dynamic shared memory in bytes. A GPU whose blocks cannot take that much is
+    refused in one line (ValueError)."""
     shape = runtime.module("attention", defines).get_global(f"attention_launch_d{D}")
-    return tuple(int(v) for v in cupy.ndarray((3,), np.int32, memptr=shape).get())
+    launch_shape = tuple(int(v) for v in cupy.ndarray((4,), np.int32, memptr=shape).get())
+    limit = cupy.cuda.runtime.deviceGetAttribute(97, cupy.cuda.Device().id)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    if max(launch_shape[1:]) > limit:
+        raise ValueError(f"head_dim {D} in this precision takes {max(launch_shape[1:])} bytes of shared memory a "
+                         f"block; this GPU's blocks take {limit}: use --precision bf16 or --device cpu")
+    return launch_shape
 
 
 # --------------------------------------------------------------------------------------- cross-entropy
@@ -360,10 +366,11 @@ class Layers:
         B, T, NH, D = qkv.shape
         assert out.shape == (B, T, n_heads, D) and lse.shape == (B, n_heads, T), (out.shape, lse.shape)
         defines = _attention_defines(qkv, self.tf32)
-        threads = _attention_launch(D, defines)[0]
-        kernel("attention", f"attention_forward_d{D}", defines)(
+        launch_shape = _attention_launch(D, defines)
+        threads, smem = launch_shape[0], launch_shape[3]
+        kernel("attention", f"attention_forward_d{D}", defines, smem)(
             (n_heads, B, _blocks(T, ATT_TILE)), (threads,),
-            (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))))
+            (out, lse, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), _f32(1.0 / math.sqrt(D))), shared_mem=smem)
 
     def attention_cached(self, out, lse, qkv, cache, n_heads, n_kv_heads, pos, slots=None):
         """Decoding: qkv (B, n, H+2G, D)'s k and v heads (k rotated already) into the KV cache (S, context, 2G, D)
@@ -381,8 +388,11 @@ class Layers:
             assert slots.dtype == np.int32 and slots.flags.c_contiguous
         # a few rows: a block a query head, all its warps (latency); many: a block a kv head's query heads, which
         # share the loads of its keys and values, fewer warps (throughput). The same bits either way.
-        grouped = B * n > ATT_CACHED_FEW_ROWS and n_heads // n_kv_heads <= ATT_CACHED_GROUP
+        # A 128-wide head: no grouped kernel (it would spill), blocks of fewer warps (registers), the same bits.
+        grouped = B * n > ATT_CACHED_FEW_ROWS and n_heads // n_kv_heads <= ATT_CACHED_GROUP and D <= 64
         warps = ATT_WARPS if B * n <= ATT_CACHED_FEW_ROWS else ATT_CACHED_WARPS_MANY
+        if D > 64:
+            warps = min(warps, ATT_WARPS_D128)
         launch(kernel("attention", f"attention_cached{'_group' if grouped else ''}_d{D}", _act_defines(qkv)),
             (n_kv_heads if grouped else n_heads, B * n), (32 * warps,),
             (out, lse, qkv, cache, _position(pos), _i32(pos.size > 1), np.uint64(0) if slots is None else slots,
@@ -406,7 +416,7 @@ class Layers:
         null = np.uint64(0)
         args = (dqkv, dout, lse, delta, qkv, _i32(T), _i32(n_heads), _i32(n_kv_heads), scale,
                 null if cos is None else cos, null if sin is None else sin)
-        smem_dkdv, smem_dq = _attention_launch(D, defines)[1:]
+        smem_dkdv, smem_dq = _attention_launch(D, defines)[1:3]
         kernel("attention", f"attention_backward_dkdv_d{D}", defines, smem_dkdv)(
             (n_kv_heads, B, _blocks(T, ATT_TILE)), (ATT_THREADS,), args, shared_mem=smem_dkdv)
         kernel("attention", f"attention_backward_dq_d{D}", defines, smem_dq)(

@@ -1,4 +1,4 @@
-// FlashAttention, forward and backward: causal, grouped-query, head_dim 32 or 64, any sequence length.
+// FlashAttention, forward and backward: causal, grouped-query, head_dim 32, 64 or 128, any sequence length.
 //
 // Tiled with online softmax; the only thing stored besides the output is the per-row logsumexp, never a
 // T x T matrix. The matrix products run on the tensor cores through mma.sync with float32 accumulators; the
@@ -17,7 +17,10 @@
 // A training block is ATT_THREADS threads: each warp owns 16 rows of an ATT_TILE-row tile and loops over tiles
 // of the other side (the bf16 forward: half the warps, of 32 rows, AttForwardRows). ATT_TILE, ATT_THREADS and
 // ATT_WARPS come from layers.py (nanoeuler/model/gpu/constants.py), which reads back the launch shapes derived
-// here (attention_launch_d<D>).
+// here (attention_launch_d<D>). Head size 128 keeps the 64-row tiles and doubles each row's registers and
+// shared memory: its forward gives a warp 16 query rows in every build and takes its tiles in dynamic shared
+// memory, its backward runs 2 blocks an SM (registers), and its decoding blocks have at most ATT_WARPS_D128
+// warps (a lane's key row and value slices take twice the registers).
 // The kernels are written once over an "mma policy" (AttTf32, AttBf16 below) that holds the mma primitive and
 // the fragment loaders; g = lane / 4, t = lane % 4.
 //   m16n8k8 TF32 (one value a register): A rows g, g+8 x cols t, t+4; B rows (k) t, t+4 x col (n) g;
@@ -32,12 +35,13 @@
 #include "common.cuh"
 
 #if !defined(ATT_TILE) || !defined(ATT_THREADS) || !defined(ATT_WARPS) || !defined(ATT_CACHED_GROUP) ||         \
-    !defined(ATT_CACHED_WARPS_MANY)
-#error "ATT_TILE, ATT_THREADS, ATT_WARPS and ATT_CACHED_* come from nanoeuler/model/gpu/constants.py"
+    !defined(ATT_CACHED_WARPS_MANY) || !defined(ATT_WARPS_D128)
+#error "ATT_TILE, ATT_THREADS, ATT_WARPS, ATT_WARPS_D128 and ATT_CACHED_* come from nanoeuler/model/gpu/constants.py"
 #endif
 static_assert(ATT_THREADS == 32 * ATT_TILE / 16, "a warp owns 16 rows of a tile");
-// Blocks an SM keeps of each backward kernel: the most whose registers fit without spills (docs/gpu-engine.md)
-#define ATT_BACKWARD_BLOCKS 3
+// Blocks an SM keeps of each backward kernel: the most whose registers fit without spills (docs/gpu-engine.md);
+// head size 128 holds twice the accumulators a thread (dK and dV: 128 floats)
+#define ATT_BACKWARD_BLOCKS(D) ((D) > 64 ? 2 : 3)
 // -DATT_PRECISE=1 for the 3xTF32 kernels of the checks.
 #ifndef ATT_PRECISE
 #define ATT_PRECISE 0
@@ -274,10 +278,21 @@ __device__ __forceinline__ void att_copies_wait(int pending) {
 // ------------------------------------------------------------------------------------------------ forward
 // Query rows a warp of the forward owns, in m-tiles of 16: 2 in the bf16 build, so that each K and V fragment
 // it reads from shared memory serves 32 rows; the float builds keep 1 (their fragments take twice the
-// registers).
-template <class M>
+// registers), and so does head size 128 (its output accumulators alone are 64 floats an m-tile).
+template <int D, class M>
 struct AttForwardRows {
-    static constexpr int MT = sizeof(typename M::elem_t) == 2 ? 2 : 1;
+    static constexpr int MT = sizeof(typename M::elem_t) == 2 && D <= 64 ? 2 : 1;
+};
+
+extern __shared__ __align__(16) unsigned char att_smem[];  // the dynamic shared memory of the kernels that take it
+
+// The forward's K and V tiles, STAGES of each: static shared memory up to the 48 KB a block has without opting
+// in, dynamic past it (head size 128), BYTES of it (0 where static).
+template <int D, class M>
+struct AttForwardSmem {
+    static constexpr int TILES = 2 * AttStages<M>::N * ATT_TILE * AttTile<D, M>::LDS * (int)sizeof(typename M::elem_t);
+    static constexpr bool DYNAMIC = TILES > 48 * 1024;
+    static constexpr int BYTES = DYNAMIC ? TILES : 0;
 };
 
 // out (B, T, H, D), lse (B, H, T) natural-log logsumexp of the scaled scores, from qkv (B, T, NH, D) (training
@@ -289,9 +304,17 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
                                                         float scale) {
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
-    constexpr int STAGES = AttStages<M>::N, MT = AttForwardRows<M>::MT, THREADS = ATT_THREADS / MT;
-    __shared__ __align__(16) elem_t Kbuf[STAGES][ATT_TILE * LDS];
-    __shared__ __align__(16) elem_t Vbuf[STAGES][ATT_TILE * LDS];
+    constexpr int STAGES = AttStages<M>::N, MT = AttForwardRows<D, M>::MT, THREADS = ATT_THREADS / MT;
+    typedef elem_t Tile[ATT_TILE * LDS];
+    Tile *Kstages, *Vstages;
+    if constexpr (AttForwardSmem<D, M>::DYNAMIC) {
+        Kstages = reinterpret_cast<Tile*>(att_smem);
+        Vstages = Kstages + STAGES;
+    } else {
+        __shared__ __align__(16) Tile Kbuf[STAGES], Vbuf[STAGES];
+        Kstages = Kbuf;
+        Vstages = Vbuf;
+    }
     const int NH = H + 2 * G;
     const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z, kvh = h / (H / G);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -325,15 +348,15 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
     const int last_pos = min(T, (qt + 1) * ATT_TILE) - 1;
     const int n_kt = last_pos / ATT_TILE + 1;
     const auto issue = [&](int kt) {
-        load_tile_async<D, M, THREADS>(Kbuf[kt % STAGES], base + (H + kvh) * D, kt * ATT_TILE, T, rs);
-        load_tile_async<D, M, THREADS>(Vbuf[kt % STAGES], base + (H + G + kvh) * D, kt * ATT_TILE, T, rs);
+        load_tile_async<D, M, THREADS>(Kstages[kt % STAGES], base + (H + kvh) * D, kt * ATT_TILE, T, rs);
+        load_tile_async<D, M, THREADS>(Vstages[kt % STAGES], base + (H + G + kvh) * D, kt * ATT_TILE, T, rs);
         att_copies_commit();
     };
     if (STAGES == 2) issue(0);
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * ATT_TILE;
-        const elem_t* Ks = Kbuf[kt % STAGES];
-        const elem_t* Vs = Vbuf[kt % STAGES];
+        const elem_t* Ks = Kstages[kt % STAGES];
+        const elem_t* Vs = Vstages[kt % STAGES];
         __syncthreads();  // everyone is done with the tile the next copy overwrites
         if (STAGES == 1) issue(kt);
         else if (kt + 1 < n_kt) issue(kt + 1);
@@ -438,6 +461,7 @@ __device__ __forceinline__ void attention_forward_block(act_t* __restrict__ out,
         attention_forward_d##D(act_t* out, float* lse, const act_t* qkv, int T, int H, int G, float scale) { \
         attention_forward_block<D, AttMma>(out, lse, qkv, T, H, G, scale);                                  \
     }
+ATTENTION_FORWARD(128)
 ATTENTION_FORWARD(64)
 ATTENTION_FORWARD(32)
 
@@ -463,13 +487,22 @@ extern "C" __global__ void attention_backward_delta(float* __restrict__ delta, c
     if (lane == 0) delta[(bt / T * H + h) * T + bt % T] = s;
 }
 
-extern __shared__ __align__(16) unsigned char att_smem[];  // the backward kernels' dynamic shared memory
+// The backward's streamed tiles: double-buffered where bf16 (AttStages), except head size 128 on the GPUs whose
+// blocks take less than 163 KB of shared memory (sm_86, sm_89, sm_120: 99 KB), where 2 stages (103 KB) don't fit.
+template <int D, class M>
+struct AttBackwardStages {
+#if __CUDA_ARCH__ == 800 || __CUDA_ARCH__ == 870 || (__CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200)
+    static constexpr int N = AttStages<M>::N;
+#else
+    static constexpr int N = D > 64 ? 1 : AttStages<M>::N;
+#endif
+};
 
 // The backward kernels' dynamic shared memory, bytes: 2 tiles resident and 2 streamed STAGES deep, (ATT_TILE,
 // LDS) elements each, and for dK/dV the streamed query tiles' lse and delta.
 template <int D, class M>
 struct AttBackwardSmem {
-    static constexpr int STAGES = AttStages<M>::N;
+    static constexpr int STAGES = AttBackwardStages<D, M>::N;
     static constexpr int TILES = (2 + 2 * STAGES) * ATT_TILE * AttTile<D, M>::LDS * (int)sizeof(typename M::elem_t);
     static constexpr int DKDV = TILES + STAGES * 2 * ATT_TILE * (int)sizeof(float);
     static constexpr int DQ = TILES;
@@ -539,7 +572,7 @@ template <int D, class M>
 __device__ __forceinline__ void attention_backward_dkdv_block(ATT_BACKWARD_PARAMS) {
     // dynamic shared memory: AttBackwardSmem<D, M>::DKDV bytes
     typedef typename M::elem_t elem_t;
-    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS, STAGES = AttStages<M>::N;
+    constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS, STAGES = AttBackwardStages<D, M>::N;
     elem_t* Ks = reinterpret_cast<elem_t*>(att_smem);  // (64 keys, D)
     elem_t* Vs = Ks + ATT_TILE * LDS;                  // (64 keys, D)
     elem_t* Qbuf = Vs + ATT_TILE * LDS;                // STAGES x (64 queries, D)
@@ -654,7 +687,7 @@ __device__ __forceinline__ void attention_backward_dq_block(ATT_BACKWARD_PARAMS)
     // dynamic shared memory: AttBackwardSmem<D, M>::DQ bytes
     typedef typename M::elem_t elem_t;
     constexpr int LDS = AttTile<D, M>::LDS, KS = M::KS;
-    constexpr int STAGES = AttStages<M>::N;
+    constexpr int STAGES = AttBackwardStages<D, M>::N;
     elem_t* Qs = reinterpret_cast<elem_t*>(att_smem);  // (64 queries, D)
     elem_t* dOs = Qs + ATT_TILE * LDS;                 // (64 queries, D)
     elem_t* Kbuf = dOs + ATT_TILE * LDS;               // STAGES x (64 keys, D)
@@ -725,29 +758,32 @@ __device__ __forceinline__ void attention_backward_dq_block(ATT_BACKWARD_PARAMS)
 }
 
 #define ATTENTION_BACKWARD(D)                                                                                \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BACKWARD_BLOCKS)                           \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BACKWARD_BLOCKS(D))                           \
         attention_backward_dkdv_d##D(act_t* dqkv, const act_t* dout, const float* lse, const float* delta,  \
                                      const act_t* qkv, int T, int H, int G, float scale, const float* cos_t, \
                                      const float* sin_t) {                                                  \
         attention_backward_dkdv_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale, cos_t, sin_t); \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BACKWARD_BLOCKS)                           \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, ATT_BACKWARD_BLOCKS(D))                           \
         attention_backward_dq_d##D(act_t* dqkv, const act_t* dout, const float* lse, const float* delta,    \
                                    const act_t* qkv, int T, int H, int G, float scale, const float* cos_t,   \
                                    const float* sin_t) {                                                    \
         attention_backward_dq_block<D, AttMma>(dqkv, dout, lse, delta, qkv, T, H, G, scale, cos_t, sin_t);  \
     }
+ATTENTION_BACKWARD(128)
 ATTENTION_BACKWARD(64)
 ATTENTION_BACKWARD(32)
 
 // The launch shapes layers.py reads back rather than re-derive: the forward's threads a block, then the dK/dV
-// and the dQ kernels' dynamic shared memory in bytes.
+// and the dQ kernels' dynamic shared memory in bytes, then the forward's (0: static).
 #define ATTENTION_LAUNCH(D)                                                                                \
     extern "C" {                                                                                           \
-    __constant__ int attention_launch_d##D[3] = {ATT_THREADS / AttForwardRows<AttMma>::MT,                 \
+    __constant__ int attention_launch_d##D[4] = {ATT_THREADS / AttForwardRows<D, AttMma>::MT,              \
                                                  AttBackwardSmem<D, AttMma>::DKDV,                         \
-                                                 AttBackwardSmem<D, AttMma>::DQ};                          \
+                                                 AttBackwardSmem<D, AttMma>::DQ,                           \
+                                                 AttForwardSmem<D, AttMma>::BYTES};                        \
     }
+ATTENTION_LAUNCH(128)
 ATTENTION_LAUNCH(64)
 ATTENTION_LAUNCH(32)
 
@@ -773,7 +809,8 @@ ATTENTION_LAUNCH(32)
 // bits decoded alone or with others (a block a row: docs/gpu-engine.md says why). The blocks of the first
 // query head of each kv group (every block, for many rows) append their row's new k and v to the cache.
 #define ATT_CHUNK 32
-#define ATT_CACHED_THREADS (32 * ATT_WARPS)
+// A block's most threads: head size 128 holds fewer warps, each with up to 255 registers for its wider rows
+#define ATT_CACHED_THREADS(D) (32 * ((D) > 64 ? ATT_WARPS_D128 : ATT_WARPS))
 
 // DL consecutive elements of a value row (a lane's dims of the output), kept as loaded: two bf16 in one
 // register, or floats.
@@ -799,6 +836,21 @@ struct ValueSlice {
     __device__ __forceinline__ float get(int i) const { return f[i]; }
 #endif
 };
+#if ACT_BF16
+// Head size 128: four bf16 in two registers, one 8-byte load.
+template <>
+struct ValueSlice<4> {
+    unsigned bits[2];  // elements 0, 1 and 2, 3, the lower address in the low half
+    __device__ __forceinline__ void load(const act_t* p) {
+        const uint2 u = *reinterpret_cast<const uint2*>(p);
+        bits[0] = u.x, bits[1] = u.y;
+    }
+    __device__ __forceinline__ void zero() { bits[0] = bits[1] = 0u; }
+    __device__ __forceinline__ float get(int i) const {
+        return __uint_as_float(i & 1 ? bits[i >> 1] & 0xffff0000u : bits[i >> 1] << 16);
+    }
+};
+#endif
 
 // QH query heads a block: 1 (block (h, row)), or the H / G heads of kv head blockIdx.x (at most QH), which
 // then share each key and value load. A head's arithmetic is the same either way.
@@ -940,20 +992,24 @@ __device__ __forceinline__ void attention_cached_block(act_t* __restrict__ out, 
     }
 }
 
-// Grid (H, B * n) (attention_cached_d<D>: a block a query head and row, at most ATT_WARPS warps) or (G, B * n)
-// (attention_cached_group_d<D>: a block a kv head's H / G <= ATT_CACHED_GROUP query heads and a row, of
-// ATT_CACHED_WARPS_MANY warps).
+// Grid (H, B * n) (attention_cached_d<D>: a block a query head and row, at most ATT_WARPS warps, ATT_WARPS_D128
+// at head size 128) or (G, B * n) (attention_cached_group_d<D>: a block a kv head's H / G <= ATT_CACHED_GROUP
+// query heads and a row, of ATT_CACHED_WARPS_MANY warps; not at head size 128, where ptxas spills it).
 #define ATTENTION_CACHED(D)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(ATT_CACHED_THREADS)                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_CACHED_THREADS(D))                                       \
         attention_cached_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const int* pos,         \
                               int pos_stride, const int* slots, int n, int S, int H, int G, float scale) {    \
         attention_cached_block<D, 1>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, scale);       \
-    }                                                                                                        \
+    }
+#define ATTENTION_CACHED_GROUP(D)                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * ATT_CACHED_WARPS_MANY)                                  \
         attention_cached_group_d##D(act_t* out, float* lse, const act_t* qkv, act_t* cache, const int* pos,   \
                                     int pos_stride, const int* slots, int n, int S, int H, int G, float scale) { \
         attention_cached_block<D, ATT_CACHED_GROUP>(out, lse, qkv, cache, pos, pos_stride, slots, n, S, H, G, \
                                                     scale);                                                  \
     }
+ATTENTION_CACHED(128)
 ATTENTION_CACHED(64)
+ATTENTION_CACHED_GROUP(64)
 ATTENTION_CACHED(32)
+ATTENTION_CACHED_GROUP(32)
