@@ -128,7 +128,7 @@ def test_gguf_keys_are_llama_cpps_for_the_family(models, name):
         assert fields["tokenizer.ggml.pre"] == "smollm" and tok.rule == "gpt2_digits"
         assert fields["tokenizer.ggml.add_bos_token"] is False and tok.bos_id is None
         assert fields["tokenizer.chat_template"] == SMOL_TEMPLATE
-        assert len(fields["tokenizer.ggml.tokens"]) == tok.vocab_size == 1181  # 1,200 trained, 21 bytes missing, 2 chat tokens
+        assert len(fields["tokenizer.ggml.tokens"]) == tok.vocab_size == 1181  # 1,200 less 21 bytes, 2 chat tokens
     else:
         assert fields["tokenizer.ggml.pre"] == "llama-bpe" and tok.rule == "llama3" and tok.ignore_merges
         assert fields["tokenizer.ggml.add_bos_token"] is True
@@ -149,34 +149,46 @@ def llama_cpp():
                                "virtualenv, then NANOEULER_LLAMA_CPP_SITE=its site-packages)")
 
 
+def ids_both_ways(tok, llm, text):
+    """(ours, llama.cpp's): with the BOS the tokenizer adds (llama.cpp's add_bos adds the one the file says to
+    add) and without, plain text and with special tokens parsed."""
+    data = text.encode()
+    return ([tok.encode(text), tok.encode(text, add_bos=False), tok.encode(text, allow_special=True)],
+            [llm.tokenize(data, add_bos=True, special=False), llm.tokenize(data, add_bos=False, special=False),
+             llm.tokenize(data, add_bos=True, special=True)])
+
+
+def without_known_difference(name, text):
+    """The text less what llama.cpp's tokenizer does otherwise than `tokenizers`: SmolLM2's missing bytes (its
+    BPE keeps a missing byte's symbol through the merges, dropping it after, so its neighbours do not merge;
+    `tokenizers` drops it first). Llama 3's structure showed no difference."""
+    if name == "smollm2":
+        return "".join(c for c in text if not set(c.encode()) & set(MISSING))
+    return text
+
+
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("name", ["smollm2", "llama3.2"])
 def test_llama_cpp_gives_our_token_ids(llama_cpp, models, name):
-    """llama.cpp's tokenize against ours: with its BOS convention (add_bos=True adds the BOS the file says to
-    add, as our encode does) and without, plain text and with special tokens parsed. SmolLM2: a text where a
-    missing byte sits between two bytes that merge is split apart by llama.cpp (it keeps the byte's symbol
-    through the merges and drops it only after), while `tokenizers`, hence ours, drops it first; those texts are
-    counted apart (a byte UTF-8 text never holds, 0xC0 or 0xF5-0xFF, never meets this)."""
+    """llama.cpp's tokenize gives our ids on every text, or on a text llama.cpp tokenizes otherwise than
+    `tokenizers` (without_known_difference), on it less that difference."""
     ckpt, path, texts = models[name]
     tok = checkpoint.load(ckpt).tokenizer()
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    missing = set(MISSING) if name == "smollm2" else set()
-    same, apart, differ = 0, 0, []
+    same, apart = 0, 0
     for t in texts:
-        data = t.encode()
-        ours = [tok.encode(t), tok.encode(t, add_bos=False), tok.encode(t, allow_special=True)]
-        theirs = [llm.tokenize(data, add_bos=True, special=False), llm.tokenize(data, add_bos=False, special=False),
-                  llm.tokenize(data, add_bos=True, special=True)]
+        ours, theirs = ids_both_ways(tok, llm, t)
         if ours == theirs:
             same += 1
-        elif missing & set(data):
-            apart += 1
-        else:
-            differ.append((t, ours, theirs))
-    print(f"{name}: llama.cpp {llama_cpp.__version__} gives our ids on {same} of {len(texts)} texts "
-          f"({apart} apart: a missing byte between merging bytes)")
-    assert not differ, differ[:3]
-    assert same >= len(texts) - 10
+            continue
+        plain = without_known_difference(name, t)
+        assert plain != t, (t, ours, theirs)
+        ours, theirs = ids_both_ways(tok, llm, plain)
+        assert ours == theirs, (plain, ours, theirs)
+        apart += 1
+    print(f"{name}: llama.cpp {llama_cpp.__version__} gives our ids on {same} of {len(texts)} texts, and on the "
+          f"other {apart} less what it splits otherwise than `tokenizers`")
+    llm.close()
 
 
 def top2_margins(eng, ids):
