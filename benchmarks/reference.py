@@ -61,6 +61,8 @@ def _fused_names(cfg):
         p = f"layers.{i}."
         fused[p + "attn_norm"] = [p + "attn_norm"]
         fused[p + "wqkv"] = [p + "wq", p + "wk", p + "wv"]
+        if cfg.qkv_bias:
+            fused[p + "bqkv"] = [p + "bq", p + "bk", p + "bv"]
         fused[p + "wo"] = [p + "wo"]
         fused[p + "ffn_norm"] = [p + "ffn_norm"]
         fused[p + "w_gate_up"] = [p + "w_gate", p + "w_up"]
@@ -112,7 +114,7 @@ class Reference(torch.nn.Module):
         return self.p[self._key(name)]
 
     def param_groups(self, weight_decay):
-        """AdamW groups as our engines decay: the matrices, and the norm gains without weight decay."""
+        """AdamW groups as our engines decay: the matrices, and the norm gains and biases without weight decay."""
         return [{"params": [self.w(n) for n in self.fused if is_matrix(n)], "weight_decay": weight_decay},
                 {"params": [self.w(n) for n in self.fused if not is_matrix(n)], "weight_decay": 0.0}]
 
@@ -130,12 +132,14 @@ class Reference(torch.nn.Module):
                 out[n] = piece.numpy().reshape(layout[n][1])
         return out
 
-    def project(self, x, name, sizes):
-        """x @ w.T for the fused matrix `name`, as one output per part (their sizes along the last axis)."""
-        w = self.w(name)
+    def project(self, x, name, sizes, bias=None):
+        """x @ w.T (+ the fused bias `bias`) for the fused matrix `name`, as one output per part (their sizes
+        along the last axis)."""
+        w, b = self.w(name), None if bias is None else self.w(bias)
         if self.split_matmuls:
-            return [F.linear(x, part) for part in w.split(sizes)]
-        return F.linear(x, w).split(sizes, dim=-1)
+            return [F.linear(x, part, None if b is None else b_part)
+                    for part, b_part in zip(w.split(sizes), [None] * len(sizes) if b is None else b.split(sizes))]
+        return F.linear(x, w, b).split(sizes, dim=-1)
 
     def rope(self, x):
         """x (B, T, heads, D), positions 0..T-1, rotate-half."""
@@ -152,7 +156,8 @@ class Reference(torch.nn.Module):
         x = F.embedding(inputs, self.w("tok_emb"))
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            q, k, v = self.project(norm(x, p + "attn_norm"), p + "wqkv", (H * D, G * D, G * D))
+            q, k, v = self.project(norm(x, p + "attn_norm"), p + "wqkv", (H * D, G * D, G * D),
+                                   p + "bqkv" if cfg.qkv_bias else None)
             q, k, v = self.rope(q.view(B, T, H, D)), self.rope(k.view(B, T, G, D)), v.view(B, T, G, D)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
             if self.gqa == "repeat":

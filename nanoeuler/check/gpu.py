@@ -13,7 +13,8 @@ element type first). Error = ||gpu - cpu|| / ||cpu||. Bounds:
   1.6e-2, leaves room for those and still catches any real fault (a wrong index or a missed term is an O(1)
   error).
 
-Model (K = 2 heads, and K = 1 tied to the embedding): the GPU engine's gradients for every parameter tensor
+Model (K = 2 heads, K = 1 tied to the embedding, and that with q/k/v biases and padding ids past its
+tokenizer's vocabulary, as an imported Qwen2): the GPU engine's gradients for every parameter tensor
 against the CPU engine's (float64) on the same float32-representable parameters and batch (some targets -1),
 plus the loss and the KV-cache decode logits, in fp32 (bound 1e-5), tf32 and bf16 (each gradient passes
 through some 50 bf16 roundings on its way back through the two layers; as a random walk that is
@@ -43,6 +44,8 @@ MODEL_CONFIG = Config(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden=352, 
                       mtp_heads=2)
 # the same with one head that is the embedding (an imported tied model): one tensor, two products' gradients
 TIED_CONFIG = dataclasses.replace(MODEL_CONFIG, mtp_heads=1, tied=True)
+# and with biases on q, k and v and ids past the tokenizer's vocabulary (an imported Qwen2)
+BIAS_CONFIG = dataclasses.replace(TIED_CONFIG, qkv_bias=True, tokenizer_vocab=280)
 
 
 def rel_err(gpu, ref):
@@ -141,6 +144,11 @@ def check_matmul(case, gpu_layers, cpu_layers):
     gpu_layers.matmul_backward(gdx, gdw, case.dev(dout), case.dev(x), case.dev(w))
     out += [(f"matmul_backward{case.tag} dx", rel_err(case.get(gdx), rdx), case.tol),
             (f"matmul_backward{case.tag} dw (float32, +=)", rel_err(case.get(gdw), rdw), case.tol)]
+    base_db = _f32(case.normal(O))
+    rdb, gdb = base_db.copy(), case.dev32(base_db)
+    cpu_layers.matmul_backward(rdx, rdw, dout, x, w, rdb)
+    gpu_layers.matmul_backward(gdx, gdw, case.dev(dout), case.dev(x), case.dev(w), gdb)
+    out.append((f"matmul_backward{case.tag} dbias (float32, +=)", rel_err(case.get(gdb), rdb), case.tol))
     # decoding's few rows (the matrix-vector kernel, up to FEW_ROWS): 16-byte loads, and an odd row length
     # without them, rows split over 1 to 16 warps, in 1 to 4 rounds; the same kernel with RMSNorm (C = I)
     # folded in front, and with SwiGLU after
@@ -179,6 +187,21 @@ def check_matmul(case, gpu_layers, cpu_layers):
                                            None, case.dev32(cos), case.dev32(sin), 3, case.cp.asarray(pos))
     out.append((f"rmsnorm_matmul_rope_forward{case.tag} {B}x{T} rows, 3 of 5 heads rotated", rel_err(case.get(g), ref),
                 case.tol))
+    # with a bias added before the rotation (Qwen2's q|k|v): the fused kernel of a few rows, and many rows
+    # (cuBLAS, bias_add, rope)
+    bias = case.act(case.normal(NH * D))
+    cos, sin = (_f32(t) for t in rope_tables(D, 64, 10000.0, np.float64))
+    for B, T in ((2, 3), (3, 40)):
+        x = case.act(case.normal(B * T, I))
+        ref, xn = np.empty((B, T, NH, D)), np.empty((B * T, I))
+        cpu_layers.rmsnorm_matmul_rope_forward(ref, np.empty(B * T), x, gain, w, 1e-5, xn, cos, sin, 3, pos,
+                                               bias=bias)
+        g = case.poisoned(B, T, NH, D)
+        gpu_layers.rmsnorm_matmul_rope_forward(g, case.poisoned32(B * T), case.dev(x), case.dev(gain), case.dev(w),
+                                               1e-5, None, case.dev32(cos), case.dev32(sin), 3, case.cp.asarray(pos),
+                                               bias=case.dev(bias))
+        out.append((f"rmsnorm_matmul_rope_forward{case.tag} {B}x{T} rows, with a bias", rel_err(case.get(g), ref),
+                    case.tol))
     # batched decoding: 19 sequences of one row, each at its own position
     B, pos = 19, case.rng.integers(0, 16, 19).astype(np.int32)
     x = case.act(case.normal(B, I))
@@ -616,8 +639,9 @@ def run_gpu_check(seed=0):
     model_worst = {}
     for precision, what in (("fp32", "FP32 cuBLAS, 3xTF32 attention"), ("tf32", "TF32 tensor cores"),
                             ("bf16", "bf16 activations and weights, float32 master weights and gradients")):
-        for cfg in (MODEL_CONFIG, TIED_CONFIG):
-            heads = f"K = {cfg.mtp_heads}" + (" tied to the embedding" if cfg.tied else "")
+        for cfg in (MODEL_CONFIG, TIED_CONFIG, BIAS_CONFIG):
+            heads = (f"K = {cfg.mtp_heads}" + (" tied to the embedding" if cfg.tied else "")
+                     + (", q/k/v biases, ids from 280 padding" if cfg.qkv_bias else ""))
             print(f"model in {precision} ({what}) vs CPU engine (float64): dim {cfg.dim}, {cfg.n_layers} layers, "
                   f"{cfg.n_heads}/{cfg.n_kv_heads} q/kv heads (head_dim {cfg.head_dim}), {heads}, B = 3, "
                   f"T = {cfg.context}, some targets -1")

@@ -1,9 +1,10 @@
 """`nanoeuler check`: every hand-written backward pass against finite differences, tensor by tensor.
 
-Three models of the small preset's shape (4 layers, 4 query heads sharing 2 kv heads, RoPE, no biases) at
-reduced width (dim 32, hidden 96, vocab 64): one with K = 1 prediction head, as the shipped `small`, one
-with K = 2 (multi-token heads), and one with K = 1 whose head is its embedding (tied, as imported SmolLM or
-Llama 3.2: one tensor whose gradient is the sum of the head's and the embedding's). The CPU engine runs each
+Four models of the small preset's shape (4 layers, 4 query heads sharing 2 kv heads, RoPE) at reduced width
+(dim 32, hidden 96, vocab 64): one with K = 1 prediction head, as the shipped `small`, one with K = 2
+(multi-token heads), one with K = 1 whose head is its embedding (tied, as imported SmolLM or Llama 3.2: one
+tensor whose gradient is the sum of the head's and the embedding's), and that one with biases on q, k and v
+(as imported Qwen2: added before the rotary embedding). The CPU engine runs each
 in float64 on a batch of two 24-token sequences (long enough for the causal mask to matter) with some
 targets set to -1 (problems.random_problem). For 8 random entries of every parameter tensor (`--samples`),
 the analytic gradient of the training loss is compared with a fourth-order central difference
@@ -18,7 +19,7 @@ training init (std 0.15, norm gains 1 +- 0.2) so every layer has gradients well 
 softmax and SiLU leave their linear regimes. The check fails (exit status 1) if any entry's error is
 1e-6 or more.
 
-    nanoeuler check            # CPU engine vs finite differences: 39 + 40 + 38 tensors, ~2 s on 2 cores
+    nanoeuler check            # CPU engine vs finite differences: 39 + 40 + 38 + 50 tensors, ~3 s on 2 cores
     nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/check/gpu.py)
 """
 import math
@@ -37,7 +38,8 @@ THRESHOLD = 1e-6
 # multi-token heads (their fused matmul, the mean over heads, a target -1 in one head only), tied checks an
 # imported model's one embedding-and-head tensor.
 _SHAPE = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden=96, vocab_size=64, context=24)
-CHECK_CONFIGS = (Config(**_SHAPE, mtp_heads=1), Config(**_SHAPE, mtp_heads=2), Config(**_SHAPE, mtp_heads=1, tied=True))
+CHECK_CONFIGS = (Config(**_SHAPE, mtp_heads=1), Config(**_SHAPE, mtp_heads=2), Config(**_SHAPE, mtp_heads=1, tied=True),
+                 Config(**_SHAPE, mtp_heads=1, tied=True, qkv_bias=True))
 # The preference objective is checked as shipped: DPO plus RPO's chosen-reply NLL (dpo.DEFAULT_RPO_ALPHA).
 DPO_ALPHA = 1.0
 
@@ -156,11 +158,13 @@ def _quick_parallel_regions():
 
 
 def label(cfg):
-    """A check model's name in the report: its K, and whether it is tied."""
-    return f"K = {cfg.mtp_heads}" + (", tied" if cfg.tied else "")
+    """A check model's name in the report: its K, whether it is tied, whether it has q/k/v biases."""
+    return f"K = {cfg.mtp_heads}" + (", tied" if cfg.tied else "") + (", q/k/v biases" if cfg.qkv_bias else "")
 
 
 def describe(cfg):
+    if cfg.qkv_bias:
+        return "biases on q, k and v before the rotary embedding, as imported Qwen2"
     if cfg.tied:
         return "the head is the embedding, as imported tied models"
     return "the shipped `small`" if cfg.mtp_heads == 1 else "multi-token heads"

@@ -130,6 +130,12 @@ def read_metadata(path):
     return _header(path)[0]
 
 
+def read_config(path):
+    """The checkpoint's Config, from its header alone (cheap even for a large model)."""
+    path = os.fspath(path)
+    return _config(path, read_metadata(path))[0]
+
+
 def read_tokenizer(path):
     """The checkpoint's tokenizer, from its header alone (cheap even for a large model)."""
     path = os.fspath(path)

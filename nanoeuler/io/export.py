@@ -6,7 +6,9 @@
 
 The model is a Llama as far as `transformers` is concerned: the same RMSNorm (eps 1e-5), the same
 rotate-half RoPE (so q/k rows need no permutation, unlike exports of Meta's interleaved checkpoints),
-grouped-query attention, SwiGLU and no biases. Head 0 (next-token prediction) becomes `lm_head`; the other
+grouped-query attention, SwiGLU and no biases. An import is written as the architecture it came from
+(config.architecture): a Qwen2ForCausalLM with its q/k/v biases (`*_proj.bias`), a MistralForCausalLM with
+its sliding window. Head 0 (next-token prediction) becomes `lm_head`; the other
 multi-token-prediction heads are training aids and are left out. A tied model (an import of one, config.tied)
 is written tied: `tie_word_embeddings: true` and no `lm_head.weight`, so transformers reads the embedding as
 the head, as it does for the model that was imported; an untied one says `tie_word_embeddings: false`.
@@ -34,6 +36,8 @@ LAYER_NAMES = {  # ours -> Hugging Face Llama, within layer i
     "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj",
 }
+BIAS_NAMES = {"bq": "self_attn.q_proj", "bk": "self_attn.k_proj", "bv": "self_attn.v_proj"}  # their `.bias`
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
 def hf_tensors(cfg, params):
@@ -45,12 +49,23 @@ def hf_tensors(cfg, params):
     for i in range(cfg.n_layers):
         for ours, theirs in LAYER_NAMES.items():
             out[f"model.layers.{i}.{theirs}.weight"] = v[f"layers.{i}.{ours}"]
+        if cfg.qkv_bias:
+            for ours, theirs in BIAS_NAMES.items():
+                out[f"model.layers.{i}.{theirs}.bias"] = v[f"layers.{i}.{ours}"]
     return {name: np.ascontiguousarray(a, dtype=np.float32) for name, a in out.items()}
 
 
 def hf_config(cfg, tok):
+    """config.json: the architecture the model was imported as (Llama for our own); Qwen2's q/k/v biases are
+    its architecture's, Mistral's sliding window its config's."""
+    window = {}
+    if cfg.architecture == "MistralForCausalLM":
+        window = {"sliding_window": cfg.sliding_window}
+    elif cfg.architecture == "Qwen2ForCausalLM":
+        window = {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window,
+                  "max_window_layers": 0 if cfg.sliding_window is not None else cfg.n_layers}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [cfg.architecture], "model_type": MODEL_TYPES[cfg.architecture], **window,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
@@ -64,6 +79,10 @@ def hf_config(cfg, tok):
 
 def main(args):
     if args.gguf:
+        cfg = checkpoint.read_config(args.ckpt)
+        if cfg.qkv_bias:  # llama.cpp's qwen2 architecture (biases, NeoX RoPE) is not written
+            raise UserError(f"export --gguf: {args.ckpt} has q/k/v biases ({cfg.architecture}); nanoeuler writes "
+                            "GGUF files of the llama architecture only (export --hf, then llama.cpp's converter)")
         from nanoeuler.io import gguf
         return gguf.main(args)
     ck = checkpoint.load(args.ckpt)
@@ -95,7 +114,7 @@ def main(args):
     write_json("special_tokens_map.json", {"eos_token": eos})
     card = model_card(args.ckpt, out, ck.chat)
     atomic_write(os.path.join(out, "README.md"), lambda f: f.write(card), mode="w")
-    print(f"exported {args.ckpt} (step {ck.step}) to {out}/: LlamaForCausalLM, "
+    print(f"exported {args.ckpt} (step {ck.step}) to {out}/: {ck.cfg.architecture}, "
           f"{sum(a.size for a in tensors.values()) / 1e6:.2f}M parameters "
           f"({'lm_head tied to the embedding' if ck.cfg.tied else 'head 0 as lm_head'}), tokenizer.json with "
           f"{tok.vocab_size} tokens")

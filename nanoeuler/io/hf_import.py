@@ -1,11 +1,11 @@
-"""Import a Hugging Face Llama: `nanoeuler import --hf DIR|HUB_ID --out F [--context N] [--overwrite]`.
+"""Import a Hugging Face Llama, Mistral or Qwen2: `nanoeuler import --hf DIR|HUB_ID --out F [--context N] [--overwrite]`.
 
     nanoeuler import --hf SmolLM-135M --out smollm.bin
     nanoeuler import --hf HuggingFaceTB/SmolLM2-135M-Instruct --out smol_chat.bin   # from the Hub (or its cache)
     nanoeuler infer "Once upon a time" --ckpt smollm.bin --temperature 0
     nanoeuler sft --ckpt smollm.bin --out smollm_chat.bin
 
-DIR is a `LlamaForCausalLM` folder as `save_pretrained` writes it: config.json, the weights as safetensors
+DIR is a `LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM` folder as `save_pretrained` writes it: config.json, the weights as safetensors
 (one file or shards with their index; float32, float16 or bfloat16, read into float32) and a byte-level BPE
 tokenizer.json. A string that is not a directory but reads `owner/name` (or `owner/name@revision`) is a Hugging
 Face Hub id: `huggingface_hub.snapshot_download` (the `hub` extra) fetches the files this import reads into
@@ -30,7 +30,13 @@ into the tokenizer (`chat_settings`, Tokenizer.set_chat): a model with a templat
 chat, serve, sft and dpo address in that template (nanoeuler/data/jinja_template.py), and generation stops at
 any of its end ids.
 
-What our engines do not compute is refused in one line: biases, rope scaling other than llama3, partial
+Qwen2's q/k/v biases become `layers.{i}.bq|bk|bv` (config `qkv_bias`); an embedding with more rows than the
+tokenizer has tokens (Qwen2.5's) keeps the tokenizer's count in the config (`tokenizer_vocab`: decoding never
+produces the ids past it). A sliding window (Mistral's, or Qwen2's where turned on) is honoured by a context no
+larger than it: clamped with a note, a larger --context refused. The architecture goes into the config, for
+export --hf to write back.
+
+What our engines do not compute is refused in one line: other biases, rope scaling other than llama3, partial
 rotary embeddings, an activation other than SiLU, a head size other than dim / heads, a tokenizer that is not
 a byte-level BPE with the pretokenization of GPT-2, SmolLM (digits one by one), Llama 3 or Qwen2. A head size
 the GPU attention kernels do not take is imported with a note (the CPU engine runs it).
@@ -47,7 +53,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import check_writable
 from nanoeuler.io import checkpoint
-from nanoeuler.io.export import LAYER_NAMES
+from nanoeuler.io.export import BIAS_NAMES, LAYER_NAMES
 from nanoeuler.model.config import ROPE_TYPES, Config, param_count, views
 from nanoeuler.tokenizer.bpe import Tokenizer
 
@@ -201,10 +207,38 @@ def read_tensors(folder):
     return {name: index.array(name) for name in index}
 
 
+# the architectures imported (Hugging Face's class names) by model_type; Qwen2's has biases on q, k and v
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def architecture_of(hf, where="config.json"):
+    """The Hugging Face class name of a config (one of ARCHITECTURES), or a one-line UserError."""
+    named = [a for a in hf.get("architectures") or [] if a in ARCHITECTURES.values()]
+    if named:
+        return named[0]
+    if hf.get("model_type") in ARCHITECTURES and not hf.get("architectures"):
+        return ARCHITECTURES[hf["model_type"]]
+    raise UserError(f"{where}: {hf.get('architectures') or hf.get('model_type')} is not one of "
+                    f"{', '.join(ARCHITECTURES.values())}")
+
+
+def sliding_window_of(hf, architecture):
+    """The attention window of a config, or None: Mistral's `sliding_window` (null: none); Qwen2's where it
+    says use_sliding_window or any layer's type is sliding_attention."""
+    window = hf.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        return window
+    if architecture == "Qwen2ForCausalLM" and (hf.get("use_sliding_window") or
+                                               "sliding_attention" in (hf.get("layer_types") or [])):
+        return window
+    return None
+
+
 def config_from_hf(hf, context=None, where="config.json"):
-    """Our Config of a Hugging Face LlamaForCausalLM config, or a one-line UserError naming what we lack."""
-    if "LlamaForCausalLM" not in (hf.get("architectures") or []) and hf.get("model_type") != "llama":
-        raise UserError(f"{where}: {hf.get('architectures') or hf.get('model_type')} is not a LlamaForCausalLM")
+    """Our Config of a Hugging Face LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM config, or a
+    one-line UserError naming what we lack. A sliding window is honoured by a context no larger than it (so no
+    attention spans more): the model's context is clamped to it with a note; a --context beyond it is refused."""
+    architecture = architecture_of(hf, where)
     # transformers 5 writes RoPE as rope_parameters {rope_theta, rope_type}; 4.x as rope_theta and rope_scaling
     rope = hf.get("rope_parameters") or {}
     scaled = next((r for r in (rope, hf.get("rope_scaling") or {}) if r.get("rope_type", r.get("type")) not in
@@ -221,7 +255,8 @@ def config_from_hf(hf, context=None, where="config.json"):
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
     refusals = [
         (hf.get("hidden_act", "silu") != "silu", f"activation {hf.get('hidden_act')} (nanoeuler's SwiGLU uses SiLU)"),
-        (hf.get("attention_bias"), "attention biases (nanoeuler's model has none)"),
+        (hf.get("attention_bias") and architecture != "Qwen2ForCausalLM",
+         "attention biases (nanoeuler's model has them on q, k and v only, as Qwen2)"),
         (hf.get("mlp_bias"), "feed-forward biases (nanoeuler's model has none)"),
         (partial != 1.0, f"partial_rotary_factor {partial} (nanoeuler rotates whole heads)"),
         (hf.get("pretraining_tp", 1) != 1, "pretraining_tp > 1"),
@@ -233,12 +268,24 @@ def config_from_hf(hf, context=None, where="config.json"):
     if hf.get("head_dim") not in (None, dim // n_heads) or dim % n_heads:
         raise UserError(f"{where}: head_dim {hf.get('head_dim')} is not hidden_size / num_attention_heads "
                         f"({dim} / {n_heads}), the only head size nanoeuler's model has")
+    window = sliding_window_of(hf, architecture)
+    if window is not None and not (isinstance(window, int) and window >= 1):
+        raise UserError(f"{where}: sliding_window {window!r} is not a positive number of positions")
+    if window is not None and context and context > window:
+        raise UserError(f"--context {context} is larger than the model's sliding window ({window} positions): "
+                        f"at most {window}")
     try:
+        positions = context or hf["max_position_embeddings"]
+        if window is not None and positions > window:
+            print(f"note: {where}: context {positions} clamped to the sliding window, {window} positions (no "
+                  "attention spans more)", file=sys.stderr)
+            positions = window
         return Config(dim=dim, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
                       n_kv_heads=hf.get("num_key_value_heads") or n_heads, hidden=hf["intermediate_size"],
-                      vocab_size=hf["vocab_size"], context=context or hf["max_position_embeddings"], mtp_heads=1,
+                      vocab_size=hf["vocab_size"], context=positions, mtp_heads=1,
                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_scaling=scaling)
+                      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_scaling=scaling,
+                      qkv_bias=architecture == "Qwen2ForCausalLM", sliding_window=window, architecture=architecture)
     except KeyError as e:
         raise UserError(f"{where} has no {e.args[0]}") from None
     except ValueError as e:
@@ -280,11 +327,15 @@ def params_from_hf(cfg, tensors):
     for i in range(cfg.n_layers):
         for name, theirs in LAYER_NAMES.items():
             ours[f"layers.{i}.{name}"] = f"model.layers.{i}.{theirs}.weight"
+        if cfg.qkv_bias:
+            for name, theirs in BIAS_NAMES.items():
+                ours[f"layers.{i}.{name}"] = f"model.layers.{i}.{theirs}.bias"
     unused = sorted(set(tensors) - set(ours.values()) - {"lm_head.weight"})
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]  # recomputed from theta
     if unused:
         raise UserError(f"tensor {unused[0]} has no place in nanoeuler's model"
-                        + (" (biases are not supported)" if unused[0].endswith("bias") else ""))
+                        + (" (nanoeuler's model has biases on q, k and v only, as Qwen2)"
+                           if unused[0].endswith("bias") else ""))
     flat = np.empty(param_count(cfg), np.float32)
     for name, view in views(flat, cfg).items():
         theirs = ours[name]
@@ -376,7 +427,7 @@ def chat_settings(folder, hf, tok):
 
 
 def load_hf(folder, context=None):
-    """(Config, flat float32 parameters, Tokenizer) of a Hugging Face LlamaForCausalLM folder or Hub id."""
+    """(Config, flat float32 parameters, Tokenizer) of a Hugging Face Llama, Mistral or Qwen2 folder or Hub id."""
     folder = hub_folder(folder)
     hf = _read_json(os.path.join(folder, "config.json"))
     cfg = config_from_hf(hf, context, os.path.join(folder, "config.json"))
@@ -389,6 +440,8 @@ def load_hf(folder, context=None):
     if note:
         print(f"note: {note}", file=sys.stderr)
     cfg = dataclasses.replace(cfg, tied=tied)
+    if tok.vocab_size < cfg.vocab_size:  # the embedding's padding rows (Qwen2's): never generated
+        cfg = dataclasses.replace(cfg, tokenizer_vocab=tok.vocab_size)
     return cfg, params_from_hf(cfg, tensors), tok
 
 
@@ -398,11 +451,13 @@ def main(args):
     check_writable(args.out)
     cfg, params, tok = load_hf(args.hf, args.context)
     checkpoint.save(args.out, cfg, params, tok.to_json(), step=0, chat=tok.chat_template is not None)
-    print(f"imported {args.hf} into {args.out}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
+    print(f"imported {args.hf} into {args.out}: {cfg.architecture}, dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
           f"{cfg.n_kv_heads} heads, hidden {cfg.hidden}, context {cfg.context}, vocab {cfg.vocab_size}, "
           f"rope theta {cfg.rope_theta:g}{_scaling_note(cfg)}, norm eps {cfg.norm_eps:g}, "
-          f"{params.size / 1e6:.2f}M parameters{' (embedding tied to the output head)' if cfg.tied else ''}; "
-          f"tokenizer: {tok.vocab_size} tokens, end of text {tok.eos!r} = {tok.eos_id}")
+          f"{params.size / 1e6:.2f}M parameters{' (embedding tied to the output head)' if cfg.tied else ''}"
+          f"{', q/k/v biases' if cfg.qkv_bias else ''}; tokenizer: {tok.vocab_size} tokens"
+          f"{'' if cfg.tokenizer_vocab is None else f' (ids {tok.vocab_size}..{cfg.vocab_size - 1} are padding, never generated)'}"
+          f", end of text {tok.eos!r} = {tok.eos_id}")
     ends = ", ".join(f"{tok.decode([i]).decode('utf-8', 'replace')!r} = {i}" for i in tok.end_ids)
     print(f"{'a chat model: its own chat template' if tok.chat_template else 'no chat template (a base model)'}; "
           f"generation stops at {ends}")

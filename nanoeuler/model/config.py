@@ -3,7 +3,8 @@
 Everything that has to agree between the engines, the checkpoint and the exporters lives here: the
 tensor names and shapes of docs/design.md, in the order they sit in the one flat parameter buffer.
 A tied model (`tied`: an imported model whose output head is its embedding) has no `heads.0` in that
-buffer: head 0 is `tok_emb`, one tensor (the engines read and train it as both).
+buffer: head 0 is `tok_emb`, one tensor (the engines read and train it as both). A model with `qkv_bias`
+(Qwen2) has `layers.{i}.bq|bk|bv` right after `wv`, so the engines add them as one (q|k|v) bias.
 """
 import dataclasses
 import json
@@ -30,6 +31,17 @@ class Config:
     # Head 0 is tok_emb, one tensor (Hugging Face's tie_word_embeddings); False (and absent from the
     # checkpoint's JSON) for our own models. Only with one prediction head: heads.1.. could not sit beside it.
     tied: bool = False
+    # q, k and v biases (Qwen2): layers.{i}.bq|bk|bv, added before the rotary embedding; False (and absent from
+    # the checkpoint's JSON) for models without them
+    qkv_bias: bool = False
+    # Hugging Face's sliding_window of an imported model (Mistral), kept for export: `context` is never larger,
+    # so no attention spans more than it; None (and absent) where there is none
+    sliding_window: int = None
+    # the tokenizer's vocabulary where it is smaller than vocab_size (Qwen2: 151,665 tokens, 151,936 rows): the
+    # ids from it on are padding rows, never generated; None (and absent) where the two agree
+    tokenizer_vocab: int = None
+    # the Hugging Face architecture an import came from, which export --hf writes back (absent: Llama)
+    architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -44,6 +56,10 @@ class Config:
         if self.tied and self.mtp_heads != 1:
             raise ValueError(f"tied embeddings take one prediction head (head 0 is the embedding), "
                              f"not {self.mtp_heads}")
+        if self.sliding_window is not None and self.context > self.sliding_window:
+            raise ValueError(f"context {self.context} is larger than the sliding window {self.sliding_window}")
+        if self.tokenizer_vocab is not None and not 1 <= self.tokenizer_vocab <= self.vocab_size:
+            raise ValueError(f"tokenizer_vocab {self.tokenizer_vocab} is not within vocab_size {self.vocab_size}")
         if self.rope_scaling is not None:
             rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # raises on what we do not compute
 
@@ -52,8 +68,9 @@ class Config:
         return self.dim // self.n_heads
 
     def to_json(self):
-        # optional keys (rope_scaling, tied) are left out when unset: our own models' JSON is unchanged
-        unset = {"rope_scaling": None, "tied": False}
+        # optional keys are left out when unset: our own models' JSON is unchanged
+        unset = {"rope_scaling": None, "tied": False, "qkv_bias": False, "sliding_window": None,
+                 "tokenizer_vocab": None, "architecture": "LlamaForCausalLM"}
         return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if k not in unset or v != unset[k]},
                           sort_keys=True)
 
@@ -95,6 +112,11 @@ def param_shapes(cfg):
             (p + "wq", (cfg.n_heads * hd, cfg.dim)),
             (p + "wk", (cfg.n_kv_heads * hd, cfg.dim)),
             (p + "wv", (cfg.n_kv_heads * hd, cfg.dim)),
+        ]
+        if cfg.qkv_bias:
+            shapes += [(p + "bq", (cfg.n_heads * hd,)), (p + "bk", (cfg.n_kv_heads * hd,)),
+                       (p + "bv", (cfg.n_kv_heads * hd,))]
+        shapes += [
             (p + "wo", (cfg.dim, cfg.n_heads * hd)),
             (p + "ffn_norm", (cfg.dim,)),
             (p + "w_gate", (cfg.hidden, cfg.dim)),
@@ -135,14 +157,19 @@ def views(flat, cfg):
     return {name: flat[off:off + math.prod(shape)].reshape(shape) for name, (off, shape) in layout.items()}
 
 
+def is_bias(name):
+    """A q, k or v bias (or the engines' fused bqkv of them)."""
+    return name.rsplit(".", 1)[-1] in ("bq", "bk", "bv", "bqkv")
+
+
 def is_matrix(name):
-    """Weight decay applies to matrices only, never to the norm gains."""
-    return not name.endswith("norm")
+    """Weight decay applies to matrices only, never to the norm gains or the biases."""
+    return not name.endswith("norm") and not is_bias(name)
 
 
 def init_params(cfg, seed=0, dtype=np.float32):
     """Normal(0, 0.02) weights; the projections that write into the residual stream (wo, w_down) scaled by
-    1/sqrt(2 * n_layers) so the residual variance does not grow with depth (GPT-2); norm gains at 1."""
+    1/sqrt(2 * n_layers) so the residual variance does not grow with depth (GPT-2); norm gains at 1, biases at 0."""
     rng = np.random.default_rng(seed)
     flat = np.empty(param_count(cfg), dtype=dtype)
     v = views(flat, cfg)
@@ -150,6 +177,8 @@ def init_params(cfg, seed=0, dtype=np.float32):
     for name, shape in param_shapes(cfg):
         if name.endswith("norm"):
             v[name][...] = 1.0
+        elif is_bias(name):
+            v[name][...] = 0.0
         else:
             std = 0.02 * (out_scale if name.endswith(("wo", "w_down")) else 1.0)
             v[name][...] = rng.normal(0.0, std, size=shape)

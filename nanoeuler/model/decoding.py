@@ -24,7 +24,8 @@ and the kind's end:
   positions uploaded with the tokens as one buffer; steps of one token a sequence feed their ids back and
   chain, as greedy steps do.
 The first three kinds put every sequence of the cache at one position, the cache's; a sample step's
-sequences each have theirs, in its uploaded state.
+sequences each have theirs, in its uploaded state. In every kind the logits of the ids from the config's
+tokenizer_vocab on (an import's padding rows, Qwen2's) are -inf: no kind ever produces them.
 
 A step of at most limits.FEW_ROWS rows (batch x new tokens) keeps its buffers in the cache, and on the GPU is
 recorded as a CUDA graph by its first call and replayed after (`graphs`): one launch a token. Positions live
@@ -291,6 +292,8 @@ class Step:
         layers.rmsnorm_matmul_forward(self.logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w,
                                       eng.cfg.norm_eps, None if a["xnf"] is None else a["xnf"][:x.shape[0]])
         V, f = eng.cfg.vocab_size, self.fields
+        if eng.cfg.tokenizer_vocab is not None:  # rows past the tokenizer's vocabulary (padding) are never generated
+            self.logits.reshape(self.rows, self.heads, V)[:, :, eng.cfg.tokenizer_vocab:] = -np.inf
         if self.kind == "sample":
             layers.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"],
                                f["seed_hi"], f["index"])

@@ -20,7 +20,9 @@ pretraining and SFT and the DPO loss are such weights (train/objectives.py). Dec
 
 Parameters and gradients are each one flat buffer (layout: config.param_layout). Because wq|wk|wv,
 w_gate|w_up and heads.0..K-1 sit next to each other in that buffer, each group is one fused matrix here: one
-matmul instead of three, two or K. A tied model's head 0 (`heads`, `heads.0`) is a view of `tok_emb`, in the
+matmul instead of three, two or K; a model's q/k/v biases (bq|bk|bv, right after them) are likewise one
+`bqkv`, added to the product before the rotary embedding, whose gradient is the column sums of d(qkv) after
+the attention's backward pass has undone the rotation. A tied model's head 0 (`heads`, `heads.0`) is a view of `tok_emb`, in the
 weights and in the gradients: the head's product reads the embedding, and its gradient is added to the
 embedding's (every parameter gradient accumulates), so the tensor trains as the sum of both uses.
 
@@ -104,19 +106,21 @@ class Engine:
         return self.layers.batch_invariant
 
     def _fused_views(self, flat):
-        """Named views plus the fused groups: layers.{i}.wqkv, layers.{i}.w_gate_up and heads."""
+        """Named views plus the fused groups: layers.{i}.wqkv (and bqkv), layers.{i}.w_gate_up and heads."""
         cfg, v = self.cfg, views(flat, self.cfg)
         layout, _ = param_layout(cfg)
 
-        def span(first, last, rows):
+        def span(first, last, rows=None):
             start = layout[first][0]
             end = layout[last][0] + math.prod(layout[last][1])
-            return flat[start:end].reshape(rows, cfg.dim)
+            return flat[start:end] if rows is None else flat[start:end].reshape(rows, cfg.dim)
 
         hd = cfg.head_dim
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
             v[p + "wqkv"] = span(p + "wq", p + "wv", (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
+            if cfg.qkv_bias:
+                v[p + "bqkv"] = span(p + "bq", p + "bv")
             v[p + "w_gate_up"] = span(p + "w_gate", p + "w_up", 2 * cfg.hidden)
         if cfg.tied:  # head 0 is the embedding (and the only head): the same memory under the heads' names
             v["heads.0"] = v["heads"] = v["tok_emb"]
@@ -194,7 +198,7 @@ class Engine:
             position = self.zero_position if cache is None else cache.position
             layers.rmsnorm_matmul_rope_forward(qkv, acts["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"],
                                                cfg.norm_eps, acts["xn1"][i], self.cos, self.sin, H + G, position,
-                                               skip)
+                                               skip, p.get(w + "bqkv"))
             if cache is None:
                 layers.attention_forward(att, acts["lse"][i], qkv, H, G)
             else:  # k and v into the cache, attention over it
@@ -306,7 +310,8 @@ class Engine:
                                    acts["att"][i].reshape(N, -1), p[w + "wo"])
             layers.attention_backward(acts["dqkv"], acts["datt"], acts["att"][i], acts["lse"][i], acts["qkv"][i],
                                       H, G, self.cos, self.sin)  # through the rotary embedding too
-            layers.matmul_backward(dxn, g[w + "wqkv"], acts["dqkv"].reshape(N, -1), acts["xn1"][i], p[w + "wqkv"])
+            layers.matmul_backward(dxn, g[w + "wqkv"], acts["dqkv"].reshape(N, -1), acts["xn1"][i], p[w + "wqkv"],
+                                   g.get(w + "bqkv"))
             layers.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, acts["resid"][i], p[w + "attn_norm"],
                                     acts["rstd1"][i])
             if ready:

@@ -18,7 +18,7 @@ from nanoeuler.model.engine import to_numpy
 
 
 def decay_mask(cfg):
-    """uint8 (params,): 1 where AdamW decays the weight (matrices), 0 on the norm gains."""
+    """uint8 (params,): 1 where AdamW decays the weight (matrices), 0 on the norm gains and biases."""
     layout, total = param_layout(cfg)
     mask = np.zeros(total, dtype=np.uint8)
     for name, (off, shape) in layout.items():

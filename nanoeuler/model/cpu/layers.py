@@ -98,10 +98,13 @@ def _matmul_rows(out, x, w, accumulate):
 
 # matmul_forward and the products that end in it (rmsnorm_matmul_*_forward) read the batch-invariance
 # setting: they are methods of Layers, at the end.
-def matmul_backward(dx, dw, dout, x, w):
-    """dx (N, I) = dout @ w; dw (O, I) += dout.T @ x."""
+def matmul_backward(dx, dw, dout, x, w, dbias=None):
+    """dx (N, I) = dout @ w; dw (O, I) += dout.T @ x; where given, dbias (O,) += the column sums of dout (the
+    gradient of a bias added to the product)."""
     np.matmul(dout, w, out=dx)
     dw += dout.T @ x
+    if dbias is not None:
+        dbias += dout.sum(axis=0)
 
 
 # ------------------------------------------------------------------------------------------- embedding
@@ -794,11 +797,15 @@ class Layers:
         rmsnorm_forward(xn, rstd, x, norm_w, eps)
         self.matmul_forward(out, xn, w)
 
-    def rmsnorm_matmul_rope_forward(self, qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
-        """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
-        embedding of its first n_rot_heads heads (q and k) at positions pos[0] + t (one GPU kernel for decoding's
-        few rows); xn, skip as rmsnorm_matmul_forward."""
-        self.rmsnorm_matmul_forward(qkv.reshape(x.shape[0], -1), rstd, x, norm_w, w, eps, xn, skip)
+    def rmsnorm_matmul_rope_forward(self, qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None,
+                                    bias=None):
+        """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T (+ bias (H+2G)*D, where
+        given: the q|k|v biases), then the rotary embedding of its first n_rot_heads heads (q and k) at positions
+        pos[0] + t (one GPU kernel for decoding's few rows); xn, skip as rmsnorm_matmul_forward."""
+        rows = qkv.reshape(x.shape[0], -1)
+        self.rmsnorm_matmul_forward(rows, rstd, x, norm_w, w, eps, xn, skip)
+        if bias is not None:
+            rows += bias
         rope_forward(qkv, cos, sin, n_rot_heads, pos)
 
     def rmsnorm_matmul_swiglu_forward(self, out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):

@@ -81,12 +81,13 @@ def _position(pos):
 
 
 # ---------------------------------------------------------------------------------------------- matmul
-def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None):
+def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None,
+                  bias=None):
     """The matrix-vector kernel on N <= FEW_ROWS rows of x (tensor-core products, kernels/matmul.cu; up to 8
     rows, or 1 to 4 tiles of 16, one template whose row arithmetic is the same in each):
     RMSNorm folded in when given its gain; SwiGLU of the gate|up product into glu_out, or the rotary embedding
     (rope = (cos, sin, pos, T, rotated rows, D/2); pos one position, or one a sequence of T rows) of the qkv
-    product, when given. A warp takes a tile of 8 rows of w (many rows: two at once, _product_split); a
+    product, when given, after adding bias (O,) where given. A warp takes a tile of 8 rows of w (many rows: two at once, _product_split); a
     block's warps (from the row length I alone, so a row's sums run in the same order whatever N is, and a
     speculative step's rows get plain decoding's bits) as many as give each thread MATMUL_SMALL_LOADS 16-byte
     loads of w, at most MATMUL_SMALL_WARPS. skip: where given, receives a copy of x first
@@ -116,7 +117,8 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
         (_blocks(tiles_of_w, groups * per_warp), _blocks(N, rows_a_block)), (32 * warps,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
-         _i32(half), null if glu_out is None else glu_out, cos, sin, pos, _i32(T), _i32(pos_stride), _i32(rot),
+         _i32(half), null if glu_out is None else glu_out, null if bias is None else bias, cos, sin, pos, _i32(T),
+         _i32(pos_stride), _i32(rot),
          _i32(groups)))
 
 
@@ -161,6 +163,15 @@ def _rmsnorm_forward(out, rstd, x, w, eps, skip):
     kernel("rmsnorm", "rmsnorm_forward" if K is None else f"rmsnorm_forward_k{K}", _act_defines(x))(
         (_blocks(N, 8),), (256,),
         (out, rstd, x, w, _i32(N), _i32(C), _f32(eps), np.uint64(0) if skip is None else skip))
+
+
+def _bias_add(out, bias):
+    """out (N, O) += bias (O,) (kernels/bias.cu), 4 columns a thread where O and the pointers allow."""
+    _check(out, bias, act=out)
+    N, O = out.shape
+    vec = int(O % 4 == 0 and all(a.data.ptr % (4 * a.itemsize) == 0 for a in (out, bias)))
+    kernel("bias", "bias_add", _act_defines(out))((_blocks(N * O // (4 if vec else 1), 256),), (256,),
+                                                   (out, bias, _i32(N), _i32(O), _i32(vec)))
 
 
 # ------------------------------------------------------------------------------------------------ rope
@@ -256,13 +267,18 @@ class Layers:
         else:
             _matmul_small(out, x, w, accumulate)
 
-    def matmul_backward(self, dx, dw, dout, x, w):
-        """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations)."""
+    def matmul_backward(self, dx, dw, dout, x, w, dbias=None):
+        """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations); where given,
+        dbias (O,) float32 += the column sums of dout, as the product of dout.T with a column of ones."""
         _check(dx, dout, x, w, act=x)
         _check(dw)
         (N, I), O = x.shape, w.shape[0]
         runtime.gemm(False, False, I, N, O, w, I, dout, O, dx, I, False, self.tf32)
         runtime.gemm(False, True, I, O, N, x, I, dout, O, dw, I, True, self.tf32)
+        if dbias is not None:
+            _check(dbias)
+            ones = cupy.full(N, 0x3F80, dtype=BF16) if dout.dtype == BF16 else cupy.ones(N, dtype=F32)  # bf16 1.0
+            runtime.gemm(False, True, 1, O, N, ones, 1, dout, O, dbias, 1, True, self.tf32)
 
     def rmsnorm_matmul_forward(self, out, rstd, x, norm_w, w, eps, xn, skip=None):
         """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
@@ -280,20 +296,26 @@ class Layers:
         _check(rstd)
         _matmul_small(out, x, w, False, norm_w, rstd, eps, skip=skip)
 
-    def rmsnorm_matmul_rope_forward(self, qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None):
-        """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T, then the rotary
-        embedding of its first n_rot_heads heads at positions pos[0] + t (or pos[b] + t: a position a sequence,
-        decoding's few rows only); xn, skip as rmsnorm_matmul_forward. A few rows (decoding) take one kernel."""
+    def rmsnorm_matmul_rope_forward(self, qkv, rstd, x, norm_w, w, eps, xn, cos, sin, n_rot_heads, pos, skip=None,
+                                    bias=None):
+        """The attention's input: qkv (B, T, H+2G, D) = rmsnorm(x (B*T, C)) * norm_w @ w.T (+ bias (H+2G)*D, where
+        given), then the rotary embedding of its first n_rot_heads heads at positions pos[0] + t (or pos[b] + t: a
+        position a sequence, decoding's few rows only); xn, skip as rmsnorm_matmul_forward. A few rows (decoding)
+        take one kernel."""
         B, T, NH, D = qkv.shape
         assert pos.size in (1, B), (pos.shape, B)
         if B * T > FEW_ROWS or xn is not None:
             self.rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
+            if bias is not None:
+                _bias_add(qkv.reshape(B * T, -1), bias)
             self.rope_forward(qkv, cos, sin, n_rot_heads, pos)
             return
         _check(qkv, x, norm_w, w, act=x)
         _check(rstd, cos, sin)
+        if bias is not None:
+            _check(bias, act=x)
         _matmul_small(qkv.reshape(B * T, -1), x, w, False, norm_w, rstd, eps,
-                      rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2), skip=skip)
+                      rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2), skip=skip, bias=bias)
 
     def rmsnorm_matmul_swiglu_forward(self, out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
         """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =

@@ -4,7 +4,8 @@
 // batch's sequences and a speculative step's rows get the bits of a step of their own (batch invariance).
 // out is act_t or float32 (the logits); with accumulate the product is added to it. Folded in: RMSNorm with a
 // gain g, as rstd * (x @ act_t(w * g)^T) (bf16: x's sums of squares on the tensor cores too); and with half > 0,
-// w's rows paired (i, i + half) for SwiGLU (glu_out) or the rotary embedding (rope). docs/gpu-engine.md and
+// w's rows paired (i, i + half) for SwiGLU (glu_out) or the rotary embedding (rope), with a bias (O,) added to
+// the product before the rotation where given (Qwen2's q|k|v biases). docs/gpu-engine.md and
 // docs/decoding.md have the design and its measurements.
 #include "common.cuh"
 
@@ -90,7 +91,8 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
                                                   const act_t* __restrict__ w, int N, int O, int I, int out_f32,
                                                   int accumulate, const act_t* __restrict__ gain,
                                                   float* __restrict__ rstd, float eps, int half,
-                                                  act_t* __restrict__ glu_out, Rope rope,
+                                                  act_t* __restrict__ glu_out, const act_t* __restrict__ bias,
+                                                  Rope rope,
                                                   float (*partial)[RowTiles<TILES>::rows][9], int tile0, int row_base) {
     using RT = RowTiles<TILES>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -263,6 +265,10 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
                 if (tile == 0 && (item & 3) == 0) rstd[row] = rs;
             }
             const bool first = n == 0 && item == (int)threadIdx.x;
+            if (bias) {
+                v[0] += to_float(bias[frow]);
+                if (W == 2 || fcol + 1 < cols) v[1] += to_float(bias[frow + fstep]);
+            }
             if (accumulate) {
                 if (first) v[0] += prior0[0], v[1] += prior0[1];
                 else {
@@ -304,7 +310,8 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 #define MATMUL_SMALL_PARAMS                                                                                       \
     void *__restrict__ out, const act_t *__restrict__ x, const act_t *__restrict__ w, int N, int O, int I,       \
         int out_f32, int accumulate, int packed, const act_t *__restrict__ gain, float *__restrict__ rstd,       \
-        float eps, int half, act_t *__restrict__ glu_out, const float *__restrict__ cos_t,                       \
+        float eps, int half, act_t *__restrict__ glu_out, const act_t *__restrict__ bias,                        \
+        const float *__restrict__ cos_t,                                                                         \
         const float *__restrict__ sin_t, const int *__restrict__ pos, int T, int pos_stride, int rot, int groups
 // groups > 1 (many rows): a block's tiles reread x from L1 rather than every block from L2; grid.y splits x's
 // rows (row_base), a constant 0 for matmul_small, whose 80 registers spill with a row offset to carry
@@ -320,7 +327,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     }
 #define MATMUL_SMALL_TILE(W, PACKED, TILES, NT)                                                                   \
     matmul_small_tile<W, PACKED, TILES, NT>(out, x, w, N, O, I, out_f32, accumulate, gain, rstd, eps, half,      \
-                                            glu_out, rope, partial, tile,                                        \
+                                            glu_out, bias, rope, partial, tile,                                  \
                                             TILES ? blockIdx.y * RowTiles<TILES>::rows : 0)
 
 extern "C" __global__ void MATMUL_SMALL_BOUNDS matmul_small(MATMUL_SMALL_PARAMS) { MATMUL_SMALL_BODY(0, 1) }
