@@ -1,4 +1,4 @@
-"""`import --hf` then `export --gguf` of models of SmolLM2-135M's and Llama-3.2-1B's structure: the GGUF carries
+"""`import --hf` then `export --gguf` of models of SmolLM2-135M's, Llama-3.2-1B's and Qwen2.5-0.5B's structure (the last as llama.cpp's `qwen2`: q/k/v biases, no Q/K permutation, padding rows): the GGUF carries
 their tokenizers as llama.cpp's converter would (pre-tokenizer `smollm` / `llama-bpe`, the BOS Llama 3 adds,
 control and user-defined tokens, the chat template, `rope_freqs` for llama3 RoPE scaling), and, where
 llama-cpp-python is installed (mark llamacpp: an allowed skip without it, tests/conftest.py), llama.cpp gives
@@ -19,6 +19,7 @@ are within MARGIN (none did). llama.cpp runs the f32 export with an f32 KV cache
 import json
 import os
 import sys
+import unicodedata
 
 import gguf
 import numpy as np
@@ -28,7 +29,7 @@ from conftest import run_cli
 from nanoeuler.infer.generate import generate
 from nanoeuler.io import checkpoint
 from nanoeuler.io.checkpoint import load_model
-from test_tokenizer_families import MISSING, SHAKESPEARE, fuzz_texts, llama3_json, smollm_json
+from test_tokenizer_families import MISSING, SHAKESPEARE, fuzz_texts, llama3_json, qwen2_json, smollm_json
 
 SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                  "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -44,10 +45,18 @@ LLAMA32 = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num
                rms_norm_eps=1e-5, tie_word_embeddings=True,
                rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                              "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+# Qwen2.5-0.5B's, narrowed (hidden 1/7 of its 896, 2 heads of 64 sharing one kv head as its 14 share 2), its
+# embedding padded past the tokenizer as Qwen2.5's is (151,936 rows for 151,665 tokens)
+QWEN25 = dict(hidden_size=128, intermediate_size=704, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+              tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768, max_window_layers=24,
+              vocab_size=151_936)
 PROMPTS = ["ROMEO: But soft, what light", "def f(x):\n\treturn x ** 2", "In 2024, 1234567 people",
            "日本語のテキスト", "it's THEY'RE we'd", "\n"]
 NEW_TOKENS, MARGIN = 24, 1e-3
 GGML_TYPE_F32 = 0
+NAMES = ["smollm2", "llama3.2", "qwen2.5"]
+LLAMA_CPP_FIM = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +80,20 @@ def smollm2_tokenizer(family_corpus):
 
 def save_hf(folder, torch, transformers, tokenizer, config, tokenizer_config):
     """A random LlamaForCausalLM of `config` (weights N(0, 0.5), norm gains N(1, 0.5)) saved with the
-    tokenizer.json dict and tokenizer_config.json given."""
+    tokenizer.json dict and tokenizer_config.json given; a Qwen2ForCausalLM (q/k/v biases N(0, 0.5)) where the
+    config has a vocab_size, its rows past the tokenizer zero (never chosen: they stand for Qwen's untrained
+    padding, which llama.cpp, unlike our decoding, does not mask)."""
     folder.mkdir()
-    vocab_size = max(max(tokenizer["model"]["vocab"].values()), max(t["id"] for t in tokenizer["added_tokens"])) + 1
+    n_tokens = max(max(tokenizer["model"]["vocab"].values()), max(t["id"] for t in tokenizer["added_tokens"])) + 1
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=vocab_size, **config)).eval()
+    if "vocab_size" in config:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).eval()
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=n_tokens, **config)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape) * 0.5 + (1.0 if name.endswith("norm.weight") else 0.0))
+        model.get_input_embeddings().weight[n_tokens:] = 0
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
@@ -98,6 +113,10 @@ def models(family_corpus, torch, transformers, tmp_path_factory):
                                      "<|im_start|>user\nhi<|im_end|>"]),
         "llama3.2": (llama3, LLAMA32, {"eos_token": "<|end_of_text|>", "bos_token": "<|begin_of_text|>"},
                      fuzz + slices + [" ".join(words[::7]), specials, "it's IT'S it'Ll x'RE 'VE 'd 'M 'T"]),
+        "qwen2.5": (qwen2_json(family_corpus), QWEN25, {"eos_token": "<|endoftext|>", "bos_token": None},
+                    fuzz + slices + ["e\u0301t\u00e9 caf\u0065\u0301 A\u030a \u1100\u1161\u11a8 \u2126",
+                                     "<|im_start|>user\nhi<|im_end|>\n", "In 2024, 1234567 people",
+                                     "<tool_call>{\"a\": 1}</tool_call><|fim_prefix|>x<|endoftext|>"]),
     }
     out = {}
     for name, (tokenizer, config, tokenizer_config, texts) in sources.items():
@@ -114,7 +133,7 @@ def fields_of(path):
     return {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()}
 
 
-@pytest.mark.parametrize("name", ["smollm2", "llama3.2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_gguf_keys_are_llama_cpps_for_the_family(models, name):
     """What convert_hf_to_gguf.py writes for these tokenizers, read back with the gguf package (no llama.cpp)."""
     ckpt, path, _ = models[name]
@@ -124,7 +143,30 @@ def test_gguf_keys_are_llama_cpps_for_the_family(models, name):
     types = fields["tokenizer.ggml.token_type"]
     assert fields["tokenizer.ggml.eos_token_id"] == tok.eos_id
     assert all(types[i] == (4 if s in tok.nonspecial else 3) for s, i in tok.special_tokens.items())
-    if name == "smollm2":
+    assert fields["general.architecture"] == ("qwen2" if name == "qwen2.5" else "llama")
+    if name == "qwen2.5":
+        cfg = ck.cfg
+        assert {k: fields[k] for k in fields if k.startswith("qwen2.")} == {
+            "qwen2.context_length": cfg.context, "qwen2.embedding_length": 128, "qwen2.block_count": 2,
+            "qwen2.feed_forward_length": 704, "qwen2.attention.head_count": 2, "qwen2.attention.head_count_kv": 1,
+            "qwen2.rope.dimension_count": 64, "qwen2.rope.freq_base": 1000000.0,
+            "qwen2.attention.layer_norm_rms_epsilon": pytest.approx(1e-6), "qwen2.vocab_size": 151_936}
+        assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "qwen2"
+        assert fields["tokenizer.ggml.add_bos_token"] is False and tok.bos_id is None
+        tokens = fields["tokenizer.ggml.tokens"]
+        assert len(tokens) == 151_936 and tok.vocab_size == cfg.tokenizer_vocab == 151_665
+        assert tokens[151_665:] == [f"[PAD{i}]" for i in range(151_665, 151_936)] and set(types[151_665:]) == {5}
+        assert types[tok.special_tokens["<tool_call>"]] == 4 and types[tok.special_tokens["<|im_end|>"]] == 3
+        names = {t.name for t in gguf.GGUFReader(path).tensors}
+        assert {f"blk.{i}.attn_{x}.bias" for i in (0, 1) for x in "qkv"} <= names
+        # every tensor as the checkpoint has it: no Q/K row permutation for qwen2's NeoX RoPE
+        from nanoeuler.io.gguf import read_params
+        assert np.array_equal(read_params(path, cfg, ck.params), ck.params)
+        from nanoeuler.model.config import views
+        v = views(ck.params, cfg)
+        wq = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight")
+        assert np.array_equal(np.asarray(wq.data).reshape(v["layers.0.wq"].shape), v["layers.0.wq"])
+    elif name == "smollm2":
         assert fields["tokenizer.ggml.pre"] == "smollm" and tok.rule == "gpt2_digits"
         assert fields["tokenizer.ggml.add_bos_token"] is False and tok.bos_id is None
         assert fields["tokenizer.chat_template"] == SMOL_TEMPLATE
@@ -161,14 +203,20 @@ def ids_both_ways(tok, llm, text):
 def without_known_difference(name, text):
     """The text less what llama.cpp's tokenizer does otherwise than `tokenizers`: SmolLM2's missing bytes (its
     BPE keeps a missing byte's symbol through the merges, dropping it after, so its neighbours do not merge;
-    `tokenizers` drops it first). Llama 3's structure showed no difference."""
+    `tokenizers` drops it first); Qwen2.5's NFC normalizer, which llama.cpp does not apply (equal on the text in
+    NFC), and its non-special FIM tokens, which llama.cpp makes control tokens whatever the file says. Llama 3's
+    structure showed no difference."""
     if name == "smollm2":
         return "".join(c for c in text if not set(c.encode()) & set(MISSING))
+    if name == "qwen2.5":  # llama.cpp does not apply the tokenizer's NFC normalizer, and makes Qwen's FIM tokens
+        for t in LLAMA_CPP_FIM:  # control tokens (src/llama-vocab.cpp), found only with special tokens parsed
+            text = text.replace(t, "")
+        return unicodedata.normalize("NFC", text)
     return text
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("name", ["smollm2", "llama3.2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_llama_cpp_gives_our_token_ids(llama_cpp, models, name):
     """llama.cpp's tokenize gives our ids on every text, or on a text llama.cpp tokenizes otherwise than
     `tokenizers` (without_known_difference), on it less that difference."""
@@ -199,7 +247,7 @@ def top2_margins(eng, ids):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("name", ["smollm2", "llama3.2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_llama_cpp_greedy_text_is_ours(llama_cpp, models, name):
     """llama.cpp's greedy sampler (temperature 0, top_k 1, seed 0) on the f32 GGUF continues each prompt with
     the ids of `nanoeuler infer --temperature 0` (generate on the CPU engine), and its text is ours; the first

@@ -79,10 +79,6 @@ def hf_config(cfg, tok):
 
 def main(args):
     if args.gguf:
-        cfg = checkpoint.read_config(args.ckpt)
-        if cfg.qkv_bias:  # llama.cpp's qwen2 architecture (biases, NeoX RoPE) is not written
-            raise UserError(f"export --gguf: {args.ckpt} has q/k/v biases ({cfg.architecture}); nanoeuler writes "
-                            "GGUF files of the llama architecture only (export --hf, then llama.cpp's converter)")
         from nanoeuler.io import gguf
         return gguf.main(args)
     ck = checkpoint.load(args.ckpt)

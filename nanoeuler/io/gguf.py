@@ -20,6 +20,12 @@ i + D/2 to row 2i + 1: the permutation convert_hf_to_gguf.py (LlamaModel.permute
 checkpoints, which pair as we do. q and k of a head are permuted alike, so their dot products, and hence the
 attention, are unchanged; V and the output projection are untouched.
 
+A model with q/k/v biases (a Qwen2 import) is llama.cpp's `qwen2` architecture instead (gguf_arch): the same
+keys under `qwen2.`, the biases as f32 `blk.{i}.attn_q|attn_k|attn_v.bias`, and no Q/K permutation, since
+llama.cpp runs qwen2 with NeoX RoPE, which pairs i with i + D/2 as we do (convert_hf_to_gguf.py's Qwen2Model
+writes Qwen2's rows as they are). Its embedding rows past the tokenizer are written as they are, named
+[PAD{i}] and unused, as that converter names them.
+
 The tokenizer is a GPT-2-style BPE (tokenizer.ggml.model "gpt2"): the tokens in their byte-level spelling,
 the merges, token types (special tokens are control tokens, an import's non-special added tokens user-defined),
 the pre-tokenizer llama.cpp names the tokenizer's rule by (GGUF_PRE: "gpt-2", llama.cpp's hand-written
@@ -60,12 +66,23 @@ def rope_pairs_split(w, n_heads):
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_arch(cfg):
+    """llama.cpp's architecture for the model: `qwen2` for one with q/k/v biases (Qwen2: the biases as
+    blk.{i}.attn_q|attn_k|attn_v.bias, NeoX RoPE), else `llama`."""
+    return "qwen2" if cfg.qkv_bias else "llama"
+
+
+GGUF_BIAS_NAMES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # ours -> llama.cpp's (qwen2), within block i
+
+
 def gguf_names(cfg):
     """{llama.cpp tensor name: our tensor name}, in file order; heads 1..K-1 have none, nor has a tied head 0
-    (it is token_embd)."""
+    (it is token_embd). A model with q/k/v biases (qwen2) also has blk.{i}.attn_q|attn_k|attn_v.bias."""
     names = {"token_embd.weight": "tok_emb"}
     for i in range(cfg.n_layers):
         names.update({f"blk.{i}.{theirs}.weight": f"layers.{i}.{ours}" for ours, theirs in GGUF_LAYER_NAMES.items()})
+        if cfg.qkv_bias:
+            names.update({f"blk.{i}.{theirs}.bias": f"layers.{i}.{ours}" for ours, theirs in GGUF_BIAS_NAMES.items()})
     names["output_norm.weight"] = "final_norm"
     if not cfg.tied:
         names["output.weight"] = "heads.0"
@@ -73,7 +90,10 @@ def gguf_names(cfg):
 
 
 def rope_heads(cfg, name):
-    """The heads whose rows rope_pairs_adjacent permutes in our tensor `name`, or None: wq's and wk's."""
+    """The heads whose rows rope_pairs_adjacent permutes in our tensor `name`, or None: wq's and wk's for the
+    `llama` architecture; none for `qwen2`, whose NeoX RoPE pairs element i with i + D/2 as ours does."""
+    if gguf_arch(cfg) != "llama":
+        return None
     return {"wq": cfg.n_heads, "wk": cfg.n_kv_heads}.get(name.rsplit(".", 1)[-1])
 
 
@@ -141,7 +161,10 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     names += [f"[PAD{i}]" for i in range(tok.vocab_size, cfg.vocab_size)]
     types += [TOKEN_UNUSED] * (cfg.vocab_size - tok.vocab_size)
 
-    w = gguf.GGUFWriter(None, "llama")
+    arch = gguf_arch(cfg)
+    if arch != "llama" and cfg.rope_scaling is not None:
+        raise UserError(f"export --gguf: RoPE scaling is written for the llama architecture only, not {arch}")
+    w = gguf.GGUFWriter(None, arch)
     w.add_name(name)
     w.add_context_length(cfg.context)
     w.add_embedding_length(cfg.dim)
@@ -190,7 +213,8 @@ def main(args):
     check_writable(args.gguf)
     name = os.path.splitext(os.path.basename(args.ckpt))[0]
     write_gguf(args.gguf, ck.cfg, ck.params, tok, args.type, chat=ck.chat, name=name)
-    print(f"exported {args.ckpt} (step {ck.step}) to {args.gguf}: llama.cpp GGUF, architecture llama, "
+    print(f"exported {args.ckpt} (step {ck.step}) to {args.gguf}: llama.cpp GGUF, architecture "
+          f"{gguf_arch(ck.cfg)}, "
           f"{args.type} matrices, {'output tied to token_embd' if ck.cfg.tied else 'head 0 as output'}, "
           f"{tok.vocab_size} tokens"
           + (", chat template" if ck.chat else "") + f" ({os.path.getsize(args.gguf) / 1e6:.1f} MB)")
