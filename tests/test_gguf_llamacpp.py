@@ -1,8 +1,9 @@
-"""`import --hf` then `export --gguf` of models of SmolLM2-135M's, Llama-3.2-1B's and Qwen2.5-0.5B's structure (the last as llama.cpp's `qwen2`: q/k/v biases, no Q/K permutation, padding rows): the GGUF carries
-their tokenizers as llama.cpp's converter would (pre-tokenizer `smollm` / `llama-bpe`, the BOS Llama 3 adds,
-control and user-defined tokens, the chat template, `rope_freqs` for llama3 RoPE scaling), and, where
-llama-cpp-python is installed (mark llamacpp: an allowed skip without it, tests/conftest.py), llama.cpp gives
-our token ids on a fuzzed corpus and our greedy continuations (`nanoeuler infer --temperature 0`).
+"""`import --hf` then `export --gguf` of models of SmolLM2-135M's, Llama-3.2-1B's and Qwen2.5-0.5B's structure (the
+last as llama.cpp's `qwen2`: q/k/v biases, no Q/K permutation, padding rows): the GGUF carries their tokenizers
+as llama.cpp's converter would (pre-tokenizer `smollm` / `llama-bpe`, the BOS Llama 3 adds, control and
+user-defined tokens, the chat template, `rope_freqs` for llama3 RoPE scaling), and, where llama-cpp-python is
+installed (mark llamacpp: an allowed skip without it, tests/conftest.py), llama.cpp gives our token ids on a
+fuzzed corpus and our greedy continuations (`nanoeuler infer --temperature 0`).
 
 The models are random, narrower and shallower than the published ones (2 layers; heads of 64 as theirs), with
 their config's other values (theta, epsilon, tied embeddings, Llama 3.2's rope_scaling) and their tokenizers'
