@@ -88,7 +88,7 @@ def all_in_float64(torch, model, inv_freq=None):
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     model.model.rotary_emb.forward = rotary
     for module in model.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
+        if type(module).__name__.endswith("RMSNorm"):  # Llama's, Mistral's, Qwen2's
             module.forward = lambda x, m=module: m.weight * x * torch.rsqrt(
                 x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
 

@@ -18,7 +18,7 @@ from nanoeuler.io.hf_import import config_from_hf, read_tensors
 from nanoeuler.model.config import Config, views
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.optimizer import decay_mask
-from test_import import SPECIALS, TEXTS, hf_tokenizer
+from test_import import SPECIALS, TEXTS, all_in_float64, hf_tokenizer
 
 needs_gpu = pytest.mark.skipif(not nanoeuler.model.gpu.available(),
                                reason="needs a CUDA GPU (compute capability 8.0+) and cupy")
@@ -74,19 +74,7 @@ def mistral(corpus, torch, transformers, tmp_path_factory):
 def in_float64(torch, model):
     """The model in float64, its RMSNorms and rotary angles too (transformers computes those in float32)."""
     model = model.to(torch.float64)
-    cfg = model.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    inv_freq = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-
-    def rotary(x, position_ids):
-        angles = position_ids[..., None].double() * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    model.model.rotary_emb.forward = rotary
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = lambda x, m=module: m.weight * x * torch.rsqrt(
-                x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+    all_in_float64(torch, model)
     return model
 
 

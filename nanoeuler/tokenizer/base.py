@@ -47,6 +47,15 @@ def tokens_header(n_tokens, source_stat, tok, dtype):
                               source_stat.st_size, source_stat.st_mtime_ns, tok.sha256().encode())
 
 
+def checked_ids(ids, vocab_size):
+    """ids (a sequence or an array) as a list of ints, each a token of a vocabulary of vocab_size; else one line."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise UserError(f"token id {bad} is out of range for a vocabulary of {vocab_size}")
+    return ids
+
+
 def post_bos(post, added_names):
     """The token a tokenizer.json post-processor puts before a single text (None: none; False: it adds
     something else). ByteLevel only fixes offsets; TemplateProcessing may put one special token first."""

@@ -35,7 +35,8 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.base import (CHUNK, MAX_IDS, MAX_VOCAB, TOKENS_HEADER, TOKENS_HEADER_BYTES, TOKENS_MAGIC,
-                                      TOKENS_VERSION, TokenizerBase, open_input, post_bos, progress_bar)
+                                      TOKENS_VERSION, TokenizerBase, checked_ids, open_input, post_bos,
+                                      progress_bar)
 
 UNICODE_VERSION = "16.0.0"  # of unicode_classes.txt, and of the `tokenizers` library's regex engine
 # Pretokenization rules, by the name the JSON forms store: GPT-2's regex; GPT-2's after Digits(individual_digits)
@@ -258,12 +259,7 @@ class Tokenizer(TokenizerBase):
     def decode(self, ids, text_start=False):
         """The exact bytes that the token ids stand for (text_start: the ids begin a text, which changes nothing
         here; a SentencePiece-style tokenizer drops the space it put in front)."""
-        if isinstance(ids, np.ndarray):
-            ids = ids.tolist()
-        ids = list(ids)
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise UserError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
+        ids = checked_ids(ids, self.vocab_size)
         return b"".join(map(self._token_bytes.__getitem__, ids))
 
     def _encode_stream(self, read, allow_special, chunk_bytes=CHUNK):

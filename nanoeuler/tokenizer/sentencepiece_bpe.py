@@ -31,7 +31,7 @@ import numpy as np
 
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
-from nanoeuler.tokenizer.base import CHUNK, MAX_IDS, MAX_VOCAB, TokenizerBase, post_bos
+from nanoeuler.tokenizer.base import CHUNK, MAX_IDS, MAX_VOCAB, TokenizerBase, checked_ids, post_bos
 
 FORMAT = "nanoeuler-sentencepiece-bpe"
 SPACE = "\u2581"  # ▁, SentencePiece's spelling of a space
@@ -172,12 +172,7 @@ class SentencePieceBPE(TokenizerBase):
     def decode(self, ids, text_start=False):
         """The bytes the token ids stand for (`▁` a space, byte tokens their byte); text_start: the ids begin
         a text, so the one space that encoding put in front is dropped (the file's decoder does)."""
-        if isinstance(ids, np.ndarray):
-            ids = ids.tolist()
-        ids = list(ids)
-        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
-            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise UserError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}")
+        ids = checked_ids(ids, self.vocab_size)
         data = b"".join(map(self._token_bytes.__getitem__, ids))
         if text_start and data.startswith(b" ") and (self.style == "prepend" or self.prepend_scheme != "never"):
             data = data[1:]
