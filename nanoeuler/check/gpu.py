@@ -56,6 +56,15 @@ def rel_err(gpu, ref):
     return float(np.linalg.norm(gpu - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
+def logits_err(gpu, ref, cfg):
+    """rel_err over the tokenizer's ids; the ids past them (a padded vocabulary) must be -inf in both."""
+    live = cfg.tokenizer_vocab or np.shape(gpu)[-1]
+    padding = np.asarray(gpu)[..., live:], np.asarray(ref)[..., live:]
+    if not all(np.all(np.isneginf(p)) for p in padding):
+        return math.inf
+    return rel_err(np.asarray(gpu)[..., :live], np.asarray(ref)[..., :live])
+
+
 def bf16_bits(a):
     """float32 values rounded to the nearest bfloat16 (ties to even), as the uint16 storage bits."""
     b = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
@@ -549,8 +558,17 @@ def check_adamw(case, gpu_layers, cpu_layers):
         return [(f"adamw_update{case.tag} compute copy = bf16(master)",
                  rel_err(case.get(copy), case.act(gp.get())), case.tol)]
     exact = cpu_layers.sum_squares(gr64)
+    # the clip factor computed in the kernel from the squared norm on the device (the training step's path):
+    # 2.25 clips a norm of 3 to 1.5 (factor 1/2)
+    clipped, cm, cv = p.copy(), m.copy(), v.copy()
+    cpu_layers.adamw_update(clipped, gr, cm, cv, mask, *args, squares=np.float64(9.0), grad_clip=1.5)
+    gp2, gm2, gv2 = case.dev32(p), case.dev32(m), case.dev32(v)
+    gpu_layers.adamw_update(gp2, case.dev32(gr), gm2, gv2, case.cp.asarray(mask), *args,
+                            squares=case.cp.asarray(np.float64(9.0)), grad_clip=1.5)
     return [(f"adamw_update n={n} (parameter step)", rel_err(step(gp.get()), step(rp)), case.tol),
             ("adamw_update moments m, v", max(rel_err(gm.get(), rm), rel_err(gv.get(), rv)), case.tol),
+            ("adamw_update, clip factor from the squared norm on the device",
+             max(rel_err(step(gp2.get()), step(clipped)), rel_err(gm2.get(), cm), rel_err(gv2.get(), cv)), case.tol),
             ("sum_squares", abs(gpu_layers.sum_squares(case.dev32(gr)) - exact) / exact, case.tol)]
 
 
@@ -601,10 +619,10 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
     for name, err in _grad_errors(cpu, gpu, cfg).items():
         errors[name] = err
         report(f"{name:<24} : rel err {err:.2e}")
-    errors["decode logits"] = rel_err(logits[1], logits[0])
+    errors["decode logits"] = logits_err(logits[1], logits[0], cfg)
     report(f"{'decode logits (KV cache)':<24} : rel err {errors['decode logits']:.2e}")
     if heads:
-        errors["decode every head"] = rel_err(heads[1], heads[0])
+        errors["decode every head"] = logits_err(heads[1], heads[0], cfg)
         report(f"{'decode, every head':<24} : rel err {errors['decode every head']:.2e}")
     errors["decode argmax"] = 0.0 if np.array_equal(greedy, logits[1][0].argmax(axis=-1)) else math.inf
     report(f"{'decode argmax':<24} : {'the logits argmax' if errors['decode argmax'] == 0 else 'WRONG'}")

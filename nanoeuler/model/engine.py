@@ -148,6 +148,27 @@ class Engine:
         the CPU."""
         return None if self.xp is np else self.xp.get_default_memory_pool().total_bytes()
 
+    def read_later(self, a):
+        """A function that returns a's values as a NumPy array once the work queued so far has computed them,
+        and does not make the host wait before it is called: on the GPU an asynchronous copy into pinned host
+        memory after that work, waited for (its event alone) by the call; on the CPU a copy."""
+        if self.xp is np:
+            values = np.array(a)
+            return lambda: values
+        cupy = self.xp
+        a = cupy.ascontiguousarray(a)
+        host = np.frombuffer(cupy.cuda.alloc_pinned_memory(a.nbytes), a.dtype, a.size).reshape(a.shape)
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, a.data.ptr, a.nbytes, cupy.cuda.runtime.memcpyDeviceToHost,
+                                      stream.ptr)
+        copied = cupy.cuda.Event(disable_timing=True)
+        copied.record(stream)
+
+        def read():
+            copied.synchronize()
+            return host.copy()
+        return read
+
     # ------------------------------------------------------------------------------------ activations
     def _activations(self, B, T):
         """Buffers for everything the backward pass reads, allocated once per (B, T)."""

@@ -8,3 +8,12 @@
 FEW_ROWS = 64
 # The most sequences of a batched decoding step (infer/batch.py): each a row of the step's products.
 DECODE_ROWS = FEW_ROWS
+
+# Gradient clipping multiplies the gradients by min(1, grad_clip / (norm + CLIP_EPS)): clip_scale below on the
+# host, and the GPU's adamw_update on the device from the squared norm (so the host need not wait for it).
+CLIP_EPS = 1e-6
+
+
+def clip_scale(norm, grad_clip):
+    """The factor that scales gradients of global norm `norm` down to grad_clip (0: no clipping)."""
+    return min(1.0, grad_clip / (norm + CLIP_EPS)) if grad_clip > 0 else 1.0

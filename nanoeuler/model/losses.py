@@ -33,9 +33,13 @@ def supervised_counts(targets):
     return (targets >= 0).reshape(targets.shape[0], -1).sum(axis=1).astype(np.float64)
 
 
-def _per_head(losses, counts):
+def _per_head(losses, counts, xp=None):
     """(mean over heads, head 0's) of each head's summed losses (K, N) divided by counts[k] (a host array, or
-    one of the engine's library: then divided there, and read once)."""
+    one of the engine's library: then divided there, and read once): floats, or with xp (the engine's library)
+    float64 scalars of it that the host has not waited for."""
+    if xp is not None:
+        per_head = losses.sum(axis=1).astype(np.float64) / xp.asarray(counts).clip(1, None)
+        return per_head.mean(), per_head[0]
     if isinstance(counts, np.ndarray):
         per_head = to_numpy(losses.sum(axis=1)).astype(np.float64) / np.maximum(counts, 1)
     else:
@@ -48,17 +52,19 @@ def cross_entropy(eng, inputs, targets):
     return _per_head(eng.forward(inputs, targets), supervised_counts(targets))
 
 
-def cross_entropy_backward(eng, inputs, targets, counts=None, accumulate=False, final=True):
-    """The cross-entropy's gradients into eng.grads (added to them with accumulate); (loss, loss0). counts (K,):
-    the supervised targets per head of the whole optimizer batch when this is a part of it (gradient
-    accumulation, data parallelism): the parts' losses and gradients then add up to the batch's; on the GPU they
-    may be a device array (the ranks' sum, which the host has not waited for). final: passed
-    on to Engine.forward_backward, False on a step's passes before its last."""
+def cross_entropy_backward(eng, inputs, targets, counts=None, accumulate=False, final=True, on_device=False):
+    """The cross-entropy's gradients into eng.grads (added to them with accumulate); (loss, loss0), floats, or
+    with on_device scalars on the engine's device (the host does not wait for the pass). counts (K,): the
+    supervised targets per head of the whole optimizer batch when this is a part of it (gradient accumulation,
+    data parallelism): the parts' losses and gradients then add up to the batch's; on the GPU they may be a
+    device array (the ranks' sum, which the host has not waited for). final: passed on to
+    Engine.forward_backward, False on a step's passes before its last."""
     if counts is None or not hasattr(counts, "clip"):  # a list, or none: this batch's own on the host
         counts = supervised_counts(targets) if counts is None else np.asarray(counts, dtype=np.float64)
     # counts on the device (all-reduced there): the weights are made there, so the host need not wait
     weights = (1.0 / (len(counts) * counts.clip(1, None)))[:, None]
-    return _per_head(eng.forward_backward(inputs, targets, weights, accumulate, final=final), counts)
+    return _per_head(eng.forward_backward(inputs, targets, weights, accumulate, final=final), counts,
+                     eng.xp if on_device else None)
 
 
 def sequence_logprobs(eng, inputs, targets):

@@ -15,6 +15,7 @@ import numpy as np
 
 from nanoeuler.model.config import is_matrix, param_layout
 from nanoeuler.model.engine import to_numpy
+from nanoeuler.model.limits import clip_scale
 
 
 def decay_mask(cfg):
@@ -25,11 +26,6 @@ def decay_mask(cfg):
         if is_matrix(name):
             mask[off:off + math.prod(shape)] = 1
     return mask
-
-
-def clip_scale(norm, grad_clip):
-    """The factor that scales gradients of global norm `norm` down to grad_clip (0: no clipping)."""
-    return min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
 
 
 class AdamW:
@@ -47,12 +43,15 @@ class AdamW:
         """sum(grads^2), accumulated in float64: a float, or with on_device a scalar the host need not wait for."""
         return self.layers.sum_squares(grads, on_device)
 
-    def update(self, params, grads, lr, weight_decay, grad_scale, compute_copy=None):
+    def update(self, params, grads, lr, weight_decay, grad_scale, compute_copy=None, squares=None, grad_clip=0.0):
         """One AdamW step of params from grads * grad_scale; compute_copy (the bf16 weights the layers read),
-        where given, is rewritten from the new params in the same pass."""
+        where given, is rewritten from the new params in the same pass. With squares (the global gradient's sum
+        of squares, a scalar on the engine's device), the scale is clip_scale(sqrt(squares), grad_clip) instead,
+        computed where the update runs: the host need not wait for the norm."""
         self.steps += 1
         self.layers.adamw_update(params, grads, self.m, self.v, self.decay_mask, lr, self.beta1, self.beta2,
-                                 self.eps, weight_decay, grad_scale, self.steps, compute_copy=compute_copy)
+                                 self.eps, weight_decay, grad_scale, self.steps, compute_copy=compute_copy,
+                                 squares=squares, grad_clip=grad_clip)
 
     def step(self, eng, lr, weight_decay, grad_clip):
         """Clip eng's gradients to the global norm grad_clip (0: no clipping), update its weights; returns the
@@ -62,11 +61,12 @@ class AdamW:
         self.update(eng.params, eng.grads, lr, weight_decay, clip_scale(norm, grad_clip), copy)
         return norm
 
-    def update_pieces(self, params, grads, pieces, lr, weight_decay, grad_scale, compute_copy=None, count=True):
+    def update_pieces(self, params, grads, pieces, lr, weight_decay, grad_scale, compute_copy=None, count=True,
+                      squares=None, grad_clip=0.0):
         """One AdamW step of pieces of the parameters: pieces [(start, end, at)] update params[start:end] (and
         compute_copy's, cut at its end: the parameters may be padded) from grads[start:end], with the moments and
         decay mask [at:at + end - start] (ZeRO-1's shard, or all of them); count=False for more pieces of the
-        same step."""
+        same step; squares and grad_clip as update's."""
         self.steps += count
         limit = compute_copy.size if compute_copy is not None else params.size
         for start, end, at in pieces:
@@ -77,7 +77,8 @@ class AdamW:
             self.layers.adamw_update(params[start:end], grads[start:end], self.m[shard], self.v[shard],
                                      self.decay_mask[shard], lr, self.beta1, self.beta2, self.eps, weight_decay,
                                      grad_scale, self.steps,
-                                     compute_copy=None if compute_copy is None else compute_copy[start:end])
+                                     compute_copy=None if compute_copy is None else compute_copy[start:end],
+                                     squares=squares, grad_clip=grad_clip)
 
     def shard(self, eng, ranges):
         """The optimizer of one rank's shard, the buffers' elements [start, end) of each range, one after another

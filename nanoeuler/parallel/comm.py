@@ -424,7 +424,7 @@ class CopyEngineReduction:
 
     The inbox holds N-1 ranges, one per other rank (`base` on 2 GPUs: 208 MB as shards, 416 MB whole). A rank
     overwrites another's inbox only in the next step's backward pass, after a collective that follows the
-    sums (the all-gather of the update, or the host's sum of the step's losses) has taken that rank's
+    sums (the all-gather of the update, or the sum of the step's norm and losses) has taken that rank's
     contribution, so after its sums have read the inbox."""
 
     def __init__(self, comm, shard_size, whole=False):

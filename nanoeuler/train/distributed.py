@@ -6,7 +6,9 @@ parallel/comm.py's communicators.
 
     parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=True)
     ...a step's forward and backward passes (the last with final=True: its buckets are reduced as it goes)
-    grad_norm, totals = parallel.step(lr, hp.weight_decay, hp.grad_clip, [loss, tokens, ...])
+    numbers = parallel.start_step(lr, hp.weight_decay, hp.grad_clip, [loss, tokens, ...])  # queued on the GPU
+    ...the next step queued...
+    grad_norm, totals = numbers()  # waits for that step alone
 """
 import math
 
@@ -14,7 +16,6 @@ import numpy as np
 
 from nanoeuler.env import env_float
 from nanoeuler.model.engine import to_numpy
-from nanoeuler.model.optimizer import clip_scale
 from nanoeuler.parallel.comm import SingleProcess
 
 # ------------------------------------------------------------------------------------- the optimizer step
@@ -69,7 +70,9 @@ class DataParallel:
        (without ZeRO these buckets are all-reduced instead).
     2. The global gradient norm for clipping: each rank's sum of squares of its pieces (after an all-reduce,
        rank 0's of all of them), summed over the ranks in one collective together with the step's losses,
-       tokens and Ctrl-C flags (`values`): the host waits once.
+       tokens and Ctrl-C flags (`values`), on the device; the update computes the clip factor from it there.
+       The host waits for none of it: start_step returns a function that reads the step's numbers, which the
+       training loop calls once the next step is queued.
     3. The AdamW update:
        - without ZeRO every rank holds all the moments and takes the same update of all the weights; after a
          reduce-scatter, its own pieces first, while an all-gather brings it the others' summed gradients,
@@ -139,56 +142,77 @@ class DataParallel:
         """Every rank's values (floats) summed, as a list of floats."""
         return [float(v) for v in self.comm.all_reduce_sum(np.array(values, dtype=np.float64))]
 
-    def _sum_after(self, value, values):
-        """[value, *values] summed over the ranks, value a scalar on the engine's device (not yet computed when
-        the GPU's queue is behind): one collective, one wait of the host."""
-        both = self.eng.xp.asarray(np.array([0.0, *values], dtype=np.float64))
-        both[0] = value
-        return [float(v) for v in to_numpy(self.comm.all_reduce_sum(both))]
-
     def any(self, flag):
         """True on every rank when flag is true on any (a Ctrl-C that reached the ranks at different steps)."""
         return self.sum([float(flag)])[0] > 0
 
+    def _step_values(self, squares, values):
+        """[squares, *values] as one float64 vector on the engine's device; squares and values are floats or
+        scalars on the device that the host has not waited for."""
+        xp = self.eng.xp
+        on_device = [xp is not np and isinstance(v, xp.ndarray) for v in values]
+        both = xp.asarray(np.array([0.0] + [0.0 if d else float(v) for v, d in zip(values, on_device)]))
+        both[0] = squares
+        for i, (v, d) in enumerate(zip(values, on_device)):
+            if d:
+                both[i + 1] = v
+        return both
+
+    def _numbers(self, both):
+        """A function that waits for the step's [squares, *values] and returns (the norm, values as floats)."""
+        read = self.eng.read_later(both)
+
+        def numbers():
+            squares, *values = read()
+            return math.sqrt(squares), [float(v) for v in values]
+        return numbers
+
     def step(self, lr, weight_decay, grad_clip, values=()):
-        """Sum the ranks' gradients, clip to the global norm, one AdamW step. Returns (the norm, `values` summed
-        over the ranks): the step's other sums ride on the norm's collective."""
+        """start_step, waited for: (the norm, `values` summed over the ranks)."""
+        return self.start_step(lr, weight_decay, grad_clip, values)()
+
+    def start_step(self, lr, weight_decay, grad_clip, values=()):
+        """Sum the ranks' gradients, clip to the global norm, one AdamW step: all of it queued on the engine's
+        device, none of it waited for by the host (the clip factor is computed on the device from the squares).
+        `values` (floats, or scalars on the device: the step's losses, tokens, Ctrl-C flags) ride on the
+        collective of the norm's squares. Returns a function that waits for the step's numbers and returns
+        (the norm, `values` summed over the ranks): called after the next step is queued, the GPU never waits
+        for the host between steps."""
         eng, comm, opt = self.eng, self.comm, self.optimizer
+        copy = None if eng.weights is eng.params else eng.weights
         if comm.world_size == 1:
-            return opt.step(eng, lr, weight_decay, grad_clip), [float(v) for v in values]
+            both = self._step_values(opt.squared_norm(eng.grads, on_device=True), values)
+            opt.update(eng.params, eng.grads, lr, weight_decay, 1.0, copy, squares=both[0], grad_clip=grad_clip)
+            return self._numbers(both)
         grads = eng.grads_padded
         self._gradients_ready(0)  # started by the backward pass: what it did not start, then all of it joined
         comm.join()
         self._launched = 0
         if self.all_reduced:  # every rank has every sum, the same bits: rank 0's squares are the norm's
-            squares = opt.squared_norm(eng.grads, on_device=True)
-            squares, *totals = self._sum_after(squares if comm.rank == 0 else 0.0, values)
-            norm = math.sqrt(squares)
-            copy = None if eng.weights is eng.params else eng.weights
-            opt.update(eng.params, eng.grads, lr, weight_decay, clip_scale(norm, grad_clip), copy)
-            return norm, totals
+            squares = opt.squared_norm(eng.grads, on_device=True) if comm.rank == 0 else 0.0
+            both = comm.all_reduce_sum(self._step_values(squares, values))
+            opt.update(eng.params, eng.grads, lr, weight_decay, 1.0, copy, squares=both[0], grad_clip=grad_clip)
+            return self._numbers(both)
         squares = sum(opt.squared_norm(grads[start:end], on_device=True) for start, end, _ in self.mine)
-        squares, *totals = self._sum_after(squares, values)
-        norm = math.sqrt(squares)
-        scale = clip_scale(norm, grad_clip)
-        copy = None if eng.weights is eng.params else eng.weights
+        both = comm.all_reduce_sum(self._step_values(squares, values))
+        clip = dict(squares=both[0], grad_clip=grad_clip)
         if not self.zero:  # the others' pieces of the summed gradients arrive while this rank updates its own
             for (start, end), (mine, mine_end, _) in zip(self.buckets, self.mine):
                 comm.start_all_gather(grads[mine:mine_end], grads[start:end])
             own = [(a, b, a) for a, b, _ in self.mine]
-            opt.update_pieces(eng.params_padded, grads, own, lr, weight_decay, scale, copy)
+            opt.update_pieces(eng.params_padded, grads, own, lr, weight_decay, 1.0, copy, **clip)
             comm.join()
             others = [(a, b, a) for q, pieces in enumerate(self.pieces) if q != comm.rank for a, b, _ in pieces]
-            opt.update_pieces(eng.params_padded, grads, others, lr, weight_decay, scale, copy, count=False)
-            return norm, totals
-        opt.update_pieces(eng.params_padded, grads, self.mine, lr, weight_decay, scale, copy)
+            opt.update_pieces(eng.params_padded, grads, others, lr, weight_decay, 1.0, copy, count=False, **clip)
+            return self._numbers(both)
+        opt.update_pieces(eng.params_padded, grads, self.mine, lr, weight_decay, 1.0, copy, **clip)
         if self.bf16_gather:
             for index in range(len(self.buckets)):
                 comm.all_gather_ranges(eng.weights, self._ranges(index))
         else:
             for (start, end), (mine, mine_end, _) in zip(self.buckets, self.mine):
                 comm.all_gather(eng.params_padded[mine:mine_end], eng.params_padded[start:end])
-        return norm, totals
+        return self._numbers(both)
 
     def _ranges(self, index):
         """Every rank's piece of bucket `index`, cut at the end of the (unpadded) parameters."""

@@ -4,16 +4,19 @@
 
 A step: a batch from `source` (any object with next/state/load_state: data/corpus.py's RandomWindows,
 data/instructions.py's ExampleBatches, data/preferences.py's PairBatches), the objective's gradients of it
-(train/objectives.py), the ranks' sum and the AdamW step (train/distributed.py's DataParallel), then one JSON
-line in the metrics log (flushed: `tail -f` it). Every `eval_every` steps the objective evaluates the
+(train/objectives.py), the ranks' sum and the AdamW step (train/distributed.py's DataParallel), queued on the
+device and read once the next step is queued (so the GPU never waits for the host), then one JSON line in the
+metrics log (flushed: `tail -f` it). Every `eval_every` steps the objective evaluates the
 held-out batches and the loss curve (a PNG beside the log) is redrawn; every `sample_every` steps a sample is
 printed; every `ckpt_every` steps and at the end an atomic checkpoint is written with what --resume needs to
 continue exactly (the optimizer state, the batch source's state, the hyperparameters). The first Ctrl-C
-finishes the step, saves and returns 130; a second aborts.
+finishes the step under way (on several ranks also the one queued after it: they agree through the steps'
+sums), saves and returns 130; a second aborts.
 
 The learning rate: linear warmup, the peak held until the last `decay_frac` of the steps, then a cosine decay
 to lr * min_lr_ratio.
 """
+import collections
 import dataclasses
 import json
 import math
@@ -197,39 +200,89 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
     gpus = parallel.comm.world_size if peak else 1  # tokens/s and MFU per GPU beside the total
     bar = tqdm(total=hp.steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1,
                disable=not main)
-    step, tps_avg, status, stop = start_step, None, 0, False
+    tps_avg, status, stop = None, 0, False
+    t_mark = time.perf_counter()  # where the time of the next step read starts
+
+    def finish(step, lr, names, numbers):
+        """Read a queued step's numbers (waiting for that step alone) and check them; (its metrics record on
+        rank 0, else None; whether a rank was asked to stop: Ctrl-C)."""
+        nonlocal tps_avg, tokens_seen, log_first, t_mark
+        grad_norm, (*totals, tokens, stops) = numbers()
+        now = time.perf_counter()
+        heartbeat()
+        losses = dict(zip(names, totals))
+        if not all(math.isfinite(v) for v in losses.values()):
+            raise UserError(f"training diverged at step {step} (loss {losses['loss']}); the last checkpoint in "
+                            f"{out} is kept; try a lower --lr")
+        if main:
+            tps = tokens / (now - t_mark)  # SFT batches may be shorter than the context
+            tps_avg = tps if tps_avg is None else 0.9 * tps_avg + 0.1 * tps
+            # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
+            tokens_seen += int(tokens)
+            record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
+                          tokens_per_s=round(tps, 1), tokens_seen=tokens_seen,
+                          time_s=round(time0 + now - t_run, 2))
+            if gpus > 1:
+                record.update(tokens_per_s_per_gpu=round(tps / gpus, 1))
+            if peak:  # of all the GPUs' peak: the mean utilisation of one
+                record.update(mfu=round(tps * flops_per_token(eng.cfg) / (peak * gpus), 4))
+            if eng.device_memory() is not None:  # the engine's pool and the reduction's inbox
+                memory = eng.device_memory() + parallel.device_memory()
+                record.update(gpu_mem_gib=round(memory / 2 ** 30, 3))
+            if log_first:
+                record.update(log_first)
+                log_first = None
+            mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / (peak * gpus):.1%}" if peak else ""
+            rate = (f"{tps_avg:,.0f} tok/s" if gpus == 1 else
+                    f"{tps_avg:,.0f} tok/s in total, {tps_avg / gpus:,.0f} a GPU")
+            bar.set_postfix_str(f"loss {record['loss']:.3f}, {rate}{mfu}", refresh=False)
+            bar.update(1)
+        t_mark = now
+        return record if main else None, stops > 0
+
+    def at_boundary(step):
+        """Whether step ends with work that reads the weights or the log (evaluation, a sample, a checkpoint)."""
+        every = [hp.eval_every, hp.sample_every, hp.ckpt_every] + ([eval_task.every] if eval_task else [])
+        return step == hp.steps or any(step % n == 0 for n in every)
+
+    step, queued = start_step, collections.deque()  # queued: steps on the device whose numbers are not read yet
+
+    def read_queued(keep, hold=None):
+        """Read the queued steps until `keep` are left (all of them once a rank asked to stop), writing their
+        records but step `hold`'s, which is returned (rank 0) for its evaluation."""
+        nonlocal stop
+        held = None
+        while len(queued) > (0 if stop else keep):
+            done = queued[0][0]
+            record, asked = finish(*queued.popleft())
+            stop |= asked  # every rank reads the same sum at the same step: all stop after the same one
+            if main and done == hold:
+                held = record
+            elif main:
+                log.write(record)
+        return held
+
     try:
         with StopOnInterrupt(say) as interrupt:
             while step < hp.steps and not stop:
-                t0 = time.perf_counter()
+                if interrupt.requested and parallel.comm.world_size == 1:
+                    stop = True  # one process stops after the step under way; ranks agree on the step's sum
+                    read_queued(0)
+                    break
                 lr = lr_at(hp, step)
                 shares, tokens = objective.train_step(eng, source.next(), hp)
-                # the ranks' losses, tokens and Ctrl-C flags summed in the collective of the gradient norm
-                grad_norm, (*totals, tokens, stops) = parallel.step(lr, hp.weight_decay, hp.grad_clip,
-                                                                    [*shares.values(), tokens, interrupt.requested])
-                losses = dict(zip(shares, totals))
-                if not all(math.isfinite(v) for v in losses.values()):
-                    raise UserError(f"training diverged at step {step + 1} (loss {losses['loss']}); the last "
-                                    f"checkpoint in {out} is kept; try a lower --lr")
+                # the ranks' losses, tokens and Ctrl-C flags summed in the collective of the gradient norm,
+                # on the device: the step is read once the next one is queued, so the GPU never waits
+                numbers = parallel.start_step(lr, hp.weight_decay, hp.grad_clip,
+                                              [*shares.values(), tokens, float(interrupt.requested)])
                 step += 1
-                heartbeat()
-                stop = stops > 0
+                queued.append((step, lr, list(shares), numbers))
+                boundary = at_boundary(step)
+                record = read_queued(0 if boundary else 1, hold=step if boundary else None)
+                if not boundary:
+                    continue
                 last = step == hp.steps
                 if main:
-                    tps = tokens / (time.perf_counter() - t0)  # SFT batches may be shorter than the context
-                    tps_avg = tps if tps_avg is None else 0.9 * tps_avg + 0.1 * tps
-                    # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
-                    tokens_seen += int(tokens)
-                    record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
-                                  tokens_per_s=round(tps, 1), tokens_seen=tokens_seen,
-                                  time_s=round(time0 + time.perf_counter() - t_run, 2))
-                    if gpus > 1:
-                        record.update(tokens_per_s_per_gpu=round(tps / gpus, 1))
-                    if peak:  # of all the GPUs' peak: the mean utilisation of one
-                        record.update(mfu=round(tps * flops_per_token(eng.cfg) / (peak * gpus), 4))
-                    if eng.device_memory() is not None:  # the engine's pool and the reduction's inbox
-                        memory = eng.device_memory() + parallel.device_memory()
-                        record.update(gpu_mem_gib=round(memory / 2 ** 30, 3))
                     if last or step % hp.eval_every == 0:
                         record.update(objective.evaluate(eng, val_full if last else val_quick))
                         say(f"step {step}: {objective.eval_text(record)}"
@@ -237,23 +290,16 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
                     if eval_task is not None and (last or step % eval_task.every == 0):
                         record.update(eval_task.evaluate(eng, tok))
                         say(f"step {step}: {eval_task.text(record)}")
-                    if log_first:
-                        record.update(log_first)
-                        log_first = None
-                    log.write(record)
-                    mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / (peak * gpus):.1%}" if peak else ""
-                    rate = (f"{tps_avg:,.0f} tok/s" if gpus == 1 else
-                            f"{tps_avg:,.0f} tok/s in total, {tps_avg / gpus:,.0f} a GPU")
-                    bar.set_postfix_str(f"loss {record['loss']:.3f}, {rate}{mfu}", refresh=False)
-                    bar.update(1)
                     if step % hp.sample_every == 0 or last:
                         text = sample_text(eng, tok, sample_prompt, hp.sample_tokens, seed=hp.seed + step)
                         sample.update(sample=text, sample_step=step)
                         say(f"--- sample at step {step} ---\n{text}\n---")
+                    log.write(record)
                 if last or step % hp.ckpt_every == 0:
                     save(step)
                 if main and "val_loss" in record:
                     log.plot(f"{title}: step {step}, {objective.plot_title(record)}", objective.ylabel)
+                t_mark = time.perf_counter()  # the next step's time starts after the evaluation and the save
             if stop and step < hp.steps:
                 save(step)
                 say(f"stopped at step {step}: saved {out}; continue with --resume")

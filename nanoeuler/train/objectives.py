@@ -25,8 +25,8 @@ class CrossEntropy:
 
     def train_step(self, eng, batch, hp):
         """Gradients of this rank's batch into eng.grads; (this rank's shares of the record's loss fields, which
-        add up over the ranks to the global batch's, and this rank's tokens). The global target counts are
-        summed on the device: the host does not wait for them."""
+        add up over the ranks to the global batch's, as scalars on the engine's device, and this rank's tokens).
+        The global target counts are summed on the device: the host waits for nothing."""
         inputs, targets = batch
         counts = supervised_counts(targets)
         if self.every_target:
@@ -38,7 +38,7 @@ class CrossEntropy:
         passes = np.array_split(np.arange(len(inputs)), hp.grad_accum)
         for i, rows in enumerate(passes):
             part, part0 = cross_entropy_backward(eng, inputs[rows], targets[:, rows], counts, accumulate=i > 0,
-                                                 final=i == len(passes) - 1)
+                                                 final=i == len(passes) - 1, on_device=True)
             loss, loss0 = loss + part, loss0 + part0
         return dict(loss=loss0, loss_all_heads=loss), inputs.size
 

@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from nanoeuler.model.limits import FEW_ROWS
+from nanoeuler.model.limits import FEW_ROWS, clip_scale
 
 # Reassociation lets LLVM vectorise the sums; no flag that assumes away infinities or NaNs.
 FAST = {"reassoc", "contract", "arcp", "nsz"}
@@ -567,12 +567,15 @@ def _adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight
 
 
 def adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step,
-                 compute_copy=None):
-    """One AdamW step over the flat buffers, gradients first multiplied by grad_scale (the clip factor).
-    Decoupled weight decay, applied only where decay_mask is 1 (matrices, not norm gains; a byte each).
-    compute_copy is the GPU's bf16 copy of the weights; the CPU engine computes on the master weights and has
-    none."""
+                 compute_copy=None, squares=None, grad_clip=0.0):
+    """One AdamW step over the flat buffers, gradients first multiplied by grad_scale (the clip factor; with
+    squares, the global gradient's sum of squares, clip_scale(sqrt(squares), grad_clip) instead, as the GPU
+    kernel computes it on the device). Decoupled weight decay, applied only where decay_mask is 1 (matrices,
+    not norm gains; a byte each). compute_copy is the GPU's bf16 copy of the weights; the CPU engine computes
+    on the master weights and has none."""
     assert compute_copy is None
+    if squares is not None:
+        grad_scale = clip_scale(math.sqrt(float(squares)), grad_clip)
     _adamw_update(params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step)
 
 

@@ -40,7 +40,7 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
                                            MATMUL_PAIR_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, ROPE_HEADS,
                                            SAMPLE_THREADS, rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
-from nanoeuler.model.limits import FEW_ROWS
+from nanoeuler.model.limits import CLIP_EPS, FEW_ROWS
 
 PRECISIONS = ("bf16", "tf32", "fp32")
 
@@ -487,12 +487,14 @@ class Layers:
 
     # ------------------------------------------------------------------------------------------- adamw
     def adamw_update(self, params, grads, m, v, decay_mask, lr, beta1, beta2, eps, weight_decay, grad_scale, step,
-                     compute_copy=None):
+                     compute_copy=None, squares=None, grad_clip=0.0):
         """One AdamW step over the flat buffers in one launch (see the CPU layer for the formula); when given,
         compute_copy (the bf16 weights the layers read) is rewritten from the updated weights in the same pass.
-        decay_mask: uint8, 1 where the weight decays."""
+        decay_mask: uint8, 1 where the weight decays. squares (a float64 device scalar, the global gradient's sum
+        of squares): the clip factor is computed from it in the kernel, in place of grad_scale."""
         _check(params, grads, m, v)
         assert decay_mask.dtype == np.uint8, decay_mask.dtype
+        assert squares is None or (squares.dtype == np.float64 and squares.size == 1), squares
         n = params.size
         grid = min(_blocks(n, 256), 32 * sm_count())
         defines = () if compute_copy is None else _act_defines(compute_copy)
@@ -500,7 +502,9 @@ class Layers:
         kernel("adamw", "adamw_update", defines)(
             (grid,), (256,), (params, grads, m, v, decay_mask, np.int64(n), np.float64(lr), np.float64(beta1),
                               np.float64(beta2), np.float64(eps), np.float64(weight_decay), np.float64(grad_scale),
-                              np.float64(1.0 - beta1 ** step), np.float64(1.0 - beta2 ** step), copy))
+                              np.uint64(0) if squares is None else squares, np.float64(grad_clip),
+                              np.float64(CLIP_EPS), np.float64(1.0 - beta1 ** step), np.float64(1.0 - beta2 ** step),
+                              copy))
 
     def cast_params(self, dst, src):
         """dst (n,) = src (n,) rounded to dst's dtype: the compute copy of the master weights."""

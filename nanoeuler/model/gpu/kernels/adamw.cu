@@ -5,15 +5,19 @@
 #include "common.cuh"
 
 // g = grads * grad_scale (the clip factor); m, v moments; bias corrections bc1 = 1 - beta1^t, bc2 likewise;
-// decoupled weight decay where decay_mask (a byte a parameter, the least traffic) is 1. compute_copy
-// (nullable): the weights the layers read, when they are not the master weights themselves (bf16 training),
-// rewritten in the same pass.
+// decoupled weight decay where decay_mask (a byte a parameter, the least traffic) is 1. squares (nullable):
+// the global gradient's sum of squares, from which the clip factor is computed here in double, as the host's
+// clip_scale computes it (nanoeuler/model/limits.py), in place of grad_scale: the host need not wait for the
+// norm. compute_copy (nullable): the weights the layers read, when they are not the master weights themselves
+// (bf16 training), rewritten in the same pass.
 extern "C" __global__ void adamw_update(float* __restrict__ params, const float* __restrict__ grads,
                                         float* __restrict__ m, float* __restrict__ v,
                                         const unsigned char* __restrict__ decay_mask, long long n, double lr,
                                         double beta1, double beta2, double eps, double weight_decay,
-                                        double grad_scale, double bc1, double bc2,
+                                        double grad_scale, const double* __restrict__ squares, double grad_clip,
+                                        double clip_eps, double bc1, double bc2,
                                         act_t* __restrict__ compute_copy) {
+    if (squares) grad_scale = grad_clip > 0 ? fmin(1.0, grad_clip / (sqrt(*squares) + clip_eps)) : 1.0;
     const float b1 = (float)beta1, b2 = (float)beta2, gs = (float)grad_scale, rate = (float)lr;
     const float rbc1 = (float)(1.0 / bc1), rbc2 = (float)(1.0 / bc2), e = (float)eps, wd = (float)weight_decay;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
