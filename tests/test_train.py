@@ -244,6 +244,11 @@ def test_gradient_norm_accumulates_in_float64():
     assert cpu_layers.sum_squares(x) == pytest.approx(exact, rel=1e-12)
     assert cpu_layers.sum_squares(x.astype(np.float64)) == pytest.approx(exact, rel=1e-12)
     assert cpu_layers.sum_squares(x[:0]) == 0.0 and cpu_layers.sum_squares(np.float32([3, 4])) == 25.0
+    # the ranks' sum and its squares in one call (in place), as the copy engines' reduction takes them
+    a, b = x.copy(), x[::-1].copy()
+    squares = cpu_layers.add_sum_squares(a, a, b)
+    np.testing.assert_array_equal(a, x + x[::-1])
+    assert squares == cpu_layers.sum_squares(x + x[::-1])
 
 
 def test_device_rule(monkeypatch):

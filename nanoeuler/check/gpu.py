@@ -565,7 +565,16 @@ def check_adamw(case, gpu_layers, cpu_layers):
     gp2, gm2, gv2 = case.dev32(p), case.dev32(m), case.dev32(v)
     gpu_layers.adamw_update(gp2, case.dev32(gr), gm2, gv2, case.cp.asarray(mask), *args,
                             squares=case.cp.asarray(np.float64(9.0)), grad_clip=1.5)
-    return [(f"adamw_update n={n} (parameter step)", rel_err(step(gp.get()), step(rp)), case.tol),
+    # the ranks' gradients summed with the norm's squares in one pass (in place: out is a), the squares the
+    # bits of sum_squares over the sum
+    ga, gb = case.dev32(gr), case.dev32(m)
+    squares = float(gpu_layers.add_sum_squares(ga, ga, gb))
+    ref_sum = gr64 + m.astype(np.float64)
+    added = [("add_sum_squares sum", rel_err(ga.get(), ref_sum), case.tol),
+             ("add_sum_squares squares = sum_squares(sum)",
+              0.0 if squares == gpu_layers.sum_squares(ga) else math.inf, 0.0),
+             ("add_sum_squares squares", abs(squares - cpu_layers.sum_squares(ref_sum)) / squares, case.tol)]
+    return added + [(f"adamw_update n={n} (parameter step)", rel_err(step(gp.get()), step(rp)), case.tol),
             ("adamw_update moments m, v", max(rel_err(gm.get(), rm), rel_err(gv.get(), rv)), case.tol),
             ("adamw_update, clip factor from the squared norm on the device",
              max(rel_err(step(gp2.get()), step(clipped)), rel_err(gm2.get(), cm), rel_err(gv2.get(), cv)), case.tol),

@@ -419,7 +419,7 @@ class CopyEngineReduction:
     slowed them by as much as they hid). finish(), at the pass's end: a one-element NCCL all-reduce queued
     after this rank's copies is the barrier (it completes on a rank only when every rank has reached it, so
     after every rank's copies), then each rank adds its range to what it received in rank order, g0 + g1 +
-    ... + g(N-1) whatever the rank: the sum of one process accumulating the ranks' batches one after another,
+    ... + g(N-1) whatever the rank, taking the sum's squares (the gradient norm's) in the same pass: the sum of one process accumulating the ranks' batches one after another,
     so an all-reduce leaves every rank the same bits.
 
     The inbox holds N-1 ranges, one per other rank (`base` on 2 GPUs: 208 MB as shards, 416 MB whole). A rank
@@ -471,8 +471,10 @@ class CopyEngineReduction:
                 cupy.cuda.runtime.memcpyAsync(address, grads[lo:hi].data.ptr, (hi - lo) * 4, MEMCPY_DEFAULT,
                                               self._stream.ptr)
 
-    def finish(self, grads):
-        """This rank's range of grads summed over the ranks, in place, ordered on the caller's stream."""
+    def finish(self, grads, add_sum_squares):
+        """This rank's range of grads summed over the ranks, in place, ordered on the caller's stream, with
+        add_sum_squares(out, a, b) (the engine layers': out = a + b and sum(out^2) in one pass). Returns the
+        squares of the sum (a scalar on the device)."""
         cupy, rank, size = self._cupy, self.comm.rank, self.shard_size
         caller = cupy.cuda.get_current_stream()
         with self._stream:
@@ -484,11 +486,12 @@ class CopyEngineReduction:
         parts = list(self.inbox)
         ordered = parts[:rank] + [mine] + parts[rank:]
         total = mine if rank <= 1 else ordered[0]  # a + b == b + a: ranks 0 and 1 sum into their own range
-        cupy.add(ordered[0], ordered[1], out=total)
+        squares = add_sum_squares(total, ordered[0], ordered[1])
         for part in ordered[2:]:
-            cupy.add(total, part, out=total)
+            squares = add_sum_squares(total, total, part)
         if total is not mine:
             mine[...] = total
+        return squares
 
     def close(self):
         for address in self._peers.values():

@@ -90,6 +90,7 @@ class DataParallel:
         self.zero = zero and n > 1
         self.optimizer = optimizer
         self._launched, self.buckets, self.bf16_gather, self.copies, self._sent = 0, [], False, None, 0
+        self._squares = None  # the squares of this rank's summed range, where the copy engines' sum took them
         if n == 1:
             return
         self.comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
@@ -121,8 +122,8 @@ class DataParallel:
             if self._launched == 0:  # the layers final since the last call (from the padded end at first)
                 self.copies.send(grads, offset, self._sent or grads.size)
                 self._sent = offset
-                if offset == 0:  # summed as soon as the pass ends, before the host waits for the losses
-                    self.copies.finish(grads)
+                if offset == 0:  # summed as soon as the pass ends, with the squares of the sum in the same pass
+                    self._squares = self.copies.finish(grads, self.eng.layers.add_sum_squares)
                     self._launched, self._sent = 1, 0
             return
         while self._launched < len(self.buckets) and self.buckets[self._launched][0] >= offset:
@@ -188,12 +189,17 @@ class DataParallel:
         self._gradients_ready(0)  # started by the backward pass: what it did not start, then all of it joined
         comm.join()
         self._launched = 0
+        # the copy engines' sum took its squares (of this rank's range: all of it with the all-reduce)
+        squares, self._squares = self._squares, None
         if self.all_reduced:  # every rank has every sum, the same bits: rank 0's squares are the norm's
-            squares = opt.squared_norm(eng.grads, on_device=True) if comm.rank == 0 else 0.0
+            if squares is None:
+                squares = opt.squared_norm(eng.grads, on_device=True)
+            squares = squares if comm.rank == 0 else 0.0
             both = comm.all_reduce_sum(self._step_values(squares, values))
             opt.update(eng.params, eng.grads, lr, weight_decay, 1.0, copy, squares=both[0], grad_clip=grad_clip)
             return self._numbers(both)
-        squares = sum(opt.squared_norm(grads[start:end], on_device=True) for start, end, _ in self.mine)
+        if squares is None:
+            squares = sum(opt.squared_norm(grads[start:end], on_device=True) for start, end, _ in self.mine)
         both = comm.all_reduce_sum(self._step_values(squares, values))
         clip = dict(squares=both[0], grad_clip=grad_clip)
         if not self.zero:  # the others' pieces of the summed gradients arrive while this rank updates its own

@@ -612,6 +612,13 @@ def sum_squares(x, on_device=False):
     return partial.sum() if on_device else float(partial.sum())
 
 
+def add_sum_squares(out, a, b):
+    """out = a + b (out may be a) and sum(out^2) in float64: the ranks' gradients summed and the norm's squares
+    (train/distributed.py; one pass on the GPU). Returns the squares as a float64 scalar."""
+    np.add(a, b, out=out)
+    return sum_squares(out, on_device=True)
+
+
 # ------------------------------------------------------------------------------------------- decoding
 def argmax(ids, logits, log=None, pos=None):
     """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V).
@@ -833,6 +840,7 @@ class Layers:
     crossentropy_forward_backward = staticmethod(crossentropy_forward_backward)
     adamw_update = staticmethod(adamw_update)
     sum_squares = staticmethod(sum_squares)
+    add_sum_squares = staticmethod(add_sum_squares)
     argmax = staticmethod(argmax)
     advance_position = staticmethod(advance_position)
     accept_drafts = staticmethod(accept_drafts)

@@ -522,6 +522,17 @@ class Layers:
         kernel("adamw", "sum_squares")((grid,), (256,), (partial, x, np.int64(x.size)))
         return partial.sum() if on_device else float(partial.sum())
 
+    def add_sum_squares(self, out, a, b):
+        """out = a + b (out may be a) and sum(out^2) in float64, in one pass: the ranks' gradients summed and the
+        norm's squares taken (train/distributed.py). Returns the squares as a 0-d device array, the bits of
+        sum_squares(out)."""
+        _check(out, a, b)
+        assert out.size == a.size == b.size
+        grid = max(1, min(_blocks(out.size, 256), 1024))
+        partial = cupy.empty(grid, dtype=np.float64)
+        kernel("adamw", "add_sum_squares")((grid,), (256,), (out, a, b, partial, np.int64(out.size)))
+        return partial.sum()
+
     # ---------------------------------------------------------------------------------------- decoding
     def argmax(self, ids, logits, log=None, pos=None):
         """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32.

@@ -48,6 +48,23 @@ extern "C" __global__ void sum_squares(double* __restrict__ partial, const float
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
+// out = a + b (out may be a), and partial[block] = the sum of out^2 over the same grid-stride share as
+// sum_squares's (so the same partials): the ranks' gradients summed and the norm's squares taken in one pass.
+extern "C" __global__ void add_sum_squares(float* out, const float* a, const float* __restrict__ b,
+                                           double* __restrict__ partial, long long n) {
+    __shared__ double scratch[32];
+    double acc = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float sum = a[i] + b[i];
+        out[i] = sum;
+        const double si = sum;
+        acc += si * si;
+    }
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
 // dst (n,) = src (n,) in the element type of the module: the master weights' compute copy after a load.
 extern "C" __global__ void cast_params(act_t* __restrict__ dst, const float* __restrict__ src, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
