@@ -1,5 +1,6 @@
-"""`import --hf` then `export --gguf` of models of SmolLM2-135M's, Llama-3.2-1B's and Qwen2.5-0.5B's structure (the
-last as llama.cpp's `qwen2`: q/k/v biases, no Q/K permutation, padding rows): the GGUF carries their tokenizers
+"""`import --hf` then `export --gguf` of models of SmolLM2-135M's, Llama-3.2-1B's, Qwen2.5-0.5B's (as llama.cpp's
+`qwen2`: q/k/v biases, no Q/K permutation, padding rows) and TinyLlama-1.1B's structure (a SentencePiece-style
+tokenizer, as llama.cpp's `llama` tokenizer model with scores): the GGUF carries their tokenizers
 as llama.cpp's converter would (pre-tokenizer `smollm` / `llama-bpe`, the BOS Llama 3 adds, control and
 user-defined tokens, the chat template, `rope_freqs` for llama3 RoPE scaling), and, where llama-cpp-python is
 installed (mark llamacpp: an allowed skip without it, tests/conftest.py), llama.cpp gives our token ids on a
@@ -31,6 +32,7 @@ from nanoeuler.infer.generate import generate
 from nanoeuler.io import checkpoint
 from nanoeuler.io.checkpoint import load_model
 from test_tokenizer_families import MISSING, SHAKESPEARE, fuzz_texts, llama3_json, qwen2_json, smollm_json
+from test_tokenizer_sentencepiece import EDGES, llama2_layout, trained
 
 SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                  "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -52,11 +54,15 @@ QWEN25 = dict(hidden_size=128, intermediate_size=704, num_hidden_layers=2, num_a
               num_key_value_heads=1, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
               tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768, max_window_layers=24,
               vocab_size=151_936)
+# TinyLlama-1.1B's (untied, theta 10000, 32 heads of 64 sharing 4 kv heads), narrowed: 8 heads sharing 1
+TINYLLAMA = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=1, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False)
 PROMPTS = ["ROMEO: But soft, what light", "def f(x):\n\treturn x ** 2", "In 2024, 1234567 people",
            "日本語のテキスト", "it's THEY'RE we'd", "\n"]
 NEW_TOKENS, MARGIN = 24, 1e-3
 GGML_TYPE_F32 = 0
-NAMES = ["smollm2", "llama3.2", "qwen2.5"]
+NAMES = ["smollm2", "llama3.2", "qwen2.5", "tinyllama"]
 LLAMA_CPP_FIM = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 
 
@@ -76,6 +82,24 @@ def smollm2_tokenizer(family_corpus):
         d["model"]["vocab"][content] = n + k
         d["added_tokens"].append({"id": n + k, "content": content, "single_word": False, "lstrip": False,
                                   "rstrip": False, "normalized": False, "special": True})
+    return d
+
+
+def tinyllama_tokenizer(family_corpus):
+    """Llama 2's SentencePiece-style layout (test_tokenizer_sentencepiece's), its merges every split of every
+    token in the order of the token made, as the tokenizer.json of a SentencePiece model lists them (the
+    `tokenizers` converter's): what llama.cpp's score-ordered joining reproduces."""
+    fuzz, _, text = family_corpus
+    d = llama2_layout(trained((fuzz + EDGES, text[:100_000])))
+    vocab = d["model"]["vocab"]
+    added = {t["content"] for t in d["added_tokens"]}
+    merges = []
+    for name, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+        if name in added or name.startswith("<0x"):
+            continue
+        splits = [(name[:k], name[k:]) for k in range(1, len(name)) if name[:k] in vocab and name[k:] in vocab]
+        merges += sorted(splits, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+    d["model"]["merges"] = [list(m) for m in merges]
     return d
 
 
@@ -118,6 +142,8 @@ def models(family_corpus, torch, transformers, tmp_path_factory):
                     fuzz + slices + ["e\u0301t\u00e9 caf\u0065\u0301 A\u030a \u1100\u1161\u11a8 \u2126",
                                      "<|im_start|>user\nhi<|im_end|>\n", "In 2024, 1234567 people",
                                      "<tool_call>{\"a\": 1}</tool_call><|fim_prefix|>x<|endoftext|>"]),
+        "tinyllama": (tinyllama_tokenizer(family_corpus), TINYLLAMA, {"eos_token": "</s>", "bos_token": "<s>"},
+                      fuzz + slices + EDGES),
     }
     out = {}
     for name, (tokenizer, config, tokenizer_config, texts) in sources.items():
@@ -140,12 +166,23 @@ def test_gguf_keys_are_llama_cpps_for_the_family(models, name):
     ckpt, path, _ = models[name]
     ck = checkpoint.load(ckpt)
     tok, fields = ck.tokenizer(), fields_of(path)
-    assert ck.cfg.tied and "output.weight" not in {t.name for t in gguf.GGUFReader(path).tensors}
+    tensors = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert ck.cfg.tied == (name != "tinyllama") and ("output.weight" in tensors) == (name == "tinyllama")
     types = fields["tokenizer.ggml.token_type"]
     assert fields["tokenizer.ggml.eos_token_id"] == tok.eos_id
-    assert all(types[i] == (4 if s in tok.nonspecial else 3) for s, i in tok.special_tokens.items())
+    unk = tok.special_tokens.get("<unk>")
+    assert all(types[i] == (4 if s in tok.nonspecial else 2 if i == unk else 3) for s, i in tok.special_tokens.items())
     assert fields["general.architecture"] == ("qwen2" if name == "qwen2.5" else "llama")
-    if name == "qwen2.5":
+    if name == "tinyllama":  # llama.cpp's SentencePiece tokenizer, as its converter writes Llama 2's
+        assert fields["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in fields
+        assert fields["tokenizer.ggml.add_bos_token"] is True and fields["tokenizer.ggml.bos_token_id"] == tok.bos_id
+        assert fields["tokenizer.ggml.add_space_prefix"] is True and fields["tokenizer.ggml.unknown_token_id"] == unk
+        tokens, scores = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.scores"]
+        assert len(tokens) == len(scores) == tok.vocab_size and tokens[tok.bos_id] == "<s>"
+        assert [types[tokens.index(f"<0x{b:02X}>")] for b in range(256)] == [6] * 256
+        ranks = {a + b: r for r, (a, b) in reversed(list(enumerate(tok._merge_names)))}
+        assert all(scores[tokens.index(t)] == -r for t, r in ranks.items())
+    elif name == "qwen2.5":
         cfg = ck.cfg
         assert {k: fields[k] for k in fields if k.startswith("qwen2.")} == {
             "qwen2.context_length": cfg.context, "qwen2.embedding_length": 128, "qwen2.block_count": 2,

@@ -26,7 +26,13 @@ llama.cpp runs qwen2 with NeoX RoPE, which pairs i with i + D/2 as we do (conver
 writes Qwen2's rows as they are). Its embedding rows past the tokenizer are written as they are, named
 [PAD{i}] and unused, as that converter names them.
 
-The tokenizer is a GPT-2-style BPE (tokenizer.ggml.model "gpt2"): the tokens in their byte-level spelling,
+A SentencePiece-style tokenizer (Llama 2, TinyLlama, Mistral imports) is written as llama.cpp's SentencePiece
+model (tokenizer.ggml.model "llama", as its converter writes those checkpoints): the pieces as the vocabulary
+spells them (`▁` for a space), a score each from the merges (SentencePieceBPE.gguf_vocab: llama.cpp joins the
+adjacent pair that makes the token of the highest score), byte tokens as llama.cpp's byte type, `<unk>` as
+unknown, add_space_prefix where the tokenizer puts a `▁` in front of a text.
+
+Otherwise the tokenizer is a GPT-2-style BPE (tokenizer.ggml.model "gpt2"): the tokens in their byte-level spelling,
 the merges, token types (special tokens are control tokens, an import's non-special added tokens user-defined),
 the pre-tokenizer llama.cpp names the tokenizer's rule by (GGUF_PRE: "gpt-2", llama.cpp's hand-written
 splitter of GPT-2's regex, for ours; "smollm" and "llama-bpe" for SmolLM's and Llama 3's), the BOS an imported
@@ -41,12 +47,15 @@ from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_output, check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import rope_inv_freq, views
+from nanoeuler.tokenizer.sentencepiece_bpe import SentencePieceBPE
 
 GGUF_LAYER_NAMES = {  # ours -> llama.cpp's, within block i
     "attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
     "ffn_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down",
 }
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5  # llama.cpp's (gguf.TokenType)
+SPM_TOKEN_TYPES = {"normal": TOKEN_NORMAL, "unknown": 2, "control": TOKEN_CONTROL, "user": TOKEN_USER_DEFINED,
+                   "byte": 6}  # SentencePieceBPE.gguf_vocab's kinds
 # tokenizer.ggml.pre by pretokenization rule: the names llama.cpp (src/llama-vocab.cpp) gives these splits, and
 # that its convert_hf_to_gguf.py writes for GPT-2, SmolLM/SmolLM2, Llama 3 and Qwen2 (llama-bpe: ignore_merges
 # and a BOS by default)
@@ -153,10 +162,16 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
         raise UserError("export --gguf needs the gguf package: pip install -e '.[gguf]'") from None
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
-    names, merges = tok.byte_level_names()
-    types = [TOKEN_NORMAL] * tok.vocab_size
-    for s, i in tok.special_tokens.items():  # a non-special added token is found in any text: user-defined
-        types[i] = TOKEN_USER_DEFINED if s in tok.nonspecial else TOKEN_CONTROL
+    sentencepiece = isinstance(tok, SentencePieceBPE)
+    scores = None
+    if sentencepiece:
+        names, scores, kinds = tok.gguf_vocab()
+        types = [SPM_TOKEN_TYPES[k] for k in kinds]
+    else:
+        names, merges = tok.byte_level_names()
+        types = [TOKEN_NORMAL] * tok.vocab_size
+        for s, i in tok.special_tokens.items():  # a non-special added token is found in any text: user-defined
+            types[i] = TOKEN_USER_DEFINED if s in tok.nonspecial else TOKEN_CONTROL
     # rows of the model past the tokenizer's vocabulary: named, never produced by the tokenizer
     names += [f"[PAD{i}]" for i in range(tok.vocab_size, cfg.vocab_size)]
     types += [TOKEN_UNUSED] * (cfg.vocab_size - tok.vocab_size)
@@ -177,11 +192,20 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(file_type)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(GGUF_PRE[tok.rule])
-    w.add_token_list(names)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    if sentencepiece:  # llama.cpp's SentencePiece tokenizer: merges by the joined token's score
+        w.add_tokenizer_model("llama")
+        w.add_token_list(names)
+        w.add_token_scores(scores + [0.0] * (cfg.vocab_size - tok.vocab_size))
+        w.add_token_types(types)
+        w.add_add_space_prefix(tok.adds_space_prefix)
+        if tok.unk is not None:
+            w.add_unk_token_id(names.index(tok.unk))
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(GGUF_PRE[tok.rule])
+        w.add_token_list(names)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
     w.add_eos_token_id(tok.eos_id)
     # the tokenizer's BOS (an import's, put first by encode) is added; ours have none: the BOS id is the token
     # a text follows in training, never added

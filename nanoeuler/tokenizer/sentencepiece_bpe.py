@@ -437,4 +437,41 @@ class SentencePieceBPE(TokenizerBase):
         }
 
     def byte_level_names(self):
-        raise UserError("this model's tokenizer is a SentencePiece-style BPE; GGUF export takes byte-level BPE only")
+        raise UserError("this model's tokenizer is a SentencePiece-style BPE, which has no byte-level names")
+
+    def gguf_vocab(self):
+        """The vocabulary as llama.cpp's SentencePiece tokenizer (tokenizer.ggml.model `llama`) reads it: (the
+        token texts by id, `▁` for spaces; a score each; a kind each: normal, byte, unknown, control or
+        user-defined). llama.cpp merges the adjacent pair whose joined text is the token of the highest score,
+        so a token that merge r makes scores -r (its lowest r), which gives our ids wherever every way of
+        joining a token's text is a merge (as in the tokenizer.json of a SentencePiece model, whose merges list
+        every split of every token); a longer token no merge makes scores below them all."""
+        n = self.vocab_size
+        names = [None] * n
+        for name, i in self._vocab.items():
+            names[i] = name
+        first = {}  # joined text -> the lowest rank of a merge that makes it
+        for r, (a, b) in enumerate(self._merge_names):
+            first.setdefault(a + b, r)
+        scores = [0.0] * n  # a single character never is a join of two symbols: its score is never read
+        for name, i in self._vocab.items():
+            if name in first:
+                scores[i] = -float(first[name])
+            elif len(name) > 1:
+                scores[i] = -float(len(self._merge_names))
+        kinds = ["normal"] * n
+        for i, content, special, _ in self._added:
+            names[i] = content
+            kinds[i] = "control" if special else "user"
+        for i in self._byte_ids:
+            if i is not None:
+                kinds[i] = "byte"
+        if self._unk_id is not None:
+            kinds[self._unk_id] = "unknown"
+        return names, scores, kinds
+
+    @property
+    def adds_space_prefix(self):
+        """Whether a text gets a `▁` in front (llama.cpp's tokenizer.ggml.add_space_prefix): Llama 2's
+        normalizer, or a Metaspace that prepends."""
+        return self.style == "prepend" or self.prepend_scheme != "never"
