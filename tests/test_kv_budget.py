@@ -8,6 +8,7 @@ import pytest
 
 from nanoeuler.errors import UserError
 from nanoeuler.infer import kv_budget
+from nanoeuler.model import memory
 from nanoeuler.infer.generate import generate
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import Config, init_params
@@ -81,7 +82,7 @@ def test_available_memory_is_the_free_memory_less_the_margin(monkeypatch):
     monkeypatch.setenv("NANOEULER_MEMORY_AVAILABLE", str(80 * GiB))
     assert kv_budget.available(LLAMA, gpu=True) == 80 * GiB - kv_budget.margin(LLAMA)
     monkeypatch.delenv("NANOEULER_MEMORY_AVAILABLE")
-    assert 0 < kv_budget.cpu_available() and kv_budget.available(LLAMA, gpu=False) >= 0
+    assert 0 < memory.cpu_available() and kv_budget.available(LLAMA, gpu=False) >= 0
 
 
 def test_one_sequence_caches_hold_the_prompt_and_its_new_tokens(tokenizer, tmp_path):
@@ -136,3 +137,24 @@ def test_serve_sizes_its_cache_for_the_budget_and_refuses_longer_prompts(long_ck
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert f"needs {kv_cache_bytes(cfg, 8192, 65, 4):,} bytes" in r.stderr
     assert f"{budget - kv_budget.margin(cfg):,} bytes" in r.stderr
+
+
+def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(long_ckpt):
+    """make_engine compares the parameter buffers with the free memory: infer's engine (no gradients) needs
+    the float32 weights alone, training's the gradients too; what cannot fit is one line naming both."""
+    from nanoeuler.io.checkpoint import load_model
+    from nanoeuler.model.config import param_layout
+    path, cfg = long_ckpt
+    n = param_layout(cfg)[1]
+    eng = load_model(path, "cpu")[0]
+    assert eng.grads is None and eng.params.size == n
+    with pytest.raises(ValueError, match="no gradients"):
+        eng.forward_backward(np.zeros((1, 4), np.int32), -np.ones((cfg.mtp_heads, 1, 4), np.int32), 1.0)
+    assert memory.parameter_bytes(n, 4, 4, training=False) == 4 * n
+    assert memory.parameter_bytes(n, 4, 2, training=True) == 10 * n  # float32 weights, bf16 copy, gradients
+    env = dict(os.environ, NANOEULER_MEMORY_AVAILABLE=str(4 * n - 1))
+    r = run_cli("infer", "hi", "--ckpt", path, "--device", "cpu", env=env)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "needs" in r.stderr and "float32 weights on the CPU, which has" in r.stderr
+    env = dict(os.environ, NANOEULER_MEMORY_AVAILABLE=str(4 * n + 1000))  # the weights fit, no gradients needed
+    assert run_cli("infer", "hi", "--ckpt", path, "--device", "cpu", "--max-new-tokens", 2, env=env).returncode == 0

@@ -57,7 +57,7 @@ def _load_engine(args, world):
     ck = checkpoint.load(args.ckpt)
     device = resolve(args.device, ck.cfg if world.world_size == 1 else None)
     comm = make_communicator(world, device)
-    eng = make_engine(ck.cfg, device=device, precision=args.precision)
+    eng = make_engine(ck.cfg, device=device, precision=args.precision, training=False)
     eng.load_params(ck.params)
     return eng, ck.tokenizer(), ck, device, comm
 

@@ -3,11 +3,8 @@
 The cache holds `slots` sequences of `context` positions each, plus one scratch slot that a step's padding rows
 write to; its bytes are decoding.kv_cache_bytes (layers x K and V x kv heads x head_dim x positions x slots x
 bytes an element: bf16 on the GPU, float32 on the CPU). The memory it may take:
-- GPU: the device's free memory once the weights are loaded (cudaMemGetInfo, plus what CuPy's pool holds
-  unused), minus a margin for the steps' activations, the scoring forward and workspace;
-- CPU: the machine's available memory (/proc/meminfo MemAvailable, else sysconf's available pages), minus the
-  same margin.
-NANOEULER_MEMORY_AVAILABLE (bytes) replaces the measured free memory (the margin is still taken off).
+the free memory of the device once the weights are loaded (nanoeuler/model/memory.py; NANOEULER_MEMORY_AVAILABLE
+replaces it), minus a margin for the steps' activations, the scoring forward and workspace.
 
 The choice (`plan`): the model's context for every slot where that fits. Else, with neither --context nor
 --slots given, the largest power of two of positions, at least MIN_CONTEXT (or the model's context where
@@ -15,15 +12,15 @@ that is smaller), that fits the default slots; where even MIN_CONTEXT does not, 
 as fit. A --context or --slots given is kept and the other one chosen the same way; given values that do not
 fit are refused in one line naming the bytes needed and available.
 """
-import os
 from dataclasses import dataclass
 
 from nanoeuler.errors import UserError
 from nanoeuler.infer.scheduler import SCORE_TOKENS  # positions of one scoring forward (its float32 logits)
+from nanoeuler.model import memory
 from nanoeuler.model.decoding import kv_cache_bytes
+from nanoeuler.model.memory import GiB, size_text
 
 MIN_CONTEXT = 2048  # the fewest positions a slot gets unless asked (or the model has fewer)
-GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -40,35 +37,10 @@ def margin(cfg):
     return GiB + 2 * SCORE_TOKENS * cfg.vocab_size * 4
 
 
-def cpu_available():
-    """The machine's available memory in bytes (MemAvailable), else sysconf's available pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def gpu_available():
-    """The device's free memory in bytes: cudaMemGetInfo's free plus the blocks CuPy's pool holds unused."""
-    import cupy
-    free, _ = cupy.cuda.runtime.memGetInfo()
-    return free + cupy.get_default_memory_pool().free_bytes()
-
-
 def available(cfg, gpu):
     """The bytes the cache may take on this engine: the free memory (or NANOEULER_MEMORY_AVAILABLE) minus the
     margin, at least 0."""
-    override = os.environ.get("NANOEULER_MEMORY_AVAILABLE")
-    free = int(override) if override else gpu_available() if gpu else cpu_available()
-    return max(0, free - margin(cfg))
-
-
-def _size(n):
-    return f"{n / GiB:,.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):,.1f} MiB"
+    return max(0, memory.available(gpu) - margin(cfg))
 
 
 def plan(cfg, itemsize, budget, slots=None, context=None, default_slots=64):
@@ -81,8 +53,8 @@ def plan(cfg, itemsize, budget, slots=None, context=None, default_slots=64):
 
     def refuse(s, c):
         raise UserError(f"a KV cache of {s} slot{'s' if s != 1 else ''} x {c:,} positions needs {need(s, c):,} bytes "
-                        f"({_size(need(s, c))}); {budget:,} bytes ({_size(budget)}) are available after the "
-                        f"model and a margin of {_size(margin(cfg))}: lower --slots or --context")
+                        f"({size_text(need(s, c))}); {budget:,} bytes ({size_text(budget)}) are available after the "
+                        f"model and a margin of {size_text(margin(cfg))}: lower --slots or --context")
 
     if slots is not None and context is not None:
         if need(slots, context) > budget:
@@ -95,7 +67,7 @@ def plan(cfg, itemsize, budget, slots=None, context=None, default_slots=64):
         fit = s
         while fit > 1 and need(fit, context) > budget:
             fit -= 1
-        reason = "" if fit == s else f"{s} slots of {context:,} positions do not fit {_size(budget)}"
+        reason = "" if fit == s else f"{s} slots of {context:,} positions do not fit {size_text(budget)}"
         return CachePlan(fit, context, need(fit, context), reason)
     if need(s, model) <= budget:
         return CachePlan(s, model, need(s, model), "")
@@ -114,12 +86,12 @@ def plan(cfg, itemsize, budget, slots=None, context=None, default_slots=64):
     if need(fit, floor) > budget:
         refuse(1, floor)
     return CachePlan(fit, floor, need(fit, floor),
-                     f"the model allows {model:,}; {s} slots of {floor:,} positions do not fit {_size(budget)}")
+                     f"the model allows {model:,}; {s} slots of {floor:,} positions do not fit {size_text(budget)}")
 
 
 def describe(p, dtype_name, model_context):
     """The startup line's account of the cache."""
-    line = f"KV cache: {p.slots} slot{'s' if p.slots != 1 else ''} x {p.context:,} positions ({dtype_name}, {_size(p.bytes)}"
+    line = f"KV cache: {p.slots} slot{'s' if p.slots != 1 else ''} x {p.context:,} positions ({dtype_name}, {size_text(p.bytes)}"
     if p.reason:
         line += f"; {p.reason}: --context/--slots to change"
     return line + ")"

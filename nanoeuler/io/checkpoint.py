@@ -213,6 +213,6 @@ def load_model(ckpt, device, batch_invariant=True):
     from nanoeuler.model.engine import make_engine
     ck = load(ckpt)
     tok = ck.tokenizer()
-    eng = make_engine(ck.cfg, device=resolve(device), batch_invariant=batch_invariant)
+    eng = make_engine(ck.cfg, device=resolve(device), batch_invariant=batch_invariant, training=False)
     eng.load_params(ck.params)
     return eng, tok, ck

@@ -35,6 +35,7 @@ import math
 import numpy as np
 
 from nanoeuler.errors import UserError
+from nanoeuler.model import memory
 from nanoeuler.model.config import init_params, param_layout, rope_tables, views
 
 
@@ -51,16 +52,18 @@ def to_numpy(a):
 
 
 class Engine:
-    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0):
+    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, training=True):
         """layers: a Layers of cpu/layers.py or gpu/layers.py (with the engine's precision and batch invariance),
-        over arrays of xp (NumPy or CuPy)."""
+        over arrays of xp (NumPy or CuPy). training False: an engine for decoding and scoring only, which has no
+        gradient buffer and starts from zero weights (load_params gives it its own)."""
         self.cfg, self.layers, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
         self.act = np.dtype(layers.activation_dtype(self.dtype))  # activations' element type
         self.layout, total = param_layout(cfg)
-        self.params = xp.asarray(init_params(cfg, seed, self.dtype))
+        self.params = xp.asarray(init_params(cfg, seed, self.dtype)) if training else xp.zeros(total, self.dtype)
         self.weights = self.params if self.act == self.dtype else xp.empty(total, dtype=self.act)
-        self.grads = xp.zeros(total, dtype=self.dtype)
-        self.p, self.g = self._fused_views(self.weights), self._fused_views(self.grads)
+        self.grads = xp.zeros(total, dtype=self.dtype) if training else None
+        self.p = self._fused_views(self.weights)
+        self.g = self._fused_views(self.grads) if training else None
         self.sync_weights()
         cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype, cfg.rope_scaling)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
@@ -137,7 +140,13 @@ class Engine:
 
     # -------------------------------------------------------------------------------- state in and out
     def load_params(self, flat):
-        self.params[...] = self.xp.asarray(np.asarray(flat, dtype=self.dtype))
+        """The weights from a flat host array, copied straight into the engine's buffer (no second copy on the
+        device)."""
+        flat = np.ascontiguousarray(flat, dtype=self.dtype).reshape(-1)
+        if self.xp is np:
+            self.params[...] = flat
+        else:
+            self.params.set(flat)
         self.sync_weights()
 
     def params_numpy(self):
@@ -303,6 +312,8 @@ class Engine:
     # --------------------------------------------------------------------------------------- backward
     def _backward(self, inputs, acts, B, T, accumulate, final=True):
         """From d loss / d logits in acts['logits'] to every parameter's gradient (into self.grads, or added)."""
+        if self.grads is None:
+            raise ValueError("an engine made with training=False has no gradients")
         cfg, layers, p, g = self.cfg, self.layers, self.p, self.g
         layout = self.layout
         ready = self.gradients_ready if final else None
@@ -345,18 +356,20 @@ class Engine:
 DEFAULT_PRECISION = {"cpu": "fp32", "gpu": "bf16"}
 
 
-def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, batch_invariant=True):
+def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, batch_invariant=True, training=True):
     """An Engine on the CPU (numba) or the GPU (CUDA kernels; needs CUDA and cupy). precision: "fp32" (the
     CPU's only one), "tf32" or "bf16" (the GPU's default); None takes the device's default. batch_invariant
     False: decoding's products of a few rows take BLAS / cuBLAS, so a sequence's tokens may change with what
-    else is in its batch (the GPU's batched decoding is faster so: docs/decoding.md)."""
+    else is in its batch (the GPU's batched decoding is faster so: docs/decoding.md). training False: no
+    gradient buffer (decoding, scoring). A model whose buffers cannot fit the device's free memory is refused
+    in one line that names both (model/memory.py)."""
     precision = precision or DEFAULT_PRECISION[device]
     if device == "cpu":
         if precision != "fp32":
             raise UserError(f"--precision {precision}: the CPU engine computes in fp32 only")
         from nanoeuler.model.cpu.layers import Layers
-        return Engine(cfg, Layers(precision, batch_invariant), np, dtype, seed)
-    if device == "gpu":
+        layers, xp = Layers(precision, batch_invariant), np
+    elif device == "gpu":
         from nanoeuler.model.gpu import check_config
         try:
             check_config(cfg)
@@ -364,5 +377,22 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, bat
             raise UserError(str(e)) from None
         import cupy
         from nanoeuler.model.gpu.layers import Layers
-        return Engine(cfg, Layers(precision, batch_invariant), cupy, dtype, seed)
-    raise ValueError(f"unknown device {device!r}")
+        layers, xp = Layers(precision, batch_invariant), cupy
+    else:
+        raise ValueError(f"unknown device {device!r}")
+    _check_fits(cfg, device, np.dtype(dtype), np.dtype(layers.activation_dtype(np.dtype(dtype))), training)
+    return Engine(cfg, layers, xp, dtype, seed, training)
+
+
+def _check_fits(cfg, device, dtype, act, training):
+    """UserError where the engine's parameter buffers alone exceed the device's free memory."""
+    n_params = param_layout(cfg)[1]
+    need = memory.parameter_bytes(n_params, dtype.itemsize, act.itemsize, training)
+    free = memory.available(device == "gpu")
+    if need > free:
+        compute = "bf16" if act == np.uint16 else act.name  # bf16 is stored as 16-bit words
+        what = (f"{dtype.name} weights" + (f", their {compute} copy" if act != dtype else "")
+                + (" and gradients" if training else ""))
+        raise UserError(f"the model ({n_params / 1e9:,.2f}B parameters) needs {memory.size_text(need)} for its {what} "
+                        f"on the {device.upper()}, which has {memory.size_text(free)} free"
+                        + ("; a smaller model, or the GPU" if device == "cpu" else "; a smaller model"))

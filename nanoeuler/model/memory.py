@@ -1,0 +1,48 @@
+"""How much memory a device has free, and how much an engine's parameter buffers take: what lets a model that
+cannot fit be refused in one line before anything is allocated (make_engine), and serve size its KV cache
+(nanoeuler/infer/kv_budget.py).
+
+- GPU: cudaMemGetInfo's free bytes plus the blocks CuPy's pool holds unused;
+- CPU: the machine's available memory (/proc/meminfo MemAvailable, else sysconf's available pages).
+NANOEULER_MEMORY_AVAILABLE (bytes) replaces the measured free memory on either.
+"""
+import os
+
+GiB = 1 << 30
+
+
+def cpu_available():
+    """The machine's available memory in bytes (MemAvailable), else sysconf's available pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def gpu_available():
+    """The device's free memory in bytes: cudaMemGetInfo's free plus the blocks CuPy's pool holds unused."""
+    import cupy
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    return free + cupy.get_default_memory_pool().free_bytes()
+
+
+def available(gpu):
+    """The free memory of the GPU or the CPU in bytes, or NANOEULER_MEMORY_AVAILABLE where it is set."""
+    override = os.environ.get("NANOEULER_MEMORY_AVAILABLE")
+    return int(override) if override else gpu_available() if gpu else cpu_available()
+
+
+def size_text(n):
+    """Bytes as GiB, or MiB below a tenth of one."""
+    return f"{n / GiB:,.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):,.1f} MiB"
+
+
+def parameter_bytes(n_params, itemsize, compute_itemsize, training):
+    """The bytes of an engine's parameter buffers: the master weights (itemsize each), their compute copy where
+    the activations' type differs (bf16), and in training the gradients (itemsize each)."""
+    per = itemsize + (compute_itemsize if compute_itemsize != itemsize else 0) + (itemsize if training else 0)
+    return n_params * per
