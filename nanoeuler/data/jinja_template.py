@@ -142,14 +142,22 @@ def render(tok, messages, add_generation_prompt):
 
 def encode_rendered(tok, text):
     """The ids of rendered text: control tokens the template wrote are theirs, marked ones (a user's) ordinary
-    text encoded apart, lone markers dropped but still breaking the text; no BOS beyond what the template wrote."""
+    text encoded apart, lone markers dropped but still breaking the text; no BOS beyond what the template wrote.
+    A piece after the first is encoded after a newline whose ids are then dropped (where they lead), as
+    transformers' encode_marked_chat does, so that a SentencePiece-style tokenizer puts no `▁` in front of it."""
     _, markers = _patterns(control_tokens(tok))
     pieces = markers.split(text)  # text, marked token or None (a lone marker), text, ...
-    ids = []
-    for i, piece in enumerate(pieces):
+
+    def encode(piece, as_text):
+        return tok.encode_ordinary(piece) if as_text else tok.encode(piece, allow_special=True, add_bos=False)
+
+    newline = encode("\n", False)
+    ids = encode(pieces[0], False)
+    for i, piece in enumerate(pieces[1:], start=1):
         if not piece:
             continue
-        ids += tok.encode_ordinary(piece) if i % 2 else tok.encode(piece, allow_special=True, add_bos=False)
+        after = encode("\n" + piece, i % 2 == 1)
+        ids += after[len(newline):] if after[:len(newline)] == newline else encode(piece, i % 2 == 1)
     return ids
 
 
