@@ -171,6 +171,28 @@ def test_training_samples_a_large_file():
     assert len(tok.encode(text)) < len(text) / 2
 
 
+def test_training_beyond_65536_tokens(tmp_path):
+    """Merges past id 65,535 (pair keys and heap entries hold 31-bit ids): the first merges are those of a
+    smaller vocabulary, the text comes back, and its token file is uint32."""
+    # 150,000 distinct random words (shakespeare.txt runs out of pairs at 47,854 tokens)
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+    words = {bytes(rng.choice(letters, rng.integers(3, 9))) for _ in range(150_000)}
+    text = b" ".join(sorted(words)) + b"\n"
+    path = write(tmp_path, "words.txt", text)
+    big = Tokenizer.train(path, 66_000, progress=False)
+    assert big.vocab_size == 66_000
+    small = Tokenizer.train(path, 2_000, progress=False)
+    assert big.merges[:len(small.merges)].tolist() == small.merges.tolist()
+    text = text[:300_000]
+    ids = big.encode(text)
+    assert max(ids) >= 65_536 and big.decode(ids) == text
+    out = write(tmp_path, "t.txt", text)
+    big.encode_file(out, tmp_path / "t.tok", progress=False)
+    tokens = read_token_file(tmp_path / "t.tok")
+    assert tokens.dtype == np.dtype("<u4") and tokens.tolist() == ids
+
+
 def test_small_corpus_gives_what_it_can(tmp_path, capsys):
     tok = Tokenizer.train(write(tmp_path, "s.txt", "ab ab"), 4096, progress=False)
     assert tok.vocab_size < 4096 and tok.decode(tok.encode("ab ab")) == b"ab ab"
@@ -381,7 +403,7 @@ def test_errors_are_user_errors(tok, tmp_path):
     with pytest.raises(UserError, match="vocab size"):
         Tokenizer.train(write(tmp_path, "x.txt", b"abc"), 256)
     with pytest.raises(UserError, match="vocab size"):
-        Tokenizer.train(write(tmp_path, "x.txt", b"abc"), 70_000)
+        Tokenizer.train(write(tmp_path, "x.txt", b"abc"), 2 ** 31 + 1)
     with pytest.raises(UserError, match="no such file"):
         tok.encode_file(missing, tmp_path / "out.tok")
     assert not (tmp_path / "out.tok").exists()

@@ -13,8 +13,8 @@ import struct
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 
-MAX_VOCAB = 1 << 16  # what train() makes (its pair keys hold 16-bit token numbers)
-MAX_IDS = 1 << 31  # any tokenizer (a loaded one): ids are int32; token files are uint32 above MAX_VOCAB
+MAX_VOCAB = 1 << 16  # token files hold uint16 tokens up to this vocabulary, uint32 above it
+MAX_IDS = 1 << 31  # any tokenizer, trained or loaded: ids are int32
 CHUNK = 8 << 20  # text is tokenized this many bytes at a time
 TOKENS_MAGIC = b"NEUTOKS\x00"
 TOKENS_VERSION = 1  # uint16 tokens; version 2: uint32 (a vocabulary above MAX_VOCAB)

@@ -206,9 +206,9 @@ class Tokenizer(TokenizerBase):
         """Learn merges on the text file at path until the vocabulary (bytes + merges + special tokens)
         has vocab_size tokens. A file larger than max_bytes is sampled: 1 MiB windows spread evenly."""
         n_special = len(special_tokens)
-        if not 256 + n_special <= vocab_size <= MAX_VOCAB:
+        if not 256 + n_special <= vocab_size <= MAX_IDS:
             raise UserError(f"vocab size must be between {256 + n_special} (256 bytes + {n_special} special "
-                            f"token{'s' * (n_special != 1)}) and {MAX_VOCAB}, got {vocab_size}")
+                            f"token{'s' * (n_special != 1)}) and {MAX_IDS}, got {vocab_size}")
         kern = _kernels()
         t0 = time.time()
         with open_input(path) as f:

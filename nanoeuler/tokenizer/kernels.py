@@ -236,8 +236,8 @@ def _minus_ones(n):
 
 @njit(cache=True)
 def _pair_slot(pair_key, key):
-    """Slot of a pair key (training's left << 16 | right, encoding's left << 32 | right): its slot, or the
-    empty (-1) slot where it goes."""
+    """Slot of a pair key (left << 32 | right: token ids below 2**31): its slot, or the empty (-1) slot where
+    it goes."""
     mask = len(pair_key) - 1
     i = np.int64((np.uint64(key) * _FIB) >> np.uint64(32)) & mask
     while pair_key[i] != key and pair_key[i] >= 0:
@@ -349,9 +349,59 @@ def _heap_pop(heap, size):
 
 
 @njit(cache=True)
-def _heap_key(count, a, b):
-    """Heap order of a pair: the highest count first, ties to the smallest (left, right) token ids."""
-    return (count << 32) | ((0xFFFF - a) << 16) | (0xFFFF - b)
+def _above(c1, k1, c2, k2):
+    """Whether heap entry (count c1, pair order k1) comes before (c2, k2): the higher count, then the higher
+    order (the smaller left id, then the smaller right id: _pair_order)."""
+    return c1 > c2 or (c1 == c2 and k1 > k2)
+
+
+@njit(cache=True)
+def _pairs_push(counts, orders, size, count, order):
+    """Push (count, order) onto training's max-heap of pairs counts/orders[:size] (room for one more is the
+    caller's job); new size."""
+    i = size
+    while i > 0:
+        p = (i - 1) >> 1
+        if not _above(count, order, counts[p], orders[p]):
+            break
+        counts[i] = counts[p]
+        orders[i] = orders[p]
+        i = p
+    counts[i] = count
+    orders[i] = order
+    return size + 1
+
+
+@njit(cache=True)
+def _pairs_pop(counts, orders, size):
+    """Remove the first entry of the max-heap counts/orders[:size]; (count, order, new size)."""
+    top_count, top_order = counts[0], orders[0]
+    size -= 1
+    last_count, last_order = counts[size], orders[size]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and _above(counts[c + 1], orders[c + 1], counts[c], orders[c]):
+            c += 1
+        if not _above(counts[c], orders[c], last_count, last_order):
+            break
+        counts[i] = counts[c]
+        orders[i] = orders[c]
+        i = c
+    counts[i] = last_count
+    orders[i] = last_order
+    return top_count, top_order, size
+
+
+_ID_MAX = 0x7FFFFFFF  # token ids are below 2**31
+
+
+@njit(cache=True)
+def _pair_order(a, b):
+    """A pair's place among pairs of equal count, larger first: the smallest left id, then right id."""
+    return ((_ID_MAX - np.int64(a)) << 32) | (_ID_MAX - np.int64(b))
 
 
 @njit(cache=True)
@@ -359,7 +409,7 @@ def _rehash_pairs(n_pairs, pair_a, pair_b, capacity):
     pair_key = _minus_ones(capacity)
     pair_idx = np.empty(capacity, np.int32)
     for p in range(n_pairs):
-        key = (np.int64(pair_a[p]) << 16) | pair_b[p]
+        key = (np.int64(pair_a[p]) << 32) | pair_b[p]
         s = _pair_slot(pair_key, key)
         pair_key[s] = key
         pair_idx[s] = p
@@ -415,7 +465,7 @@ def train_merges(sym, word_start, word_count, vocab_target, progress):
         j = nxt[k]
         if j < 0:
             continue
-        key = (np.int64(sym[k]) << 16) | sym[j]
+        key = (np.int64(sym[k]) << 32) | sym[j]
         s = _pair_slot(pair_key, key)
         if pair_key[s] < 0:
             if n_pairs == len(pair_a):
@@ -440,10 +490,11 @@ def train_merges(sym, word_start, word_count, vocab_target, progress):
         n_nodes += 1
     stamp = _minus_ones(len(pair_a))
 
-    heap = np.empty(max(n_pairs, 16), np.int64)
+    heap_count = np.empty(max(n_pairs, 16), np.int64)
+    heap_order = np.empty(len(heap_count), np.int64)
     hsize = 0
     for p in range(n_pairs):
-        hsize = _heap_push(heap, hsize, _heap_key(pair_count[p], pair_a[p], pair_b[p]))
+        hsize = _pairs_push(heap_count, heap_order, hsize, pair_count[p], _pair_order(pair_a[p], pair_b[p]))
 
     left = np.empty(max(vocab_target - 256, 1), np.int32)
     right = np.empty(len(left), np.int32)
@@ -453,15 +504,15 @@ def train_merges(sym, word_start, word_count, vocab_target, progress):
     positions = np.empty(16, np.int32)
     touched = np.empty(16, np.int32)
     while n_tok < vocab_target and hsize > 0:
-        key, hsize = _heap_pop(heap, hsize)
-        count = key >> 32
-        a = 0xFFFF - ((key >> 16) & 0xFFFF)
-        b = 0xFFFF - (key & 0xFFFF)
-        p = pair_idx[_pair_slot(pair_key, (a << 16) | b)]
+        count, order, hsize = _pairs_pop(heap_count, heap_order, hsize)
+        a = _ID_MAX - (order >> 32)
+        b = _ID_MAX - (order & 0xFFFFFFFF)
+        p = pair_idx[_pair_slot(pair_key, (a << 32) | b)]
         if pair_count[p] != count:  # stale entry: counts only fall between pushes
             if pair_count[p] > 0:
-                heap = _grow(heap, hsize + 1)
-                hsize = _heap_push(heap, hsize, _heap_key(pair_count[p], a, b))
+                heap_count = _grow(heap_count, hsize + 1)
+                heap_order = _grow(heap_order, hsize + 1)
+                hsize = _pairs_push(heap_count, heap_order, hsize, pair_count[p], order)
             continue
 
         # the token this merge makes: an existing one with the same bytes, or a new one
@@ -532,21 +583,21 @@ def train_merges(sym, word_start, word_count, vocab_target, progress):
                         q = prv[i]
                         if q < 0:
                             continue
-                        old = (np.int64(sym[q]) << 16) | a
-                        new = (np.int64(sym[q]) << 16) | t_new
+                        old = (np.int64(sym[q]) << 32) | a
+                        new = (np.int64(sym[q]) << 32) | t_new
                         at = q
                     else:  # (b, right neighbour) becomes (t_new, right neighbour), listed at position i
                         q = nxt[j]
                         if q < 0:
                             continue
-                        old = (np.int64(b) << 16) | sym[q]
-                        new = (np.int64(t_new) << 16) | sym[q]
+                        old = (np.int64(b) << 32) | sym[q]
+                        new = (np.int64(t_new) << 32) | sym[q]
                         at = i
                     pair_count[pair_idx[_pair_slot(pair_key, old)]] -= w
                     s = _pair_slot(pair_key, new)
                     if pair_key[s] < 0:
-                        pair_a[n_pairs] = new >> 16
-                        pair_b[n_pairs] = new & 0xFFFF
+                        pair_a[n_pairs] = new >> 32
+                        pair_b[n_pairs] = new & 0xFFFFFFFF
                         pair_count[n_pairs] = 0
                         pair_head[n_pairs] = -1
                         stamp[n_pairs] = -1
@@ -575,11 +626,13 @@ def train_merges(sym, word_start, word_count, vocab_target, progress):
                     break
 
         # counts only rose for the touched pairs: give each a heap entry with its final count
-        heap = _grow(heap, hsize + n_touched)
+        heap_count = _grow(heap_count, hsize + n_touched)
+        heap_order = _grow(heap_order, hsize + n_touched)
         for t in range(n_touched):
             q2 = touched[t]
             if pair_count[q2] > 0:
-                hsize = _heap_push(heap, hsize, _heap_key(pair_count[q2], pair_a[q2], pair_b[q2]))
+                hsize = _pairs_push(heap_count, heap_order, hsize, pair_count[q2],
+                                   _pair_order(pair_a[q2], pair_b[q2]))
         progress[0] = n_tok
     return left[:n_merges], right[:n_merges], results[:n_merges]
 
