@@ -15,7 +15,7 @@ shakespeare.txt (its 3 special tokens first, so its ids are not in nanoeuler's o
 4. greedy continuations (24 tokens, 4 prompts) against transformers' generate (float32 both),
 5. `nanoeuler export --hf` of the imported checkpoint against the original tensors,
 6. `nanoeuler sft` for --sft-steps steps on a synthetic instruction set, the loss of each step.
-Results: docs/gguf.md.
+Results: docs/import.md.
 """
 import argparse
 import json

@@ -1,5 +1,5 @@
 """`import --hf` streams: each tensor is read from its safetensors shard straight into its place in the flat
-float32 parameters, so the import's peak memory is about the model's float32 size once (docs/gguf.md,
+float32 parameters, so the import's peak memory is about the model's float32 size once (docs/import.md,
 Measurements). A random bf16 Llama in two shards, written here by hand (no transformers: its shape, not its
 values, is what matters), of 142 MB in float32: the import takes a few seconds."""
 import json
