@@ -19,6 +19,12 @@ times sampling (top-p 0.95, as `infer`) instead, ours only.
     PYTHONPATH=. python3 benchmarks/bench_decode.py --ckpt base.bin --device gpu --prompt "ROMEO:" --no-hf
     PYTHONPATH=. python3 benchmarks/bench_decode.py --preset base --device gpu --batch 64 --tokens 128
 
+--shape NAME instead of --preset: a published model's shape (benchmarks/shapes.py: SmolLM2-135M and 1.7B,
+Llama-3.2-1B, Llama-3-8B, Qwen2.5-0.5B) with random weights; transformers runs the same architecture (Llama
+or Qwen2, tied or not, Llama 3's RoPE scaling, Qwen's biases) on the same tensors.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --shape llama3-8b --device gpu --batch 32 --tokens 128
+
 --batch N: N random 8-token prompts, --tokens new tokens each (no stop), prefill included; ours greedy and
 sampled (temperature 0.8, top-p 0.95, a seed a prompt), greedy without batch invariance (an engine whose few
 rows' products are BLAS's: what invariance costs), and the batch-invariance check that every row's greedy
@@ -31,7 +37,8 @@ import time
 import numpy as np
 
 from nanoeuler.model.config import PRESETS, init_params, views
-from nanoeuler.io.export import hf_tensors
+from nanoeuler.io.export import hf_config, hf_tensors
+from shapes import SHAPES
 from nanoeuler.model.decoding import decoder_of
 from nanoeuler.model.engine import make_engine
 from nanoeuler.infer.generate import generate
@@ -54,18 +61,27 @@ def batched(eng, prompts, n, temperature):
 
 
 def hugging_face(cfg, params, prompt, n, device, compiled, bf16):
+    """transformers' model of cfg's architecture (export --hf's config.json: Llama, Qwen2, tied or not, RoPE
+    scaling) built on the device in the precision, holding our tensors; (its greedy tokens, seconds)."""
+    import types
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.hidden,
-                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                         max_position_embeddings=cfg.context, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    model = LlamaForCausalLM(hf_cfg)
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_tensors(cfg, params).items()}, strict=False)
+    settings = hf_config(cfg, types.SimpleNamespace(eos_id=0))
+    hf_cfg = AutoConfig.for_model(settings.pop("model_type"), **settings)
     dev = "cuda" if device == "gpu" else "cpu"
-    model = model.to(dev, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    with torch.device(dev):  # made where it runs, in its precision: no float32 copy of a large model on the host
+        try:
+            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+        except TypeError:  # transformers before 4.56 names it torch_dtype
+            model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=dtype)
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_tensors(cfg, params).items()},
+                                                strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tied else set()), (missing, unexpected)
+    if cfg.tied:
+        model.tie_weights()
+    model = model.eval()
     x = torch.tensor(prompt if isinstance(prompt[0], list) else [prompt], device=dev)
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if compiled:
@@ -88,6 +104,7 @@ def hugging_face(cfg, params, prompt, n, device, compiled, bf16):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a published model's shape instead of a preset")
     ap.add_argument("--ckpt", help="a trained checkpoint instead of random weights")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     ap.add_argument("--tokens", type=int, default=200)
@@ -106,19 +123,25 @@ def main():
         ck = checkpoint.load(args.ckpt)
         cfg, params, what = ck.cfg, ck.params, args.ckpt
     else:
-        cfg = PRESETS[args.preset]
+        cfg = SHAPES[args.shape] if args.shape else PRESETS[args.preset]
         params = init_params(cfg, seed=0)
         for name, view in views(params, cfg).items():
             if not name.endswith("norm"):
                 view *= 3.0  # random weights with logits that are not flat
-        what = f"{args.preset}, random weights"
+        if cfg.tokenizer_vocab is not None:  # padding rows (Qwen's) zero, as untrained: transformers does not mask them
+            views(params, cfg)["tok_emb"][cfg.tokenizer_vocab:] = 0
+        what = f"{args.shape or args.preset}, random weights"
+        args.preset = args.shape or args.preset
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, 8).tolist()
     if args.prompt is not None:
         prompt = ck.tokenizer().encode(args.prompt)[: cfg.context // 2] or prompt
     n = min(args.tokens, cfg.context - len(prompt))
     precision = "fp32" if args.device == "cpu" else args.precision or "bf16"
-    eng = make_engine(cfg, device=args.device, precision=precision)
+    eng = make_engine(cfg, device=args.device, precision=precision, training=False)
     eng.load_params(params)
+    if eng.device_memory() is not None:
+        print(f"nanoeuler's engine: {eng.device_memory() / 2 ** 30:.2f} GiB on the GPU ({cfg.n_layers} layers, "
+              f"{params.size / 1e9:.2f}B parameters: float32 weights and their {precision} copy)", flush=True)
     T = args.temperature
     if args.batch:
         return batch_rows(args, cfg, params, eng, n, precision)
@@ -175,7 +198,7 @@ def batch_rows(args, cfg, params, eng, n, precision):
     sampled, seconds = batched(eng, prompts, n, 0.8)
     print(f"{'nanoeuler generate() top-p 0.95, T 0.8':<44} {N * n / seconds:>10,.0f} tokens/s  "
           f"{1e3 * seconds / n:7.3f} ms a step")
-    loose = make_engine(cfg, device=args.device, precision=precision, batch_invariant=False)
+    loose = make_engine(cfg, device=args.device, precision=precision, batch_invariant=False, training=False)
     loose.load_params(params)
     batched(loose, prompts, 8, 0.0)  # warm-up
     fast, seconds = batched(loose, prompts, n, 0.0)

@@ -14,8 +14,14 @@ size, which only grows; torch's peak allocation), for each batch size.
     PYTHONPATH=. python3 benchmarks/bench_gpu_train.py                        # base, T = 512, batch 16 and 32
     PYTHONPATH=. python3 benchmarks/bench_gpu_train.py --precision tf32 --pytorch eager
     PYTHONPATH=. python3 benchmarks/bench_gpu_train.py --preset big --batch-sizes 32
+    PYTHONPATH=. python3 benchmarks/bench_gpu_train.py --shape llama3.2-1b --context 1024 --batch-sizes 8 16
+
+--shape NAME: a published model's shape (benchmarks/shapes.py) instead of a preset, at --context T (default
+1024); the PyTorch model is the same Reference (tied head, Qwen's biases; its RoPE unscaled, which costs the
+same).
 """
 import argparse
+import dataclasses
 import math
 import time
 
@@ -25,6 +31,7 @@ from nanoeuler.model.config import PRESETS, flops_per_token, init_params, param_
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.model.losses import cross_entropy_backward
 from reference import Reference, batches
+from shapes import SHAPES
 
 
 def time_steps(step, sync, warmup, steps):
@@ -98,6 +105,8 @@ def bench_torch(cfg, inputs, targets, args, compiled=False):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="base", choices=sorted(PRESETS))
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a published model's shape instead of a preset")
+    ap.add_argument("--context", type=int, help="sequence length T (default: the preset's; 1024 with --shape)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--precision", choices=["bf16", "tf32"], default="bf16")
     ap.add_argument("--steps", type=int, default=10)
@@ -108,7 +117,9 @@ def main():
     args = ap.parse_args()
     from nanoeuler.model.gpu import device_name, peak_flops
 
-    cfg = PRESETS[args.preset]
+    cfg = SHAPES[args.shape] if args.shape else PRESETS[args.preset]
+    cfg = dataclasses.replace(cfg, context=args.context or (1024 if args.shape else cfg.context))
+    args.preset = args.shape or args.preset
     T = cfg.context
     peak = peak_flops(args.precision)
     what = "bf16 (ours: float32 master weights; PyTorch: autocast)" if args.precision == "bf16" else "FP32 + TF32 matmuls"
