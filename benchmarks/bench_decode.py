@@ -141,7 +141,7 @@ def main():
     eng.load_params(params)
     if eng.device_memory() is not None:
         print(f"nanoeuler's engine: {eng.device_memory() / 2 ** 30:.2f} GiB on the GPU ({cfg.n_layers} layers, "
-              f"{params.size / 1e9:.2f}B parameters: float32 weights and their {precision} copy)", flush=True)
+              f"{params.size / 1e9:.2f}B parameters, its weights in {precision} alone)", flush=True)
     T = args.temperature
     if args.batch:
         return batch_rows(args, cfg, params, eng, n, precision)

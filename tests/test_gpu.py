@@ -224,6 +224,37 @@ def test_gpu_a_verifying_step_gives_single_steps_bits(precision):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_engine_for_decoding_holds_the_compute_weights_alone(precision):
+    """make_engine(training=False): no gradients, and in bf16 no float32 weights (params None), the bf16 ones
+    loaded a piece at a time (pieces smaller than the model here) with the bits of a training engine's copy;
+    its logits and greedy tokens are the training engine's."""
+    from nanoeuler.model import engine as engine_module
+    from nanoeuler.model.config import Config
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.infer.generate import generate
+
+    cfg = Config(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, hidden=96, vocab_size=50, context=40, mtp_heads=3)
+    flat = sharp_params(cfg, seed=1, scale=0.5, same_heads=True)
+    trainer = make_engine(cfg, device="gpu", precision=precision)
+    trainer.load_params(flat)
+    piece = engine_module.LOAD_PIECE
+    engine_module.LOAD_PIECE = 1000  # several pieces, the last a short one
+    try:
+        decoder = make_engine(cfg, device="gpu", precision=precision, training=False)
+        decoder.load_params(flat)
+    finally:
+        engine_module.LOAD_PIECE = piece
+    assert decoder.grads is None and (decoder.params is None) == (precision == "bf16")
+    assert np.array_equal(decoder.weights.get(), trainer.weights.get())
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 30)).astype(np.int32)
+    targets = np.stack([ids] * cfg.mtp_heads)
+    assert np.array_equal(decoder.forward(ids, targets).get(), trainer.forward(ids, targets).get())
+    assert list(generate(decoder, [1, 2, 3], 40, temperature=0)) == list(generate(trainer, [1, 2, 3], 40, temperature=0))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_gpu_decoding_graphs_and_speculation_agree(precision):
     """On the GPU: decoding steps replayed as CUDA graphs give the logits of the same steps launched kernel by
     kernel, bit for bit; greedy generation through window slides is the same with and without graphs, and with

@@ -152,6 +152,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_allocated(long_ckpt):
         eng.forward_backward(np.zeros((1, 4), np.int32), -np.ones((cfg.mtp_heads, 1, 4), np.int32), 1.0)
     assert memory.parameter_bytes(n, 4, 4, training=False) == 4 * n
     assert memory.parameter_bytes(n, 4, 2, training=True) == 10 * n  # float32 weights, bf16 copy, gradients
+    assert memory.parameter_bytes(n, 4, 2, training=False) == 2 * n  # the GPU decodes on the bf16 copy alone
     env = dict(os.environ, NANOEULER_MEMORY_AVAILABLE=str(4 * n - 1))
     r = run_cli("infer", "hi", "--ckpt", path, "--device", "cpu", env=env)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr

@@ -51,16 +51,23 @@ def to_numpy(a):
     return a.get() if hasattr(a, "get") else np.array(a)
 
 
+LOAD_PIECE = 1 << 24  # float32 values a piece of a load into an engine without master weights (64 MiB)
+
+
 class Engine:
     def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, training=True):
         """layers: a Layers of cpu/layers.py or gpu/layers.py (with the engine's precision and batch invariance),
         over arrays of xp (NumPy or CuPy). training False: an engine for decoding and scoring only, which has no
-        gradient buffer and starts from zero weights (load_params gives it its own)."""
+        gradient buffer, no master weights where it computes on a copy (bf16: its weights are that copy alone,
+        params None) and starts from zero weights (load_params gives it its own)."""
         self.cfg, self.layers, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
         self.act = np.dtype(layers.activation_dtype(self.dtype))  # activations' element type
         self.layout, total = param_layout(cfg)
-        self.params = xp.asarray(init_params(cfg, seed, self.dtype)) if training else xp.zeros(total, self.dtype)
-        self.weights = self.params if self.act == self.dtype else xp.empty(total, dtype=self.act)
+        if training:
+            self.params = xp.asarray(init_params(cfg, seed, self.dtype))
+        else:
+            self.params = xp.zeros(total, self.dtype) if self.act == self.dtype else None
+        self.weights = self.params if self.act == self.dtype else xp.zeros(total, dtype=self.act)
         self.grads = xp.zeros(total, dtype=self.dtype) if training else None
         self.p = self._fused_views(self.weights)
         self.g = self._fused_views(self.grads) if training else None
@@ -78,7 +85,7 @@ class Engine:
     def sync_weights(self):
         """Rewrite the compute copy of the weights (bf16) from the master weights after they changed outside
         the AdamW step (a load, a broadcast, ZeRO's all-gather); nothing to do where the two are one buffer."""
-        if self.weights is not self.params:
+        if self.weights is not self.params and self.params is not None:
             self.layers.cast_params(self.weights, self.params)
 
     def pad_buffers(self, multiple):
@@ -143,6 +150,11 @@ class Engine:
         """The weights from a flat host array, copied straight into the engine's buffer (no second copy on the
         device)."""
         flat = np.ascontiguousarray(flat, dtype=self.dtype).reshape(-1)
+        if self.params is None:  # the compute copy alone: converted a piece at a time, as sync_weights rounds
+            for start in range(0, flat.size, LOAD_PIECE):
+                piece = self.xp.asarray(flat[start:start + LOAD_PIECE])
+                self.layers.cast_params(self.weights[start:start + piece.size], piece)
+            return
         if self.xp is np:
             self.params[...] = flat
         else:
@@ -150,6 +162,8 @@ class Engine:
         self.sync_weights()
 
     def params_numpy(self):
+        if self.params is None:
+            raise ValueError("an engine made with training=False keeps no float32 weights")
         return to_numpy(self.params).astype(np.float32)
 
     def device_memory(self):
@@ -391,8 +405,12 @@ def _check_fits(cfg, device, dtype, act, training):
     free = memory.available(device == "gpu")
     if need > free:
         compute = "bf16" if act == np.uint16 else act.name  # bf16 is stored as 16-bit words
-        what = (f"{dtype.name} weights" + (f", their {compute} copy" if act != dtype else "")
-                + (" and gradients" if training else ""))
+        if act == dtype:
+            what = f"{dtype.name} weights" + (" and gradients" if training else "")
+        elif training:
+            what = f"{dtype.name} weights, their {compute} copy and gradients"
+        else:
+            what = f"{compute} weights"
         raise UserError(f"the model ({n_params / 1e9:,.2f}B parameters) needs {memory.size_text(need)} for its {what} "
                         f"on the {device.upper()}, which has {memory.size_text(free)} free"
                         + ("; a smaller model, or the GPU" if device == "cpu" else "; a smaller model"))

@@ -42,7 +42,9 @@ def size_text(n):
 
 
 def parameter_bytes(n_params, itemsize, compute_itemsize, training):
-    """The bytes of an engine's parameter buffers: the master weights (itemsize each), their compute copy where
-    the activations' type differs (bf16), and in training the gradients (itemsize each)."""
-    per = itemsize + (compute_itemsize if compute_itemsize != itemsize else 0) + (itemsize if training else 0)
-    return n_params * per
+    """The bytes of an engine's parameter buffers: in training the master weights and the gradients (itemsize
+    each) and the compute copy where the activations' type differs (bf16); for decoding the weights it
+    computes on alone (model/engine.py)."""
+    if not training:
+        return n_params * compute_itemsize
+    return n_params * (2 * itemsize + (compute_itemsize if compute_itemsize != itemsize else 0))
