@@ -1,6 +1,7 @@
 """`import --hf` then `export --gguf` of models of SmolLM2-135M's, Llama-3.2-1B's, Qwen2.5-0.5B's (as llama.cpp's
-`qwen2`: q/k/v biases, no Q/K permutation, padding rows) and TinyLlama-1.1B's structure (a SentencePiece-style
-tokenizer, as llama.cpp's `llama` tokenizer model with scores): the GGUF carries their tokenizers
+`qwen2`: q/k/v biases, no Q/K permutation, padding rows), TinyLlama-1.1B's (a SentencePiece-style tokenizer, as
+llama.cpp's `llama` tokenizer model with scores) and Mistral-7B-v0.1's structure (head 128, untied, the context
+clamped to its sliding window): the GGUF carries their tokenizers
 as llama.cpp's converter would (pre-tokenizer `smollm` / `llama-bpe`, the BOS Llama 3 adds, control and
 user-defined tokens, the chat template, `rope_freqs` for llama3 RoPE scaling), and, where llama-cpp-python is
 installed (mark llamacpp: an allowed skip without it, tests/conftest.py), llama.cpp gives our token ids on a
@@ -58,11 +59,16 @@ QWEN25 = dict(hidden_size=128, intermediate_size=704, num_hidden_layers=2, num_a
 TINYLLAMA = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=1, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
                  tie_word_embeddings=False)
+# Mistral-7B-v0.1's (head 128, untied, sliding window 4096 under a context of 32768, which the import clamps
+# to the window), narrowed: 2 heads of 128 sharing 1
+MISTRAL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, architecture="mistral")
 PROMPTS = ["ROMEO: But soft, what light", "def f(x):\n\treturn x ** 2", "In 2024, 1234567 people",
            "日本語のテキスト", "it's THEY'RE we'd", "\n"]
 NEW_TOKENS, MARGIN = 24, 1e-3
 GGML_TYPE_F32 = 0
-NAMES = ["smollm2", "llama3.2", "qwen2.5", "tinyllama"]
+NAMES = ["smollm2", "llama3.2", "qwen2.5", "tinyllama", "mistral"]
 LLAMA_CPP_FIM = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 
 
@@ -107,11 +113,14 @@ def save_hf(folder, torch, transformers, tokenizer, config, tokenizer_config):
     """A random LlamaForCausalLM of `config` (weights N(0, 0.5), norm gains N(1, 0.5)) saved with the
     tokenizer.json dict and tokenizer_config.json given; a Qwen2ForCausalLM (q/k/v biases N(0, 0.5)) where the
     config has a vocab_size, its rows past the tokenizer zero (never chosen: they stand for Qwen's untrained
-    padding, which llama.cpp, unlike our decoding, does not mask)."""
+    padding, which llama.cpp, unlike our decoding, does not mask); a MistralForCausalLM where it says so."""
     folder.mkdir()
     n_tokens = max(max(tokenizer["model"]["vocab"].values()), max(t["id"] for t in tokenizer["added_tokens"])) + 1
     torch.manual_seed(0)
-    if "vocab_size" in config:
+    config = dict(config)
+    if config.pop("architecture", None) == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(vocab_size=n_tokens, **config)).eval()
+    elif "vocab_size" in config:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config)).eval()
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=n_tokens, **config)).eval()
@@ -144,6 +153,8 @@ def models(family_corpus, torch, transformers, tmp_path_factory):
                                      "<tool_call>{\"a\": 1}</tool_call><|fim_prefix|>x<|endoftext|>"]),
         "tinyllama": (tinyllama_tokenizer(family_corpus), TINYLLAMA, {"eos_token": "</s>", "bos_token": "<s>"},
                       fuzz + slices + EDGES),
+        "mistral": (tinyllama_tokenizer(family_corpus), MISTRAL, {"eos_token": "</s>", "bos_token": "<s>"},
+                    fuzz[:40] + EDGES),
     }
     out = {}
     for name, (tokenizer, config, tokenizer_config, texts) in sources.items():
@@ -167,13 +178,18 @@ def test_gguf_keys_are_llama_cpps_for_the_family(models, name):
     ck = checkpoint.load(ckpt)
     tok, fields = ck.tokenizer(), fields_of(path)
     tensors = {t.name for t in gguf.GGUFReader(path).tensors}
-    assert ck.cfg.tied == (name != "tinyllama") and ("output.weight" in tensors) == (name == "tinyllama")
+    untied = name in ("tinyllama", "mistral")
+    assert ck.cfg.tied == (not untied) and ("output.weight" in tensors) == untied
     types = fields["tokenizer.ggml.token_type"]
     assert fields["tokenizer.ggml.eos_token_id"] == tok.eos_id
     unk = tok.special_tokens.get("<unk>")
     assert all(types[i] == (4 if s in tok.nonspecial else 2 if i == unk else 3) for s, i in tok.special_tokens.items())
     assert fields["general.architecture"] == ("qwen2" if name == "qwen2.5" else "llama")
-    if name == "tinyllama":  # llama.cpp's SentencePiece tokenizer, as its converter writes Llama 2's
+    if name == "mistral":  # head 128, the context clamped to the window, llama.cpp's `llama` architecture
+        assert ck.cfg.head_dim == 128 and ck.cfg.context == ck.cfg.sliding_window == 4096
+        assert fields["llama.context_length"] == 4096 and fields["llama.rope.dimension_count"] == 128
+        assert fields["tokenizer.ggml.model"] == "llama"
+    elif name == "tinyllama":  # llama.cpp's SentencePiece tokenizer, as its converter writes Llama 2's
         assert fields["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.merges" not in fields
         assert fields["tokenizer.ggml.add_bos_token"] is True and fields["tokenizer.ggml.bos_token_id"] == tok.bos_id
         assert fields["tokenizer.ggml.add_space_prefix"] is True and fields["tokenizer.ggml.unknown_token_id"] == unk
