@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 from nanoeuler.errors import UserError
 from nanoeuler.infer.scheduler import SCORE_TOKENS  # positions of one scoring forward (its float32 logits)
-from nanoeuler.model import memory
 from nanoeuler.model.decoding import kv_cache_bytes
-from nanoeuler.model.memory import GiB, size_text
+from nanoeuler.model.memory import GiB, free_bytes, size_text
 
 MIN_CONTEXT = 2048  # the fewest positions a slot gets unless asked (or the model has fewer)
 
@@ -40,7 +39,7 @@ def margin(cfg):
 def available(cfg, gpu):
     """The bytes the cache may take on this engine: the free memory (or NANOEULER_MEMORY_AVAILABLE) minus the
     margin, at least 0."""
-    return max(0, memory.available(gpu) - margin(cfg))
+    return max(0, free_bytes(gpu) - margin(cfg))
 
 
 def plan(cfg, itemsize, budget, slots=None, context=None, default_slots=64):

@@ -163,7 +163,6 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
     sentencepiece = isinstance(tok, SentencePieceBPE)
-    scores = None
     if sentencepiece:
         names, scores, kinds = tok.gguf_vocab()
         types = [SPM_TOKEN_TYPES[k] for k in kinds]

@@ -402,7 +402,7 @@ def _check_fits(cfg, device, dtype, act, training):
     """UserError where the engine's parameter buffers alone exceed the device's free memory."""
     n_params = param_layout(cfg)[1]
     need = memory.parameter_bytes(n_params, dtype.itemsize, act.itemsize, training)
-    free = memory.available(device == "gpu")
+    free = memory.free_bytes(device == "gpu")
     if need > free:
         compute = "bf16" if act == np.uint16 else act.name  # bf16 is stored as 16-bit words
         if act == dtype:

@@ -30,7 +30,7 @@ def gpu_available():
     return free + cupy.get_default_memory_pool().free_bytes()
 
 
-def available(gpu):
+def free_bytes(gpu):
     """The free memory of the GPU or the CPU in bytes, or NANOEULER_MEMORY_AVAILABLE where it is set."""
     override = os.environ.get("NANOEULER_MEMORY_AVAILABLE")
     return int(override) if override else gpu_available() if gpu else cpu_available()

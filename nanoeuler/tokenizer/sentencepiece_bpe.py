@@ -436,9 +436,6 @@ class SentencePieceBPE(TokenizerBase):
                       "merges": merges},
         }
 
-    def byte_level_names(self):
-        raise UserError("this model's tokenizer is a SentencePiece-style BPE, which has no byte-level names")
-
     def gguf_vocab(self):
         """The vocabulary as llama.cpp's SentencePiece tokenizer (tokenizer.ggml.model `llama`) reads it: (the
         token texts by id, `▁` for spaces; a score each; a kind each: normal, byte, unknown, control or
