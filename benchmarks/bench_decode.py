@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--precision", choices=("bf16", "tf32", "fp32"), help="the GPU's (default bf16)")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
+    ap.add_argument("--no-eager", action="store_true", help="Hugging Face compiled only (a large model's eager run is slow)")
     ap.add_argument("--prompt", help="with --ckpt: text to continue (default: 8 random tokens)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (top-p 0.95, as infer) instead of greedy; no peers")
@@ -171,8 +172,9 @@ def main():
         print(f"--speculative: {rows[-2][1] / rows[-1][1]:.2f}x the tokens/s of {rows[-2][0]}", flush=True)
     if not args.no_hf and T == 0:
         bf16 = precision == "bf16"
-        hf, seconds = hugging_face(cfg, params, prompt, n, args.device, None, bf16)
-        report(("transformers eager", seconds, hf, ""), rows[0], n)
+        if not args.no_eager:
+            hf, seconds = hugging_face(cfg, params, prompt, n, args.device, None, bf16)
+            report(("transformers eager", seconds, hf, ""), rows[0], n)
         if args.device == "gpu":
             for mode in ("reduce-overhead", "default"):
                 try:

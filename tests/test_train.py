@@ -111,6 +111,23 @@ def test_metrics_log_and_loss_curve(tiny_preset, corpus, tokenizer, tokenizer_fi
     assert "sample at step 6" in out and "val loss" in out
 
 
+def test_each_record_times_its_own_step_on_the_cpu(tiny_preset, corpus, tokenizer_file, tmp_path, monkeypatch):
+    """The CPU engine has finished a step when it is queued, so a step's time is its own, not the next one's."""
+    real_next = RandomWindows.next
+    calls = {"n": 0}
+
+    def next_slow_at_step_3(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            time.sleep(0.4)
+        return real_next(self)
+    monkeypatch.setattr(RandomWindows, "next", next_slow_at_step_3)
+    assert _train("--data", corpus, "--tokenizer", tokenizer_file, "--device", "cpu", "--out", tmp_path / "t.bin",
+                  "--steps", 3) == 0
+    seconds = np.diff([r["time_s"] for r in _log(tmp_path / "t.jsonl")])
+    assert seconds[1] >= 0.4 and seconds[0] < 0.3, seconds
+
+
 def test_bits_per_byte_covers_the_validation_split_once(corpus, tokenizer):
     data = open_corpus(corpus, tokenizer, progress=False)
     batches = eval_batches(data.val, data.byte_len, 4, 32, 2)

@@ -246,6 +246,8 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
         return step == hp.steps or any(step % n == 0 for n in every)
 
     step, queued = start_step, collections.deque()  # queued: steps on the device whose numbers are not read yet
+    # the CPU engine has finished a step when it is queued: reading it a step later would time the next one
+    read_behind = 0 if eng.xp is np else 1
 
     def read_queued(keep, hold=None):
         """Read the queued steps until `keep` are left (all of them once a rank asked to stop), writing their
@@ -278,7 +280,7 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
                 step += 1
                 queued.append((step, lr, list(shares), numbers))
                 boundary = at_boundary(step)
-                record = read_queued(0 if boundary else 1, hold=step if boundary else None)
+                record = read_queued(0 if boundary else read_behind, hold=step if boundary else None)
                 if not boundary:
                     continue
                 last = step == hp.steps

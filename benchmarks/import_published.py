@@ -1,9 +1,10 @@
-"""`nanoeuler import` at SmolLM-135M's shape: a random LlamaForCausalLM against transformers, and fine-tuning it.
+"""`nanoeuler import` at a published model's shape: a random model of its config against transformers, and fine-tuning it.
 
-    .venv/bin/python benchmarks/import_smollm.py --workdir /tmp/smollm --device cpu --json smollm_cpu.json
-    PYTHONPATH=. python3 benchmarks/import_smollm.py --workdir /tmp/smollm --device gpu    # on a GPU machine
+    .venv/bin/python benchmarks/import_published.py --workdir /tmp/smollm --device cpu --json smollm_cpu.json
+    PYTHONPATH=. python3 benchmarks/import_published.py --workdir /tmp/smollm --device gpu    # on a GPU machine
+    PYTHONPATH=. python3 benchmarks/import_published.py --shape llama3.2-1b --device gpu --workdir /tmp/llama
 
-The model: SmolLM-135M's config (dim 576, 30 layers, 9/3 heads, SwiGLU 1536, vocabulary 49,152, tied
+The model (by default): SmolLM-135M's config (dim 576, 30 layers, 9/3 heads, SwiGLU 1536, vocabulary 49,152, tied
 embeddings, RoPE theta 10000, RMSNorm epsilon 1e-5, context 2048) with transformers' own random
 initialisation, saved by save_pretrained, and a byte-level BPE of 49,152 tokens trained by `tokenizers` on
 shakespeare.txt (its 3 special tokens first, so its ids are not in nanoeuler's order). The script then
@@ -15,11 +16,16 @@ shakespeare.txt (its 3 special tokens first, so its ids are not in nanoeuler's o
 4. greedy continuations (24 tokens, 4 prompts) against transformers' generate (float32 both),
 5. `nanoeuler export --hf` of the imported checkpoint against the original tensors,
 6. `nanoeuler sft` for --sft-steps steps on a synthetic instruction set, the loss of each step.
-Results: docs/import.md.
+--shape NAME takes a shape of benchmarks/shapes.py instead (SmolLM2-135M / 1.7B, Llama-3.2-1B with Llama 3's
+RoPE scaling, Llama-3-8B, Qwen2.5-0.5B as a Qwen2ForCausalLM with its q/k/v biases), full size, its context cut
+to 2048; the tokenizer is still trained on shakespeare.txt, which stops short of the larger vocabularies (the
+ids past it are padding: logits are compared over the tokenizer's ids). The import's peak resident memory is
+printed beside the model's float32 size. Results: docs/import.md.
 """
 import argparse
 import json
 import pathlib
+import resource
 import subprocess
 import sys
 import time
@@ -31,8 +37,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from nanoeuler.infer.generate import generate  # noqa: E402
 from nanoeuler.io import checkpoint  # noqa: E402
 from nanoeuler.io.hf_import import read_tensors  # noqa: E402
+from nanoeuler.model.config import rope_inv_freq  # noqa: E402
 from nanoeuler.model.engine import make_engine  # noqa: E402
-from test_import import all_in_float64, hf_tokenizer, save_llama  # noqa: E402
+from test_import import SPECIALS, all_in_float64, hf_tokenizer, save_llama  # noqa: E402
+from shapes import SHAPES  # noqa: E402
 
 SMOLLM = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
               intermediate_size=1536, vocab_size=49152, max_position_embeddings=2048, rope_theta=10000.0,
@@ -48,7 +56,9 @@ def cli(*args):
     return r.stdout + r.stderr, time.time() - t0
 
 
-def relative_error(ours, theirs):
+def relative_error(ours, theirs, n_ids=None):
+    """|ours - theirs| / |theirs| over the first n_ids logits of each row (past them: padding ids, -inf in ours)."""
+    ours, theirs = ours[..., :n_ids], theirs[..., :n_ids]
     return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
 
 
@@ -67,10 +77,35 @@ def synthetic_instructions(path, n=256, seed=0):
     path.write_text(json.dumps(examples))
 
 
+def settings_of(shape):
+    """transformers' config settings of a shape of benchmarks/shapes.py, and its architecture's class name."""
+    cfg = SHAPES[shape]
+    settings = dict(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                    num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.hidden, vocab_size=cfg.vocab_size,
+                    max_position_embeddings=2048, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+                    tie_word_embeddings=cfg.tied, head_dim=cfg.dim // cfg.n_heads)
+    if cfg.rope_scaling:
+        settings["rope_scaling"] = dict(cfg.rope_scaling)
+    return settings, cfg.architecture
+
+
+def save_model(folder, torch, transformers, tokenizer, architecture, **settings):
+    """A random model of the architecture with transformers' own initialisation, saved with its tokenizer."""
+    if architecture == "LlamaForCausalLM":
+        return save_llama(folder, torch, transformers, tokenizer, far_from_init=False, **settings)
+    torch.manual_seed(0)
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    model = getattr(transformers, architecture)(config_class(**settings)).eval()
+    model.save_pretrained(folder)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=SPECIALS[0]).save_pretrained(folder)
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="/tmp/smollm")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a published shape instead of SmolLM-135M's")
     ap.add_argument("--sft-steps", type=int, default=6)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -79,25 +114,31 @@ def main():
 
     work = pathlib.Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    hf_dir, ckpt = work / "hf", work / "smollm.bin"
-    results = {"device": args.device, "date": time.strftime("%Y-%m-%d"), "transformers": transformers.__version__}
+    hf_dir, ckpt = work / "hf", work / "imported.bin"
+    results = {"device": args.device, "date": time.strftime("%Y-%m-%d"), "transformers": transformers.__version__,
+               "shape": args.shape or "smollm-135m"}
+    settings, architecture = settings_of(args.shape) if args.shape else (SMOLLM, "LlamaForCausalLM")
     torch.manual_seed(0)
     t0 = time.time()
-    hf_tok = hf_tokenizer(ROOT / "shakespeare.txt", SMOLLM["vocab_size"])
-    model = save_llama(hf_dir, torch, transformers, hf_tok, far_from_init=False, **SMOLLM, eos_token_id=0,
-                       bos_token_id=0)
+    hf_tok = hf_tokenizer(ROOT / "shakespeare.txt", min(settings["vocab_size"], 65536))
+    model = save_model(hf_dir, torch, transformers, hf_tok, architecture, **settings, eos_token_id=0, bos_token_id=0)
     results["make_model_s"] = round(time.time() - t0, 1)
     out, results["import_s"] = cli("import", "--hf", hf_dir, "--out", ckpt, "--overwrite")
     print(out.strip())
+    results["import_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20, 2)
+    results["fp32_model_gib"] = round(4 * sum(p.numel() for p in model.parameters()) / 2 ** 30, 2)
+    print(f"import: peak RSS {results['import_peak_rss_gib']} GiB, the model in float32 "
+          f"{results['fp32_model_gib']} GiB", flush=True)
     ck = checkpoint.load(ckpt)
     tok = ck.tokenizer()
-    results["tokenizer_vocab"] = tok.vocab_size
+    results["tokenizer_vocab"] = n_ids = tok.vocab_size
 
     text = (ROOT / "shakespeare.txt").read_text()
     ids = np.array([tok.encode(text[100_000:102_000])[:128]], np.int32)
     torch_ids = torch.from_numpy(ids).long()
-    model64 = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float64).eval()
-    all_in_float64(torch, model64)
+    model64 = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float64).eval()
+    inv_freq = rope_inv_freq(ck.cfg.head_dim, ck.cfg.rope_theta, ck.cfg.rope_scaling)
+    all_in_float64(torch, model64, torch.from_numpy(inv_freq))
     with torch.no_grad():
         reference = model64(torch_ids).logits.numpy()
         theirs32 = model.float().eval()(torch_ids).logits.numpy()
@@ -108,11 +149,11 @@ def main():
     for name, kw in engines.items():
         eng = make_engine(ck.cfg, device=args.device, **kw)
         eng.load_params(ck.params)
-        errors[name] = relative_error(eng.logits(ids), reference)
+        errors[name] = relative_error(eng.logits(ids), reference, n_ids)
     eng = make_engine(ck.cfg, device=args.device, **({} if args.device == "cpu" else dict(precision="fp32")))
     eng.load_params(ck.params)
-    errors["float32 engine vs transformers float32"] = relative_error(eng.logits(ids), theirs32)
-    errors["transformers float32 vs its float64"] = relative_error(theirs32, reference)
+    errors["float32 engine vs transformers float32"] = relative_error(eng.logits(ids), theirs32, n_ids)
+    errors["transformers float32 vs its float64"] = relative_error(theirs32, reference, n_ids)
     results["logit_relative_errors"] = errors
     print("logits:", errors, flush=True)
 
@@ -125,12 +166,12 @@ def main():
     results["tokenizer"] = dict(samples=8, identical=same, tokens=n_tokens)
     print("tokenizer:", results["tokenizer"], flush=True)
 
-    greedy = []
+    greedy, padding = [], list(range(n_ids, ck.cfg.vocab_size))  # ours never generates the padding ids
     for prompt in PROMPTS:
         p = tok.encode(prompt)
         with torch.no_grad():
             hf = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(p):].tolist()
+                                pad_token_id=0, suppress_tokens=padding or None)[0, len(p):].tolist()
         greedy.append(hf == list(generate(eng, p, 24, temperature=0)))
     results["greedy_identical"] = f"{sum(greedy)}/{len(greedy)}"
     print("greedy identical:", results["greedy_identical"], flush=True)
