@@ -5,8 +5,8 @@ a few hundred steps on the same corpus and tokenizer; its metrics log gives the 
 steps after the warm-up (all ranks together) and the GPU memory of rank 0 (CuPy's pool at its high-water mark,
 plus the copy engines' inbox). Prints each configuration's tokens/s, its ratio to one GPU at the same per-rank
 batch, that ratio over the number of GPUs (the scaling efficiency), and its memory; with --nccl, each multi-GPU
-configuration also with NCCL's reduce-scatter in place of the copy engines'; --reductions copy overlap nccl
-chooses them one by one (overlap: the copy engines' sums a layer at a time beside the backward pass).
+configuration also with NCCL's reduce-scatter in place of the copy engines'; --reductions copy nccl chooses
+them one by one.
 
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --data shakespeare.txt --tokenizer tok.json
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --presets base large --batch-sizes 16 32 --gpus 2 4 --nccl
@@ -105,9 +105,9 @@ def main():
     parser.add_argument("--presets", nargs="+", default=["base"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--gpus", type=int, nargs="+", default=[2], help="numbers of GPUs, each against one")
-    parser.add_argument("--reductions", nargs="+", choices=["copy", "overlap", "nccl"], default=["copy"],
-                        help="NANOEULER_REDUCE of each multi-GPU run: the copy engines' sum at the pass's end, "
-                             "summed a layer at a time beside it, or NCCL's kernels (default copy)")
+    parser.add_argument("--reductions", nargs="+", choices=["copy", "nccl"], default=["copy"],
+                        help="NANOEULER_REDUCE of each multi-GPU run: the copy engines or NCCL's kernels "
+                             "(default copy)")
     parser.add_argument("--nccl", action="store_true",
                         help="each multi-GPU run also with NCCL reduce-scatter (NANOEULER_REDUCE=nccl)")
     parser.add_argument("--steps", type=int, default=150)

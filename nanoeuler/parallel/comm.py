@@ -368,12 +368,11 @@ class NcclCommunicator:
     def copy_engine_reduction(self, shard_size, whole=False):
         """A CopyEngineReduction of float32 shards of shard_size elements (whole: an all-reduce of N of them)
         where every rank can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled,
-        NANOEULER_REDUCE not `nccl`; `overlap`: its sums taken a layer at a time beside the backward pass); else
-        None. Every rank gets the same answer (a collective: every rank
-        calls it)."""
+        NANOEULER_REDUCE not `nccl`); else None. Every rank gets the same answer (a collective: every rank calls
+        it)."""
         wanted = os.environ.get("NANOEULER_REDUCE", "copy")
-        if wanted not in ("copy", "overlap", "nccl"):
-            raise UserError(f"NANOEULER_REDUCE={wanted} must be copy, overlap or nccl")
+        if wanted not in ("copy", "nccl"):
+            raise UserError(f"NANOEULER_REDUCE={wanted} must be copy or nccl")
         usable = wanted != "nccl" and os.environ.get("NCCL_P2P_DISABLE", "0") in ("", "0")
         host = np.zeros(64, np.uint8)  # this host's identity: ranks of other hosts cannot map each other's memory
         name = (_boot_id() + os.uname().nodename).encode()[:64]
@@ -384,7 +383,7 @@ class NcclCommunicator:
         reduction = None
         if usable:
             try:
-                reduction = CopyEngineReduction(self, shard_size, whole, overlap=wanted == "overlap")
+                reduction = CopyEngineReduction(self, shard_size, whole)
             except self._cupy.cuda.runtime.CUDARuntimeError:
                 reduction = None  # no peer access between these GPUs: NCCL's kernels then
         if self.all_reduce_sum(np.array([0.0 if reduction else 1.0]))[0] > 0:
@@ -428,12 +427,10 @@ class CopyEngineReduction:
     sums (the all-gather of the update, or the sum of the step's norm and losses) has taken that rank's
     contribution, so after its sums have read the inbox."""
 
-    def __init__(self, comm, shard_size, whole=False, overlap=False):
-        """shard_size: the flat buffer's elements over N; whole: every rank owns all N * shard_size of them;
-        overlap: each layer's part of this rank's range is summed as soon as every rank's copies of it are in
-        (a barrier a layer), beside the rest of the backward pass, rather than all of it at the pass's end."""
+    def __init__(self, comm, shard_size, whole=False):
+        """shard_size: the flat buffer's elements over N; whole: every rank owns all N * shard_size of them."""
         cupy = comm._cupy
-        self.comm, self._cupy, self.whole, self.overlap = comm, cupy, whole, overlap
+        self.comm, self._cupy, self.whole = comm, cupy, whole
         n, runtime = comm.world_size, cupy.cuda.runtime
         self.shard_size = shard_size = shard_size * n if whole else shard_size
         # an allocation of its own (not the pool's): an IPC handle names a whole allocation
@@ -453,17 +450,14 @@ class CopyEngineReduction:
             raise
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self._flag = cupy.zeros(1, np.float32)
-        self._sum_stream = cupy.cuda.Stream(non_blocking=True) if overlap else None
-        self._squares = []  # with overlap: the squares of each part summed so far in this pass
 
     def _range(self, rank):
         """The first element of rank's range of the flat buffer (it holds shard_size)."""
         return 0 if self.whole else rank * self.shard_size
 
-    def send(self, grads, start, end, add_sum_squares=None):
+    def send(self, grads, start, end):
         """Copy grads[start:end] (final once the work queued so far on the caller's stream is done) to the
-        ranks whose ranges hold them; with overlap, then a barrier on the copy stream and, on a stream of its
-        own, this rank's part of [start, end) summed with add_sum_squares (the engine layers')."""
+        ranks whose ranges hold them."""
         cupy, rank, size = self._cupy, self.comm.rank, self.shard_size
         ready = cupy.cuda.Event(block=False, disable_timing=True)
         ready.record(cupy.cuda.get_current_stream())
@@ -476,18 +470,6 @@ class CopyEngineReduction:
                 address = inbox + (slot * size + lo - first) * 4
                 cupy.cuda.runtime.memcpyAsync(address, grads[lo:hi].data.ptr, (hi - lo) * 4, MEMCPY_DEFAULT,
                                               self._stream.ptr)
-        if not self.overlap:
-            return
-        with self._stream:
-            self.comm.all_reduce_sum(self._flag)  # every rank's copies of [start, end) are in
-        first = self._range(rank)
-        lo, hi = max(start, first), min(end, first + size)
-        if lo < hi:
-            arrived = cupy.cuda.Event(block=False, disable_timing=True)  # after this rank's part was final too
-            arrived.record(self._stream)
-            self._sum_stream.wait_event(arrived)
-            with self._sum_stream:
-                self._squares.append(self._sum(grads, lo, hi, add_sum_squares))
 
     def _sum(self, grads, lo, hi, add_sum_squares):
         """grads[lo:hi] (in this rank's range) summed with what the other ranks sent of it, in rank order, on
@@ -511,11 +493,6 @@ class CopyEngineReduction:
         cupy, rank, size = self._cupy, self.comm.rank, self.shard_size
         caller = cupy.cuda.get_current_stream()
         done = cupy.cuda.Event(block=False, disable_timing=True)
-        if self.overlap:  # every part was summed as it came: wait for the last sum
-            done.record(self._sum_stream)
-            caller.wait_event(done)
-            squares, self._squares = sum(self._squares[1:], self._squares[0]), []  # in the order sent
-            return squares
         with self._stream:
             self.comm.all_reduce_sum(self._flag)  # the barrier: after every rank's copies
         done.record(self._stream)

@@ -120,7 +120,7 @@ class DataParallel:
         grads = self.eng.grads_padded
         if self.copies is not None:
             if self._launched == 0:  # the layers final since the last call (from the padded end at first)
-                self.copies.send(grads, offset, self._sent or grads.size, self.eng.layers.add_sum_squares)
+                self.copies.send(grads, offset, self._sent or grads.size)
                 self._sent = offset
                 if offset == 0:  # summed as soon as the pass ends, with the squares of the sum in the same pass
                     self._squares = self.copies.finish(grads, self.eng.layers.add_sum_squares)
