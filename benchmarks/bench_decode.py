@@ -85,10 +85,16 @@ def hugging_face(cfg, params, prompt, n, device, compiled, bf16):
     x = torch.tensor(prompt if isinstance(prompt[0], list) else [prompt], device=dev)
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if compiled:
-        # Hugging Face's recipe; with transformers >= 4.5x the static cache's in-place update can break the
-        # CUDA graphs of mode="reduce-overhead", and then the default mode (no CUDA graphs) is measured.
-        model.forward = torch.compile(model.forward, mode=compiled, fullgraph=True)
+        # Hugging Face's recipe: a static cache, whose decoding steps generate() compiles itself (transformers
+        # 4.47+, compile_config; a model.forward compiled by hand as well would be compiled inside its compiled
+        # call); before that, model.forward compiled by hand. mode "reduce-overhead" (CUDA graphs) falls back
+        # to "default" where it fails.
         kw["cache_implementation"] = "static"
+        try:
+            from transformers import CompileConfig
+            kw["compile_config"] = CompileConfig(fullgraph=True, mode=compiled)
+        except ImportError:
+            model.forward = torch.compile(model.forward, mode=compiled, fullgraph=True)
     with torch.no_grad():
         model.generate(x, **kw)  # warm-up (and compilation)
         if dev == "cuda":
