@@ -175,6 +175,7 @@ def main():
         greedy.append(hf == list(generate(eng, p, 24, temperature=0)))
     results["greedy_identical"] = f"{sum(greedy)}/{len(greedy)}"
     print("greedy identical:", results["greedy_identical"], flush=True)
+    del model, eng, ck  # the subprocesses below (export, sft) get this process's memory back
 
     cli("export", "--hf", work / "back", "--ckpt", ckpt)
     original, back = read_tensors(hf_dir), read_tensors(work / "back")
@@ -182,6 +183,7 @@ def main():
     results["export_back_identical"] = (set(back) == set(original)
                                         and all(np.array_equal(back[k], v) for k, v in original.items()))
     print("export --hf gives back the same tensors:", results["export_back_identical"], flush=True)
+    del original, back
 
     data = work / "instructions.json"
     synthetic_instructions(data)
