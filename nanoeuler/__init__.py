@@ -9,20 +9,24 @@ def configure_cpu_runtime():
     NumPy or numba; it is idempotent.
 
     - The CPU engine runs its own loops on numba's thread pool and its large matmuls on OpenBLAS's, on the
-      same cores, one after the other: each pool must get out of the other's way when its work is done.
-      numba's default (OpenMP) workers and OpenBLAS's (for up to 2^28 cycles, by default) spin-wait after
-      their work; numba's workqueue layer and a short OpenBLAS timeout make idle threads sleep.
+      same cores, one after the other: each pool must get out of the other's way when its work is done, and
+      a loop must start at once after the last (a decoding step runs some 150 of them). numba's OpenMP
+      workers spin 1,000 rounds after a loop (tens of microseconds), then sleep (GNU OpenMP's default,
+      300,000, takes the cores from OpenBLAS's next product); OpenBLAS's spin up to 2^28 cycles by default,
+      a short timeout makes them sleep. numba's workqueue layer, whose workers sleep at once, costs about 0.5 ms a loop to wake
+      them: the CPU engine decoded 4-5x slower on it (docs/experiments.md).
     - On CPUs with AVX-512, LLVM still vectorises with 256-bit registers unless told otherwise (a tuning
       for older chips that slowed down in 512-bit code); the CPU engine's loops are arithmetic-bound (exp,
       softmax, attention's products), so they get 512-bit registers. docs/benchmarks.md has what each gave.
 
     When it takes effect: OPENBLAS_THREAD_TIMEOUT is read once, when NumPy loads OpenBLAS, so it only counts
-    if NumPy was not imported yet; nothing can change it later. numba's settings count as long as numba has
-    neither started its thread pool nor compiled or loaded a kernel: if numba is already imported, its
-    configuration is reloaded here from the environment. Both are speed settings only; results do not
-    depend on them.
+    if NumPy was not imported yet; nothing can change it later. GOMP_SPINCOUNT likewise, when GNU OpenMP
+    loads: with numba's thread pool, unless another library (PyTorch) loaded it first. numba's settings
+    count as long as numba has neither started its thread pool nor compiled or loaded a kernel: if numba is
+    already imported, its configuration is reloaded here from the environment. All are speed settings only;
+    results do not depend on them (the CPU engine's parallel loops fix their chunks, not the threads).
     """
-    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     if "NUMBA_CPU_FEATURES" not in os.environ:
         import llvmlite.binding as llvm

@@ -23,7 +23,6 @@ softmax and SiLU leave their linear regimes. The check fails (exit status 1) if 
     nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/check/gpu.py)
 """
 import math
-import os
 import time
 
 import numpy as np
@@ -134,29 +133,6 @@ def _compare(cfg, eng, flat, analytic, loss_at, inputs, samples, rng, h, report,
     return errors
 
 
-def _quick_parallel_regions():
-    """Let numba pick a threading layer with cheap parallel regions (tbb or OpenMP) for this process.
-
-    The check runs a few thousand forward passes on 48 rows, so a pass is ~40 numba parallel regions and
-    almost nothing else. nanoeuler's default layer, workqueue (nanoeuler/__init__.py: its idle threads sleep,
-    which keeps them out of OpenBLAS's way in training), wakes its workers for every region: 40-100 us a
-    region on a 2-core VM, against ~3 us for OpenMP, whose workers spin; that made the check 5x slower.
-    Nothing here is large enough for OpenBLAS's threads to matter. Only where NUMBA_THREADING_LAYER is
-    workqueue (nanoeuler's default, which an explicit user setting of workqueue cannot be told apart from)
-    and numba has not started its threads yet; results do not depend on the layer."""
-    if os.environ.get("NUMBA_THREADING_LAYER", "workqueue") != "workqueue":
-        return  # chosen by the user
-    import numba
-    from numba.core import config
-    try:
-        numba.threading_layer()
-        return  # already started: the layer is fixed for this process
-    except ValueError:
-        pass
-    os.environ["NUMBA_THREADING_LAYER"] = "default"  # tbb, else omp, else workqueue
-    config.reload_config()
-
-
 def label(cfg):
     """A check model's name in the report: its K, whether it is tied, whether it has q/k/v biases."""
     return f"K = {cfg.mtp_heads}" + (", tied" if cfg.tied else "") + (", q/k/v biases" if cfg.qkv_bias else "")
@@ -178,7 +154,6 @@ def main(args):
             raise UserError("--gpu: no CUDA GPU is available (cupy could not find a device)")
         from nanoeuler.check.gpu import run_gpu_check
         return run_gpu_check(args.seed)
-    _quick_parallel_regions()
     c = CHECK_CONFIGS[0]
     print(f"gradient check: CPU engine in float64 vs 4th-order central differences (h = 1e-3), "
           f"{args.samples} entries per tensor")
