@@ -11,9 +11,9 @@ def configure_cpu_runtime():
     - The CPU engine runs its own loops on numba's thread pool and its large matmuls on OpenBLAS's, on the
       same cores, one after the other: each pool must get out of the other's way when its work is done, and
       a loop must start at once after the last (a decoding step runs some 150 of them). numba's OpenMP
-      workers spin 1,000 rounds after a loop (tens of microseconds), then sleep (GNU OpenMP's default,
-      300,000, takes the cores from OpenBLAS's next product); OpenBLAS's spin up to 2^28 cycles by default,
-      a short timeout makes them sleep. numba's workqueue layer, whose workers sleep at once, costs about 0.5 ms a loop to wake
+      workers spin 1,000 rounds after a loop, then sleep (GNU OpenMP's default, 300,000, takes the cores
+      from OpenBLAS's next product); OpenBLAS's spin up to 2^28 cycles by default, a short timeout makes
+      them sleep. numba's workqueue layer, whose workers sleep at once, costs about 0.5 ms a loop to wake
       them: the CPU engine decoded 4-5x slower on it (docs/experiments.md).
     - On CPUs with AVX-512, LLVM still vectorises with 256-bit registers unless told otherwise (a tuning
       for older chips that slowed down in 512-bit code); the CPU engine's loops are arithmetic-bound (exp,
