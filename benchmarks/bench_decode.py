@@ -116,7 +116,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--precision", choices=("bf16", "tf32", "fp32"), help="the GPU's (default bf16)")
     ap.add_argument("--no-hf", action="store_true", help="skip Hugging Face")
-    ap.add_argument("--no-eager", action="store_true", help="Hugging Face compiled only (a large model's eager run is slow)")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="Hugging Face compiled only (a large model's eager run is slow)")
     ap.add_argument("--prompt", help="with --ckpt: text to continue (default: 8 random tokens)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (top-p 0.95, as infer) instead of greedy; no peers")

@@ -1,11 +1,11 @@
-"""`nanoeuler import` at a published model's shape: a random model of its config against transformers, and fine-tuning it.
+"""`nanoeuler import` at a published model's shape: a random model against transformers, and fine-tuning it.
 
     .venv/bin/python benchmarks/import_published.py --workdir /tmp/smollm --device cpu --json smollm_cpu.json
     PYTHONPATH=. python3 benchmarks/import_published.py --workdir /tmp/smollm --device gpu    # on a GPU machine
     PYTHONPATH=. python3 benchmarks/import_published.py --shape llama3.2-1b --device gpu --workdir /tmp/llama
 
-The model (by default): SmolLM-135M's config (dim 576, 30 layers, 9/3 heads, SwiGLU 1536, vocabulary 49,152, tied
-embeddings, RoPE theta 10000, RMSNorm epsilon 1e-5, context 2048) with transformers' own random
+The model (by default): SmolLM-135M's config (dim 576, 30 layers, 9/3 heads, SwiGLU 1536, vocabulary 49,152,
+tied embeddings, RoPE theta 10000, RMSNorm epsilon 1e-5, context 2048) with transformers' own random
 initialisation, saved by save_pretrained, and a byte-level BPE of 49,152 tokens trained by `tokenizers` on
 shakespeare.txt (its 3 special tokens first, so its ids are not in nanoeuler's order). The script then
 1. imports it (`nanoeuler import --hf`),

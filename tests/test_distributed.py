@@ -144,8 +144,8 @@ def test_ranks_draw_their_own_slices_of_one_global_batch():
 
 class _TakingTurns:
     """A rank's communicator in a test that runs the ranks as threads of one process: the ranks' engines
-    take turns (numba's workqueue thread pool, where a user picks it, must not be entered by two threads at once), and a rank lets
-    the other run while it waits in a collective."""
+    take turns (numba's workqueue thread pool, where a user picks it, must not be entered by two threads at
+    once), and a rank lets the other run while it waits in a collective."""
 
     def __init__(self, comm, lock):
         self.comm, self.lock = comm, lock
