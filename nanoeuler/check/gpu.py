@@ -443,7 +443,8 @@ def check_attention(case, gpu_layers, cpu_layers):
 def check_sample_rows(case, gpu_layers, cpu_layers):
     """sample_rows: at temperature 0 the argmax; sampled, every draw of 300 token indices inside the CPU
     layer's kept set (top-k cuts are exact, top-p ones are set well apart from the edge) and the kept set all
-    drawn; then feed_back's inputs, positions, indices and log."""
+    drawn; over Llama 3's vocabulary, the CPU layer's draws; then feed_back's inputs, positions, indices and
+    log."""
     Rn, V = 6, 37
     logits = np.round(case.normal(Rn, V, scale=3.0), 1).astype(np.float32)  # rounded: ties at the cuts
     logits[5, [3, 30]] = logits[5].max() + 1  # a tie at the top: the first id greedy
@@ -465,6 +466,21 @@ def check_sample_rows(case, gpu_layers, cpu_layers):
     gpu_layers.sample_rows(got, dev[0], dev[1], case.cp.zeros(Rn, np.float32), dev[3], dev[4], dev[5],
                            case.cp.zeros(Rn, np.int32))
     greedy = np.array_equal(got.get(), logits.argmax(axis=1))
+    # Llama 3's vocabulary: the cuts' searches over many ids (each pass decides several of the key's bits); the
+    # two engines sum in different orders, so a draw may differ where a cut falls within rounding of the mass
+    # that decides it: at most one of the 90
+    Vl, Rl = 128256, 3
+    big = case.normal(Rl, Vl, scale=2.0).astype(np.float32)
+    settings = [np.array(a, dtype) for a, dtype in (([0, 40, 0], np.int32), ([1.0, 0.8, 1.3], np.float32),
+                                                     ([0.9, 0.95, 0.5], np.float32))]
+    big_seeds = case.rng.integers(0, 1 << 32, (2, Rl)).astype(np.uint32)
+    big_dev = [case.cp.asarray(a) for a in (big, *settings, *big_seeds)]
+    ref_big, got_big, differ = np.empty(Rl, np.int32), case.cp.full(Rl, -1, np.int32), 0
+    for i in range(30):
+        index = np.full(Rl, i, np.int32)
+        cpu_layers.sample_rows(ref_big, big, settings[0], settings[1], settings[2], *big_seeds, index)
+        gpu_layers.sample_rows(got_big, *big_dev, case.cp.asarray(index))
+        differ += int((got_big.get() != ref_big).sum())
     tokens, pos, index = case.cp.zeros((Rn, 1), np.int32), case.cp.asarray(np.array([0, 5, 9, 9, 2, 1], np.int32)), \
         case.cp.arange(Rn, dtype=np.int32)
     log, counter = case.cp.full((4, Rn), -1, np.int32), case.cp.full(1, 2, np.int32)
@@ -475,6 +491,8 @@ def check_sample_rows(case, gpu_layers, cpu_layers):
     return [(f"sample_rows rows={Rn} V={V}: draws inside the CPU's top-k/top-p cuts, all of them drawn",
              0.0 if right else math.inf, case.tol),
             ("sample_rows temperature 0: the argmax (the first of a tie)", 0.0 if greedy else math.inf, case.tol),
+            (f"sample_rows rows={Rl} V={Vl}: the CPU's draws ({differ} of {30 * Rl} differ)",
+             0.0 if differ <= 1 else math.inf, case.tol),
             ("feed_back: inputs, positions (capped), indices, log, counter", 0.0 if fed else math.inf, case.tol)]
 
 

@@ -655,7 +655,8 @@ def accept_drafts(tokens, ids, log, pos):
 # Sampling a row: Gumbel-max over the kept tokens, with noise from a hash of (seed, token index, id) that is a
 # pure function of them, so a row's draw depends on nothing else in the batch; the top-k and top-p cuts are
 # values found by bisection on the logits' order-preserving integer keys (no sort). The GPU's sample_rows
-# (kernels/decoding.cu) is the same algorithm.
+# (kernels/decoding.cu) is the same algorithm; its search decides several bits a pass, which finds the same
+# cut (the counts and masses fall as the cut rises).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 

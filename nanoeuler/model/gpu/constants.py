@@ -30,8 +30,10 @@ ATT_CACHED_WARPS_MANY = 4
 # ... and head size 128's attention_cached_d128 blocks at most this many (up to 255 registers a thread: a lane
 # holds a 128-wide key row and 4 dims of 32 value rows)
 ATT_WARPS_D128 = 8
-# decoding.cu: the threads of a sample_rows block (one row of logits)
+# decoding.cu: the threads of a sample_rows block (one row of logits), and the bits of the top-k / top-p cut
+# each of its passes over the row decides (2^bits - 1 candidate cuts summed at once)
 SAMPLE_THREADS = 256
+SAMPLE_BITS = 4
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
 RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
 
@@ -76,6 +78,7 @@ def module_defines(name, variant=()):
         "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,
                       "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY,
                       "ATT_WARPS_D128": ATT_WARPS_D128},
+        "decoding": {"SAMPLE_BITS": SAMPLE_BITS},
         "rmsnorm": {f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)},
     }.get(name, {})
     return tuple(f"{key}={value}" for key, value in shared.items()) + tuple(variant)

@@ -96,6 +96,39 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
         if (sv[w] > v || (sv[w] == v && si[w] < i)) v = sv[w], i = si[w];
 }
 
+// The cuts' searches decide SAMPLE_BITS bits of the 32-bit key a pass: the counts (top-k) or masses (top-p) at
+// every one of the next bits' CANDIDATES cuts at once, each summed as a pass for that cut alone would sum it
+// (thread-strided ids, the zeros it would add skipped, then block_sum's tree): the same function of the cut.
+// Both fall as the cut rises, so the largest cut that holds enough is bisection's, in 32 / SAMPLE_BITS passes.
+#if !defined(SAMPLE_BITS)
+#error "SAMPLE_BITS comes from nanoeuler/model/gpu/constants.py"
+#endif
+static_assert(32 % SAMPLE_BITS == 0, "the passes split the key's 32 bits evenly");
+constexpr int CANDIDATES = (1 << SAMPLE_BITS) - 1;
+
+// How many of the candidate cuts cut | j << shift (j = 1..CANDIDATES; cut's bits below shift + SAMPLE_BITS are
+// 0) are at or below key.
+__device__ __forceinline__ int cuts_below(unsigned key, unsigned cut, int shift) {
+    const int high = shift + SAMPLE_BITS;  // 32 on the first pass: 64-bit shifts keep it defined
+    const unsigned long long kp = (unsigned long long)key >> high, cp = (unsigned long long)cut >> high;
+    return kp > cp ? CANDIDATES : kp < cp ? 0 : (int)((key >> shift) & CANDIDATES);
+}
+
+// block_sum of each of v's values: the same tree, the barriers shared (scratch: CANDIDATES x 32 values).
+template <typename T>
+__device__ __forceinline__ void block_sums(T (&v)[CANDIDATES], T (*scratch)[32]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < CANDIDATES; ++j) v[j] = warp_sum(v[j]);
+    __syncthreads();
+    if (lane == 0)
+#pragma unroll
+        for (int j = 0; j < CANDIDATES; ++j) scratch[j][warp] = v[j];
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < CANDIDATES; ++j) v[j] = warp_sum(lane < (int)(blockDim.x >> 5) ? scratch[j][lane] : (T)0);
+}
+
 // ids[r] = a token drawn from row r of logits (R, V) with the row's settings: nanoeuler/model/cpu/layers.py's
 // sample_rows, the same algorithm (its docstring has the definition), a block a row. Every sum runs over
 // thread-strided ids and then a fixed tree, so a row's draw depends on its own inputs alone.
@@ -106,7 +139,8 @@ extern "C" __global__ void sample_rows(int* __restrict__ ids, const float* __res
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ float sf[32];
-    __shared__ int sc[32];
+    __shared__ float sfs[CANDIDATES][32];
+    __shared__ int scs[CANDIDATES][32];
     let_next_launch();
     wait_for_inputs();
     const int r = blockIdx.x;
@@ -125,29 +159,48 @@ extern "C" __global__ void sample_rows(int* __restrict__ ids, const float* __res
     unsigned cut = 0u;
     const int k = top_k[r];
     if (0 < k && k < V) {  // the k-th largest key: the largest c with at least k keys >= c
-        for (int bit = 31; bit >= 0; --bit) {
-            const unsigned c = cut | (1u << bit);
-            int count = 0;
-            for (int v = threadIdx.x; v < V; v += blockDim.x) count += order_key(z[v]) >= c;
-            if (block_sum(count, sc) >= k) cut = c;
+        for (int shift = 32 - SAMPLE_BITS; shift >= 0; shift -= SAMPLE_BITS) {
+            int count[CANDIDATES];
+#pragma unroll
+            for (int j = 0; j < CANDIDATES; ++j) count[j] = 0;
+            for (int v = threadIdx.x; v < V; v += blockDim.x) {
+                const int below = cuts_below(order_key(z[v]), cut, shift);
+#pragma unroll
+                for (int j = 0; j < CANDIDATES; ++j) count[j] += j < below;
+            }
+            block_sums(count, scs);
+            int taken = 0;
+#pragma unroll
+            for (int j = 0; j < CANDIDATES; ++j) taken = count[j] >= k ? j + 1 : taken;
+            cut |= (unsigned)taken << shift;
         }
     }
     const float p = top_p[r];
     if (p < 1.f) {  // the largest c whose keys at or above it hold top_p of the mass above the top-k cut
         const unsigned kcut = cut;
-        const auto mass = [&](unsigned c) {
-            float s = 0.f;
+        float total = 0.f;
+        for (int v = threadIdx.x; v < V; v += blockDim.x)
+            total += order_key(z[v]) >= kcut ? expf((z[v] - m) / T) : 0.f;
+        const float target = p * block_sum(total, sf);
+        cut = 0u;
+        for (int shift = 32 - SAMPLE_BITS; shift >= 0; shift -= SAMPLE_BITS) {
+            float mass[CANDIDATES];
+#pragma unroll
+            for (int j = 0; j < CANDIDATES; ++j) mass[j] = 0.f;
             for (int v = threadIdx.x; v < V; v += blockDim.x) {
                 const unsigned key = order_key(z[v]);
-                s += key >= kcut && key >= c ? expf((z[v] - m) / T) : 0.f;
+                const int below = key >= kcut ? cuts_below(key, cut, shift) : 0;
+                if (below == 0) continue;  // it adds 0 to every candidate's mass
+                const float e = expf((z[v] - m) / T);
+#pragma unroll
+                for (int j = 0; j < CANDIDATES; ++j)
+                    if (j < below) mass[j] += e;
             }
-            return block_sum(s, sf);
-        };
-        const float target = p * mass(0u);
-        cut = 0u;
-        for (int bit = 31; bit >= 0; --bit) {
-            const unsigned c = cut | (1u << bit);
-            if (mass(c) >= target) cut = c;
+            block_sums(mass, sfs);
+            int taken = 0;
+#pragma unroll
+            for (int j = 0; j < CANDIDATES; ++j) taken = mass[j] >= target ? j + 1 : taken;
+            cut |= (unsigned)taken << shift;
         }
     }
     // Gumbel-max over the kept ids: noise -log(-log(u)), u from a hash of (seed, token index, id)
