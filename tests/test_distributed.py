@@ -450,6 +450,14 @@ def test_a_failing_rank_ends_the_run_with_its_name():
     assert time.monotonic() - t0 < 10
 
 
+def test_the_error_starts_a_line_below_a_progress_bar(capfd):
+    """Rank 0 draws its bar with \\r and no newline; the launcher's error must not land on the bar's line."""
+    with pytest.raises(UserError):
+        _fake_ranks("beat()\nif rank == 0:\n    sys.stderr.write('\\r  5%|#  | 5/100'); sys.stderr.flush()\n"
+                    "if rank == 1:\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(60)")
+    assert capfd.readouterr().err.endswith("5/100\n")
+
+
 def test_a_rank_that_takes_no_step_ends_the_run():
     t0 = time.monotonic()
     with pytest.raises(UserError, match=r"^rank 1 took no training step for 1 s"):

@@ -92,6 +92,11 @@ def launch(command, n, step_timeout=None, nodes=None):
                 os.close(write)
             ranks.append(_Rank(rank, proc, read))
         return _supervise(ranks, step_timeout)
+    except UserError:
+        _stop(ranks)
+        # rank 0's progress bar leaves its line open (it redraws with \r): the error starts a line of its own
+        sys.stderr.write("\n")
+        raise
     finally:
         _stop(ranks)
         for r in ranks:
