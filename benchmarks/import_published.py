@@ -20,7 +20,8 @@ shakespeare.txt (its 3 special tokens first, so its ids are not in nanoeuler's o
 RoPE scaling, Llama-3-8B, Qwen2.5-0.5B as a Qwen2ForCausalLM with its q/k/v biases), full size, its context cut
 to 2048; the tokenizer is still trained on shakespeare.txt, which stops short of the larger vocabularies (the
 ids past it are padding: logits are compared over the tokenizer's ids). The import's peak resident memory is
-printed beside the model's float32 size. Results: docs/import.md.
+printed beside the model's float32 size. --no-float64 leaves out the float64 comparisons (a full-size model's
+float64 copies need 16 bytes a parameter) and --sft-steps 0 the fine-tuning. Results: docs/import.md.
 """
 import argparse
 import json
@@ -106,7 +107,8 @@ def main():
     ap.add_argument("--workdir", default="/tmp/smollm")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a published shape instead of SmolLM-135M's")
-    ap.add_argument("--sft-steps", type=int, default=6, help="0: no fine-tuning (a CPU without room for AdamW's state)")
+    ap.add_argument("--sft-steps", type=int, default=6,
+                    help="0: no fine-tuning (a CPU without room for AdamW's state)")
     ap.add_argument("--no-float64", action="store_true",
                     help="compare with transformers in float32 only (a full-size model's float64 copies need "
                          "16 bytes a parameter)")
