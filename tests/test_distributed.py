@@ -432,7 +432,8 @@ def _fake_ranks(body, n=2, timeout=None):
 def test_launcher_gives_each_rank_its_environment(tmp_path):
     assert _fake_ranks(f"""
 import json
-keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'NCCL_NVLS_ENABLE', 'NANOEULER_RDZV_KEY')
+keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'NCCL_NVLS_ENABLE', 'NANOEULER_RDZV_KEY',
+        'PYTHONWARNINGS')
 json.dump({{k: os.environ[k] for k in keys}}, open({str(tmp_path)!r} + f'/{{rank}}.json', 'w'))
 """, n=3) == 0
     envs = [json.load(open(tmp_path / f"{r}.json")) for r in range(3)]
@@ -441,6 +442,8 @@ json.dump({{k: os.environ[k] for k in keys}}, open({str(tmp_path)!r} + f'/{{rank
     assert len({(env["MASTER_ADDR"], env["MASTER_PORT"], env["NANOEULER_RDZV_KEY"]) for env in envs}) == 1
     assert envs[0]["MASTER_ADDR"] == "127.0.0.1" and int(envs[0]["MASTER_PORT"]) > 0
     assert all(env["NCCL_NVLS_ENABLE"] == "0" for env in envs)
+    # the resource tracker of a stopped CPU rank removes its shared memory without a warning on the terminal
+    assert all(env["PYTHONWARNINGS"].endswith("ignore:resource_tracker:UserWarning") for env in envs)
 
 
 def test_a_failing_rank_ends_the_run_with_its_name():

@@ -86,6 +86,10 @@ def launch(command, n, step_timeout=None, nodes=None):
                        MASTER_PORT=str(port), NANOEULER_RDZV_KEY=key, NANOEULER_LAUNCHER="1",
                        NANOEULER_HEARTBEAT_FD=str(write))
             env.setdefault("NCCL_NVLS_ENABLE", "0")
+            # CPU ranks stopped mid-run leave their shared-memory segment to Python's resource tracker, which
+            # removes it with a warning that would come between the progress bar and the one-line error
+            env["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"),
+                                                           "ignore:resource_tracker:UserWarning")))
             try:
                 proc = subprocess.Popen(command, env=env, pass_fds=(write,), start_new_session=True)
             finally:
