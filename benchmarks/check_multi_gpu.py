@@ -179,7 +179,8 @@ def failures(args, tmp):
     wait_for(lambda: os.path.exists(f"{tmp}/hang.jsonl") and len(log_of(f"{tmp}/hang.jsonl")) >= 15)
     code, took, last = signal_rank(proc, n - 1, signal.SIGSTOP)
     intact = run(PY + ["report", "--ckpt", out]).returncode == 0
-    report(f"a hung rank of {n} (SIGSTOP), NANOEULER_STEP_TIMEOUT=20", code == 2 and took < 80 and intact,
+    said = bool(last) and last[0].startswith(f"nanoeuler: error: rank {n - 1} took no training step")
+    report(f"a hung rank of {n} (SIGSTOP), NANOEULER_STEP_TIMEOUT=20", code == 2 and took < 80 and intact and said,
            f"exit {code} after {took:.0f} s, last line {last!r}, checkpoint readable {intact}")
 
     # a rank killed while rank 0 writes a checkpoint: base, whose checkpoint takes a while to write
@@ -192,7 +193,8 @@ def failures(args, tmp):
     from nanoeuler.io import checkpoint
     ck = checkpoint.load(out)
     # the write under way is lost, or had just been renamed into place: either way a whole checkpoint
-    report(f"rank 0 of {n} killed (SIGKILL) while writing a checkpoint", code == 2 and ck.step % 10 == 0,
+    said = bool(last) and last[0].startswith("nanoeuler: error: rank 0 was killed by SIGKILL")
+    report(f"rank 0 of {n} killed (SIGKILL) while writing a checkpoint", code == 2 and ck.step % 10 == 0 and said,
            f"exit {code} after {took:.1f} s, last line {last!r}, checkpoint at step {ck.step}")
 
     # Ctrl-C at step 50, --resume to 100, on N GPUs; the stopped checkpoint also resumes on 1 GPU
