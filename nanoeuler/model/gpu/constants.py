@@ -15,6 +15,8 @@ MATMUL_SMALL_WARPS = 16  # the most warps a block; layers.py gives a short row f
 MATMUL_SMALL_LOADS = 4   # the 16-byte loads of w a thread has in flight at once
 MATMUL_PAIR = 2          # many rows: tiles of w a warp takes at once (x's fragments loaded once for all)
 MATMUL_PAIR_WARPS = 6    # ... in blocks of at most this many warps (rows up to 768), two of which an SM can hold
+# embedding.cu: the most rows of one token a block of the backward pass sums (longer runs are cut in pieces)
+EMB_SEGMENT = 32
 # rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
 ROPE_HEADS = 4
 # attention.cu
@@ -75,6 +77,7 @@ def module_defines(name, variant=()):
                    "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS,
                    "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
+        "embedding": {"EMB_SEGMENT": EMB_SEGMENT},
         "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,
                       "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY,
                       "ATT_WARPS_D128": ATT_WARPS_D128},

@@ -36,9 +36,9 @@ import numpy as np
 
 from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
-                                           ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, MATMUL_PAIR,
-                                           MATMUL_PAIR_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, ROPE_HEADS,
-                                           SAMPLE_THREADS, rmsnorm_backward_blocks, rmsnorm_chunks)
+                                           ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
+                                           MATMUL_PAIR, MATMUL_PAIR_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
+                                           ROPE_HEADS, SAMPLE_THREADS, rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
 from nanoeuler.model.limits import CLIP_EPS, FEW_ROWS
 
@@ -339,15 +339,22 @@ class Layers:
                                                                     (out, tokens, emb, _i32(N), _i32(C)))
 
     def embedding_backward(self, demb, dout, tokens):
-        """demb (V, C) += dout (N, C) scattered by token; each token's rows summed in position order (the sort
-        is a deterministic radix sort), so the result is the same on every run."""
+        """demb (V, C) += dout (N, C) scattered by token; each token's rows summed in position order in pieces
+        of at most EMB_SEGMENT, the pieces' sums added in order (the sort is a deterministic radix sort), so the
+        result is the same on every run."""
         _check(demb)
         _check(dout, act=dout)
         N, C = dout.shape
         tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
         order = cupy.argsort(tokens).astype(np.int32)
-        kernel("embedding", "embedding_backward", _act_defines(dout))(
-            (N,), (min(256, 32 * _blocks(C, 32)),), (demb, dout, order, tokens[order], _i32(N), _i32(C)))
+        sorted_tokens = tokens[order]
+        segments = _blocks(N, EMB_SEGMENT)
+        partial = cupy.empty((segments, C), dtype=np.float32)
+        defines, threads = _act_defines(dout), (min(256, 32 * _blocks(C, 32)),)
+        kernel("embedding", "embedding_backward_segments", defines)(
+            (segments,), threads, (partial, dout, order, sorted_tokens, _i32(N), _i32(C)))
+        kernel("embedding", "embedding_backward", defines)(
+            (N,), threads, (demb, dout, order, sorted_tokens, partial, _i32(N), _i32(C)))
 
     # ----------------------------------------------------------------------------------------- rmsnorm
     def rmsnorm_forward(self, out, rstd, x, w, eps):
