@@ -88,15 +88,21 @@ class Engine:
         if self.weights is not self.params and self.params is not None:
             self.layers.cast_params(self.weights, self.params)
 
-    def pad_buffers(self, multiple):
+    def pad_buffers(self, multiple, grads=None):
         """Move params and grads into buffers padded with zeros to a multiple of `multiple` elements
         (`params_padded`, `grads_padded`): ZeRO's reduce-scatter and all-gather split a buffer into equal shards
-        (train/distributed.py). params and grads stay the exact-size views that everything else reads."""
+        (train/distributed.py). params and grads stay the exact-size views that everything else reads. grads,
+        where given, is the padded gradient buffer to use (memory the other ranks can reach: the copy
+        engines' reduction); else a new one."""
         total = self.params.size
         size = -(-total // multiple) * multiple
         same = self.weights is self.params
         for name in ("params", "grads"):
-            padded = self.xp.zeros(size, dtype=self.dtype)
+            if name == "grads" and grads is not None:
+                padded = grads
+                padded.fill(0)
+            else:
+                padded = self.xp.zeros(size, dtype=self.dtype)
             padded[:total] = getattr(self, name)
             setattr(self, name + "_padded", padded)
             setattr(self, name, padded[:total])

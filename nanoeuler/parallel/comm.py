@@ -365,9 +365,8 @@ class NcclCommunicator:
         self.all_reduce_sum(self._flag)
         self._flag.get()  # the host waits here (the watchdog ends a barrier that never opens)
 
-    def copy_engine_reduction(self, shard_size, whole=False):
-        """A CopyEngineReduction of float32 shards of shard_size elements (whole: an all-reduce of N of them)
-        where every rank can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled,
+    def copy_engine_reduction(self, shard_size):
+        """A CopyEngineReduction of float32 shards of shard_size elements where every rank can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled,
         NANOEULER_REDUCE not `nccl`); else None. Every rank gets the same answer (a collective: every rank calls
         it)."""
         wanted = os.environ.get("NANOEULER_REDUCE", "copy")
@@ -383,7 +382,7 @@ class NcclCommunicator:
         reduction = None
         if usable:
             try:
-                reduction = CopyEngineReduction(self, shard_size, whole)
+                reduction = CopyEngineReduction(self, shard_size)
             except self._cupy.cuda.runtime.CUDARuntimeError:
                 reduction = None  # no peer access between these GPUs: NCCL's kernels then
         if self.all_reduce_sum(np.array([0.0 if reduction else 1.0]))[0] > 0:
@@ -410,37 +409,44 @@ def _boot_id():
 class CopyEngineReduction:
     """Gradient sums through the GPUs' copy engines, for the ranks of one host.
 
-    Each rank owns a range of the flat gradient buffer: the q-th of N equal shards (a reduce-scatter: ZeRO-1,
-    which then updates only its shard), or all of it (an all-reduce: every rank then takes the whole update).
-    As the backward pass finishes each layer, send() copies the layer's gradients that fall in another rank's
-    range into that rank's inbox: cudaMemcpyAsync to memory of the other rank's that this rank mapped with
-    CUDA IPC, which the copy engines carry over NVLink (or PCIe) with no kernel on the multiprocessors, so the
-    backward pass's matrix products run at full speed beside it (NCCL's reduction kernels, overlapped so,
-    slowed them by as much as they hid). finish(), at the pass's end: a one-element NCCL all-reduce queued
-    after this rank's copies is the barrier (it completes on a rank only when every rank has reached it, so
-    after every rank's copies), then each rank adds its range to what it received in rank order, g0 + g1 +
-    ... + g(N-1) whatever the rank, taking the sum's squares (the gradient norm's) in the same pass: the sum of one process accumulating the ranks' batches one after another,
-    so an all-reduce leaves every rank the same bits.
+    Each rank owns the q-th of N equal shards of the flat gradient buffer. As the backward pass finishes each
+    layer, send() copies the layer's gradients that fall in another rank's shard into that rank's inbox:
+    cudaMemcpyAsync to memory of the other rank's that this rank mapped with CUDA IPC, which the copy engines
+    carry over NVLink (or PCIe) with no kernel on the multiprocessors, so the backward pass's matrix products
+    run at full speed beside it (NCCL's reduction kernels, overlapped so, slowed them by as much as they hid).
+    finish(), at the pass's end: a one-element NCCL all-reduce queued after this rank's copies is the barrier
+    (it completes on a rank only when every rank has reached it, so after every rank's copies), then each rank
+    adds its shard to what it received in rank order, g0 + g1 + ... + g(N-1) whatever the rank, taking the
+    sum's squares (the gradient norm's) in the same pass: the sum of one process accumulating the ranks'
+    batches one after another. That is a reduce-scatter (ZeRO-1 then updates its shard only). Without ZeRO
+    every rank needs every sum: share() copies this rank's summed shard into the same place of every other
+    rank's gradient buffer (which this object allocates, so that the other ranks can map it), beside the
+    update of the rank's own shard, and wait_shared() is the barrier after those copies. Every rank then holds
+    the same bits of every sum, having received half of a whole all-reduce's bytes during the pass (on 2 GPUs)
+    and added only its own shard.
 
-    The inbox holds N-1 ranges, one per other rank (`base` on 2 GPUs: 208 MB as shards, 416 MB whole). A rank
-    overwrites another's inbox only in the next step's backward pass, after a collective that follows the
-    sums (the all-gather of the update, or the sum of the step's norm and losses) has taken that rank's
-    contribution, so after its sums have read the inbox."""
+    Memory a rank: the inbox of N-1 shards (`base` on 2 GPUs: 208 MB) beside the gradient buffer. A rank
+    overwrites another's inbox only in the next step's backward pass, after a collective that follows the sums
+    (the all-gather of the update, or the sum of the step's norm and losses) has taken that rank's
+    contribution, so after its sums have read the inbox. share() writes the part of another rank's gradients
+    that rank sent away during the pass (final there since the barrier, not read by its sum), and the other
+    rank reads it, or writes its gradients again, only after wait_shared()."""
 
-    def __init__(self, comm, shard_size, whole=False):
-        """shard_size: the flat buffer's elements over N; whole: every rank owns all N * shard_size of them."""
+    def __init__(self, comm, shard_size):
+        """shard_size: the padded flat buffer's elements over N."""
         cupy = comm._cupy
-        self.comm, self._cupy, self.whole = comm, cupy, whole
+        self.comm, self._cupy, self.shard_size = comm, cupy, shard_size
         n, runtime = comm.world_size, cupy.cuda.runtime
-        self.shard_size = shard_size = shard_size * n if whole else shard_size
-        # an allocation of its own (not the pool's): an IPC handle names a whole allocation
-        self._memory = cupy.cuda.memory.Memory(max(1, n - 1) * shard_size * 4)
-        self.inbox = cupy.ndarray((n - 1, shard_size), np.float32, cupy.cuda.MemoryPointer(self._memory, 0))
+        # one allocation of its own (not the pool's: an IPC handle names a whole allocation), the inbox first
+        self._memory = cupy.cuda.memory.Memory((2 * n - 1) * shard_size * 4)
+        whole = cupy.ndarray(((2 * n - 1) * shard_size,), np.float32, cupy.cuda.MemoryPointer(self._memory, 0))
+        self.inbox = whole[:(n - 1) * shard_size].reshape(n - 1, shard_size)
+        self.grads = whole[(n - 1) * shard_size:]  # the engine's padded gradient buffer (Engine.pad_buffers)
         handle = np.frombuffer(runtime.ipcGetMemHandle(self._memory.ptr), np.uint8)
         handles = cupy.zeros(n * handle.size, np.uint8)
         comm.all_gather(cupy.asarray(handle), handles)
         handles = handles.get().reshape(n, handle.size)
-        self._peers = {}  # other rank -> the device address of its inbox, mapped here
+        self._peers = {}  # other rank -> the device address of its allocation, mapped here
         try:
             for q in range(n):
                 if q != comm.rank:
@@ -451,34 +457,48 @@ class CopyEngineReduction:
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self._flag = cupy.zeros(1, np.float32)
 
-    def _range(self, rank):
-        """The first element of rank's range of the flat buffer (it holds shard_size)."""
-        return 0 if self.whole else rank * self.shard_size
+    @property
+    def nbytes(self):
+        """Bytes of the allocation: the inbox and the gradient buffer."""
+        return self._memory.size
+
+    def _after_caller(self):
+        """The copy stream waits for the work queued so far on the caller's stream."""
+        ready = self._cupy.cuda.Event(block=False, disable_timing=True)
+        ready.record(self._cupy.cuda.get_current_stream())
+        self._stream.wait_event(ready)
+
+    def _copy(self, address, source, count):
+        self._cupy.cuda.runtime.memcpyAsync(address, source, count * 4, MEMCPY_DEFAULT, self._stream.ptr)
 
     def send(self, grads, start, end):
         """Copy grads[start:end] (final once the work queued so far on the caller's stream is done) to the
-        ranks whose ranges hold them."""
-        cupy, rank, size = self._cupy, self.comm.rank, self.shard_size
-        ready = cupy.cuda.Event(block=False, disable_timing=True)
-        ready.record(cupy.cuda.get_current_stream())
-        self._stream.wait_event(ready)
-        for q, inbox in self._peers.items():
-            first = self._range(q)
-            lo, hi = max(start, first), min(end, first + size)
+        ranks whose shards hold them."""
+        rank, size = self.comm.rank, self.shard_size
+        self._after_caller()
+        for q, peer in self._peers.items():
+            lo, hi = max(start, q * size), min(end, (q + 1) * size)
             if lo < hi:
                 slot = rank if rank < q else rank - 1  # this rank's part of q's inbox
-                address = inbox + (slot * size + lo - first) * 4
-                cupy.cuda.runtime.memcpyAsync(address, grads[lo:hi].data.ptr, (hi - lo) * 4, MEMCPY_DEFAULT,
-                                              self._stream.ptr)
+                self._copy(peer + (slot * size + lo - q * size) * 4, grads[lo:hi].data.ptr, hi - lo)
 
-    def _sum(self, grads, lo, hi, add_sum_squares):
-        """grads[lo:hi] (in this rank's range) summed with what the other ranks sent of it, in rank order, on
-        the current stream; the sum's squares."""
-        rank, first = self.comm.rank, self._range(self.comm.rank)
-        mine = grads[lo:hi]
-        parts = [part[lo - first:hi - first] for part in self.inbox]
-        ordered = parts[:rank] + [mine] + parts[rank:]
-        total = mine if rank <= 1 else ordered[0]  # a + b == b + a: ranks 0 and 1 sum into their own range
+    def _barrier(self):
+        """A one-element all-reduce after the copies queued so far: done on a rank once every rank's are."""
+        done = self._cupy.cuda.Event(block=False, disable_timing=True)
+        with self._stream:
+            self.comm.all_reduce_sum(self._flag)
+        done.record(self._stream)
+        return done
+
+    def finish(self, grads, add_sum_squares):
+        """This rank's shard of grads summed over the ranks, in place, ordered on the caller's stream, with
+        add_sum_squares(out, a, b) (the engine layers': out = a + b and sum(out^2) in one pass). Returns the
+        squares of the sum (a scalar on the device)."""
+        self._cupy.cuda.get_current_stream().wait_event(self._barrier())
+        rank, size = self.comm.rank, self.shard_size
+        mine = grads[rank * size:(rank + 1) * size]
+        ordered = list(self.inbox[:rank]) + [mine] + list(self.inbox[rank:])
+        total = mine if rank <= 1 else ordered[0]  # a + b == b + a: ranks 0 and 1 sum into their own shard
         squares = add_sum_squares(total, ordered[0], ordered[1])
         for part in ordered[2:]:
             squares = add_sum_squares(total, total, part)
@@ -486,18 +506,19 @@ class CopyEngineReduction:
             mine[...] = total
         return squares
 
-    def finish(self, grads, add_sum_squares):
-        """This rank's range of grads summed over the ranks, in place, ordered on the caller's stream, with
-        add_sum_squares(out, a, b) (the engine layers': out = a + b and sum(out^2) in one pass). Returns the
-        squares of the sum (a scalar on the device)."""
-        cupy, rank, size = self._cupy, self.comm.rank, self.shard_size
-        caller = cupy.cuda.get_current_stream()
-        done = cupy.cuda.Event(block=False, disable_timing=True)
-        with self._stream:
-            self.comm.all_reduce_sum(self._flag)  # the barrier: after every rank's copies
-        done.record(self._stream)
-        caller.wait_event(done)
-        return self._sum(grads, self._range(rank), self._range(rank) + size, add_sum_squares)
+    def share(self, grads):
+        """Copy this rank's summed shard (once the caller's queued work is done) into every other rank's
+        gradient buffer, on the copy stream. Call after finish(), then wait_shared() after the collectives
+        that must not wait for these copies (the barrier queues behind them)."""
+        rank, size = self.comm.rank, self.shard_size
+        offset = ((self.comm.world_size - 1) * size + rank * size) * 4  # this shard in a peer's allocation
+        self._after_caller()
+        for peer in self._peers.values():
+            self._copy(peer + offset, grads[rank * size:(rank + 1) * size].data.ptr, size)
+
+    def wait_shared(self):
+        """The caller's stream waits until every rank's shared shard is in this rank's gradient buffer."""
+        self._cupy.cuda.get_current_stream().wait_event(self._barrier())
 
     def close(self):
         for address in self._peers.values():

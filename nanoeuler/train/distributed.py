@@ -95,17 +95,15 @@ class DataParallel:
             return
         self.comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
         eng.sync_weights()
-        eng.pad_buffers(n)
         if hasattr(self.comm, "copy_engine_reduction") and eng.dtype == np.float32:
-            # without ZeRO every rank needs every sum: the copy engines all-reduce (N-1 copies of the gradients
-            # received a rank), which costs less than reduce-scatter and all-gather
-            self.copies = self.comm.copy_engine_reduction(eng.grads_padded.size // n, whole=not self.zero)
+            self.copies = self.comm.copy_engine_reduction(-(-eng.params.size // n))
+        eng.pad_buffers(n, grads=None if self.copies is None else self.copies.grads)
         if self.copies is not None:  # one bucket: its shards are sent a layer at a time
             minimum = float("inf")
         else:
             minimum = bucket_elements() if min_bucket is None else min_bucket
         self.buckets = bucket_plan(eng.gradient_offsets(), eng.params.size, n, minimum)
-        self.all_reduced = not self.zero and (self.copies is not None or len(self.buckets) > 1)
+        self.all_reduced = not self.zero and self.copies is None and len(self.buckets) > 1
         # even one bucket starts from the backward pass's end, before the host waits for the step's losses
         eng.gradients_ready = self._gradients_ready
         self.pieces = [shard_pieces(self.buckets, q, n) for q in range(n)]
@@ -136,8 +134,8 @@ class DataParallel:
             self._launched += 1
 
     def device_memory(self):
-        """Bytes held on the GPU beside the engine's pool: the copy engines' inbox."""
-        return 0 if self.copies is None else self.copies.inbox.nbytes
+        """Bytes held on the GPU beside the engine's pool: the copy engines' inbox and the gradients beside it."""
+        return 0 if self.copies is None else self.copies.nbytes
 
     def sum(self, values):
         """Every rank's values (floats) summed, as a list of floats."""
@@ -189,8 +187,7 @@ class DataParallel:
         self._gradients_ready(0)  # started by the backward pass: what it did not start, then all of it joined
         comm.join()
         self._launched = 0
-        # the copy engines' sum took its squares (of this rank's range: all of it with the all-reduce)
-        squares, self._squares = self._squares, None
+        squares, self._squares = self._squares, None  # the copy engines' sum took its shard's squares
         if self.all_reduced:  # every rank has every sum, the same bits: rank 0's squares are the norm's
             if squares is None:
                 squares = opt.squared_norm(eng.grads, on_device=True)
@@ -200,15 +197,20 @@ class DataParallel:
             return self._numbers(both)
         if squares is None:
             squares = sum(opt.squared_norm(grads[start:end], on_device=True) for start, end, _ in self.mine)
+        if self.copies is not None and not self.zero:  # its summed shard to the others, beside the update below
+            self.copies.share(grads)
         both = comm.all_reduce_sum(self._step_values(squares, values))
         clip = dict(squares=both[0], grad_clip=grad_clip)
         if not self.zero:  # the others' pieces of the summed gradients arrive while this rank updates its own
-            for (start, end), (mine, mine_end, _) in zip(self.buckets, self.mine):
-                comm.start_all_gather(grads[mine:mine_end], grads[start:end])
-            own = [(a, b, a) for a, b, _ in self.mine]
+            if self.copies is None:
+                for (start, end), (mine, mine_end, _) in zip(self.buckets, self.mine):
+                    comm.start_all_gather(grads[mine:mine_end], grads[start:end])
+            own, others = self._own_and_others()
             opt.update_pieces(eng.params_padded, grads, own, lr, weight_decay, 1.0, copy, **clip)
-            comm.join()
-            others = [(a, b, a) for q, pieces in enumerate(self.pieces) if q != comm.rank for a, b, _ in pieces]
+            if self.copies is None:
+                comm.join()
+            else:
+                self.copies.wait_shared()
             opt.update_pieces(eng.params_padded, grads, others, lr, weight_decay, 1.0, copy, count=False, **clip)
             return self._numbers(both)
         opt.update_pieces(eng.params_padded, grads, self.mine, lr, weight_decay, 1.0, copy, **clip)
@@ -219,6 +221,16 @@ class DataParallel:
             for (start, end), (mine, mine_end, _) in zip(self.buckets, self.mine):
                 comm.all_gather(eng.params_padded[mine:mine_end], eng.params_padded[start:end])
         return self._numbers(both)
+
+    def _own_and_others(self):
+        """Without ZeRO (every rank holds all the moments): this rank's pieces and the others', as
+        update_pieces takes them."""
+        total = self.eng.params.size  # the moments are not padded
+
+        def unpadded(pieces):
+            return [(a, min(b, total), a) for a, b, _ in pieces if a < total]
+        others = [piece for q, pieces in enumerate(self.pieces) if q != self.comm.rank for piece in pieces]
+        return unpadded(self.mine), unpadded(others)
 
     def _ranges(self, index):
         """Every rank's piece of bucket `index`, cut at the end of the (unpadded) parameters."""
