@@ -63,9 +63,8 @@ class DataParallel:
 
     1. The gradients are summed as soon as the backward pass has made them final (Engine.gradients_ready).
        Where the ranks share a host, through the GPUs' copy engines (parallel/comm.py's CopyEngineReduction),
-       sent a layer at a time beside the rest of the pass and added up at its end: with ZeRO a reduce-scatter
-       (each rank receives the sum of its piece of the one bucket), without it an all-reduce (every rank
-       receives every sum). Otherwise through NCCL on the communicator's stream, a reduce-scatter of one
+       sent a layer at a time beside the rest of the pass and added up at its end: a reduce-scatter (each rank
+       receives the others' gradients of its piece of the one bucket and sums them). Otherwise through NCCL on the communicator's stream, a reduce-scatter of one
        bucket (the default) at the pass's end, or of several (NANOEULER_BUCKET_MB) beside the rest of the pass
        (without ZeRO these buckets are all-reduced instead).
     2. The global gradient norm for clipping: each rank's sum of squares of its pieces (after an all-reduce,
@@ -75,8 +74,8 @@ class DataParallel:
        training loop calls once the next step is queued.
     3. The AdamW update:
        - without ZeRO every rank holds all the moments and takes the same update of all the weights; after a
-         reduce-scatter, its own pieces first, while an all-gather brings it the others' summed gradients,
-         then the rest;
+         reduce-scatter, its own pieces first, while the others' summed gradients arrive (the copy engines copy
+         each rank's summed piece into the others' gradient buffers; else an NCCL all-gather), then the rest;
        - with zero (ZeRO stage 1) rank r holds the moments of its pieces only (1/N of their memory,
          AdamW.shard) and updates those pieces of the weights (the float32 master weights, and in bf16 the
          compute copy in the same pass); then an all-gather hands every rank the updated compute weights: in
