@@ -365,8 +365,8 @@ class NcclCommunicator:
         self.all_reduce_sum(self._flag)
         self._flag.get()  # the host waits here (the watchdog ends a barrier that never opens)
 
-    def copy_engine_reduction(self, shard_size):
-        """A CopyEngineReduction of float32 shards of shard_size elements where every rank can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled,
+    def copy_engine_reduction(self, shard_size, share=False):
+        """A CopyEngineReduction of float32 shards of shard_size elements (share: see there) where every rank can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled,
         NANOEULER_REDUCE not `nccl`); else None. Every rank gets the same answer (a collective: every rank calls
         it)."""
         wanted = os.environ.get("NANOEULER_REDUCE", "copy")
@@ -382,7 +382,7 @@ class NcclCommunicator:
         reduction = None
         if usable:
             try:
-                reduction = CopyEngineReduction(self, shard_size)
+                reduction = CopyEngineReduction(self, shard_size, share)
             except self._cupy.cuda.runtime.CUDARuntimeError:
                 reduction = None  # no peer access between these GPUs: NCCL's kernels then
         if self.all_reduce_sum(np.array([0.0 if reduction else 1.0]))[0] > 0:
@@ -430,18 +430,22 @@ class CopyEngineReduction:
     (the all-gather of the update, or the sum of the step's norm and losses) has taken that rank's
     contribution, so after its sums have read the inbox. share() writes the part of another rank's gradients
     that rank sent away during the pass (final there since the barrier, not read by its sum), and the other
-    rank reads it, or writes its gradients again, only after wait_shared()."""
+    rank reads it, or writes its gradients again, only after wait_shared(). (With ZeRO-1 the gradients stay
+    in the engine's pool: nothing writes into them from outside.)"""
 
-    def __init__(self, comm, shard_size):
-        """shard_size: the padded flat buffer's elements over N."""
+    def __init__(self, comm, shard_size, share=False):
+        """shard_size: the padded flat buffer's elements over N; share: allocate the gradient buffer too, which
+        share() writes into on the other ranks (the engine then uses it: self.grads)."""
         cupy = comm._cupy
         self.comm, self._cupy, self.shard_size = comm, cupy, shard_size
         n, runtime = comm.world_size, cupy.cuda.runtime
         # one allocation of its own (not the pool's: an IPC handle names a whole allocation), the inbox first
-        self._memory = cupy.cuda.memory.Memory((2 * n - 1) * shard_size * 4)
-        whole = cupy.ndarray(((2 * n - 1) * shard_size,), np.float32, cupy.cuda.MemoryPointer(self._memory, 0))
+        elements = ((n - 1) + (n if share else 0)) * shard_size
+        self._memory = cupy.cuda.memory.Memory(elements * 4)
+        whole = cupy.ndarray((elements,), np.float32, cupy.cuda.MemoryPointer(self._memory, 0))
         self.inbox = whole[:(n - 1) * shard_size].reshape(n - 1, shard_size)
-        self.grads = whole[(n - 1) * shard_size:]  # the engine's padded gradient buffer (Engine.pad_buffers)
+        # the engine's padded gradient buffer (Engine.pad_buffers), where share() is to reach it
+        self.grads = whole[(n - 1) * shard_size:] if share else None
         handle = np.frombuffer(runtime.ipcGetMemHandle(self._memory.ptr), np.uint8)
         handles = cupy.zeros(n * handle.size, np.uint8)
         comm.all_gather(cupy.asarray(handle), handles)
@@ -459,7 +463,7 @@ class CopyEngineReduction:
 
     @property
     def nbytes(self):
-        """Bytes of the allocation: the inbox and the gradient buffer."""
+        """Bytes of the allocation: the inbox (and the gradient buffer, with share)."""
         return self._memory.size
 
     def _after_caller(self):

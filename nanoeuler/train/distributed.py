@@ -95,8 +95,10 @@ class DataParallel:
         self.comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
         eng.sync_weights()
         if hasattr(self.comm, "copy_engine_reduction") and eng.dtype == np.float32:
-            self.copies = self.comm.copy_engine_reduction(-(-eng.params.size // n))
-        eng.pad_buffers(n, grads=None if self.copies is None else self.copies.grads)
+            # without ZeRO every rank needs every sum: each rank's summed shard is copied into the others'
+            # gradient buffers, which the reduction allocates so that they can map it
+            self.copies = self.comm.copy_engine_reduction(-(-eng.params.size // n), share=not self.zero)
+        eng.pad_buffers(n, grads=self.copies.grads if self.copies is not None else None)
         if self.copies is not None:  # one bucket: its shards are sent a layer at a time
             minimum = float("inf")
         else:
