@@ -422,8 +422,8 @@ class CopyEngineReduction:
     every rank needs every sum: share() copies this rank's summed shard into the same place of every other
     rank's gradient buffer (which this object allocates, so that the other ranks can map it), beside the
     update of the rank's own shard, and wait_shared() is the barrier after those copies. Every rank then holds
-    the same bits of every sum, having received half of a whole all-reduce's bytes during the pass (on 2 GPUs)
-    and added only its own shard.
+    the same bits of every sum, having received (N-1)/N of the gradients' bytes during the pass and as much
+    after it, and added only its own shard (an all-reduce of whole copies: N-1 times the bytes, all added).
 
     Memory a rank: the inbox of N-1 shards (`base` on 2 GPUs: 208 MB) beside the gradient buffer. A rank
     overwrites another's inbox only in the next step's backward pass, after a collective that follows the sums
