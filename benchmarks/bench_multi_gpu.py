@@ -3,10 +3,11 @@
 Each configuration is a real `nanoeuler train PRESET` (one GPU, or `--gpus N`, with or without `--zero 1`) of
 a few hundred steps on the same corpus and tokenizer; its metrics log gives the median tokens/s over the
 steps after the warm-up (all ranks together) and the GPU memory of rank 0 (CuPy's pool at its high-water mark,
-plus the copy engines' inbox). Prints each configuration's tokens/s, its ratio to one GPU at the same per-rank
+plus the copy engines' allocation). Prints each configuration's tokens/s, its ratio to one GPU at the same per-rank
 batch, that ratio over the number of GPUs (the scaling efficiency), and its memory; with --nccl, each multi-GPU
 configuration also with NCCL's reduce-scatter in place of the copy engines'; --reductions copy nccl chooses
-them one by one.
+them one by one. --repeats R runs every configuration R times, round after round, and reports the medians and
+the spread of the rounds' ratios.
 
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --data shakespeare.txt --tokenizer tok.json
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --presets base large --batch-sizes 16 32 --gpus 2 4 --nccl
@@ -49,28 +50,41 @@ def speed(args, out_dir):
     reductions = list(dict.fromkeys(args.reductions + (["nccl"] if args.nccl else [])))
     for preset in args.presets:
         for batch in args.batch_sizes:
-            base = None
             runs = [(1, False, "-")] + [(g, z, r) for g in args.gpus for z in (False, True) for r in reductions]
-            for gpus, zero, reduce in runs:
-                log = train(args, preset, batch, gpus, zero, args.steps, out_dir=out_dir,
-                            name=f"{preset}_{batch}_{gpus}_{int(zero)}_{reduce}", reduce=reduce)
-                if log is None:
+            measured = {run: {} for run in runs}  # round -> (tokens/s, MFU, GiB)
+            for repeat in range(args.repeats):  # round after round, so that drift touches every configuration
+                for gpus, zero, reduce in runs:
+                    log = train(args, preset, batch, gpus, zero, args.steps, out_dir=out_dir,
+                                name=f"{preset}_{batch}_{gpus}_{int(zero)}_{reduce}", reduce=reduce)
+                    if log is None:
+                        continue
+                    steps = [r for r in log if "tokens_per_s" in r][args.warmup:]
+                    tps = statistics.median(r["tokens_per_s"] for r in steps)
+                    mfu = statistics.median(r.get("mfu", 0) for r in steps)
+                    mem = max(r.get("gpu_mem_gib", 0) for r in log)
+                    measured[gpus, zero, reduce][repeat] = (tps, mfu, mem)
+                    print(f"{preset} batch {batch} x {gpus} GPU {'zero1' if zero else ''} {reduce} (round "
+                          f"{repeat + 1}): {tps:,.0f} tokens/s, MFU {mfu:.1%} a GPU, {mem:.2f} GiB", flush=True)
+            one = {repeat: tps for repeat, (tps, _, _) in measured[runs[0]].items()}
+            for (gpus, zero, reduce), results in measured.items():
+                if not results or not one:
                     continue
-                steps = [r for r in log if "tokens_per_s" in r][args.warmup:]
-                tps = statistics.median(r["tokens_per_s"] for r in steps)
-                mem = max(r.get("gpu_mem_gib", 0) for r in log)
-                mfu = statistics.median(r.get("mfu", 0) for r in steps)
-                base = base or tps
-                ratio = tps / base
-                rows.append((preset, batch, gpus, "zero1" if zero else "-", reduce, tps, ratio, ratio / gpus, mfu, mem))
-                print(f"{preset} batch {batch} x {gpus} GPU {'zero1' if zero else ''} {reduce}: {tps:,.0f} tokens/s, "
-                      f"{ratio:.3f}x, MFU {mfu:.1%} a GPU, {mem:.2f} GiB", flush=True)
-    print("\n| preset | per-rank batch | GPUs | ZeRO | reduction | tokens/s (all GPUs) | vs 1 GPU | scaling efficiency "
-          "| MFU a GPU | GPU memory (GiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for preset, batch, gpus, zero, reduce, tps, ratio, efficiency, mfu, mem in rows:
+                tps = statistics.median(t for t, _, _ in results.values())
+                ratio = tps / statistics.median(one.values())
+                # each round's ratio to that round's one GPU: the spread a single run would show
+                rounds = [t / one[repeat] for repeat, (t, _, _) in results.items() if repeat in one]
+                rows.append((preset, batch, gpus, "zero1" if zero else "-", reduce, tps, ratio, ratio / gpus,
+                             statistics.median(m for _, m, _ in results.values()),
+                             max(g for _, _, g in results.values()),
+                             f"{min(rounds):.3f}-{max(rounds):.3f}x" if len(rounds) > 1 else "-"))
+    print(f"\n{args.repeats} round(s); tokens/s: the median of the rounds' medians; vs 1 GPU: that over one GPU's; "
+          "each round's ratio to its own one-GPU run in the last column")
+    print("| preset | per-rank batch | GPUs | ZeRO | reduction | tokens/s (all GPUs) | vs 1 GPU | scaling efficiency "
+          "| MFU a GPU | GPU memory (GiB) | rounds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for preset, batch, gpus, zero, reduce, tps, ratio, efficiency, mfu, mem, spread in rows:
         print(f"| {preset} | {batch} | {gpus} | {zero} | {reduce} | {tps:,.0f} | {ratio:.3f}x | {efficiency:.1%} "
-              f"| {mfu:.1%} | {mem:.2f} |")
+              f"| {mfu:.1%} | {mem:.2f} | {spread} |")
 
 
 def equivalence(args, out_dir):
@@ -112,6 +126,9 @@ def main():
                         help="each multi-GPU run also with NCCL reduce-scatter (NANOEULER_REDUCE=nccl)")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=30, help="steps left out of the median")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of every configuration, one after another (the ratios vary by about 1%% "
+                             "from run to run)")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--equivalence", type=int, metavar="STEPS", help="compare loss curves instead of speed")
     parser.add_argument("--eval-every", type=int, help="with --equivalence: validation every N steps")

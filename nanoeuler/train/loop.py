@@ -226,7 +226,7 @@ def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, par
                 record.update(tokens_per_s_per_gpu=round(tps / gpus, 1))
             if peak:  # of all the GPUs' peak: the mean utilisation of one
                 record.update(mfu=round(tps * flops_per_token(eng.cfg) / (peak * gpus), 4))
-            if eng.device_memory() is not None:  # the engine's pool and the reduction's inbox
+            if eng.device_memory() is not None:  # the engine's pool and the copy engines' allocation
                 memory = eng.device_memory() + parallel.device_memory()
                 record.update(gpu_mem_gib=round(memory / 2 ** 30, 3))
             if log_first:
