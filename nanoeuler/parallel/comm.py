@@ -366,9 +366,9 @@ class NcclCommunicator:
         self._flag.get()  # the host waits here (the watchdog ends a barrier that never opens)
 
     def copy_engine_reduction(self, shard_size, share=False):
-        """A CopyEngineReduction of float32 shards of shard_size elements (share: see there) where every rank can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled,
-        NANOEULER_REDUCE not `nccl`); else None. Every rank gets the same answer (a collective: every rank calls
-        it)."""
+        """A CopyEngineReduction of float32 shards of shard_size elements (share: see there) where every rank
+        can reach every other's memory (one host, CUDA IPC, NCCL's peer-to-peer not disabled, NANOEULER_REDUCE
+        not `nccl`); else None. Every rank gets the same answer (a collective: every rank calls it)."""
         wanted = os.environ.get("NANOEULER_REDUCE", "copy")
         if wanted not in ("copy", "nccl"):
             raise UserError(f"NANOEULER_REDUCE={wanted} must be copy or nccl")

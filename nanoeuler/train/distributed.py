@@ -64,9 +64,9 @@ class DataParallel:
     1. The gradients are summed as soon as the backward pass has made them final (Engine.gradients_ready).
        Where the ranks share a host, through the GPUs' copy engines (parallel/comm.py's CopyEngineReduction),
        sent a layer at a time beside the rest of the pass and added up at its end: a reduce-scatter (each rank
-       receives the others' gradients of its piece of the one bucket and sums them). Otherwise through NCCL on the communicator's stream, a reduce-scatter of one
-       bucket (the default) at the pass's end, or of several (NANOEULER_BUCKET_MB) beside the rest of the pass
-       (without ZeRO these buckets are all-reduced instead).
+       receives the others' gradients of its piece of the one bucket and sums them). Otherwise through NCCL on
+       the communicator's stream, a reduce-scatter of one bucket (the default) at the pass's end, or of several
+       (NANOEULER_BUCKET_MB) beside the rest of the pass (without ZeRO these buckets are all-reduced instead).
     2. The global gradient norm for clipping: each rank's sum of squares of its pieces (after an all-reduce,
        rank 0's of all of them), summed over the ranks in one collective together with the step's losses,
        tokens and Ctrl-C flags (`values`), on the device; the update computes the clip factor from it there.
@@ -135,7 +135,8 @@ class DataParallel:
             self._launched += 1
 
     def device_memory(self):
-        """Bytes held on the GPU beside the engine's pool: the copy engines' inbox and the gradients beside it."""
+        """Bytes held on the GPU beside the engine's pool: the copy engines' allocation (the inbox, and without
+        ZeRO the gradients)."""
         return 0 if self.copies is None else self.copies.nbytes
 
     def sum(self, values):
