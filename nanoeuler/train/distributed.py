@@ -191,9 +191,7 @@ class DataParallel:
         self._launched = 0
         squares, self._squares = self._squares, None  # the copy engines' sum took its shard's squares
         if self.all_reduced:  # every rank has every sum, the same bits: rank 0's squares are the norm's
-            if squares is None:
-                squares = opt.squared_norm(eng.grads, on_device=True)
-            squares = squares if comm.rank == 0 else 0.0
+            squares = opt.squared_norm(eng.grads, on_device=True) if comm.rank == 0 else 0.0
             both = comm.all_reduce_sum(self._step_values(squares, values))
             opt.update(eng.params, eng.grads, lr, weight_decay, 1.0, copy, squares=both[0], grad_clip=grad_clip)
             return self._numbers(both)
