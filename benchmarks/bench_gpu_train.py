@@ -30,7 +30,7 @@ import numpy as np
 from nanoeuler.model.config import PRESETS, flops_per_token, init_params, param_count
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.model.losses import cross_entropy_backward
-from reference import Reference, batches
+from reference import Reference, batches, training_step
 from shapes import SHAPES
 
 
@@ -86,15 +86,7 @@ def bench_torch(cfg, inputs, targets, args, compiled=False):
                 else contextlib.nullcontext())
     torch.cuda.reset_peak_memory_stats()
 
-    def step():
-        with autocast:
-            loss = loss_fn(x, y)[0]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
+    step = training_step(loss_fn, model, opt, x, y, autocast)
     med, best, loss = time_steps(step, torch.cuda.synchronize, args.warmup, args.steps)
     mem = torch.cuda.max_memory_allocated()
     del model, loss_fn, opt

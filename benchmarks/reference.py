@@ -180,3 +180,18 @@ class Reference(torch.nn.Module):
         losses = [F.cross_entropy(z.to(dtype).reshape(-1, V), targets[k].reshape(-1), ignore_index=-1)
                   for k, z in enumerate(logits)]
         return torch.stack(losses).mean(), losses[0]
+
+
+def training_step(loss_fn, model, opt, x, y, autocast):
+    """A step as nanoGPT trains, for the benchmarks: loss_fn(x, y) (the model, compiled or wrapped) under
+    `autocast`, backward, clipping to 1.0, the optimizer's step; returns the loss on the host, as training
+    reads it."""
+    def step():
+        with autocast:
+            loss = loss_fn(x, y)[0]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
