@@ -2,7 +2,8 @@
 fields that measure time, so that two versions of the code can be compared record for record.
 
     python benchmarks/training_curves.py OUT_DIR                 # runs the three stages, writes OUT_DIR/*.jsonl
-    python benchmarks/training_curves.py --compare DIR_A DIR_B   # exit 1 and the first difference if they differ
+    python benchmarks/training_curves.py --compare DIR_A DIR_B   # exit 1 at the first difference: records,
+                                                                 # or the checkpoints' weights and moments
 
 The runs: `nanoeuler train small` on the first 600 KB of shakespeare.txt for 60 steps (the small preset, its
 own tokenizer), `nanoeuler sft` of it on tests/data/sft_greetings.json for 30 steps, `nanoeuler dpo` of that on
@@ -61,6 +62,10 @@ def run(out):
 
 
 def compare(a, b):
+    import numpy as np
+
+    sys.path.insert(0, ROOT)
+    from nanoeuler.io import checkpoint
     for name in ("base", "chat", "dpo", "dpo2"):
         with open(os.path.join(a, f"{name}.curve.jsonl")) as f:
             left = f.read().splitlines()
@@ -73,7 +78,12 @@ def compare(a, b):
         if len(left) != len(right):
             print(f"{name}: {len(left)} records against {len(right)}")
             return 1
-        print(f"{name}: {len(left)} records, identical")
+        ours, theirs = (checkpoint.load(os.path.join(d, f"{name}.bin"), with_opt=True) for d in (a, b))
+        same = [np.array_equal(x, y) for x, y in zip((ours.params, *ours.opt), (theirs.params, *theirs.opt))]
+        if not all(same) or ours.step != theirs.step:
+            print(f"{name}.bin: the weights or the AdamW moments differ")
+            return 1
+        print(f"{name}: {len(left)} records and the checkpoint's weights and moments identical")
     return 0
 
 

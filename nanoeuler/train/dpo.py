@@ -16,7 +16,7 @@ is Rafailov et al.'s DPO plus RPO's NLL of the chosen replies (Pang et al. 2024,
     loss = mean over pairs of -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
            + alpha * (the chosen replies' summed -log-probability) / (their tokens)
 
-written once in model/losses.py: the engine's backward pass with a weight per sequence on its rows'
+written once in train/objectives.py: the engine's backward pass with a weight per sequence on its rows'
 cross-entropy gradients, on either engine. Plain DPO (--rpo-alpha 0) wins its margin by pushing the rejected
 reply's first tokens down onto junk; the NLL term makes the chosen reply's tokens take that mass
 (docs/dpo.md: the comparison with plain DPO and DPOP). The defaults (lr, steps) are per preset, the one
