@@ -40,7 +40,7 @@ import time
 import uuid
 from importlib.resources import files
 
-from nanoeuler.errors import UserError
+from nanoeuler.errors import UserError, require
 
 try:
     import uvicorn
@@ -52,7 +52,8 @@ try:
     from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
     from starlette.routing import Route
 except ImportError:
-    raise UserError("nanoeuler serve needs its extra: pip install '.[serve]'") from None
+    require("uvicorn", "starlette", what="nanoeuler serve")  # one line naming the one that is missing
+    raise
 
 from nanoeuler.data import jinja_template
 from nanoeuler.data.template import conversation_ids, own_template
