@@ -33,7 +33,7 @@ def one_line(r, message):
 
 def test_no_cupy_with_device_gpu(tmp_path):
     one_line(blocked(["cupy"], "train", "--device", "gpu", "--out", tmp_path / "a.bin"),
-             "--device gpu needs CuPy: pip install -e '.[gpu]'")
+             "--device gpu: no CUDA GPU found (the GPU engine needs CuPy: pip install -e '.[gpu]'); use --device cpu")
 
 
 @pytest.mark.parametrize("module, package", [("cuda.bindings", "cuda-bindings"), ("nvmath", "nvmath-python")])

@@ -32,7 +32,10 @@ def resolve(device, cfg=None):
     if device == "cpu":
         return "cpu"
     if device == "gpu":
-        require("cupy", what="--device gpu")
+        try:
+            require("cupy", what="the GPU engine")
+        except UserError as e:
+            raise UserError(f"--device gpu: no CUDA GPU found ({e}); use --device cpu") from None
         if not gpu_available():
             raise UserError("--device gpu: no CUDA GPU found (needs an NVIDIA GPU of compute capability 8.0+ "
                             "and `pip install -e '.[gpu]'`); use --device cpu")
