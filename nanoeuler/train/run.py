@@ -83,7 +83,7 @@ class Context:
     say: object
 
     def eval_limits(self):
-        """(final, periodic) evaluation batches. Rank 0 evaluates alone, in batches of the per-rank size: N
+        """The batches of the (full, quick) evaluations (loop.Validation's), None: all of them. Rank 0 evaluates alone, in batches of the per-rank size: N
         times as many of them cover the windows one process at the global batch would score, so the validation
         numbers do not depend on the world size."""
         n, hp = self.world.world_size, self.hyper
