@@ -254,6 +254,47 @@ def test_ctrl_c_from_the_terminal_saves_and_exits_cleanly(corpus, tmp_path):
     assert step >= 3 and "continue with --resume" in out
 
 
+def test_fit_asks_only_the_trainable_about_the_weights(corpus, tokenizer, tmp_path):
+    """What trains is one seam: fit() reads the engine, the communicator, a step, the state for a checkpoint and
+    the memory beside the engine from the Trainable, and nothing else of it (adapters, sharded weights plug in
+    there: docs/training.md)."""
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.parallel.comm import SingleProcess
+    from nanoeuler.train.objectives import CrossEntropy
+    from nanoeuler.train.trainable import Trainable
+
+    class Only:
+        """The members fit() may use, delegated to a real Trainable; any other is an AttributeError."""
+        __slots__ = ("engine", "comm", "calls", "real")
+
+        def __init__(self, real):
+            self.engine, self.comm, self.calls, self.real = real.engine, real.comm, [], real
+
+        def step(self, lr, hyper, values):
+            self.calls.append("step")
+            return self.real.step(lr, hyper, values)
+
+        def state(self):
+            self.calls.append("state")
+            return self.real.state()
+
+        def device_memory(self):
+            return self.real.device_memory()
+
+    cfg = tiny_config(tokenizer.vocab_size)
+    data = open_corpus(corpus, tokenizer, progress=False)
+    hp = dataclasses.replace(HYPER, steps=6, ckpt_every=5)
+    trainable = Only(Trainable(make_engine(cfg, device="cpu", seed=0), hp, SingleProcess()))
+    source = RandomWindows(data.train, hp.batch_size, cfg.context, cfg.mtp_heads, seed=0)
+    validation = loop.Validation(*(eval_batches(data.val, data.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
+                                                limit=2) for _ in range(2)))
+    job = loop.Job(hp, tokenizer, source, validation, CrossEntropy(), str(tmp_path / "t.bin"),
+                   str(tmp_path / "t.jsonl"))
+    assert loop.fit(job, trainable) == 0
+    assert trainable.calls == ["step"] * 5 + ["state", "step", "state"]  # checkpoints at steps 5 and 6
+    assert checkpoint.load(tmp_path / "t.bin", with_opt=True).train_state["opt_step"] == 6
+
+
 def test_gradient_norm_accumulates_in_float64():
     from nanoeuler.model.cpu import layers as cpu_layers
     x = np.random.default_rng(0).standard_normal(3_000_001).astype(np.float32)  # not a multiple of a chunk

@@ -11,8 +11,9 @@ AdamW's moments over all of them (model/optimizer.py) and, over N ranks, DataPar
 ZeRO-1 the moments' shards (train/distributed.py). What trains in another way plugs in here, behind the same
 four members (engine, step, state, device_memory): adapters (LoRA) that train a few small tensors beside
 frozen weights would hold their own flat parameters, gradients and moments and save those; ZeRO-2/3 would
-shard the gradients and the weights. The loop, the objectives' shares and the checkpoints' format of the
-training state stay as they are.
+shard the gradients and the weights. fit() reads nothing else of it but `comm` (the ranks, for its own
+numbers); tests/test_train.py holds it to that. The loop, the objectives' shares and the checkpoints' format
+of the training state stay as they are.
 """
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.train.distributed import DataParallel
