@@ -3,8 +3,8 @@ same layer functions as the CPU engine (layers.py; nanoeuler.model.engine.Engine
 runtime of runtime.py (compiling, launching, cuBLAS through nvmath-python, CUDA graphs).
 
 Nothing here imports cupy at import time, so the CPU path never loads it; `available()` probes inside a try.
-The extra `[gpu]` brings the three libraries the engine needs (`require_libraries`): a machine without one of
-them is told so in one line, never with a traceback.
+The extra `[gpu]` brings the three libraries the engine needs (CuPy, cuda-bindings, nvmath-python): a machine
+without one of them is told so in one line, never with a traceback (`require_libraries`, runtime.py).
 """
 from nanoeuler.errors import installed, require
 
@@ -29,11 +29,12 @@ def available():
 
 
 def require_libraries(what="the GPU engine"):
-    """CuPy imported, and NVIDIA's CUDA Python (cuda-bindings) and nvmath-python bindings installed (imported
-    where they are used, by runtime.py, after CuPy has loaded its CUDA libraries); a one-line UserError naming
-    the first that is missing and `pip install -e '.[gpu]'` otherwise."""
+    """CuPy imported and nvmath-python installed (imported where it is used, by runtime.py, after CuPy has
+    loaded its CUDA libraries): what every GPU training step needs; a one-line UserError naming the first that
+    is missing and `pip install -e '.[gpu]'` otherwise. cuda-bindings, which only sm_90+ GPUs' CUDA graphs use,
+    is checked where runtime.py imports it, with the same line."""
     require("cupy", what=what)
-    installed("cuda.bindings", "nvmath", what=what)
+    installed("nvmath", what=what)
 
 
 def device_name():
