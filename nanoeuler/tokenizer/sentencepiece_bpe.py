@@ -9,7 +9,7 @@ spaces spelled `▁`, and one of two ways of marking the start of a text:
 - `metaspace`: the Metaspace pre-tokenizer (replacement `▁`, prepend_scheme `always`, `first` or `never`,
   split or not): a `▁` in front of a piece that does not start with one (`first`: only at the text's start).
 
-Tokenizer.load (nanoeuler/tokenizer/bpe.py) picks this class for such a file; it has the byte-level Tokenizer's
+Tokenizer.load (nanoeuler/tokenizer/hf.py) picks this class for such a file; it has the byte-level Tokenizer's
 interface (encode, encode_ordinary, decode, encode_file, special tokens, BOS/EOS, set_chat, to_json/from_json,
 save_hf; the shared part in nanoeuler/tokenizer/base.py). Encoding follows `tokenizers` step by step: added
 tokens are split out first (those with `normalized: false` from the raw text, the others after normalization),
