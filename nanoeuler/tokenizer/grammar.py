@@ -81,14 +81,16 @@ def _category_body(name, where):
 
 @functools.cache
 def _word_body():
-    """Oniguruma's Unicode \\w: Letter, Mark, Number, Connector_Punctuation."""
-    return "".join(_class_ranges(c) for c in ("L", "M", "N", "Pc"))
+    """Oniguruma's Unicode \\w (Unicode's word characters, _is_word)."""
+    return ("".join(_class_ranges(c) for c in ("L", "M", "Nd", "Nl", "Pc"))
+            + "\u200c\u200d\u24b6-\u24e9\U0001f130-\U0001f149\U0001f150-\U0001f169\U0001f170-\U0001f189")
 
 
 def onig_to_re(pattern, where="its regex"):
     """A compiled Python `re` pattern that matches as the Oniguruma pattern does in `tokenizers`: \\p{..}
-    and \\P{..} become explicit classes, \\s and \\w Oniguruma's Unicode ones, \\z and \\Z their `re` forms."""
-    out, i, n, in_class = [], 0, len(pattern), False
+    and \\P{..} become explicit classes, \\s and \\w Oniguruma's Unicode ones, \\z and \\Z their `re` forms,
+    a class inside a class its members, ^ and $ line anchors (Ruby syntax, Oniguruma's default)."""
+    out, i, n, in_class, depth = [], 0, len(pattern), False, 0
     while i < n:
         c = pattern[i]
         if c == "\\" and i + 1 < n:
@@ -124,10 +126,20 @@ def onig_to_re(pattern, where="its regex"):
             i += 2
             continue
         if in_class:
+            if c == "[":  # a class inside a class (Oniguruma's union): its members join the outer class
+                if pattern.startswith("[^", i) or pattern.startswith("[:", i):
+                    raise Unsupported(f"{where}: {pattern[i:i + 2]!r} inside a class is not one nanoeuler reads")
+                depth += 1
+                i += 1
+                continue
+            if c == "&" and pattern.startswith("&&", i):
+                raise Unsupported(f"{where}: a class intersection (&&) is not one nanoeuler reads")
+            if c == "]" and depth:
+                depth -= 1
+                i += 1
+                continue
             if c == "]" and not (out and out[-1] in ("[", "[^")):
                 in_class = False
-            elif c == "[":  # a nested class (Oniguruma's set syntax): `re` has none
-                raise Unsupported(f"{where}: a class inside a class is not one nanoeuler reads")
             out.append(c)
         elif c == "[":
             in_class = True
@@ -146,7 +158,7 @@ def onig_to_re(pattern, where="its regex"):
             out.append(c)
         i += 1
     try:
-        return re.compile("".join(out))
+        return re.compile("".join(out), re.MULTILINE)  # Oniguruma's ^ and $ match at every line
     except re.error as e:
         raise Unsupported(f"{where}: regex {pattern!r} is not one nanoeuler reads ({e})") from None
 
@@ -199,7 +211,8 @@ def char_matches(pred, text):
 
 
 def split_spans(text, spans, behavior):
-    """The pieces of text that `tokenizers`' NormalizedString.split keeps for a SplitDelimiterBehavior."""
+    """The pieces of text that `tokenizers`' NormalizedString.split keeps for a SplitDelimiterBehavior, as
+    (where it starts, its text)."""
     if behavior == "Removed":
         keep = [(s, e) for s, e, m in spans if not m]
     elif behavior == "Isolated":
@@ -224,7 +237,7 @@ def split_spans(text, spans, behavior):
         keep.reverse()
     else:
         raise UserError(f"split behavior {behavior!r} is not one of tokenizers'")
-    return [text[s:e] for s, e in keep]
+    return [(s, text[s:e]) for s, e in keep]
 
 
 # ----------------------------------------------------------------------------------------- normalizers
@@ -258,7 +271,7 @@ def _is_chinese(c):
 
 
 def _strip_accents(text):
-    return "".join(c for c in text if unicodedata.category(c) != "Mn")
+    return "".join(c for c in text if unicodedata.category(c)[0] != "M")  # every combining mark
 
 
 def _bert_normalizer(d):
@@ -273,8 +286,8 @@ def _bert_normalizer(d):
                            if not (c == "\0" or c == "\ufffd" or (c not in "\t\n\r" and unicodedata.category(c)[0] == "C")))
         if chinese:
             text = "".join(f" {c} " if _is_chinese(c) else c for c in text)
-        if accents:
-            text = _strip_accents(unicodedata.normalize("NFD", text))
+        if accents:  # only the nonspacing marks here (StripAccents drops every mark)
+            text = "".join(c for c in unicodedata.normalize("NFD", text) if unicodedata.category(c) != "Mn")
         if lower:
             text = _lowercase(text)
         return text
@@ -325,17 +338,18 @@ def normalizer(d, where="its normalizer"):
 
 
 # ------------------------------------------------------------------------------------- pre-tokenizers
-# A pre-tokenizer maps a list of (text, at_origin) words to a new list; at_origin: the word starts the text
+# A pre-tokenizer maps a list of (text, origin) words to a new list; origin: how many of the word's first
+# characters stand for the text's first character (Metaspace's prepend_scheme "first" reads whether any do)
 # (Metaspace's prepend_scheme "first" reads it).
 
 def _splitting(cut):
-    """A pre-tokenizer from cut(text) -> pieces; only a word's first piece keeps its at_origin."""
+    """A pre-tokenizer from cut(text) -> (start, piece) pairs."""
     def run(words):
         out = []
         for text, origin in words:
-            for k, piece in enumerate(cut(text)):
+            for start, piece in cut(text):
                 if piece:
-                    out.append((piece, origin and k == 0))
+                    out.append((piece, max(0, origin - start)))
         return out
     return run
 
@@ -383,12 +397,18 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
         regex = onig_to_re(GPT2_REGEX) if d.get("use_regex", True) else None
         prefix = bool(d.get("add_prefix_space", True))
 
-        def cut(text):
-            if prefix and not text.startswith(" "):
-                text = " " + text
-            return split_spans(text, find_matches(regex, text), "Isolated") if regex is not None else [text]
-        split = _splitting(cut)
-        return lambda words: [(_byte_level_chars(t), o) for t, o in split(words)]
+        def run(words):
+            out = []
+            for text, origin in words:
+                if prefix and not text.startswith(" "):
+                    text, origin = " " + text, origin + 1 if origin else 0
+                pieces = split_spans(text, find_matches(regex, text), "Isolated") if regex else [(0, text)]
+                for start, p in pieces:
+                    if p:  # each character becomes the characters of its UTF-8 bytes
+                        k = max(0, origin - start)
+                        out.append((_byte_level_chars(p), len(_byte_level_chars(p[:k]))))
+            return out
+        return run
     if kind == "Digits":
         numeric = _numeric()
         behavior = "Isolated" if d.get("individual_digits") else "Contiguous"
@@ -406,10 +426,10 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
             for text, origin in words:
                 text = text.replace(" ", replacement)
                 if not text.startswith(replacement) and (scheme == "always" or scheme == "first" and origin):
-                    text = replacement + text
+                    text, origin = replacement + text, origin + 1 if origin else 0
                 pieces = (split_spans(text, char_matches(lambda c: c == replacement, text), "MergedWithNext")
-                          if split else [text])
-                out += [(p, origin and k == 0) for k, p in enumerate(pieces) if p]
+                          if split else [(0, text)])
+                out += [(p, max(0, origin - start)) for start, p in pieces if p]
             return out
         return run
     if kind == "Whitespace":
@@ -429,13 +449,17 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
         return lambda words: punct(spaces(words))
     if kind == "FixedLength":
         length = int(d.get("length", 5))
-        return _splitting(lambda t: [t[k:k + length] for k in range(0, len(t), length)])
+        return _splitting(lambda t: [(k, t[k:k + length]) for k in range(0, len(t), length)])
     raise Unsupported(f"{where}: {kind} is not one nanoeuler reads")
 
 
 # ------------------------------------------------------------------------------------------- decoders
 # A decoder maps (list of token strings, whether the first one starts the text) to a new list; the strings
 # carry bytes that are not UTF-8 as surrogate escapes, so that decoding gives back the exact bytes.
+
+class Joined(list):
+    """A decoder's output that is the tokens joined into one: its start is not a token's start."""
+
 
 def _wordpiece_cleanup(t):
     for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
@@ -478,7 +502,7 @@ def decoder(d, where="its decoder"):
             for t in tokens:
                 raw = [u2b.get(c) for c in t]
                 data += bytes(raw) if None not in raw else t.encode("utf-8", "surrogateescape")
-            return [data.decode("utf-8", "surrogateescape")]
+            return Joined([data.decode("utf-8", "surrogateescape")])
         return run
     if kind == "Metaspace":
         replacement = d.get("replacement", SPACE)
@@ -488,7 +512,7 @@ def decoder(d, where="its decoder"):
     if kind == "ByteFallback":
         return lambda tokens, start: _byte_fallback(tokens)
     if kind == "Fuse":
-        return lambda tokens, start: ["".join(tokens)]
+        return lambda tokens, start: Joined(["".join(tokens)])
     if kind == "Strip":
         content, lead, trail = d.get("content", " "), int(d.get("start", 0)), int(d.get("stop", 0))
 
@@ -500,8 +524,9 @@ def decoder(d, where="its decoder"):
             while k < trail and b > a and t[b - 1] == content:
                 b, k = b - 1, k + 1
             return t[a:b]
-        # a fused continuation is not the start of a token: only the text's first keeps its cut there
-        return lambda tokens, start: [strip(t, start or k > 0) for k, t in enumerate(tokens)]
+        # joined tokens that continue a text do not start with a token: no cut there
+        return lambda tokens, start: [strip(t, start or k > 0 or not isinstance(tokens, Joined))
+                                      for k, t in enumerate(tokens)]
     if kind == "Replace":
         regex, content = _pattern(d.get("pattern"), "its Replace decoder"), d.get("content", "")
         return lambda tokens, start: [regex.sub(lambda m: content, t) for t in tokens]
@@ -598,7 +623,7 @@ class GrammarBPE(TokenizerBase):
         try:
             vocab = {str(k): int(v) for k, v in model["vocab"].items()}
             merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
-            added = [dict(t, id=int(t["id"]), content=str(t["content"])) for t in hf.get("added_tokens") or []]
+            added = _added_ids(vocab, [dict(t, content=str(t["content"])) for t in hf.get("added_tokens") or []])
         except (KeyError, TypeError, AttributeError, ValueError):
             raise UserError(f"{where} is not a BPE tokenizer.json") from None
         if model.get("dropout") not in (None, 0, 0.0, 1, 1.0):
@@ -631,7 +656,9 @@ class GrammarBPE(TokenizerBase):
         for t in self._added:
             if not t["content"]:
                 raise UserError(f"{where}: an added token is empty")
-            names[t["id"]] = t["content"]
+            # decoding reads a normalized token as the normalizer writes it
+            normal = t.get("normalized", not t.get("special")) and self._normalize
+            names[t["id"]] = self._normalize(t["content"]) if normal else t["content"]
         self.vocab_size = max(names) + 1 if names else 0
         if min(names, default=0) < 0 or self.vocab_size > MAX_IDS:
             raise UserError(f"{where}: its ids are not 0 to {MAX_IDS - 1}")
@@ -680,24 +707,28 @@ class GrammarBPE(TokenizerBase):
         """Token ids of text (str, or UTF-8 bytes), as `tokenizers` gives them: special tokens written in the text
         are found only with allow_special (else `encode_special_tokens`); non-special added tokens always are.
         add_bos: apply the post-processor's template (its special tokens around the text; by default)."""
-        ids = self._encode_text(_as_text(text), allow_special, True)
+        ids = self._encode_text(_as_text(text), allow_special, 1)
         if self._template is not None and (add_bos is None or add_bos):
             ids = [i for piece in self._template for i in (ids if piece == "A" else piece)]
         return ids
 
     def encode_ordinary(self, text):
         """Token ids of text with no added token recognised and no template."""
-        return self._words([(t, o) for t, o in [(self._normal_text(_as_text(text)), True)] if t])
+        text = _as_text(text)
+        return self._words([(self._normal_text(text), len(self._normal_text(text[:1])))] if text else [])
 
     def _normal_text(self, text):
         return self._normalize(text) if self._normalize else text
 
     def _encode_text(self, text, allow_special, at_origin):
+        """Ids of text, added tokens split out first; at_origin: it starts the text."""
         ids = []
         for piece, token, origin in self._extract(text, self._raw, allow_special, at_origin):
             if token is not None:
                 ids.append(token["id"])
                 continue
+            # what the normalizer makes of the text's first character stands for it
+            origin = (len(self._normal_text(piece[0])) if origin and piece else 0)
             piece = self._normal_text(piece)
             words = []
             for part, token2, origin2 in self._extract(piece, self._normal, allow_special, origin):
@@ -711,7 +742,7 @@ class GrammarBPE(TokenizerBase):
         return ids
 
     def _extract(self, text, matcher, allow_special, at_origin):
-        """(piece, added token or None, starts the text) of text cut on the matcher's added tokens, as
+        """(piece, added token or None, its origin) of text cut on the matcher's added tokens, as
         `tokenizers`' AddedVocabulary.find_matches (single_word, lstrip, rstrip)."""
         regex, by_text = matcher
         if regex is None or not text:
@@ -736,11 +767,11 @@ class GrammarBPE(TokenizerBase):
                 while stop < len(text) and text[stop] in _RE_SPACE:
                     stop += 1
             if done < start:
-                out.append((text[done:start], None, at_origin and done == 0))
+                out.append((text[done:start], None, max(0, at_origin - done)))
             out.append((text[start:stop], token, False))
             done = stop
         if done < len(text):
-            out.append((text[done:], None, at_origin and done == 0))
+            out.append((text[done:], None, max(0, at_origin - done)))
         return out
 
     def _words(self, words):
@@ -817,14 +848,14 @@ class GrammarBPE(TokenizerBase):
         """Yield (int32 ids, bytes read) chunk by chunk: the text is cut after a line break that a printable
         ASCII character follows, outside any added token (every grammar restarts there)."""
         longest = max((len(t["content"].encode()) for t in self._added), default=0)
-        buf, origin = b"", True
+        buf, origin = b"", 1
         while True:
             block = read(chunk_bytes)
             buf = buf + block if buf else block
             cut = len(buf) if not block else self._safe_cut(buf, longest)
             text = buf[:cut].decode("utf-8", "surrogateescape")
             yield np.array(self._encode_text(text, allow_special, origin), np.int32), len(block)
-            origin = origin and cut == 0
+            origin = 1 if origin and cut == 0 else 0
             if not block:
                 return
             buf = buf[cut:]
@@ -897,13 +928,32 @@ class GrammarBPE(TokenizerBase):
         atomic_write(path, lambda f: f.write(json.dumps(hf, ensure_ascii=False).encode()))
 
 
+def _added_ids(vocab, added):
+    """The added tokens with the ids `tokenizers` gives them as it loads a file: a token of the model's
+    vocabulary keeps that id, another takes the next id after the vocabulary and the added tokens so far (the
+    file's id is not read); a repeated text is one token."""
+    out, seen = [], set()
+    for t in added:
+        if t["content"] in seen:
+            continue
+        seen.add(t["content"])
+        i = vocab.get(t["content"])
+        if i is None:
+            top = max((u["id"] for u in out), default=None)
+            i = len(vocab) if top is None or (top < len(vocab) and len(vocab)) else top + 1
+        out.append(dict(t, id=i))
+    return out
+
+
 _RE_SPACE = frozenset(WHITE_SPACE)  # Rust regex's \s: White_Space
 
 
 def _is_word(c):
-    """Rust regex's \\w: alphabetic, a mark, a decimal digit, a connector punctuation or a join control."""
-    cat = unicodedata.category(c)
-    return c.isalpha() or cat[0] == "M" or cat == "Nd" or cat == "Pc" or c in "\u200c\u200d"
+    """Rust regex's \\w: Alphabetic (letters, letter numbers, the circled and squared letters), a mark, a
+    decimal digit, a connector punctuation or a join control."""
+    cat, cp = unicodedata.category(c), ord(c)
+    return (cat[0] in "LM" or cat in ("Nd", "Nl", "Pc") or c in "\u200c\u200d" or 0x24B6 <= cp <= 0x24E9
+            or 0x1F130 <= cp <= 0x1F149 or 0x1F150 <= cp <= 0x1F169 or 0x1F170 <= cp <= 0x1F189)
 
 
 def _as_text(text):
