@@ -308,3 +308,96 @@ def test_streaming_and_the_compact_json_keep_the_ids(tmp_path):
         text, allow_special=True)
     ids = ours.encode("héllo wörld 🎉 and more")
     assert b"".join([ours.decode(ids[:3], text_start=True), ours.decode(ids[3:])]) == ours.decode(ids, text_start=True)
+
+
+def _llama2_style():
+    """Llama 2's layout (the SentencePiece-style class): Prepend and Replace of ▁, byte fallback, a BOS."""
+    norm = tokenizers.normalizers.Sequence([tokenizers.normalizers.Prepend(SPACE),
+                                            tokenizers.normalizers.Replace(" ", SPACE)])
+    dec = tokenizers.decoders.Sequence([tokenizers.decoders.Replace(SPACE, " "), tokenizers.decoders.ByteFallback(),
+                                        tokenizers.decoders.Fuse(), tokenizers.decoders.Strip(" ", 1, 0)])
+    hf = _trained(None, dec, norm, byte_level=False, specials=["<unk>", "<s>", "</s>"])
+    d = json.loads(hf.to_str())
+    d["model"].update(byte_fallback=True, fuse_unk=True, unk_token="<unk>")
+    for b in range(256):
+        d["model"]["vocab"].setdefault(f"<0x{b:02X}>", len(d["model"]["vocab"]))
+    d["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}], "pair": [],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+    return json.dumps(d)
+
+
+def _deepseek_style():
+    t = tokenizers.pre_tokenizers
+    pre = t.Sequence([t.Split(tokenizers.Regex(r), "isolated") for r in REGEXES[3:8]]
+                     + [t.Digits(individual_digits=True), t.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf = _trained(pre, tokenizers.decoders.ByteLevel(), specials=["</s>", "<s>", "<|user|>", "<|assistant|>"])
+    hf.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return hf.to_str()
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+@pytest.mark.parametrize("family", ["llama2", "deepseek"])
+def test_cli_serve_and_chat_agree_with_tokenizers(tmp_path, family):
+    """`tokenizer encode/decode`, serve's /tokenize and /detokenize and a chat template's ids are those of
+    `tokenizers` (and transformers) on the same file; /detokenize drops the space Llama 2's encoder put first."""
+    import dataclasses
+    import http.client
+    import re
+    import time
+
+    from conftest import run_cli, sharp_params, tiny_config
+    from nanoeuler.data import jinja_template
+    from nanoeuler.io import checkpoint
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(_llama2_style() if family == "llama2" else _deepseek_style())
+    hf = tokenizers.Tokenizer.from_file(str(path))
+    tok = Tokenizer.load(path)
+    assert type(tok).__name__ == ("SentencePieceBPE" if family == "llama2" else "GrammarBPE")
+    text = "Hello world! 12345 don't  stop </s> café 日本語"
+    hf.encode_special_tokens = True
+    r = run_cli("tokenizer", "encode", "--tokenizer", path, text)
+    assert r.returncode == 0 and list(map(int, r.stdout.split())) == hf.encode(text).ids, r.stderr
+    hf.encode_special_tokens = False
+    ids = hf.encode(text).ids
+    r = run_cli("tokenizer", "decode", "--tokenizer", path, *ids[1:])
+    assert r.returncode == 0 and r.stdout == hf.decode(ids[1:], skip_special_tokens=False), r.stderr
+
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>",
+                                                  chat_template=CHAT_TEMPLATE)
+    tok.set_chat(CHAT_TEMPLATE, named_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    messages = [{"role": "user", "content": "Hi there, 123!"}, {"role": "assistant", "content": "Hello </s> you."},
+                {"role": "user", "content": " two  spaces"}]
+    ours = jinja_template.encode_rendered(tok, jinja_template.render(tok, messages, True))
+    assert ours == theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              sanitize_control_tokens=True)["input_ids"]  # "</s>" written: text
+
+    cfg = dataclasses.replace(tiny_config(tok.vocab_size), context=64)
+    checkpoint.save(tmp_path / "m.bin", cfg, sharp_params(cfg, seed=1, scale=0.3), tok.to_json(), step=0, chat=True)
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(tmp_path / "m.bin"), "--device",
+                             "cpu", "--port", "0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"on http://127\.0\.0\.1:(\d+)/ ", (tmp_path / "serve.log").read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.05)
+
+        def post(route, body):
+            conn = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=60)
+            conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
+            answer = json.loads(conn.getresponse().read())
+            conn.close()
+            return answer
+        assert post("/tokenize", {"prompt": text})["tokens"] == hf.encode(text).ids
+        for part in (ids, ids[1:], ids[3:]):
+            assert post("/detokenize", {"tokens": part})["prompt"] == hf.decode(part, skip_special_tokens=False)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
