@@ -647,6 +647,7 @@ class GrammarBPE(TokenizerBase):
             self._merges[vocab[pair[0]], vocab[pair[1]]] = (r, vocab[made])
 
         self._normalize = normalizer(hf.get("normalizer"))
+        self._reads_origin = '"first"' in json.dumps(hf.get("pre_tokenizer")).lower()
         self._pre = pre_tokenizer(hf.get("pre_tokenizer"))
         self._decode_chain = decoder(hf.get("decoder"))
         self._template = post_template(hf.get("post_processor"), added)
@@ -727,8 +728,7 @@ class GrammarBPE(TokenizerBase):
             if token is not None:
                 ids.append(token["id"])
                 continue
-            # what the normalizer makes of the text's first character stands for it
-            origin = (len(self._normal_text(piece[0])) if origin and piece else 0)
+            origin = self._origin(piece) if origin and piece else 0
             piece = self._normal_text(piece)
             words = []
             for part, token2, origin2 in self._extract(piece, self._normal, allow_special, origin):
@@ -740,6 +740,16 @@ class GrammarBPE(TokenizerBase):
                     words.append((part, origin2))
             ids += self._words(words)
         return ids
+
+    def _origin(self, piece):
+        """How many characters of the normalized piece stand for its first character (it starts the text):
+        what the normalizer writes for that character, or where it removes it, none. Only Metaspace's
+        prepend_scheme "first" reads it."""
+        if not self._normalize or not self._reads_origin:
+            return 1
+        head = piece[:64]  # normalizers act near each character: a window shows the first one's share
+        alone = len(self._normalize(head[0]))
+        return max(alone, len(self._normalize(head)) - len(self._normalize(head[1:]))) if alone or len(head) > 1 else 0
 
     def _extract(self, text, matcher, allow_special, at_origin):
         """(piece, added token or None, its origin) of text cut on the matcher's added tokens, as
