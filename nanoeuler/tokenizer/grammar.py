@@ -626,7 +626,7 @@ class GrammarBPE(TokenizerBase):
             added = _added_ids(vocab, [dict(t, content=str(t["content"])) for t in hf.get("added_tokens") or []])
         except (KeyError, TypeError, AttributeError, ValueError):
             raise UserError(f"{where} is not a BPE tokenizer.json") from None
-        if model.get("dropout") not in (None, 0, 0.0, 1, 1.0):
+        if model.get("dropout") not in (None, 0, 0.0):
             raise Unsupported(f"{where}: its BPE has dropout {model['dropout']!r} (random merges), which nanoeuler "
                               "does not do")
         self._vocab = vocab
@@ -926,6 +926,11 @@ class GrammarBPE(TokenizerBase):
     @classmethod
     def from_hf(cls, d, path, eos=None, bos=None):
         return cls(d, eos, bos, str(path))
+
+    def byte_level_names(self):
+        """No GGUF form (export --gguf reads this): llama.cpp's tokenizers take the two fast layouts only."""
+        raise UserError("export --gguf: this tokenizer's structure (read part by part from its tokenizer.json) is "
+                        "not one of llama.cpp's; it takes the byte-level and SentencePiece layouts")
 
     def save_hf(self, path):
         """Write the tokenizer.json it was read from (with a BOS it was given as its post-processor)."""
