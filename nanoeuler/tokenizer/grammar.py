@@ -80,13 +80,16 @@ def _category_body(name, where):
 
 
 @functools.cache
-def _word_body():
-    """Oniguruma's Unicode \\w (Unicode's word characters, _is_word)."""
+def _word_body(rust=False):
+    """\\w: Oniguruma's (Letter, Mark, Number, Connector_Punctuation), or with rust, that of Rust's regex crate
+    (Unicode's word characters, _is_word: what the Whitespace pre-tokenizer and added tokens read)."""
+    if not rust:
+        return "".join(_class_ranges(c) for c in ("L", "M", "N", "Pc"))
     return ("".join(_class_ranges(c) for c in ("L", "M", "Nd", "Nl", "Pc"))
             + "\u200c\u200d\u24b6-\u24e9\U0001f130-\U0001f149\U0001f150-\U0001f169\U0001f170-\U0001f189")
 
 
-def onig_to_re(pattern, where="its regex"):
+def onig_to_re(pattern, where="its regex", rust=False):
     """A compiled Python `re` pattern that matches as the Oniguruma pattern does in `tokenizers`: \\p{..}
     and \\P{..} become explicit classes, \\s and \\w Oniguruma's Unicode ones, \\z and \\Z their `re` forms,
     a class inside a class its members, ^ and $ line anchors (Ruby syntax, Oniguruma's default)."""
@@ -108,7 +111,7 @@ def onig_to_re(pattern, where="its regex"):
                 out.append(body if in_class else f"[{'^' if negate else ''}{body}]")
                 continue
             if e in "sSwW" and True:
-                body = _class_ranges("W") if e in "sS" else _word_body()
+                body = _class_ranges("W") if e in "sS" else _word_body(rust)
                 negate = e in "SW"
                 if in_class and negate:
                     raise Unsupported(f"{where}: \\{e} inside [...] is not one nanoeuler reads")
@@ -433,7 +436,7 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
             return out
         return run
     if kind == "Whitespace":
-        regex = onig_to_re(r"\w+|[^\w\s]+")
+        regex = onig_to_re(r"\w+|[^\w\s]+", rust=True)  # Rust's regex crate here, not Oniguruma
         return _splitting(lambda t: split_spans(t, [(s, e, not m) for s, e, m in find_matches(regex, t)], "Removed"))
     if kind == "WhitespaceSplit":
         return _splitting(lambda t: split_spans(t, char_matches(WHITE_SPACE.__contains__, t), "Removed"))
