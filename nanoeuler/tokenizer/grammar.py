@@ -20,6 +20,7 @@ import functools
 import heapq
 import json
 import re
+import string
 import unicodedata
 
 import numpy as np
@@ -197,20 +198,18 @@ def find_matches(regex, text):
     return spans
 
 
-def char_matches(pred, text):
-    """find_matches for a character predicate: each character it holds for is a match of its own."""
-    if not text:
-        return [(0, 0, False)]
-    spans, prev = [], 0
-    for k, c in enumerate(text):
-        if pred(c):
-            if prev < k:
-                spans.append((prev, k, False))
-            spans.append((k, k + 1, True))
-            prev = k + 1
-    if prev < len(text):
-        spans.append((prev, len(text), False))
-    return spans
+@functools.cache
+def char_class(name):
+    """A regex of one character of a class (find_matches with it cuts as `tokenizers` cuts on a character
+    predicate: each such character a match of its own): numbers (Rust's char::is_numeric), White_Space, or
+    punctuation (Unicode's, or ASCII's); any other name is that character."""
+    if name == "numeric":
+        return re.compile(f"[{_class_ranges('N')}]")
+    if name == "whitespace":
+        return re.compile(f"[{''.join(map(re.escape, sorted(WHITE_SPACE)))}]")
+    if name == "punctuation":
+        return re.compile(f"[{_class_ranges('P')}{re.escape(string.punctuation)}]")
+    return re.compile(re.escape(name))
 
 
 def split_spans(text, spans, behavior):
@@ -252,9 +251,14 @@ def bytes_to_unicode():
     return table()
 
 
+@functools.cache
+def _byte_level_table():
+    return {b: c for b, c in bytes_to_unicode().items()}
+
+
 def _byte_level_chars(text):
-    b2u = bytes_to_unicode()
-    return "".join(b2u[b] for b in text.encode("utf-8", "surrogateescape"))
+    """text as ByteLevel writes it: each UTF-8 byte as its character (bytes_to_unicode)."""
+    return text.encode("utf-8", "surrogateescape").decode("latin-1").translate(_byte_level_table())
 
 
 def _lowercase(text):
@@ -343,16 +347,25 @@ def normalizer(d, where="its normalizer"):
 # ------------------------------------------------------------------------------------- pre-tokenizers
 # A pre-tokenizer maps a list of (text, origin) words to a new list; origin: how many of the word's first
 # characters stand for the text's first character (Metaspace's prepend_scheme "first" reads whether any do)
-# (Metaspace's prepend_scheme "first" reads it).
+_CACHE_CUTS = 1 << 18  # each step's cache of the cuts of the words it has seen starts afresh beyond this
+
 
 def _splitting(cut):
-    """A pre-tokenizer from cut(text) -> (start, piece) pairs."""
+    """A pre-tokenizer from cut(text) -> (start, piece) pairs; words repeat, so each one's cut is kept."""
+    cache = {}
+
     def run(words):
         out = []
+        if len(cache) > _CACHE_CUTS:
+            cache.clear()
         for text, origin in words:
-            for start, piece in cut(text):
-                if piece:
-                    out.append((piece, max(0, origin - start)))
+            pieces = cache.get(text)
+            if pieces is None:
+                pieces = cache[text] = [(start, piece) for start, piece in cut(text) if piece]
+            if origin:
+                out += [(piece, max(0, origin - start)) for start, piece in pieces]
+            else:
+                out += [(piece, 0) for _, piece in pieces]
         return out
     return run
 
@@ -360,17 +373,6 @@ def _splitting(cut):
 def _mapping(f):
     return lambda words: [(f(t), o) for t, o in words]
 
-
-def _is_punctuation(c):
-    return unicodedata.category(c)[0] == "P" or (c.isascii() and not c.isalnum() and c.isprintable() and c != " ")
-
-
-@functools.cache
-def _numeric():
-    from nanoeuler.tokenizer.pieces import class_table
-
-    table = class_table()
-    return lambda c: table[ord(c)] == 2
 
 
 def pre_tokenizer(d, where="its pre-tokenizer"):
@@ -413,9 +415,8 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
             return out
         return run
     if kind == "Digits":
-        numeric = _numeric()
         behavior = "Isolated" if d.get("individual_digits") else "Contiguous"
-        return _splitting(lambda t: split_spans(t, char_matches(numeric, t), behavior))
+        return _splitting(lambda t: split_spans(t, find_matches(char_class("numeric"), t), behavior))
     if kind == "Metaspace":
         replacement = d.get("replacement", SPACE)
         scheme = d.get("prepend_scheme") or ("always" if d.get("add_prefix_space", True) else "never")
@@ -430,7 +431,7 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
                 text = text.replace(" ", replacement)
                 if not text.startswith(replacement) and (scheme == "always" or scheme == "first" and origin):
                     text, origin = replacement + text, origin + 1 if origin else 0
-                pieces = (split_spans(text, char_matches(lambda c: c == replacement, text), "MergedWithNext")
+                pieces = (split_spans(text, find_matches(char_class(replacement), text), "MergedWithNext")
                           if split else [(0, text)])
                 out += [(p, max(0, origin - start)) for start, p in pieces if p]
             return out
@@ -439,16 +440,16 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
         regex = onig_to_re(r"\w+|[^\w\s]+", rust=True)  # Rust's regex crate here, not Oniguruma
         return _splitting(lambda t: split_spans(t, [(s, e, not m) for s, e, m in find_matches(regex, t)], "Removed"))
     if kind == "WhitespaceSplit":
-        return _splitting(lambda t: split_spans(t, char_matches(WHITE_SPACE.__contains__, t), "Removed"))
+        return _splitting(lambda t: split_spans(t, find_matches(char_class("whitespace"), t), "Removed"))
     if kind == "Punctuation":
         behavior = d.get("behavior", "Isolated")
-        return _splitting(lambda t: split_spans(t, char_matches(_is_punctuation, t), behavior))
+        return _splitting(lambda t: split_spans(t, find_matches(char_class("punctuation"), t), behavior))
     if kind == "CharDelimiterSplit":
         delimiter = d.get("delimiter")
-        return _splitting(lambda t: split_spans(t, char_matches(lambda c: c == delimiter, t), "Removed"))
+        return _splitting(lambda t: split_spans(t, find_matches(char_class(delimiter), t), "Removed"))
     if kind == "BertPreTokenizer":
-        spaces = _splitting(lambda t: split_spans(t, char_matches(WHITE_SPACE.__contains__, t), "Removed"))
-        punct = _splitting(lambda t: split_spans(t, char_matches(_is_punctuation, t), "Isolated"))
+        spaces = _splitting(lambda t: split_spans(t, find_matches(char_class("whitespace"), t), "Removed"))
+        punct = _splitting(lambda t: split_spans(t, find_matches(char_class("punctuation"), t), "Isolated"))
         return lambda words: punct(spaces(words))
     if kind == "FixedLength":
         length = int(d.get("length", 5))
