@@ -242,8 +242,10 @@ def test_phi3_added_token_with_rstrip(tmp_path):
                                             tokenizers.normalizers.Replace(" ", SPACE)])
     dec = tokenizers.decoders.Sequence([tokenizers.decoders.Replace(SPACE, " "), tokenizers.decoders.ByteFallback(),
                                         tokenizers.decoders.Fuse(), tokenizers.decoders.Strip(" ", 1, 0)])
-    hf = _trained(None, dec, norm, byte_level=False, specials=["<unk>", "<s>", "</s>"])
+    # a vocabulary trained in words (SentencePiece's: `▁` only begins a token), then Phi-3's layout: no pre-tokenizer
+    hf = _trained(tokenizers.pre_tokenizers.Metaspace(), dec, norm, byte_level=False, specials=["<unk>", "<s>", "</s>"])
     d = json.loads(hf.to_str())
+    d["pre_tokenizer"] = None
     d["model"].update(byte_fallback=True, fuse_unk=True, unk_token="<unk>")
     for b in range(256):
         d["model"]["vocab"].setdefault(f"<0x{b:02X}>", len(d["model"]["vocab"]))
@@ -256,8 +258,8 @@ def test_phi3_added_token_with_rstrip(tmp_path):
         "special_tokens": {"<s>": {"id": "<s>", "ids": [d["added_tokens"][1]["id"]], "tokens": ["<s>"]}}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(d))
     ours = Tokenizer.load(tmp_path / "tokenizer.json")
-    assert ours.bos == "<s>" and ours.eos == "</s>"
-    assert_agrees(json.dumps(d), PUBLISHED_TEXTS + ["<|end|>   \n x", "a</s>  b"])
+    assert ours.bos == "<s>" and ours.eos == "</s>" and ours._sub_words is not None  # merged word by word
+    assert_agrees(json.dumps(d), PUBLISHED_TEXTS + ["<|end|>   \n x", "a</s>  b", "  x  ▁▁y ▁"])
 
 
 def test_deepseek_sequence_of_splits_digits_and_byte_level(tmp_path):

@@ -695,6 +695,13 @@ class GrammarBPE(TokenizerBase):
         else:
             self.bos = self.bos_id = None
         self._cache = {}
+        # A vocabulary in which `▁` only begins tokens (every SentencePiece-trained one) has no merge across the
+        # start of a `▁` run that follows another character: a long word (Llama 2's layout has no
+        # pre-tokenizer: the whole text is one) is merged a piece at a time, each distinct piece once.
+        lead = re.compile(f"{SPACE}*[^{SPACE}]*")
+        self._sub_words = (re.compile(f"{SPACE}+[^{SPACE}]*|[^{SPACE}]+")
+                           if SPACE in vocab and not (self._ignore_merges or self._prefix or self._suffix)
+                           and all(lead.fullmatch(name) for name in vocab) else None)
         self.set_chat()
 
     def _matcher(self, tokens, normalized):
@@ -795,12 +802,13 @@ class GrammarBPE(TokenizerBase):
         cache = self._cache
         if len(cache) > _CACHE_WORDS:
             cache.clear()
-        ids = []
-        for w, _ in words:
-            got = cache.get(w)
-            if got is None:
-                got = cache[w] = self._merge_word(w)
-            ids += got
+        ids, cut = [], self._sub_words
+        for word, _ in words:
+            for w in cut.findall(word) if cut is not None else (word,):
+                got = cache.get(w)
+                if got is None:
+                    got = cache[w] = self._merge_word(w)
+                ids += got
         return ids
 
     def _symbols(self, word):
