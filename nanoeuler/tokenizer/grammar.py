@@ -81,13 +81,14 @@ def _category_body(name, where):
 
 
 @functools.cache
-def _word_body(rust=False):
-    """\\w: Oniguruma's (Letter, Mark, Number, Connector_Punctuation), or with rust, that of Rust's regex crate
-    (Unicode's word characters, _is_word: what the Whitespace pre-tokenizer and added tokens read)."""
-    if not rust:
-        return "".join(_class_ranges(c) for c in ("L", "M", "N", "Pc"))
-    return ("".join(_class_ranges(c) for c in ("L", "M", "Nd", "Nl", "Pc"))
-            + "\u200c\u200d\u24b6-\u24e9\U0001f130-\U0001f149\U0001f150-\U0001f169\U0001f170-\U0001f189")
+def _word_body(kind):
+    """A class body of \\w. "class": Oniguruma's inside [...] and Unicode's word characters (alphabetic
+    characters, marks, decimal digits, connector punctuation; _is_word); "bare": Oniguruma's outside a class,
+    which adds Latin-1's superscript digits and fractions (as `tokenizers` matches them); "rust": Rust's regex
+    crate (the Whitespace pre-tokenizer), which adds the joiners U+200C and U+200D."""
+    body = ("".join(_class_ranges(c) for c in ("L", "M", "Nd", "Nl", "Pc"))
+            + "\u24b6-\u24e9\U0001f130-\U0001f149\U0001f150-\U0001f169\U0001f170-\U0001f189")
+    return body + {"class": "", "bare": "\u00b2\u00b3\u00b9\u00bc-\u00be", "rust": "\u200c\u200d"}[kind]
 
 
 def onig_to_re(pattern, where="its regex", rust=False):
@@ -112,7 +113,8 @@ def onig_to_re(pattern, where="its regex", rust=False):
                 out.append(body if in_class else f"[{'^' if negate else ''}{body}]")
                 continue
             if e in "sSwW" and True:
-                body = _class_ranges("W") if e in "sS" else _word_body(rust)
+                body = _class_ranges("W") if e in "sS" else _word_body(
+                    "rust" if rust else "class" if in_class else "bare")
                 negate = e in "SW"
                 if in_class and negate:
                     raise Unsupported(f"{where}: \\{e} inside [...] is not one nanoeuler reads")
@@ -976,8 +978,8 @@ _RE_SPACE = frozenset(WHITE_SPACE)  # Rust regex's \s: White_Space
 
 
 def _is_word(c):
-    """Rust regex's \\w: Alphabetic (letters, letter numbers, the circled and squared letters), a mark, a
-    decimal digit, a connector punctuation or a join control."""
+    """Rust regex's \\w (added tokens' single_word): Alphabetic (letters, letter numbers, the circled and squared
+    letters), a mark, a decimal digit, a connector punctuation or a join control."""
     cat, cp = unicodedata.category(c), ord(c)
     return (cat[0] in "LM" or cat in ("Nd", "Nl", "Pc") or c in "\u200c\u200d" or 0x24B6 <= cp <= 0x24E9
             or 0x1F130 <= cp <= 0x1F149 or 0x1F150 <= cp <= 0x1F169 or 0x1F170 <= cp <= 0x1F189)
