@@ -407,3 +407,21 @@ def test_cli_serve_and_chat_agree_with_tokenizers(tmp_path, family):
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+def test_character_classes_match_as_in_tokenizers():
+    """Each class of a Split regex holds the characters it holds in `tokenizers` (Oniguruma): every assigned
+    code point below U+0800 and every 37th above it."""
+    import unicodedata
+
+    from nanoeuler.tokenizer.grammar import pre_tokenizer
+
+    points = [*range(0x800), *range(0x800, 0x110000, 37)]
+    chars = "".join(chr(c) for c in points if unicodedata.category(chr(c)) not in ("Cn", "Cs"))
+    for regex in [r"\w", r"[\w]", r"[^\w\s]", r"\W", r"\s", r"\S", r"\d", r"\p{L}", r"\p{N}", r"\p{P}", r"\p{Lu}",
+                  r"[^\s\p{L}\p{N}]", r"\p{M}"]:
+        spec = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Removed", "invert": True}
+        want = "".join(p for p, _ in tokenizers.pre_tokenizers.Split(tokenizers.Regex(regex), "removed", invert=True)
+                       .pre_tokenize_str(chars))
+        got = "".join(p for p, _ in pre_tokenizer(spec)([(chars, 0)]))
+        assert got == want, (regex, sorted(set(got) ^ set(want))[:10])
