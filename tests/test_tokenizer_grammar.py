@@ -26,7 +26,8 @@ SPACE = "\u2581"
 REGEXES = [
     GPT2_REGEX, LLAMA3_REGEX, QWEN2_REGEX,
     r"[\r\n]", "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u0370-\u03ff\u0400-\u04ff]+",
-    r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
@@ -44,12 +45,14 @@ ADDED = ["<|user|>", "hello", " wor", "[MASK]", "ab", "\u00e9t\u00e9"]
 def normalizers_():
     simple = st.sampled_from([
         None, {"type": "NFC"}, {"type": "NFD"}, {"type": "NFKC"}, {"type": "NFKD"}, {"type": "Lowercase"},
-        {"type": "Strip", "strip_left": True, "strip_right": True}, {"type": "Strip", "strip_left": False, "strip_right": True},
+        {"type": "Strip", "strip_left": True, "strip_right": True},
+        {"type": "Strip", "strip_left": False, "strip_right": True},
         {"type": "StripAccents"}, {"type": "Nmt"},
         {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
         {"type": "Replace", "pattern": {"Regex": r"\s+"}, "content": " "},
         {"type": "Prepend", "prepend": SPACE},
-        {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True, "strip_accents": None, "lowercase": True},
+        {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": True, "strip_accents": None,
+         "lowercase": True},
         {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE},
                                              {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]},
     ])
@@ -95,8 +98,8 @@ def tokenizer_jsons(draw):
     else:
         dec = draw(st.sampled_from([
             None,
-            {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": draw(st.sampled_from(["always", "first", "never"])),
-             "split": True},
+            {"type": "Metaspace", "replacement": SPACE,
+             "prepend_scheme": draw(st.sampled_from(["always", "first", "never"])), "split": True},
             {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
                                               {"type": "ByteFallback"}, {"type": "Fuse"},
                                               {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},

@@ -9,8 +9,8 @@
 DIR is a `LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM` folder as `save_pretrained` writes
 it: config.json, the weights as safetensors (one file or shards with their index; float32, float16 or
 bfloat16, streamed a tensor at a time into float32) and a tokenizer.json (any BPE that the `tokenizers`
-library reads: nanoeuler/tokenizer/hf.py picks the class that reads it). A string that is not a directory but reads `owner/name` (or
-`owner/name@revision`) is a Hugging Face Hub id: `huggingface_hub.snapshot_download` (the `hub` extra) fetches
+library reads: nanoeuler/tokenizer/hf.py picks the class that reads it). A string that is not a directory but
+reads `owner/name` (or `owner/name@revision`) is a Hugging Face Hub id: `huggingface_hub.snapshot_download` (the `hub` extra) fetches
 the files this import reads into the user's cache (HF_HOME, HF_HUB_CACHE), or finds them there
 (HF_HUB_OFFLINE=1: the cache only). It becomes one nanoeuler checkpoint (nanoeuler/io/checkpoint.py) with K = 1
 prediction heads:

@@ -5,7 +5,8 @@ token file (token_file.py has the format), and reading a tokenizer.json post-pro
 import hashlib
 
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer.token_file import CHUNK, MAX_IDS, MAX_VOCAB, open_input, progress_bar, write_token_file  # noqa: F401
+from nanoeuler.tokenizer.token_file import (CHUNK, MAX_IDS, MAX_VOCAB, open_input, progress_bar,  # noqa: F401
+                                            write_token_file)
 
 
 def checked_ids(ids, vocab_size):

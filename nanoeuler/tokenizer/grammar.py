@@ -17,7 +17,6 @@ onig_to_re rewrites one for Python's `re`, with `\\p{L}`, `\\p{N}` and `\\s` fro
 version of `tokenizers`) and other categories from the running Python's unicodedata.
 """
 import functools
-import heapq
 import json
 import re
 import string
@@ -28,6 +27,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.base import MAX_IDS, MAX_VOCAB, TokenizerBase, checked_ids
+from nanoeuler.tokenizer.pieces import merge_symbols
 from nanoeuler.tokenizer.token_file import CHUNK
 
 FORMAT = "nanoeuler-hf-grammar"
@@ -291,8 +291,8 @@ def _bert_normalizer(d):
 
     def run(text):
         if clean:
-            text = "".join(" " if c in "\t\n\r" or c in WHITE_SPACE else c for c in text
-                           if not (c == "\0" or c == "\ufffd" or (c not in "\t\n\r" and unicodedata.category(c)[0] == "C")))
+            text = "".join(" " if c in "\t\n\r" or c in WHITE_SPACE else c for c in text if not (
+                c == "\0" or c == "\ufffd" or (c not in "\t\n\r" and unicodedata.category(c)[0] == "C")))
         if chinese:
             text = "".join(f" {c} " if _is_chinese(c) else c for c in text)
         if accents:  # only the nonspacing marks here (StripAccents drops every mark)
@@ -300,6 +300,17 @@ def _bert_normalizer(d):
         if lower:
             text = _lowercase(text)
         return text
+    return run
+
+
+def _chain(steps):
+    """A Sequence: each step (None: none) applied to what the one before it gave."""
+    steps = [f for f in steps if f is not None]
+
+    def run(value):
+        for f in steps:
+            value = f(value)
+        return value
     return run
 
 
@@ -336,13 +347,7 @@ def normalizer(d, where="its normalizer"):
     if kind == "Precompiled" and not d.get("precompiled_charsmap"):
         return None
     if kind == "Sequence":
-        steps = [f for f in (normalizer(s, where) for s in d.get("normalizers") or []) if f is not None]
-
-        def run(text):
-            for f in steps:
-                text = f(text)
-            return text
-        return run
+        return _chain([normalizer(s, where) for s in d.get("normalizers") or []])
     raise Unsupported(f"{where}: {kind} is not one nanoeuler reads")
 
 
@@ -383,13 +388,7 @@ def pre_tokenizer(d, where="its pre-tokenizer"):
         return None
     kind = d.get("type") if isinstance(d, dict) else None
     if kind == "Sequence":
-        steps = [f for f in (pre_tokenizer(s, where) for s in d.get("pretokenizers") or []) if f is not None]
-
-        def run(words):
-            for f in steps:
-                words = f(words)
-            return words
-        return run
+        return _chain([pre_tokenizer(s, where) for s in d.get("pretokenizers") or []])
     if kind == "Split":
         regex = _pattern(d.get("pattern"), f"{where} (Split)")
         behavior, invert = d.get("behavior", "Isolated"), bool(d.get("invert"))
@@ -477,7 +476,7 @@ def _wordpiece_cleanup(t):
 def _byte_fallback(tokens):
     out, pending = [], bytearray()
     for t in tokens:
-        if len(t) == 6 and t.startswith("<0x") and t.endswith(">") and all(c in "0123456789abcdefABCDEF" for c in t[3:5]):
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">") and all(c in string.hexdigits for c in t[3:5]):
             pending.append(int(t[3:5], 16))
             continue
         if pending:
@@ -843,30 +842,7 @@ class GrammarBPE(TokenizerBase):
     def _merge_word(self, word):
         if self._ignore_merges and word in self._vocab:
             return [self._vocab[word]]
-        syms = self._symbols(word)
-        n, merges = len(syms), self._merges
-        heap = [(m[0], p, m[1]) for p in range(n - 1) if (m := merges.get((syms[p], syms[p + 1])))]
-        if not heap:
-            return syms
-        heapq.heapify(heap)
-        nxt, prv, alive = list(range(1, n + 1)), list(range(-1, n - 1)), [True] * n
-        while heap:
-            _, p, made = heapq.heappop(heap)
-            q = nxt[p]
-            if not alive[p] or q >= n:
-                continue
-            m = merges.get((syms[p], syms[q]))
-            if m is None or m[1] != made:
-                continue
-            syms[p], alive[q] = made, False
-            nxt[p] = nxt[q]
-            if nxt[q] < n:
-                prv[nxt[q]] = p
-            if prv[p] >= 0 and (m := merges.get((syms[prv[p]], made))):
-                heapq.heappush(heap, (m[0], prv[p], m[1]))
-            if nxt[p] < n and (m := merges.get((made, syms[nxt[p]]))):
-                heapq.heappush(heap, (m[0], p, m[1]))
-        return [s for s, a in zip(syms, alive) if a]
+        return merge_symbols(self._symbols(word), self._merges)
 
     def _encode_stream(self, read, allow_special, chunk_bytes=CHUNK):
         """Yield (int32 ids, bytes read) chunk by chunk: the text is cut after a line break that a printable

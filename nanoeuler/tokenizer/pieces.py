@@ -1,8 +1,9 @@
-"""The pieces of byte-level BPE that every reader shares: the Unicode classes of GPT-2's pretokenizer
-(unicode_classes.txt), GPT-2's byte-to-character map, the pretokenization rules that the compiled scanner of
-kernels.py knows, and the tables that intern pieces and cache their tokens (bpe.py drives them; train.py counts
-pieces with them; grammar.py reads the classes)."""
+"""What the tokenizer's readers share: the Unicode classes of GPT-2's pretokenizer (unicode_classes.txt), GPT-2's
+byte-to-character map, the pretokenization rules that the compiled scanner of kernels.py knows, the tables that
+intern pieces and cache their tokens (bpe.py drives them, train.py counts pieces with them), and merge_symbols,
+the merging of one word by rank (sentencepiece_bpe.py, grammar.py)."""
 import functools
+import heapq
 from importlib import resources
 
 import numpy as np
@@ -139,3 +140,32 @@ class _PieceCache:
                 key_buf, key_off, key_len, first, len(self.table), self.byte_tok, self.pair_key, self.pair_rank,
                 self.results, self.whole, *self.vocab, self.tok_off, self.tok_len, self.tok_buf, self.tok_used)
         return _kernels().gather(ids, self.tok_off, self.tok_len, self.tok_buf)
+
+
+def merge_symbols(syms, merges):
+    """The tokens of a word's first symbols (a list, changed in place) merged by rank, lowest first, leftmost on
+    ties, as `tokenizers`' BPE does: merges maps (left, right) to (rank, merged); a heap of candidate pairs,
+    stale entries skipped when their pair no longer makes the same token."""
+    n = len(syms)
+    heap = [(m[0], p, m[1]) for p in range(n - 1) if (m := merges.get((syms[p], syms[p + 1])))]
+    if not heap:
+        return syms
+    heapq.heapify(heap)
+    nxt, prv, alive = list(range(1, n + 1)), list(range(-1, n - 1)), [True] * n
+    while heap:
+        _, p, made = heapq.heappop(heap)
+        q = nxt[p]
+        if not alive[p] or q >= n:
+            continue
+        m = merges.get((syms[p], syms[q]))
+        if m is None or m[1] != made:
+            continue
+        syms[p], alive[q] = made, False
+        nxt[p] = nxt[q]
+        if nxt[q] < n:
+            prv[nxt[q]] = p
+        if prv[p] >= 0 and (m := merges.get((syms[prv[p]], made))):
+            heapq.heappush(heap, (m[0], prv[p], m[1]))
+        if nxt[p] < n and (m := merges.get((made, syms[nxt[p]]))):
+            heapq.heappush(heap, (m[0], p, m[1]))
+    return [s for s, a in zip(syms, alive) if a]

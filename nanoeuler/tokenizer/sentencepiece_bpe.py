@@ -23,7 +23,6 @@ decoder does (Strip or Metaspace) for ids that begin a text. Bytes that are not 
 byte tokens and decode back exactly.
 """
 import codecs
-import heapq
 import json
 import re
 
@@ -32,6 +31,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.base import CHUNK, MAX_IDS, MAX_VOCAB, TokenizerBase, checked_ids, post_bos
+from nanoeuler.tokenizer.pieces import merge_symbols
 
 FORMAT = "nanoeuler-sentencepiece-bpe"
 SPACE = "\u2581"  # ▁, SentencePiece's spelling of a space
@@ -259,35 +259,7 @@ class SentencePieceBPE(TokenizerBase):
         stale entries skipped when their pair no longer makes the same token)."""
         if self.ignore_merges and word in self._vocab:
             return [self._vocab[word]]
-        syms = self._symbols(word)
-        n = len(syms)
-        merges = self._merges
-        heap = [(m[0], p, m[1]) for p in range(n - 1) if (m := merges.get((syms[p], syms[p + 1])))]
-        if not heap:
-            return syms
-        heapq.heapify(heap)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        alive = [True] * n
-        while heap:
-            _, p, made = heapq.heappop(heap)
-            q = nxt[p]
-            if not alive[p] or q == -1:
-                continue
-            m = merges.get((syms[p], syms[q]))
-            if m is None or m[1] != made:
-                continue
-            syms[p] = made
-            alive[q] = False
-            r = nxt[p] = nxt[q]
-            if r != -1:
-                prv[r] = p
-                if m := merges.get((made, syms[r])):
-                    heapq.heappush(heap, (m[0], p, m[1]))
-            if prv[p] >= 0 and (m := merges.get((syms[prv[p]], made))):
-                heapq.heappush(heap, (m[0], prv[p], m[1]))
-        return [s for s, a in zip(syms, alive) if a]
+        return merge_symbols(self._symbols(word), self._merges)
 
     def _encode_stream(self, read, allow_special, chunk_bytes=CHUNK):
         """Yield (int32 ids, bytes read) chunk by chunk (encode_file's loop), each chunk encoded up to the last

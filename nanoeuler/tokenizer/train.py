@@ -14,8 +14,9 @@ from nanoeuler.tokenizer.token_file import CHUNK, MAX_IDS, open_input, progress_
 
 
 def train(cls, path, vocab_size, progress=True, special_tokens=("</s>",), max_bytes=128 << 20):
-    """A tokenizer of class cls (bpe.Tokenizer) with merges learned on the text file at path until the vocabulary (bytes + merges + special tokens)
-    has vocab_size tokens. A file larger than max_bytes is sampled: 1 MiB windows spread evenly."""
+    """A tokenizer of class cls (bpe.Tokenizer) with merges learned on the text file at path until the
+    vocabulary (bytes + merges + special tokens) has vocab_size tokens. A file larger than max_bytes is sampled:
+    1 MiB windows spread evenly."""
     n_special = len(special_tokens)
     if not 256 + n_special <= vocab_size <= MAX_IDS:
         raise UserError(f"vocab size must be between {256 + n_special} (256 bytes + {n_special} special "
