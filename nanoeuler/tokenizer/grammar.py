@@ -27,7 +27,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.base import MAX_IDS, MAX_VOCAB, TokenizerBase, checked_ids
-from nanoeuler.tokenizer.pieces import merge_symbols
+from nanoeuler.tokenizer.pieces import as_text as _as_text, cached_tokens, merge_symbols
 from nanoeuler.tokenizer.token_file import CHUNK
 
 FORMAT = "nanoeuler-hf-grammar"
@@ -379,7 +379,6 @@ def _splitting(cut):
 
 def _mapping(f):
     return lambda words: [(f(t), o) for t, o in words]
-
 
 
 def pre_tokenizer(d, where="its pre-tokenizer"):
@@ -800,17 +799,9 @@ class GrammarBPE(TokenizerBase):
         """Ids of normalized text pieces: pre-tokenized, then each word merged."""
         if self._pre is not None:
             words = self._pre(words)
-        cache = self._cache
-        if len(cache) > _CACHE_WORDS:
-            cache.clear()
-        ids, cut = [], self._sub_words
-        for word, _ in words:
-            for w in cut.findall(word) if cut is not None else (word,):
-                got = cache.get(w)
-                if got is None:
-                    got = cache[w] = self._merge_word(w)
-                ids += got
-        return ids
+        cut = self._sub_words
+        pieces = [w for word, _ in words for w in cut.findall(word)] if cut is not None else [w for w, _ in words]
+        return cached_tokens(pieces, self._cache, self._merge_word, _CACHE_WORDS)
 
     def _symbols(self, word):
         """The word's first symbols, as `tokenizers`' BPE::merge_word: each character (with the continuing
@@ -959,11 +950,3 @@ def _is_word(c):
     cat, cp = unicodedata.category(c), ord(c)
     return (cat[0] in "LM" or cat in ("Nd", "Nl", "Pc") or c in "\u200c\u200d" or 0x24B6 <= cp <= 0x24E9
             or 0x1F130 <= cp <= 0x1F149 or 0x1F150 <= cp <= 0x1F169 or 0x1F170 <= cp <= 0x1F189)
-
-
-def _as_text(text):
-    if isinstance(text, str):
-        return text
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        return bytes(text).decode("utf-8", "surrogateescape")
-    raise TypeError(f"expected str or bytes, got {type(text).__name__}")

@@ -169,3 +169,26 @@ def merge_symbols(syms, merges):
         if nxt[p] < n and (m := merges.get((made, syms[nxt[p]]))):
             heapq.heappush(heap, (m[0], p, m[1]))
     return [s for s, a in zip(syms, alive) if a]
+
+
+def cached_tokens(words, cache, merge_word, bound=1 << 20):
+    """The ids of words, each merged once (merge_word) and kept in the dict cache, which starts afresh beyond
+    bound words (memory stays bounded on any corpus)."""
+    if len(cache) > bound:
+        cache.clear()
+    ids = []
+    for w in words:
+        got = cache.get(w)
+        if got is None:
+            got = cache[w] = merge_word(w)
+        ids += got
+    return ids
+
+
+def as_text(text):
+    """text (str, or bytes: UTF-8, a byte that is not as a surrogate escape) as str."""
+    if isinstance(text, str):
+        return text
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        return bytes(text).decode("utf-8", "surrogateescape")
+    raise TypeError(f"expected str or bytes, got {type(text).__name__}")

@@ -31,7 +31,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.base import CHUNK, MAX_IDS, MAX_VOCAB, TokenizerBase, checked_ids, post_bos
-from nanoeuler.tokenizer.pieces import merge_symbols
+from nanoeuler.tokenizer.pieces import as_text as _as_text, cached_tokens, merge_symbols
 
 FORMAT = "nanoeuler-sentencepiece-bpe"
 SPACE = "\u2581"  # ▁, SentencePiece's spelling of a space
@@ -61,14 +61,6 @@ def _char_bytes(c):
     if "\udc80" <= c <= "\udcff":
         return bytes([ord(c) - 0xDC00])
     return c.encode("utf-8", "surrogatepass")
-
-
-def _as_text(text):
-    if isinstance(text, str):
-        return text
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        return bytes(text).decode("utf-8", "surrogateescape")
-    raise TypeError(f"expected str or bytes, got {type(text).__name__}")
 
 
 def _alternation(strings):
@@ -217,16 +209,7 @@ class SentencePieceBPE(TokenizerBase):
                                                or self.prepend_scheme == "first" and at_origin):
                 text = SPACE + text
         words = self._words.findall(text) if self._words is not None else [text]
-        cache = self._cache
-        if len(cache) > _CACHE_WORDS:
-            cache.clear()
-        ids = []
-        for w in words:
-            got = cache.get(w)
-            if got is None:
-                got = cache[w] = self._merge_word(w)
-            ids += got
-        return ids
+        return cached_tokens(words, self._cache, self._merge_word, _CACHE_WORDS)
 
     def _symbols(self, word):
         """The word's first symbols: each character's token, else its byte tokens, else the unk token (a run
