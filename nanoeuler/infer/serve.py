@@ -568,7 +568,8 @@ def build_app(scheduler, model, tok, api_key=None, cors_origins=()):
         ids = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < model.vocab for t in ids):
             raise ApiError(400, f"the body must be {{\"tokens\": [ids 0 to {model.vocab - 1}]}}", "tokens")
-        return JSONResponse({"prompt": tok.decode(ids).decode("utf-8", errors="replace")})
+        # the ids begin a text: the space a SentencePiece encoder put in front goes, as its decoder drops it
+        return JSONResponse({"prompt": tok.decode(ids, text_start=True).decode("utf-8", errors="replace")})
 
     async def tokenizer_info(request):
         named = tok.named_tokens

@@ -8,13 +8,13 @@
 
 DIR is a `LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM` folder as `save_pretrained` writes
 it: config.json, the weights as safetensors (one file or shards with their index; float32, float16 or
-bfloat16, streamed a tensor at a time into float32) and a tokenizer.json (a byte-level BPE, or a
-SentencePiece-style BPE with byte fallback). A string that is not a directory but reads `owner/name` (or
-`owner/name@revision`) is a Hugging Face Hub id: `huggingface_hub.snapshot_download` (the `hub` extra) fetches
+bfloat16, streamed a tensor at a time into float32) and a tokenizer.json (any BPE that the `tokenizers`
+library reads: nanoeuler/tokenizer/hf.py picks the class that reads it). A string that is not a directory but
+reads `owner/name` (or `owner/name@revision`) is a Hugging Face Hub id: `huggingface_hub.snapshot_download` (the `hub` extra) fetches
 the files this import reads into the user's cache (HF_HOME, HF_HUB_CACHE), or finds them there
 (HF_HUB_OFFLINE=1: the cache only). It becomes one nanoeuler checkpoint (nanoeuler/io/checkpoint.py) with K = 1
 prediction heads:
-`lm_head` becomes head 0, the tokenizer becomes ours with its ids kept (nanoeuler/tokenizer/bpe.py), and RoPE
+`lm_head` becomes head 0, the tokenizer becomes ours with its ids kept (nanoeuler/tokenizer/), and RoPE
 theta, its "llama3" scaling (Llama 3.1+: only the tables change) and the RMSNorm epsilon go into the config.
 The Q/K rows need no permutation: our RoPE pairs dimensions as Hugging Face's does (rotate-half). This is the
 inverse of `nanoeuler export --hf` (nanoeuler/io/export.py), whose tensor names it reads back.
@@ -41,9 +41,9 @@ larger than it: clamped with a note, a larger --context refused. The architectur
 export --hf to write back.
 
 What our engines do not compute is refused in one line: other biases, rope scaling other than llama3, partial
-rotary embeddings, an activation other than SiLU, a head size other than dim / heads, a tokenizer that is
-neither a byte-level BPE with the pretokenization of GPT-2, SmolLM (digits one by one), Llama 3 or Qwen2 (with
-its NFC normalizer) nor a SentencePiece-style BPE (Llama 2, TinyLlama, Mistral). A head size the GPU attention
+rotary embeddings, an activation other than SiLU, a head size other than dim / heads, a tokenizer whose model
+is not BPE (WordPiece, Unigram) or that has a part nanoeuler does not read (docs/tokenizer.md lists the
+grammar it reads). A head size the GPU attention
 kernels do not take is imported with a note (the CPU engine runs it).
 """
 import dataclasses

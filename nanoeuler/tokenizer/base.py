@@ -1,50 +1,12 @@
 """What every tokenizer of nanoeuler shares (the byte-level BPE of bpe.py, the SentencePiece-style BPE of
-sentencepiece_bpe.py): the chat settings a model brings, the token-file format and its writer, and reading a
-tokenizer.json post-processor's BOS.
-
-Token files (`.tok`): a 128-byte header (magic "NEUTOKS\0", format version, token count, the size and mtime of
-the text file they were made from, the tokenizer's sha256), then the tokens as little-endian uint16 (format
-version 1), or uint32 (version 2) for a vocabulary above 65,536; bpe.read_token_file reads them.
+sentencepiece_bpe.py, any other BPE tokenizer.json in grammar.py): the chat settings a model brings, writing a
+token file (token_file.py has the format), and reading a tokenizer.json post-processor's BOS.
 """
 import hashlib
-import os
-import struct
 
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_write
-
-MAX_VOCAB = 1 << 16  # token files hold uint16 tokens up to this vocabulary, uint32 above it
-MAX_IDS = 1 << 31  # any tokenizer, trained or loaded: ids are int32
-CHUNK = 8 << 20  # text is tokenized this many bytes at a time
-TOKENS_MAGIC = b"NEUTOKS\x00"
-TOKENS_VERSION = 1  # uint16 tokens; version 2: uint32 (a vocabulary above MAX_VOCAB)
-# magic, version, token count, source file size, source mtime_ns, tokenizer sha256 (hex); padded to 128 bytes
-TOKENS_HEADER = struct.Struct("<8sI4xQQq64s")
-TOKENS_HEADER_BYTES = 128
-
-
-def open_input(path):
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}") from None
-    if not os.path.isfile(path):
-        f.close()
-        raise UserError(f"{path} is not a regular file")
-    return f
-
-
-def progress_bar(enabled, **kw):
-    from tqdm import tqdm
-
-    return tqdm(disable=not enabled, dynamic_ncols=True, **kw)
-
-
-def tokens_header(n_tokens, source_stat, tok, dtype):
-    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION if dtype.itemsize == 2 else 2, n_tokens,
-                              source_stat.st_size, source_stat.st_mtime_ns, tok.sha256().encode())
+from nanoeuler.tokenizer.token_file import (CHUNK, MAX_IDS, MAX_VOCAB, open_input, progress_bar,  # noqa: F401
+                                            write_token_file)
 
 
 def checked_ids(ids, vocab_size):
@@ -118,28 +80,10 @@ class TokenizerBase:
         return d
 
     def encode_file(self, in_path, out_path, progress=True, allow_special=False, chunk_bytes=CHUNK):
-        """Tokenize the file in_path into the token file out_path (the module docstring's format, written
-        atomically), reading chunk_bytes at a time (the text is never held in memory), with the same ids as
-        encode() on the whole text. Returns the token count; read_token_file(out_path) reads the tokens."""
-        open_input(in_path).close()  # a missing input is an error before anything is written
-
-        def write(dst):
-            dst.write(bytes(TOKENS_HEADER_BYTES))  # the header needs the token count: written once it is known
-            n = 0
-            with open_input(in_path) as f, progress_bar(progress, total=os.fstat(f.fileno()).st_size,
-                                                          unit="B", unit_scale=True, desc="tokenize") as bar:
-                source = os.fstat(f.fileno())  # as it was when reading began: a later change makes it stale
-                for ids, n_read in self._encode_stream(f.read, allow_special, chunk_bytes):
-                    dst.write(ids.astype(self.token_dtype).tobytes())
-                    n += len(ids)
-                    bar.update(n_read)
-            dst.seek(0)
-            dst.write(tokens_header(n, source, self, self.token_dtype))
-            count.append(n)
-
-        count = []
-        atomic_write(out_path, write)
-        return count[0]
+        """Tokenize the file in_path into the token file out_path (token_file.py's format, written atomically),
+        reading chunk_bytes at a time, with the same ids as encode() on the whole text. Returns the token count;
+        read_token_file(out_path) reads the tokens."""
+        return write_token_file(self, in_path, out_path, progress, allow_special, chunk_bytes)
 
     def sha256(self):
         return hashlib.sha256(self.to_json().encode()).hexdigest()

@@ -9,7 +9,7 @@ spaces spelled `▁`, and one of two ways of marking the start of a text:
 - `metaspace`: the Metaspace pre-tokenizer (replacement `▁`, prepend_scheme `always`, `first` or `never`,
   split or not): a `▁` in front of a piece that does not start with one (`first`: only at the text's start).
 
-Tokenizer.load (nanoeuler/tokenizer/bpe.py) picks this class for such a file; it has the byte-level Tokenizer's
+Tokenizer.load (nanoeuler/tokenizer/hf.py) picks this class for such a file; it has the byte-level Tokenizer's
 interface (encode, encode_ordinary, decode, encode_file, special tokens, BOS/EOS, set_chat, to_json/from_json,
 save_hf; the shared part in nanoeuler/tokenizer/base.py). Encoding follows `tokenizers` step by step: added
 tokens are split out first (those with `normalized: false` from the raw text, the others after normalization),
@@ -23,7 +23,6 @@ decoder does (Strip or Metaspace) for ids that begin a text. Bytes that are not 
 byte tokens and decode back exactly.
 """
 import codecs
-import heapq
 import json
 import re
 
@@ -32,6 +31,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.base import CHUNK, MAX_IDS, MAX_VOCAB, TokenizerBase, checked_ids, post_bos
+from nanoeuler.tokenizer.pieces import as_text as _as_text, cached_tokens, merge_symbols
 
 FORMAT = "nanoeuler-sentencepiece-bpe"
 SPACE = "\u2581"  # ▁, SentencePiece's spelling of a space
@@ -61,14 +61,6 @@ def _char_bytes(c):
     if "\udc80" <= c <= "\udcff":
         return bytes([ord(c) - 0xDC00])
     return c.encode("utf-8", "surrogatepass")
-
-
-def _as_text(text):
-    if isinstance(text, str):
-        return text
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        return bytes(text).decode("utf-8", "surrogateescape")
-    raise TypeError(f"expected str or bytes, got {type(text).__name__}")
 
 
 def _alternation(strings):
@@ -217,16 +209,7 @@ class SentencePieceBPE(TokenizerBase):
                                                or self.prepend_scheme == "first" and at_origin):
                 text = SPACE + text
         words = self._words.findall(text) if self._words is not None else [text]
-        cache = self._cache
-        if len(cache) > _CACHE_WORDS:
-            cache.clear()
-        ids = []
-        for w in words:
-            got = cache.get(w)
-            if got is None:
-                got = cache[w] = self._merge_word(w)
-            ids += got
-        return ids
+        return cached_tokens(words, self._cache, self._merge_word, _CACHE_WORDS)
 
     def _symbols(self, word):
         """The word's first symbols: each character's token, else its byte tokens, else the unk token (a run
@@ -259,35 +242,7 @@ class SentencePieceBPE(TokenizerBase):
         stale entries skipped when their pair no longer makes the same token)."""
         if self.ignore_merges and word in self._vocab:
             return [self._vocab[word]]
-        syms = self._symbols(word)
-        n = len(syms)
-        merges = self._merges
-        heap = [(m[0], p, m[1]) for p in range(n - 1) if (m := merges.get((syms[p], syms[p + 1])))]
-        if not heap:
-            return syms
-        heapq.heapify(heap)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        alive = [True] * n
-        while heap:
-            _, p, made = heapq.heappop(heap)
-            q = nxt[p]
-            if not alive[p] or q == -1:
-                continue
-            m = merges.get((syms[p], syms[q]))
-            if m is None or m[1] != made:
-                continue
-            syms[p] = made
-            alive[q] = False
-            r = nxt[p] = nxt[q]
-            if r != -1:
-                prv[r] = p
-                if m := merges.get((made, syms[r])):
-                    heapq.heappush(heap, (m[0], p, m[1]))
-            if prv[p] >= 0 and (m := merges.get((syms[prv[p]], made))):
-                heapq.heappush(heap, (m[0], prv[p], m[1]))
-        return [s for s, a in zip(syms, alive) if a]
+        return merge_symbols(self._symbols(word), self._merges)
 
     def _encode_stream(self, read, allow_special, chunk_bytes=CHUNK):
         """Yield (int32 ids, bytes read) chunk by chunk (encode_file's loop), each chunk encoded up to the last

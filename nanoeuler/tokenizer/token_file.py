@@ -1,0 +1,112 @@
+"""Token files (`.tok`, the one format: what encode_file writes and what training reads, as its cached
+`<corpus>.tok`): a 128-byte header (magic "NEUTOKS\0", format version, token count, the size and mtime of the
+text file they were made from, the tokenizer's sha256), then the tokens as little-endian uint16 (format version
+1), or uint32 (version 2) for a vocabulary above 65,536. write_token_file writes one (TokenizerBase.encode_file),
+read_token_file reads one and checks its header, and with `source`/`tok` that it still matches that text and
+tokenizer.
+"""
+import os
+import struct
+
+import numpy as np
+
+from nanoeuler.errors import UserError
+from nanoeuler.files import atomic_write
+
+MAX_VOCAB = 1 << 16  # token files hold uint16 tokens up to this vocabulary, uint32 above it
+MAX_IDS = 1 << 31  # any tokenizer, trained or loaded: ids are int32
+CHUNK = 8 << 20  # text is tokenized this many bytes at a time
+
+
+def open_input(path):
+    """path opened for reading bytes; a missing or unreadable file, or a folder, is one line."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    if not os.path.isfile(path):
+        f.close()
+        raise UserError(f"{path} is not a regular file")
+    return f
+
+
+def progress_bar(enabled, **kw):
+    from tqdm import tqdm
+
+    return tqdm(disable=not enabled, dynamic_ncols=True, **kw)
+
+
+TOKENS_MAGIC = b"NEUTOKS\x00"
+TOKENS_VERSION = 1  # uint16 tokens; version 2: uint32 (a vocabulary above MAX_VOCAB)
+# magic, version, token count, source file size, source mtime_ns, tokenizer sha256 (hex); padded to 128 bytes
+TOKENS_HEADER = struct.Struct("<8sI4xQQq64s")
+TOKENS_HEADER_BYTES = 128
+
+
+def tokens_header(n_tokens, source_stat, tok, dtype):
+    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION if dtype.itemsize == 2 else 2, n_tokens,
+                              source_stat.st_size, source_stat.st_mtime_ns, tok.sha256().encode())
+
+
+def write_token_file(tok, in_path, out_path, progress=True, allow_special=False, chunk_bytes=None):
+    """Tokenize the file in_path with tok into the token file out_path (written atomically), reading
+    chunk_bytes at a time (the text is never held in memory), with the same ids as tok.encode() on the whole
+    text. Returns the token count."""
+    chunk_bytes = chunk_bytes or CHUNK
+    open_input(in_path).close()  # a missing input is an error before anything is written
+
+    def write(dst):
+        dst.write(bytes(TOKENS_HEADER_BYTES))  # the header needs the token count: written once it is known
+        n = 0
+        with open_input(in_path) as f, progress_bar(progress, total=os.fstat(f.fileno()).st_size,
+                                                      unit="B", unit_scale=True, desc="tokenize") as bar:
+            source = os.fstat(f.fileno())  # as it was when reading began: a later change makes it stale
+            for ids, n_read in tok._encode_stream(f.read, allow_special, chunk_bytes):
+                dst.write(ids.astype(tok.token_dtype).tobytes())
+                n += len(ids)
+                bar.update(n_read)
+        dst.seek(0)
+        dst.write(tokens_header(n, source, tok, tok.token_dtype))
+        count.append(n)
+
+    count = []
+    atomic_write(out_path, write)
+    return count[0]
+
+
+def read_token_file(path, source=None, tok=None):
+    """The tokens of a token file (Tokenizer.encode_file) as a read-only uint16 (uint32, for a vocabulary above
+    65,536) memmap (a corpus of many GB
+    costs no RAM). With `source` (a path) or `tok`, the file must have been made from that file as it is now
+    (same size and mtime) and with that tokenizer. Every way it can fail is a one-line UserError."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(TOKENS_HEADER.size)
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise UserError(f"token file {path} not found") from None
+    except OSError as e:
+        raise UserError(f"cannot read token file {path}: {e.strerror or e}") from None
+    if len(head) < TOKENS_HEADER.size or head[:8] != TOKENS_MAGIC:
+        raise UserError(f"{path} is not a nanoeuler token file")
+    _, version, n_tokens, src_size, src_mtime, sha = TOKENS_HEADER.unpack(head)
+    if version not in (TOKENS_VERSION, 2):
+        raise UserError(f"token file {path} has format version {version}; this nanoeuler reads {TOKENS_VERSION} and 2")
+    dtype = np.dtype("<u2" if version == TOKENS_VERSION else "<u4")
+    if size != TOKENS_HEADER_BYTES + dtype.itemsize * n_tokens:
+        raise UserError(f"token file {path} is truncated or corrupt ({size} bytes for {n_tokens} tokens)")
+    if source is not None:
+        try:
+            st = os.stat(source)
+        except OSError as e:
+            raise UserError(f"cannot read {source}: {e.strerror or e}") from None
+        if (st.st_size, st.st_mtime_ns) != (src_size, src_mtime):
+            raise UserError(f"token file {path} is stale: {source} changed since it was tokenized")
+    if tok is not None and sha != tok.sha256().encode():
+        raise UserError(f"token file {path} was made with a different tokenizer")
+    if n_tokens == 0:  # np.memmap cannot map zero bytes
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=TOKENS_HEADER_BYTES, shape=(n_tokens,))
