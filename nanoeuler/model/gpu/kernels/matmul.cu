@@ -180,7 +180,6 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 #else
     const int ss_lane = 0;  // after the sum over a row's 4 threads
 #endif
-    uint4 wn[MATMUL_SMALL_LOADS];  // up to 8 rows: the next turn's w, in flight while this turn's products run
     for (;;) {  // this warp's virtual warps in turn
 #pragma unroll
     for (int j = 0; j < RT::tiles; ++j) {
@@ -189,27 +188,12 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         for (int n = 0; n < NT; ++n) acc[n][j][0] = acc[n][j][1] = acc[n][j][2] = acc[n][j][3] = 0.f;
     }
     for (int r0 = 0; r0 < I; r0 += stride) {
-        // w's loads (the first virtual warp's first came before the wait). Up to 8 rows (one tile of w), a
-        // warp's turns (virtual warp, round) are pipelined: the next turn's w is loaded before this one's x, and
-        // the gain waits for x's loads to be issued, so that its multiply, which waits for w, holds nothing back
+        // w's loads (the first virtual warp's first came before the wait); up to 8 rows the gain waits for x's
+        // loads to be issued, so that its multiply, which waits for w, does not hold them back
         const bool later = r0 || warp != (int)(threadIdx.x >> 5);
-        if constexpr (TILES == 0) {
-            static_assert(NT == 1, "one tile of w a warp up to 8 rows");
-            if (later) {
-#pragma unroll
-                for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) wr[0][p] = wn[p];
-            }
-            const bool more = r0 + stride < I;  // the next turn: this virtual warp's next round, or the next one's
-            const int next_r0 = more ? r0 + stride : 0, next_warp = more ? warp : warp + pwarps;
-            if (next_warp < warps) {
-                const int next_own = next_warp * MATMUL_SMALL_LOADS * step + t * PACK;
-#pragma unroll
-                for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
-                    wn[p] = loads_w[0] ? load_chunk<PACKED>(wrow[0], next_r0 + next_own + p * step, I)
-                                       : make_uint4(0u, 0u, 0u, 0u);
-            }
-        } else if (later) {
-            load_weights(r0);
+        if (later) {
+            if (TILES == 0) load_raw(r0);
+            else load_weights(r0);
         }
 #pragma unroll
         for (int j = 0; j < RT::tiles; ++j) {
@@ -350,11 +334,11 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 // Grid: (ceil(columns / 8) (ceil(pairs / 4) when paired) / (groups x NT), ceil(N / rows a block)) blocks of
 // 32 x warps threads, warps <= MATMUL_SMALL_WARPS (MATMUL_PAIR_WARPS for NT > 1); half 0 (plain) or the pairing
 // distance, with glu_out (SwiGLU's output) or cos_t (the rotary embedding). One kernel a row count class:
-// matmul_small (rows up to 8, registers held to 96, what its pipelined turns take without spilling, so that
-// blocks of 4 warps fit 5 an SM; CUDA 12.4+, older compilers bound the block size only), and matmul_small_t{1..4}_n{1, MATMUL_PAIR} (1 to 4
+// matmul_small (rows up to 8, registers held to 80 so that the largest product of `base` runs in one wave;
+// CUDA 12.4+, older compilers bound the block size only), and matmul_small_t{1..4}_n{1, MATMUL_PAIR} (1 to 4
 // tiles of 16 rows a block, NT tiles of w a warp). They run one template: a row's arithmetic is the same in each.
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204
-#define MATMUL_SMALL_BOUNDS __maxnreg__(96)
+#define MATMUL_SMALL_BOUNDS __maxnreg__(80)
 #else
 #define MATMUL_SMALL_BOUNDS __launch_bounds__(32 * MATMUL_SMALL_WARPS, 1)
 #endif
@@ -366,7 +350,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         const float *__restrict__ sin_t, const int *__restrict__ pos, int T, int pos_stride, int rot, int groups, \
         int vwarps
 // groups > 1 (many rows): a block's tiles reread x from L1 rather than every block from L2; grid.y splits x's
-// rows (row_base), a constant 0 for matmul_small, whose 96 registers spill with a row offset to carry
+// rows (row_base), a constant 0 for matmul_small, whose 80 registers spill with a row offset to carry
 #define MATMUL_SMALL_BODY(TILES, NT)                                                                              \
     __shared__ float partial[MATMUL_SMALL_WARPS][RowTiles<TILES>::rows][9]; /* a warp's sums and squares */      \
     const Rope rope{cos_t, sin_t, pos, T, pos_stride, rot};                                                      \
