@@ -153,9 +153,11 @@ def main():
     T = args.temperature
     if args.batch:
         return batch_rows(args, cfg, params, eng, n, precision)
-    ours(eng, prompt, 8, False, T)  # warm-up (numba compilation, kernel compilation)
+    # warm-up (numba compilation, kernel compilation; on the GPU the recording of the steps' graphs, which a
+    # generation of this length's cache size then replays)
+    ours(eng, prompt, n, False, T)
     if cfg.mtp_heads > 1:
-        ours(eng, prompt, 8, True, T)
+        ours(eng, prompt, n, True, T)
     rows = []
     if args.device == "gpu":
         decoder_of(eng).graphs = False
@@ -170,6 +172,15 @@ def main():
         rows.append(("nanoeuler --speculative", seconds, spec,
                      f"accepted {stats['accepted']}/{stats['drafted']} drafts in {stats['steps']} forwards "
                      f"({per_head})"))
+    if args.device == "gpu":  # the fraction of the memory bandwidth a token's step reaches
+        ceiling = copy_bandwidth(eng.xp)
+        position = len(prompt) + n // 2  # the KV cache's average length over the run
+        name, seconds, tokens, note = rows[1]
+        rows[1] = (name, seconds, tokens, bandwidth_note(eng, seconds / n, position, ceiling))
+        device = greedy_step_time(eng, prompt, n)
+        print(f"device-to-device copy: {ceiling / 1e12:.2f} TB/s (read + written); the device's greedy step "
+              f"alone (graph replays, no host): {1e3 * device:.3f} ms, "
+              f"{bandwidth_note(eng, device, position, ceiling)}", flush=True)
     how = f"temperature {T}, top-p 0.95 (sampled: the tokens differ)" if T > 0 else "greedy"
     print(f"{what}: batch 1, {how}, {n} new tokens after a {len(prompt)}-token prompt, {args.device} ({precision})")
     print(f"{'decoder':<38} {'ms/token':>9} {'vs first row':>13} {'tokens = first row':>19}  notes")
@@ -197,8 +208,8 @@ def batch_rows(args, cfg, params, eng, n, precision):
     """--batch: ours greedy and sampled, the invariance check, `transformers` static cache + compile."""
     N = args.batch
     prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (N, 8)).tolist()
-    batched(eng, prompts, 8, 0.0)  # warm-up: compiles the kernels and records the steps' graphs
-    batched(eng, prompts, 8, 0.8)
+    batched(eng, prompts, n, 0.0)  # warm-up: compiles the kernels and records the steps' graphs (this cache size's)
+    batched(eng, prompts, n, 0.8)
     print(f"{args.preset}, random weights: batch {N}, {n} new tokens after 8-token prompts, {args.device} "
           f"({precision}); tokens/s over all rows, prefill included")
     greedy, seconds = batched(eng, prompts, n, 0.0)
@@ -209,7 +220,7 @@ def batch_rows(args, cfg, params, eng, n, precision):
           f"{1e3 * seconds / n:7.3f} ms a step")
     loose = make_engine(cfg, device=args.device, precision=precision, batch_invariant=False, training=False)
     loose.load_params(params)
-    batched(loose, prompts, 8, 0.0)  # warm-up
+    batched(loose, prompts, n, 0.0)  # warm-up
     fast, seconds = batched(loose, prompts, n, 0.0)
     agree = sum(a == b for x, y in zip(fast, greedy) for a, b in zip(x, y))
     print(f"{'nanoeuler generate() greedy, not invariant':<44} {N * n / seconds:>10,.0f} tokens/s  "
@@ -241,6 +252,27 @@ def batch_rows(args, cfg, params, eng, n, precision):
     print(f"{'transformers static cache + compile, greedy':<44} {N * n / seconds:>10,.0f} tokens/s  "
           f"{1e3 * seconds / n:7.3f} ms a step  (ours: {first / (N * n / seconds):.1f}x; tokens equal to ours: "
           f"{agree}/{N * n})", flush=True)
+
+
+def greedy_step_time(eng, prompt, repeats=200):
+    """Seconds of one greedy decoding step of one sequence after the prompt as the device runs it: the recorded
+    step (argmax on the device, its id fed to the next) replayed `repeats` times back to back (the positions
+    len(prompt) + 2 on), timed by CUDA events."""
+    cp = eng.xp
+    decoder = decoder_of(eng)
+    cache = decoder.new_cache(1, min(eng.cfg.context, 1 << (len(prompt) + repeats + 8).bit_length()))
+    decoder.greedy(cache, np.array([prompt], np.int32))  # the prompt's prefill
+    decoder.greedy(cache, np.zeros((1, 1), np.int32), steps=2)  # the one-token step, recorded
+    step = next(s for key, s in cache.steps.items() if key[:3] == ("greedy", 1, 1))
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(repeats):
+        step.run()  # each moves the device's position on by one
+    end.record()
+    end.synchronize()
+    cache.rewind(0)
+    decoder.release(cache)
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / repeats
 
 
 def step_time(eng, rows, repeats=200):
@@ -288,6 +320,7 @@ def kernel_times(eng, rows, position, repeats=100):
             sw, gate_up, rstd, x, p[w + "ffn_norm"], p[w + "w_gate_up"], cfg.norm_eps, None),
         "down, +=": lambda: layers.matmul_forward(x, sw, p[w + "w_down"], accumulate=True),
         "head 0, float32": lambda: layers.matmul_forward(logits, x, p["heads.0"]),
+        "argmax": lambda: layers.argmax(ids, logits),
         "sample, greedy": lambda: layers.sample_rows(ids, logits, settings[0], cp.zeros(rows, np.float32),
                                                      *settings[2:]),
         "sample, top-p 0.95": lambda: layers.sample_rows(ids, logits, *settings),
@@ -304,6 +337,41 @@ def kernel_times(eng, rows, position, repeats=100):
         end.synchronize()
         out[name] = 1e3 * cp.cuda.get_elapsed_time(start, end) / (repeats // 20 * 20)
     return out
+
+
+def step_bytes(eng, position):
+    """The bytes a one-row decoding step must read at `position`: every layer's weights, the final norm and head
+    0 once, the KV cache's rows before it, the float32 logits written and read back (the token's embedding row
+    is noise)."""
+    cfg, p = eng.cfg, eng.p
+    fused = ("wqkv", "bqkv", "w_gate_up")  # views of the same memory as wq..wv, w_gate and w_up
+    weights = sum(v.nbytes for k, v in p.items() if k.startswith("layers.") and k.rsplit(".", 1)[-1] not in fused)
+    weights += p["final_norm"].nbytes + p["heads.0"].nbytes
+    kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * position * np.dtype(eng.act).itemsize
+    return weights + kv + 2 * 4 * cfg.vocab_size
+
+
+def copy_bandwidth(cp, nbytes=2 << 30, repeats=10):
+    """Bytes a second of a device-to-device copy of nbytes, counting bytes read plus bytes written (the ceiling
+    the bandwidth fractions are against), measured in the same run: the median of `repeats` copies."""
+    src, dst = cp.ones(nbytes // 4, np.float32), cp.empty(nbytes // 4, np.float32)
+    times = []
+    for _ in range(repeats + 2):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        cp.copyto(dst, src)
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    del src, dst
+    return 2 * nbytes / float(np.median(times[2:]))
+
+
+def bandwidth_note(eng, seconds_a_token, position, ceiling):
+    """"X GB at Y TB/s, Z of the copy's" for a step of seconds_a_token at `position`."""
+    nbytes = step_bytes(eng, position)
+    rate = nbytes / seconds_a_token
+    return f"{nbytes / 1e9:.3f} GB a token at {rate / 1e12:.2f} TB/s: {rate / ceiling:.0%} of the copy's"
 
 
 def report(row, first, n):

@@ -325,6 +325,36 @@ def test_gpu_batched_requests_are_each_request_alone(precision):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_few_row_products_do_not_depend_on_the_physical_warps(precision, monkeypatch):
+    """matmul_small's blocks run a row's virtual warps (its k-split, set by the row length) on as many physical
+    warps as the product's size picks: every count gives the bits of a physical warp a virtual warp, plain and
+    with the norm folded in, for rows of 1 to 4 rounds, an odd length and one not split evenly into 16."""
+    import cupy
+    from nanoeuler.model.gpu import layers as gpu_layers
+
+    layers = gpu_layers.Layers(precision, batch_invariant=True)
+    rng = np.random.default_rng(3)
+
+    def dev(*shape):
+        a = rng.standard_normal(shape).astype(np.float32)
+        return cupy.asarray((a.view(np.uint32) >> 16).astype(np.uint16) if precision == "bf16" else a)
+
+    for N, I, O in ((1, 2048, 264), (3, 8192, 40), (8, 1001, 72), (2, 768, 4096)):
+        x, w, gain = dev(N, I), dev(O, I), dev(I)
+        results = []
+        for cap in ((16, 16), (8, 4), (2, 2), (1, 1)):
+            monkeypatch.setattr(gpu_layers, "MATMUL_FEW_WARPS", cap)
+            plain, normed = cupy.zeros((N, O), np.float32), cupy.zeros((N, O), np.float32)
+            layers.matmul_forward(plain, x, w)
+            layers.rmsnorm_matmul_forward(normed, cupy.zeros(N, np.float32), x, gain, w, 1e-5, None)
+            results.append((plain.get(), normed.get()))
+        for got in results[1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(results[0], got)), (N, I, O)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_without_batch_invariance_gives_the_same_greedy_tokens():
     """make_engine(batch_invariant=False): a batched step's products on cuBLAS (recorded into the step's CUDA
     graph through our own handle), its norms, SwiGLU and rotary embedding (a position a sequence) as their own

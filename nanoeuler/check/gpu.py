@@ -508,7 +508,21 @@ def check_argmax(case, gpu_layers, cpu_layers):
     gpu_layers.argmax(got, case.dev32(logits), log, case.cp.full(1, 3, np.int32))  # and into row 3 of a log
     logged = log.get()
     right = np.array_equal(got.get(), ref) and np.array_equal(logged[3], ref) and (np.delete(logged, 3, 0) == -1).all()
-    return [("argmax rows=7 V=1031 (a tie), logged at position 3", 0.0 if right else math.inf, case.tol)]
+    out = [("argmax rows=7 V=1031 (a tie), logged at position 3", 0.0 if right else math.inf, case.tol)]
+    # a long row: many blocks a row, their results met in any order; ties across blocks, one row of -inf
+    logits = _f32(case.normal(3, 50021, scale=3.0))
+    logits[0, [40000, 7, 25000]] = logits[0].max() + 1
+    logits[1, [50020, 30001]] = logits[1].max() + 1
+    logits[2] = -np.inf
+    ref = np.empty(3, np.int32)
+    cpu_layers.argmax(ref, logits)
+    for _ in range(2):  # twice: the blocks' count is back at 0 after a launch
+        got = case.cp.full(3, -1, np.int32)
+        gpu_layers.argmax(got, case.dev32(logits))
+        right = np.array_equal(got.get(), ref)
+        out.append(("argmax rows=3 V=50021 (ties across blocks, a row of -inf)", 0.0 if right else math.inf,
+                    case.tol))
+    return out
 
 
 @_precisions("fp32", "bf16")

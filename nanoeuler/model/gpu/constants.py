@@ -15,6 +15,11 @@ MATMUL_SMALL_WARPS = 16  # the most warps a block; layers.py gives a short row f
 MATMUL_SMALL_LOADS = 4   # the 16-byte loads of w a thread has in flight at once
 MATMUL_PAIR = 2          # many rows: tiles of w a warp takes at once (x's fragments loaded once for all)
 MATMUL_PAIR_WARPS = 6    # ... in blocks of at most this many warps (rows up to 768), two of which an SM can hold
+# ... up to 8 rows (matmul_small): the physical warps a block, at most, for a product whose blocks would not fill
+# the SMs at the second number, and for one whose blocks do (a row's k-split stays that of its virtual warps,
+# MATMUL_SMALL_WARPS at most, set by the row length; a physical warp runs several in turn): small blocks, many
+# resident an SM, keep the weights streaming (layers._physical_warps)
+MATMUL_FEW_WARPS = (8, 4)
 # embedding.cu: the most rows of one token a block of the backward pass sums (longer runs are cut in pieces)
 EMB_SEGMENT = 32
 # rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
@@ -34,7 +39,10 @@ ATT_CACHED_WARPS_MANY = 4
 ATT_WARPS_D128 = 8
 # decoding.cu: the threads of a sample_rows block (one row of logits), and the bits of the top-k / top-p cut
 # each of its passes over the row decides (2^bits - 1 candidate cuts summed at once)
-SAMPLE_THREADS = 256
+# ... and argmax_rows: a block's threads, and the logits each reads (a row's blocks: V / both)
+ARGMAX_THREADS = 256
+ARGMAX_LOADS = 8
+SAMPLE_THREADS = 1024
 SAMPLE_BITS = 4
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
 RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)

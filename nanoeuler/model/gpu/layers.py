@@ -37,8 +37,10 @@ import numpy as np
 from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
                                            ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
-                                           MATMUL_PAIR, MATMUL_PAIR_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
-                                           ROPE_HEADS, SAMPLE_THREADS, rmsnorm_backward_blocks, rmsnorm_chunks)
+                                           MATMUL_FEW_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
+                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
+                                           ROPE_HEADS, SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
+                                           rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
 from nanoeuler.model.limits import CLIP_EPS, FEW_ROWS
 
@@ -102,7 +104,7 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     pack = 16 // x.itemsize
     packed = I % pack == 0 and all(aligned)
     k_blocks = -(-I // (4 * pack))  # a warp's 4 threads x 16 bytes at a time
-    warps = min(MATMUL_SMALL_WARPS, -(-k_blocks // MATMUL_SMALL_LOADS))
+    warps = min(MATMUL_SMALL_WARPS, -(-k_blocks // MATMUL_SMALL_LOADS))  # virtual: a row's k-split
     null = np.uint64(0)
     cos, sin, pos, T, rot, half = rope if rope is not None else (null, null, null, 1, 0, 0)
     pos_stride = int(rope is not None and pos.size > 1)  # a position a sequence, or one for all
@@ -111,15 +113,29 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     tiles_of_w = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a tile: the mma's n
     kernel_of = lambda row_tiles, per_warp: kernel(
         "matmul", f"matmul_small_t{row_tiles}_n{per_warp}" if row_tiles else "matmul_small", _act_defines(x))
-    row_tiles, groups, per_warp = _product_split(tiles, tiles_of_w, warps, kernel_of)
+    physical = _physical_warps(warps, tiles_of_w, kernel_of(0, 1)) if tiles == 0 else warps
+    row_tiles, groups, per_warp = _product_split(tiles, tiles_of_w, physical, kernel_of)
     rows_a_block = 16 * row_tiles if row_tiles else 8
     launch(kernel_of(row_tiles, per_warp),
-        (_blocks(tiles_of_w, groups * per_warp), _blocks(N, rows_a_block)), (32 * warps,),
+        (_blocks(tiles_of_w, groups * per_warp), _blocks(N, rows_a_block)), (32 * physical,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
          _i32(half), null if glu_out is None else glu_out, null if bias is None else bias, cos, sin, pos, _i32(T),
          _i32(pos_stride), _i32(rot),
-         _i32(groups)))
+         _i32(groups), _i32(warps)))
+
+
+def _physical_warps(virtual, blocks, kern):
+    """The warps a block of matmul_small (up to 8 rows, a block a tile of w), each running virtual / that many
+    of the row's virtual warps in turn (the same bits whatever the count): the most that divide `virtual`, at
+    most MATMUL_FEW_WARPS[1] where the product's blocks fill every SM at that size (a large product: more
+    blocks resident an SM, one's loads overlapping another's sums), else at most MATMUL_FEW_WARPS[0] (a small
+    one: fewer turns a block)."""
+    registers = cupy.cuda.Device().attributes["MaxRegistersPerMultiprocessor"]
+    most = lambda cap: max(d for d in range(1, min(virtual, cap) + 1) if virtual % d == 0)
+    small = most(MATMUL_FEW_WARPS[1])
+    resident = sm_count() * (registers // (32 * small * kern.num_regs))
+    return small if blocks >= resident else most(MATMUL_FEW_WARPS[0])
 
 
 def _product_split(tiles, tiles_of_w, warps, kernel_of):
@@ -231,6 +247,19 @@ def _ce_chunks(logits, V):
     piece = 16 // logits.itemsize * _ce_threads(V)
     chunks = V // piece if V % piece == 0 and logits.data.ptr % 16 == 0 else 0
     return chunks if chunks in (1, 2, 4) else 0
+
+
+# -------------------------------------------------------------------------------------------- decoding
+def _argmax_slices(V):
+    """The blocks a row of argmax_rows: each thread of a block reads about ARGMAX_LOADS logits."""
+    return max(1, min(1024, _blocks(V, ARGMAX_THREADS * ARGMAX_LOADS)))
+
+
+@functools.lru_cache(maxsize=None)
+def _argmax_scratch(device, R, nb):
+    """argmax_rows's slices' results and a row's count of finished blocks (zero between launches): allocated on
+    the first (unrecorded) run of a step and kept, so the recorded graphs that use them find them."""
+    return cupy.empty(R * nb, np.float32), cupy.empty(R * nb, np.int32), cupy.zeros(R, np.uint32)
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -547,9 +576,11 @@ class Layers:
         _check(logits)
         assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
         null = np.uint64(0)
-        launch(kernel("decoding", "argmax_rows"), (logits.shape[0],), (1024,),
-               (ids, logits, _i32(logits.shape[1]), null if log is None else log,
-                null if log is None else _position(pos)))
+        (R, V), nb = logits.shape, _argmax_slices(logits.shape[1])
+        part_v, part_i, done = _argmax_scratch(cupy.cuda.Device().id, R, nb)
+        launch(kernel("decoding", "argmax_rows"), (nb, R), (ARGMAX_THREADS,),
+               (ids, logits, _i32(V), null if log is None else log, null if log is None else _position(pos),
+                part_v, part_i, done))
 
     def advance_position(self, pos, n):
         """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""
@@ -572,6 +603,7 @@ class Layers:
         for a, dtype in ((top_k, np.int32), (temperature, F32), (top_p, F32), (seed_lo, np.uint32),
                          (seed_hi, np.uint32), (index, np.int32)):
             assert a.dtype == dtype and a.shape == (R,) and a.flags.c_contiguous, (a.dtype, a.shape)
+        self.argmax(ids, logits)  # every row's argmax first: the greedy rows' draws, the others' largest logit
         # many rows: a plain launch, which spreads the blocks over the SMs (started early, they would crowd onto the
         # first SMs the head's blocks leave, up to 8 an SM: docs/decoding.md)
         launch(kernel("decoding", "sample_rows"), (R,), (SAMPLE_THREADS,),

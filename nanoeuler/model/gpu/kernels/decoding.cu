@@ -4,40 +4,6 @@
 // programmatic dependent launch, so each waits for its inputs first (common.cuh: wait_for_inputs).
 #include "common.cuh"
 
-// ids[r] = the index of the largest of logits (R, V)'s row r (the first of equal ones): greedy decoding on
-// the device, so a token costs the host one int, not V floats. With a log (S, R), also log[*pos, r]: the ids
-// of consecutive decoding steps, which the host reads back together. One block per row.
-extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __restrict__ logits, int V,
-                                       int* __restrict__ log, const int* __restrict__ pos) {
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    let_next_launch();
-    wait_for_inputs();
-    const float* row = logits + (long long)blockIdx.x * V;
-    float bv = neg_inf();
-    int bi = 0x7fffffff;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        const float x = row[v];
-        if (x > bv) bv = x, bi = v;  // ascending v: the first of equal ones stays
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) best_v[warp] = bv, best_i[warp] = bi;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-            if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) bv = best_v[w], bi = best_i[w];
-        bi = bi == 0x7fffffff ? 0 : bi;  // a row of NaNs: 0
-        ids[blockIdx.x] = bi;
-        if (log) log[(long long)*pos * gridDim.x + blockIdx.x] = bi;
-    }
-}
-
 // *pos += n, the last node of a decoding step.
 extern "C" __global__ void advance_position(int* pos, int n) {
     wait_for_inputs();  // every kernel of the step has read the position
@@ -96,6 +62,56 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
         if (sv[w] > v || (sv[w] == v && si[w] < i)) v = sv[w], i = si[w];
 }
 
+// ids[r] = the index of the largest of logits (R, V)'s row r (the first of equal ones): greedy decoding on
+// the device, so a token costs the host one int, not V floats. With a log (S, R), also log[*pos, r]: the ids
+// of consecutive decoding steps, which the host reads back together. Blocks (nb, R): block b of row r takes
+// the row's b-th slice of ceil(V / nb) ids and writes its (value, id) to part_v / part_i[r * nb + b]; the
+// row's last block to finish (done[r] counts them, and is set back to 0 for the next step) takes the nb
+// results. The largest value and the lowest id among equal ones do not depend on the order they are met in,
+// so the result is the one-block scan's, whichever block finishes last; a row spread over many SMs takes a
+// few microseconds where one block took tens.
+extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __restrict__ logits, int V,
+                                       int* __restrict__ log, const int* __restrict__ pos,
+                                       float* __restrict__ part_v, int* __restrict__ part_i,
+                                       unsigned* __restrict__ done) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ bool last;
+    let_next_launch();
+    wait_for_inputs();
+    const int r = blockIdx.y, nb = gridDim.x, slice = (V + nb - 1) / nb;
+    const int lo = blockIdx.x * slice, hi = min(V, lo + slice);
+    const float* row = logits + (long long)r * V;
+    float bv = neg_inf();
+    int bi = 0x7fffffff;
+    for (int v = lo + threadIdx.x; v < hi; v += blockDim.x) {
+        const float x = row[v];
+        if (x > bv) bv = x, bi = v;  // ascending v: the first of equal ones stays
+    }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        part_v[r * nb + blockIdx.x] = bv, part_i[r * nb + blockIdx.x] = bi;
+        __threadfence();  // the result is seen before the count that announces it
+        last = atomicAdd(done + r, 1u) == (unsigned)nb - 1u;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = neg_inf(), bi = 0x7fffffff;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        const float v = __ldcg(part_v + r * nb + b);  // from L2: other SMs wrote them
+        const int i = __ldcg(part_i + r * nb + b);
+        if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+    }
+    block_argmax(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        bi = bi == 0x7fffffff ? 0 : bi;  // a row of NaNs: 0
+        ids[r] = bi;
+        if (log) log[(long long)*pos * gridDim.y + r] = bi;
+        done[r] = 0u;
+    }
+}
+
 // The cuts' searches decide SAMPLE_BITS bits of the 32-bit key a pass: the counts (top-k) or masses (top-p) at
 // every one of the next bits' CANDIDATES cuts at once, each summed as a pass for that cut alone would sum it
 // (thread-strided ids, the zeros it would add skipped, then block_sum's tree): the same function of the cut.
@@ -131,7 +147,9 @@ __device__ __forceinline__ void block_sums(T (&v)[CANDIDATES], T (*scratch)[32])
 
 // ids[r] = a token drawn from row r of logits (R, V) with the row's settings: nanoeuler/model/cpu/layers.py's
 // sample_rows, the same algorithm (its docstring has the definition), a block a row. Every sum runs over
-// thread-strided ids and then a fixed tree, so a row's draw depends on its own inputs alone.
+// thread-strided ids and then a fixed tree, so a row's draw depends on its own inputs alone. ids holds each
+// row's argmax on entry (argmax_rows, launched just before: many blocks a row find it faster than one), which
+// is a greedy row's draw, and the largest logit, which the others' weights are relative to.
 extern "C" __global__ void sample_rows(int* __restrict__ ids, const float* __restrict__ logits, int V,
                                        const int* __restrict__ top_k, const float* __restrict__ temperature,
                                        const float* __restrict__ top_p, const unsigned* __restrict__ seed_lo,
@@ -144,18 +162,12 @@ extern "C" __global__ void sample_rows(int* __restrict__ ids, const float* __res
     let_next_launch();
     wait_for_inputs();
     const int r = blockIdx.x;
-    const float* z = logits + (long long)r * V;
-    float m = neg_inf();
-    int best = 0x7fffffff;
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        if (z[v] > m) m = z[v], best = v;  // ascending v: the first of equal ones stays
-    block_argmax(m, best, sv, si);
-    best = best == 0x7fffffff ? 0 : best;  // a row of NaNs: 0
     const float T = temperature[r];
-    if (T <= 0.f) {
-        if (threadIdx.x == 0) ids[r] = best;
-        return;
-    }
+    if (T <= 0.f) return;  // greedy: the argmax is there already
+    const float* z = logits + (long long)r * V;
+    const int best = ids[r];
+    const float m = z[best] > neg_inf() ? z[best] : neg_inf();  // a row of NaNs: -inf, as a scan would give
+    __syncthreads();  // every thread has read ids[r] before thread 0 overwrites it
     unsigned cut = 0u;
     const int k = top_k[r];
     if (0 < k && k < V) {  // the k-th largest key: the largest c with at least k keys >= c

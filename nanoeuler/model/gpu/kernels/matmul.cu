@@ -82,20 +82,25 @@ struct RowTiles {
 };
 
 // W: 1 (a tile's 8 rows of w are 8 columns) or 2 (4 pairs); a warp takes NT tiles of 8 rows of w at once (each
-// fragment of x loaded once for NT products: x's loads bound many rows), a block `groups` of such in turn,
-// `warps` warps of 32 threads, and x's rows from row_base on (RowTiles). The warps split I and meet in shared
-// memory (partial), where the block's threads finish (row, column pair) items, each summing the warps' parts in
-// warp order; a tile's products and sums are the same whatever NT is.
+// fragment of x loaded once for NT products: x's loads bound many rows), a block `groups` of such in turn, and
+// x's rows from row_base on (RowTiles). I is split over `vwarps` virtual warps (set by I alone), which meet in
+// shared memory (partial), where the block's threads finish (row, column pair) items, each summing the virtual
+// warps' parts in their order. A block's physical warps (blockDim.x / 32, dividing vwarps; all of them when NT >
+// 1) take the virtual warps warp, warp + physical, ... in turn (up to 8 rows; the tiles' kernels have as many
+// physical warps as virtual ones), so the physical count may follow the row count
+// (few rows: small blocks, many resident an SM) while a row's sums stay those of vwarps: a tile's products and
+// sums are the same whatever NT and the physical warps are.
 template <int W, bool PACKED, int TILES, int NT>
 __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const act_t* __restrict__ x,
                                                   const act_t* __restrict__ w, int N, int O, int I, int out_f32,
                                                   int accumulate, const act_t* __restrict__ gain,
                                                   float* __restrict__ rstd, float eps, int half,
                                                   act_t* __restrict__ glu_out, const act_t* __restrict__ bias,
-                                                  Rope rope,
+                                                  Rope rope, int vwarps,
                                                   float (*partial)[RowTiles<TILES>::rows][9], int tile0, int row_base) {
     using RT = RowTiles<TILES>;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warps = vwarps, pwarps = blockDim.x >> 5;
+    int warp = threadIdx.x >> 5;  // the virtual warp this warp runs now: threadIdx.x / 32, + pwarps, ...
     const int g = lane >> 2, t = lane & 3;
     const int cols = O / W;  // columns, or pairs
     if (tile0 * 8 / W >= cols) return;  // a block's last tiles past the end (the whole block alike)
@@ -111,15 +116,17 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     let_next_launch();
     // a round: MATMUL_SMALL_LOADS consecutive k-blocks a warp (4 threads x PACK elements each), warps side by side
     const int step = 4 * PACK, stride = warps * MATMUL_SMALL_LOADS * step;
-    const int warp_own = warp * MATMUL_SMALL_LOADS * step, own = warp_own + t * PACK;
+    int warp_own = warp * MATMUL_SMALL_LOADS * step, own = warp_own + t * PACK;
     uint4 wr[NT][MATMUL_SMALL_LOADS];
-    const auto load_weights = [&](int r0) {  // with the gain: w * g, rounded to act_t
+    const auto load_raw = [&](int r0) {
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
                 wr[n][p] = loads_w[n] ? load_chunk<PACKED>(wrow[n], r0 + own + p * step, I)
                                       : make_uint4(0u, 0u, 0u, 0u);
+    };
+    const auto apply_gain = [&](int r0) {  // w * g, rounded to act_t
         if (gain) {
 #pragma unroll
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
@@ -141,6 +148,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
             }
         }
     };
+    const auto load_weights = [&](int r0) { load_raw(r0), apply_gain(r0); };
     load_weights(0);  // before the wait: w and the gain are no kernel's output
     // the (row, column pair) item this thread finishes first: its rotation and what it adds to, early
     const int items = min(N - row_base, RT::rows) * 4;
@@ -167,6 +175,12 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         if (W == 2 || fcol0 + 1 < cols) prior0[1] = load_out(out, (long long)row0 * O + frow0 + fstep, out_f32);
     }
     float acc[NT][RT::tiles][4], ss[RT::tiles][2];
+#if ACT_BF16
+    const int ss_lane = g >> 1;  // the diagonal's
+#else
+    const int ss_lane = 0;  // after the sum over a row's 4 threads
+#endif
+    for (;;) {  // this warp's virtual warps in turn
 #pragma unroll
     for (int j = 0; j < RT::tiles; ++j) {
         ss[j][0] = ss[j][1] = 0.f;
@@ -174,7 +188,13 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         for (int n = 0; n < NT; ++n) acc[n][j][0] = acc[n][j][1] = acc[n][j][2] = acc[n][j][3] = 0.f;
     }
     for (int r0 = 0; r0 < I; r0 += stride) {
-        if (r0) load_weights(r0);
+        // w's loads (the first virtual warp's first came before the wait); up to 8 rows the gain waits for x's
+        // loads to be issued, so that its multiply, which waits for w, does not hold them back
+        const bool later = r0 || warp != (int)(threadIdx.x >> 5);
+        if (later) {
+            if (TILES == 0) load_raw(r0);
+            else load_weights(r0);
+        }
 #pragma unroll
         for (int j = 0; j < RT::tiles; ++j) {
             const int ra = row_base + 16 * j + g, rb = ra + 8;
@@ -188,6 +208,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
                 xr8[p] = RT::upper && rb < N ? load_chunk<PACKED>(xb, r0 + own + p * step, I)
                                              : make_uint4(0u, 0u, 0u, 0u);
             }
+            if (TILES == 0 && later && j == 0) apply_gain(r0);
 #pragma unroll
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p)
                 if (r0 + warp_own + p * step < I)  // the warp holds some of I
@@ -218,10 +239,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
             }
         }
     }
-#if ACT_BF16
-    const int ss_lane = g >> 1;  // the diagonal's
-#else
-    const int ss_lane = 0;  // after the sum over a row's 4 threads
+#if !ACT_BF16
 #pragma unroll
     for (int j = 0; j < RT::tiles; ++j)
 #pragma unroll
@@ -230,6 +248,23 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
             ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 2);
         }
 #endif
+    if (TILES != 0 || warp + pwarps >= warps) break;  // the last virtual warp's sums are stored below
+    // one tile of w (NT 1): this virtual warp's sums into its own slot, then the next virtual warp's loads
+#pragma unroll
+    for (int j = 0; j < RT::tiles; ++j) {
+        const int ra = 16 * j + g;
+        partial[warp][ra][2 * t] = acc[0][j][0];
+        partial[warp][ra][2 * t + 1] = acc[0][j][1];
+        if (t == ss_lane) partial[warp][ra][8] = ss[j][0];
+        if (RT::upper) {
+            partial[warp][ra + 8][2 * t] = acc[0][j][2];
+            partial[warp][ra + 8][2 * t + 1] = acc[0][j][3];
+            if (t == ss_lane) partial[warp][ra + 8][8] = ss[j][1];
+        }
+    }
+    warp += pwarps;
+    warp_own = warp * MATMUL_SMALL_LOADS * step, own = warp_own + t * PACK;
+    }
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         const int tile = tile0 + n;
@@ -312,7 +347,8 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         int out_f32, int accumulate, int packed, const act_t *__restrict__ gain, float *__restrict__ rstd,       \
         float eps, int half, act_t *__restrict__ glu_out, const act_t *__restrict__ bias,                        \
         const float *__restrict__ cos_t,                                                                         \
-        const float *__restrict__ sin_t, const int *__restrict__ pos, int T, int pos_stride, int rot, int groups
+        const float *__restrict__ sin_t, const int *__restrict__ pos, int T, int pos_stride, int rot, int groups, \
+        int vwarps
 // groups > 1 (many rows): a block's tiles reread x from L1 rather than every block from L2; grid.y splits x's
 // rows (row_base), a constant 0 for matmul_small, whose 80 registers spill with a row offset to carry
 #define MATMUL_SMALL_BODY(TILES, NT)                                                                              \
@@ -327,7 +363,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
     }
 #define MATMUL_SMALL_TILE(W, PACKED, TILES, NT)                                                                   \
     matmul_small_tile<W, PACKED, TILES, NT>(out, x, w, N, O, I, out_f32, accumulate, gain, rstd, eps, half,      \
-                                            glu_out, bias, rope, partial, tile,                                  \
+                                            glu_out, bias, rope, vwarps, partial, tile,                         \
                                             TILES ? blockIdx.y * RowTiles<TILES>::rows : 0)
 
 extern "C" __global__ void MATMUL_SMALL_BOUNDS matmul_small(MATMUL_SMALL_PARAMS) { MATMUL_SMALL_BODY(0, 1) }
