@@ -10,6 +10,7 @@
     nanoeuler tokenizer train|encode|decode
     nanoeuler export --hf DIR | --gguf F    a Hugging Face LlamaForCausalLM folder, a GGUF file (llama.cpp)
     nanoeuler import --hf DIR|ID --out F    a Hugging Face Llama (a folder or a Hub id) into a checkpoint
+    nanoeuler quantize --out F --type T     a checkpoint's matrices to int8 or int4
     nanoeuler eval --task hellaswag|mc|bpb  scores: HellaSwag, multiple-choice items, bits per byte
     nanoeuler report [--ckpt F]             a checkpoint's run report
 
@@ -285,6 +286,13 @@ def build_parser():
     p.add_argument("--out", required=True, help="checkpoint to write")
     p.add_argument("--context", type=_positive_int, help="context length (default: max_position_embeddings)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _quantize_flags(p, "--quantize", required=False)
+
+    p = sub.add_parser("quantize", help="a checkpoint's matrices to int8 or int4 (infer, chat, serve, eval, export)")
+    p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
+    p.add_argument("--out", required=True, help="quantized checkpoint to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _quantize_flags(p, "--type", required=True)
 
     p = sub.add_parser("eval", help="score a checkpoint: HellaSwag, your own multiple-choice items, bits per byte")
     p.add_argument("--task", required=True, choices=("hellaswag", "mc", "bpb"),
@@ -309,6 +317,14 @@ def build_parser():
 
     document(parser, sub)  # descriptions, examples, the pipeline map (cli_help.py)
     return parser, sub
+
+
+def _quantize_flags(p, flag, required):
+    """--type / --quantize int8|int4 and --group (docs/quantization.md)."""
+    p.add_argument(flag, choices=("int8", "int4"), required=required, dest="quantize" if flag == "--quantize" else "type",
+                   help="quantized weights: int8 (GGUF Q8_0 in groups of 32) or int4 (GGUF Q4_1 in groups of 32)")
+    p.add_argument("--group", type=int, help="elements a scale along a row: a multiple of 32 (default 32; int8: 0 "
+                   "for a scale per output channel)")
 
 
 def _tokenizer_for(args):
@@ -359,7 +375,7 @@ def tokenizer_command(args):
 COMMANDS = {"check": "nanoeuler.check.gradients", "train": "nanoeuler.train.pretrain",
             "infer": "nanoeuler.infer.generate", "sft": "nanoeuler.train.sft", "dpo": "nanoeuler.train.dpo",
             "chat": "nanoeuler.infer.chat", "serve": "nanoeuler.infer.serve", "export": "nanoeuler.io.export",
-            "import": "nanoeuler.io.hf_import",
+            "import": "nanoeuler.io.hf_import", "quantize": "nanoeuler.io.quantize",
             "eval": "nanoeuler.eval.main", "report": "nanoeuler.io.report"}
 
 

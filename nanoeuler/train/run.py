@@ -118,6 +118,8 @@ def run_stage(stage, args):
     if os.path.abspath(run.out) == os.path.abspath(getattr(args, "ckpt", None) or ""):
         raise UserError(f"--out {run.out} is the checkpoint this run starts from (--ckpt); name another file")
     stage.begin(run)
+    if run.cfg.quant is not None:  # a quantized model decodes and scores only
+        raise UserError(f"{getattr(args, 'ckpt', None) or run.out} is quantized ({run.cfg.quant}): full training needs float weights")
     run.hp = run_hyper(args, run.ck, run.hyper, run.world.world_size)
     eval_task = training_eval(args, run.hp)  # its items read now: a bad file stops the run before any work
     run.device = run_device(args, run.cfg, run.out, run.log_path, run.world.world_size)
