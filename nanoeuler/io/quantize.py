@@ -34,7 +34,7 @@ def quantized_config(cfg, kind, group=None):
         for name in quantized_names(qcfg):
             group_of(kind, group, layout[name][1][1])
     except ValueError as e:
-        raise UserError(f"--type {kind} --group {group}: {e}") from None
+        raise UserError(f"{kind} in groups of {group}: {e}") from None
     return qcfg
 
 

@@ -184,3 +184,16 @@ def quantized_bytes(cfg):
     return sum(int(np.prod(shape)) * dtype.itemsize
                for name in quantized_names(cfg)
                for dtype, shape in stored_arrays(layout[name][1], cfg.quant, cfg.quant_group).values())
+
+
+def float_params(cfg, params, quantized):
+    """(the float config, its flat float32 parameters) of a quantized model: params (its float tensors) and
+    each quantized tensor dequantized in its place (export --hf writes these)."""
+    import dataclasses
+    from nanoeuler.model.config import param_count, views
+    fcfg = dataclasses.replace(cfg, quant=None, quant_group=None)
+    flat = np.empty(param_count(fcfg), np.float32)
+    floats = views(params, cfg, floats_only=True)
+    for name, view in views(flat, fcfg).items():
+        view[...] = floats[name] if name in floats else dequantize(quantized[name])
+    return fcfg, flat
