@@ -9,11 +9,10 @@ import pytest
 
 from conftest import run_cli, sharp_params
 from nanoeuler.io import checkpoint
-from nanoeuler.model.config import Config, param_layout, views
+from nanoeuler.model.config import Config, float_params, param_layout, quantized_names, views
 from nanoeuler.model.cpu.layers import Layers, dequantize_rows
 from nanoeuler.model.engine import make_engine
-from nanoeuler.model.quantize import (concat_rows, dequantize, float_params, integers, pack_int4, quantize,
-                                      quantized_names, unpack_int4)
+from nanoeuler.model.quantize import concat_rows, dequantize, integers, pack_int4, quantize, unpack_int4
 
 CFG = dict(dim=64, n_heads=4, n_kv_heads=2, n_layers=2, hidden=96, context=48, mtp_heads=2)
 FORMATS = [("int8", 32), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64)]

@@ -26,8 +26,8 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from nanoeuler.model.config import Config, param_layout, param_shapes, views
-from nanoeuler.model.quantize import QuantizedTensor, quantized_names, stored_arrays
+from nanoeuler.model.config import Config, param_layout, param_shapes, quantized_names, views
+from nanoeuler.model.quantize import QuantizedTensor, stored_arrays
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.bpe import Tokenizer
@@ -90,6 +90,7 @@ def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, ch
 
 SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
                       np.dtype(np.uint8): "U8"}
+DTYPE_NAMES = {"F32": "float32", "F16": "float16", "I8": "int8", "U8": "uint8"}
 
 
 def write_safetensors(f, tensors, metadata):
@@ -209,7 +210,7 @@ def load(path, with_opt=False):
                 raise UserError(f"checkpoint {path} has no optimizer state to resume from")
             raise UserError(f"checkpoint {path} has no tensor {name}, which its config requires")
         if header[name][0] != dtype:
-            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is {header[name][0]}, not {dtype})")
+            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is {header[name][0]}, not {DTYPE_NAMES[dtype]})")
         if header[name][1] != shape:
             raise UserError(f"checkpoint {path}: tensor {name} has shape {header[name][1]} "
                             f"but its config says {shape}")

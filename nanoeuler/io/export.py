@@ -97,7 +97,7 @@ def main(args):
 
     cfg, params = ck.cfg, ck.params
     if cfg.quant is not None:  # Hugging Face's Llama has no such weights: the dequantized (exact) floats
-        from nanoeuler.model.quantize import float_params
+        from nanoeuler.model.config import float_params
         cfg, params = float_params(cfg, params, ck.quantized)
     tensors = hf_tensors(cfg, params)
     data = serialize(tensors, metadata={"format": "pt"})

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from nanoeuler.errors import UserError
 from nanoeuler.files import check_writable
 from nanoeuler.io import checkpoint
-from nanoeuler.model.config import param_layout, param_shapes, views
-from nanoeuler.model.quantize import DEFAULT_GROUP, group_of, quantize, quantized_names
+from nanoeuler.model.config import param_layout, param_shapes, quantized_names, views
+from nanoeuler.model.quantize import DEFAULT_GROUP, group_of, quantize
 
 
 def quantized_config(cfg, kind, group=None):

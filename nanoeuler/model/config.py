@@ -136,10 +136,21 @@ def param_shapes(cfg, floats_only=False):
     first_head = 1 if cfg.tied else 0  # a tied head 0 is tok_emb
     shapes += [(f"heads.{k}", (cfg.vocab_size, cfg.dim)) for k in range(first_head, cfg.mtp_heads)]
     if floats_only and cfg.quant is not None:
-        from nanoeuler.model.quantize import quantized_names
         quantized = set(quantized_names(cfg))
         shapes = [(name, shape) for name, shape in shapes if name not in quantized]
     return shapes
+
+
+QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # a layer's
+
+
+def quantized_names(cfg):
+    """The tensors a quantized model of cfg holds quantized, in parameter order (nothing where cfg.quant is
+    unset): every layer matrix and the untied prediction heads."""
+    if cfg.quant is None:
+        return ()
+    names = [f"layers.{i}.{m}" for i in range(cfg.n_layers) for m in QUANTIZED_MATRICES]
+    return tuple(names + [f"heads.{k}" for k in range(1 if cfg.tied else 0, cfg.mtp_heads)])
 
 
 def param_layout(cfg, floats_only=False):
@@ -234,3 +245,15 @@ def rope_tables(head_dim, max_pos, theta, dtype, scaling=None):
     says), the rotate-half (Hugging Face Llama) pairing. Host-side NumPy, the same tables for both engines."""
     angles = np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(head_dim, theta, scaling)[None, :]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def float_params(cfg, params, quantized):
+    """(the float config, its flat float32 parameters) of a quantized model: params (its float tensors) and
+    each quantized tensor dequantized in its place (export --hf writes these)."""
+    from nanoeuler.model.quantize import dequantize
+    fcfg = dataclasses.replace(cfg, quant=None, quant_group=None)
+    flat = np.empty(param_count(fcfg), np.float32)
+    floats = views(params, cfg, floats_only=True)
+    for name, view in views(flat, fcfg).items():
+        view[...] = floats[name] if name in floats else dequantize(quantized[name])
+    return fcfg, flat

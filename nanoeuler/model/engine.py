@@ -41,8 +41,8 @@ import numpy as np
 
 from nanoeuler.errors import UserError
 from nanoeuler.model import memory
-from nanoeuler.model.config import init_params, param_layout, rope_tables, views
-from nanoeuler.model.quantize import concat_rows, quantized_bytes
+from nanoeuler.model.config import init_params, param_layout, quantized_names, rope_tables, views
+from nanoeuler.model.quantize import concat_rows, stored_arrays
 
 
 def to_float32(a):
@@ -448,3 +448,11 @@ def _check_fits(cfg, device, dtype, act, training):
         raise UserError(f"the model ({n_params / 1e9:,.2f}B parameters) needs {memory.size_text(need)} for its {what} "
                         f"on the {device.upper()}, which has {memory.size_text(free)} free"
                         + ("; a smaller model, or the GPU" if device == "cpu" else "; a smaller model"))
+
+
+def quantized_bytes(cfg):
+    """The bytes of a quantized model's quantized tensors (0 where cfg.quant is unset)."""
+    layout = param_layout(cfg)[0]
+    return sum(int(np.prod(shape)) * dtype.itemsize
+               for name in quantized_names(cfg)
+               for dtype, shape in stored_arrays(layout[name][1], cfg.quant, cfg.quant_group).values())

@@ -17,7 +17,7 @@ bits), and d * q + m is one float32 rounding of that sum (an fma gives the same,
 numba product, the GPU's kernels (which dequantize in registers) and `dequantize` below give the same float32
 weights bit for bit, so a quantized model's only approximation is the quantization itself.
 
-Which tensors are quantized (`quantized_names`): every layer's matrices (wq, wk, wv, wo, w_gate, w_up, w_down)
+Which tensors are quantized (config.quantized_names): every layer's matrices (wq, wk, wv, wo, w_gate, w_up, w_down)
 and the prediction heads; the embedding stays float (a lookup reads a row a token: nothing to gain at batch
 1), and so does a tied head (it is the embedding), the norm gains and the q/k/v biases.
 
@@ -33,7 +33,7 @@ import numpy as np
 
 TYPES = ("int8", "int4")
 DEFAULT_GROUP = 32  # GGUF's Q8_0 and Q4_1 blocks
-LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
 
 
 @dataclasses.dataclass
@@ -154,15 +154,6 @@ def concat_rows(parts):
                            None if first.mins is None else np.concatenate([p.mins for p in parts]))
 
 
-def quantized_names(cfg):
-    """The tensors a quantized model of cfg holds quantized, in parameter order (nothing where cfg.quant is
-    unset): every layer matrix and the untied prediction heads."""
-    if not getattr(cfg, "quant", None):
-        return ()
-    names = [f"layers.{i}.{m}" for i in range(cfg.n_layers) for m in LAYER_MATRICES]
-    return tuple(names + [f"heads.{k}" for k in range(1 if cfg.tied else 0, cfg.mtp_heads)])
-
-
 def stored_arrays(qt_or_shape, kind=None, group=None):
     """{suffix: (dtype, shape)} of a quantized tensor's stored arrays: from a QuantizedTensor, or from a
     logical shape (O, I) and a kind and group (what a checkpoint of a config must hold)."""
@@ -175,25 +166,3 @@ def stored_arrays(qt_or_shape, kind=None, group=None):
     if kind == "int4":
         out["mins"] = (np.dtype(np.float16), (O, I // g))
     return out
-
-
-def quantized_bytes(cfg):
-    """The bytes of a quantized model's quantized tensors (0 where cfg.quant is unset)."""
-    from nanoeuler.model.config import param_layout
-    layout = param_layout(cfg)[0]
-    return sum(int(np.prod(shape)) * dtype.itemsize
-               for name in quantized_names(cfg)
-               for dtype, shape in stored_arrays(layout[name][1], cfg.quant, cfg.quant_group).values())
-
-
-def float_params(cfg, params, quantized):
-    """(the float config, its flat float32 parameters) of a quantized model: params (its float tensors) and
-    each quantized tensor dequantized in its place (export --hf writes these)."""
-    import dataclasses
-    from nanoeuler.model.config import param_count, views
-    fcfg = dataclasses.replace(cfg, quant=None, quant_group=None)
-    flat = np.empty(param_count(fcfg), np.float32)
-    floats = views(params, cfg, floats_only=True)
-    for name, view in views(flat, fcfg).items():
-        view[...] = floats[name] if name in floats else dequantize(quantized[name])
-    return fcfg, flat
