@@ -239,3 +239,29 @@ def test_import_quantizes_while_streaming(tmp_path):
     assert np.array_equal(ck.quantized["heads.0"].scales, quantize(theirs["lm_head.weight"], "int8").scales)
     r = run_cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "x.bin", "--quantize", "int4", "--group", "128")
     assert r.returncode == 2 and "not a whole number" in r.stderr and not (tmp_path / "x.bin").exists()
+
+
+needs_gpu = pytest.mark.skipif(not __import__("nanoeuler.model.gpu").model.gpu.available(),
+                               reason="needs a CUDA GPU (compute capability 8.0+) and cupy")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_quantized_products_match_the_cpu(precision):
+    """check --gpu's quantized lines: the products of 1..100 rows within the precision's bound, the
+    dequantization bit for bit, a row of 64 (bf16) bit for bit that row alone."""
+    from nanoeuler.check.gpu import _Case, check_quantized_matmul
+    from nanoeuler.model.gpu.layers import Layers as GPULayers
+    case = _Case(np.random.default_rng(0), precision)
+    lines = check_quantized_matmul(case, GPULayers(precision, True), Layers("fp32", True))
+    assert lines and all(err <= tol for _, err, tol in lines), [line for line in lines if line[1] > line[2]]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind, group", [("int8", 32), ("int4", 64)])
+def test_gpu_quantized_model_matches_the_cpu_engine(kind, group):
+    from nanoeuler.check.gpu import BF16_MODEL_TOL, quantized_model_check
+    errors = quantized_model_check(0, kind, group, "bf16", report=lambda line: None)
+    assert max(errors.values()) < BF16_MODEL_TOL, errors
