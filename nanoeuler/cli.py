@@ -248,6 +248,9 @@ def build_parser():
                    help="let web pages from ORIGIN (or * for any) call the API; repeat for several")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default the checkpoint file's name without .bin)")
+    p.add_argument("--gpu-memory", type=_size, metavar="SIZE",
+                   help="GPU memory the server may hold in all, weights included (e.g. 12GiB): the KV cache is sized "
+                        "to it rather than to all the free memory")
     _invariance_flag(p)
     _device_flag(p, training=False)
 
@@ -317,6 +320,14 @@ def build_parser():
 
     document(parser, sub)  # descriptions, examples, the pipeline map (cli_help.py)
     return parser, sub
+
+
+def _size(text):
+    from nanoeuler.model.memory import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _quantize_flags(p, flag, required):

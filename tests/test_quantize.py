@@ -265,3 +265,14 @@ def test_gpu_quantized_model_matches_the_cpu_engine(kind, group):
     from nanoeuler.check.gpu import BF16_MODEL_TOL, quantized_model_check
     errors = quantized_model_check(0, kind, group, "bf16", report=lambda line: None)
     assert max(errors.values()) < BF16_MODEL_TOL, errors
+
+
+def test_gpu_memory_sizes():
+    from nanoeuler.model.memory import GiB, parse_size
+    assert parse_size("12GiB") == parse_size("12G") == 12 * GiB and parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("800MiB") == 800 << 20 and parse_size("4096") == 4096
+    for bad in ("x", "12Q", "-1G", ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    r = run_cli("serve", "--gpu-memory", "12Q")
+    assert r.returncode == 2 and "not a size" in r.stderr

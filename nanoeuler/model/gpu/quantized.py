@@ -74,7 +74,7 @@ class QuantizedMatrix:
 
 
 def _check_input(x, w):
-    assert x.flags.c_contiguous and x.shape[1] == w.shape[1] and x.data.ptr % 16 == 0, (x.shape, w.shape)
+    assert x.flags.c_contiguous and x.shape[1] == w.shape[1] and x.data.ptr % 8 == 0, (x.shape, w.shape)
 
 
 _scratch = {}

@@ -144,10 +144,13 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                         mma_bf16(qx, a, b[s]);
                         if constexpr (INT4) mma_bf16(sx, a, ones);
                     }
-                    acc[mt][0] += da * qx[0] + ma * sx[0];
-                    acc[mt][1] += db * qx[1] + mb * sx[1];
-                    acc[mt][2] += da * qx[2] + ma * sx[2];
-                    acc[mt][3] += db * qx[3] + mb * sx[3];
+                    // rounded as written, whatever the template (no contraction that could differ with MT)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float d = (j & 1) ? db : da, m = (j & 1) ? mb : ma;
+                        const float chunk_sum = INT4 ? __fmaf_rn(d, qx[j], __fmul_rn(m, sx[j])) : __fmul_rn(d, qx[j]);
+                        acc[mt][j] = __fadd_rn(acc[mt][j], chunk_sum);
+                    }
                 }
             }
         }
@@ -166,11 +169,11 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
         for (int j = 0; j < 4; ++j) {
             float v = partial[0][4 * mt + j][lane];
 #pragma unroll
-            for (int k = 1; k < QUANT_WARPS; ++k) v += partial[k][4 * mt + j][lane];
+            for (int k = 1; k < QUANT_WARPS; ++k) v = __fadd_rn(v, partial[k][4 * mt + j][lane]);
             const int r = row0 + 16 * mt + g + 8 * (j >> 1), o = o0 + 2 * t + (j & 1);
             if (r >= N || o >= O) continue;
             const long long at = (long long)r * O + o;
-            store_out(out, at, accumulate ? load_out(out, at, out_f32) + v : v, out_f32);
+            store_out(out, at, accumulate ? __fadd_rn(load_out(out, at, out_f32), v) : v, out_f32);
         }
 }
 
