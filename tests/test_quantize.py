@@ -168,6 +168,8 @@ def test_quantize_command_and_what_takes_its_output(float_ckpt, tmp_path):
                     ["eval", "--task", "bpb", "--data", "shakespeare.txt", "--limit", "1"]):
         r = run_cli(*command, "--ckpt", out)
         assert r.returncode == 0, r.stderr
+    r = run_cli("chat", "--ckpt", out, "--max-new-tokens", "4", input="To be\n")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
