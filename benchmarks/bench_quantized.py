@@ -138,6 +138,10 @@ def main():
                           f"{1e3 * rows / ms[rows]:>9,.0f} tokens/s"
                           + (f"  ({base[rows] / ms[rows]:.2f}x bf16)" if rows in base and kind != "bf16" else ""),
                           flush=True)
+                from bench_decode import kernel_times
+                times = kernel_times(eng, 1, 130, 100)
+                print(f"{shape:<12} {kind:<5} a layer's kernels at 1 row (us): "
+                      + "; ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
                 if kind != "bf16" and 16 in args.rows:  # a row of a batch of 16 alone gives its tokens
                     prompts = np.random.default_rng(3).integers(0, cfg.vocab_size, (16, 8)).tolist()
                     together = generate(eng, prompts, 12, temperature=0)

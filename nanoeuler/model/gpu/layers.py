@@ -34,14 +34,16 @@ import math
 import cupy
 import numpy as np
 
-from nanoeuler.errors import UserError
-from nanoeuler.model.gpu import quantized, runtime
+from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
                                            ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
                                            MATMUL_PAIR, MATMUL_PAIR_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
                                            ROPE_HEADS, SAMPLE_THREADS, rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
 from nanoeuler.model.limits import CLIP_EPS, FEW_ROWS
+
+from nanoeuler.errors import UserError
+from nanoeuler.model.gpu import quantized  # products with quantized weights
 
 PRECISIONS = ("bf16", "tf32", "fp32")
 
