@@ -45,6 +45,9 @@ class QuantizedMatrix:
         record = 128 if qt.kind == "int4" else 64
         if I % record:
             raise ValueError(f"the GPU's {qt.kind} products take rows of a multiple of {record} elements, not {I}")
+        chunks = qt.group // CHUNK
+        if qt.group != I and chunks & (chunks - 1):
+            raise ValueError(f"the GPU's products take groups of 32, 64, 128, ... elements or a whole row, not {qt.group}")
         q = integers(qt)
         if qt.kind == "int4":  # chunk bytes j = element j | element j + 16 << 4; record [lane t][chunk c][4 bytes]
             chunks = q.reshape(O, I // CHUNK, 2, 16)
@@ -70,7 +73,10 @@ class QuantizedMatrix:
                                scales, self.stride)
 
     def _args(self):
-        return self.w, self.scales, np.int32(self.group // CHUNK), np.int32(self.stride)
+        """(w, scales, the shift from a chunk's index to its group's, the scales' stride): a row's groups of
+        2^k chunks, or one group (shift 31: every chunk's index shifts to 0)."""
+        shift = 31 if self.group == self.shape[1] else (self.group // CHUNK).bit_length() - 1
+        return self.w, self.scales, np.int32(shift), np.int32(self.stride)
 
 
 def _check_input(x, w):
@@ -97,10 +103,10 @@ def dequantize(w, dtype=F32, out=None):
     assert out.shape == (O, I) and out.dtype == dtype and out.flags.c_contiguous
     defines = ("ACT_BF16=1",) if dtype == BF16 else ()
     threads = O * (I // (128 if w.kind == "int4" else 64)) * 4
-    q, scales, group_chunks, stride = w._args()
+    q, scales, group_shift, stride = w._args()
     kernel("quantized", "quant_dequantize", defines)((-(-threads // 256),), (256,),
                                                       (out, q, scales, np.int32(O), np.int32(0), np.int32(I),
-                                                       group_chunks, stride, np.int32(w.kind == "int4")))
+                                                       group_shift, stride, np.int32(w.kind == "int4")))
     return out
 
 
@@ -114,8 +120,8 @@ def matmul(out, x, w, accumulate, tf32):
         runtime.gemm(True, False, O, N, I, deq, I, x, I, out, O, accumulate, tf32)
         return
     tiles = min(4, -(-N // 16))
-    q, scales, group_chunks, stride = w._args()
+    q, scales, group_shift, stride = w._args()
     launch(kernel("quantized", f"quant_matmul_{w.kind}_t{tiles}", ("ACT_BF16=1",)),
            (-(-O // 8), -(-N // 64)), (32 * QUANT_WARPS,),
-           (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), group_chunks, stride,
+           (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), group_shift, stride,
             np.int32(out.dtype == F32), np.int32(accumulate)))

@@ -1,5 +1,6 @@
 // Products with quantized weights (model/quantize.py, docs/quantization.md): out (N, O) = x (N, I) @ W^T where W
-// (O, I) is int4 (w = d q + m) or int8 (w = d q) in groups of 32k elements along a row, read packed from memory
+// (O, I) is int4 (w = d q + m) or int8 (w = d q) in groups of 32 * 2^k elements along a row (or one group a row),
+// read packed from memory
 // and dequantized in registers: never a float copy of the matrix.
 //
 // The weights' GPU layout (model/gpu/quantized.py writes it once, at load): a row is cut into chunks of 32
@@ -77,7 +78,7 @@ __device__ __forceinline__ void store_out(void* out, long long at, float v, int 
 template <int MT, bool INT4>
 __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16* __restrict__ x,
                                              const uint4* __restrict__ w, const unsigned short* __restrict__ scales,
-                                             int N, int O, int I, int group_chunks, int scale_stride, int out_f32,
+                                             int N, int O, int I, int group_shift, int scale_stride, int out_f32,
                                              int accumulate) {
     constexpr int CHUNKS = INT4 ? 4 : 2;  // chunks of 32 elements a 64-byte record
     __shared__ float partial[QUANT_WARPS][MT * 4][32];
@@ -114,7 +115,7 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
             const unsigned words[4] = {loaded[u].x, loaded[u].y, loaded[u].z, loaded[u].w};
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c) {
-                const int chunk = rec * CHUNKS + c, group = chunk / group_chunks;
+                const int chunk = rec * CHUNKS + c, group = chunk >> group_shift;
                 unsigned b[2][2];
                 if constexpr (INT4) {
                     int4_fragments(words[c], b);
@@ -180,8 +181,8 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
 #define QUANT_MATMUL(MT, NAME, INT4)                                                                               \
     extern "C" __global__ void __launch_bounds__(32 * QUANT_WARPS)                                                \
         NAME##_t##MT(void* out, const bf16* x, const uint4* w, const unsigned short* scales, int N, int O, int I, \
-                     int group_chunks, int scale_stride, int out_f32, int accumulate) {                            \
-        quant_matmul<MT, INT4>(out, x, w, scales, N, O, I, group_chunks, scale_stride, out_f32, accumulate);       \
+                     int group_shift, int scale_stride, int out_f32, int accumulate) {                            \
+        quant_matmul<MT, INT4>(out, x, w, scales, N, O, I, group_shift, scale_stride, out_f32, accumulate);       \
     }
 QUANT_MATMUL(1, quant_matmul_int4, true)
 QUANT_MATMUL(2, quant_matmul_int4, true)
@@ -196,7 +197,7 @@ QUANT_MATMUL(4, quant_matmul_int8, false)
 // out (R, I) act_t = rows first .. first + R - 1 of W, dequantized; a thread a 16-byte load of a record.
 extern "C" __global__ void quant_dequantize(act_t* __restrict__ out, const uint4* __restrict__ w,
                                            const unsigned short* __restrict__ scales, int R, int first, int I,
-                                           int group_chunks, int scale_stride, int int4) {
+                                           int group_shift, int scale_stride, int int4) {
     const int chunks = int4 ? 4 : 2, records = I / (32 * chunks);
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)R * records * 4) return;
@@ -206,7 +207,7 @@ extern "C" __global__ void quant_dequantize(act_t* __restrict__ out, const uint4
     const unsigned words[4] = {v.x, v.y, v.z, v.w};
     act_t* row = out + (long long)r * I;
     for (int c = 0; c < chunks; ++c) {
-        const int chunk = rec * chunks + c, group = chunk / group_chunks;
+        const int chunk = rec * chunks + c, group = chunk >> group_shift;
         if (int4) {
             const unsigned dm = reinterpret_cast<const unsigned*>(scales)[(long long)group * scale_stride + o];
             const float d = half_to_float(dm & 0xffff), m = half_to_float(dm >> 16);
