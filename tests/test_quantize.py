@@ -278,3 +278,17 @@ def test_gpu_memory_sizes():
             parse_size(bad)
     r = run_cli("serve", "--gpu-memory", "12Q")
     assert r.returncode == 2 and "not a size" in r.stderr
+
+
+def test_q4_0_blocks_are_int4_groups_of_32():
+    """docs/quantization.md: a Q4_0 block (d, q) is our int4 group (d, q, m = -8 d), m exact in float16: the same
+    values as gguf's own dequantization, bit for bit."""
+    from nanoeuler.model.quantize import QuantizedTensor
+    w = matrix()
+    d, qs = gguf_fields(w, gguf.GGMLQuantizationType.Q4_0, (2, 16))
+    d = np.ascontiguousarray(d).view(np.float16)[..., 0]
+    ours = QuantizedTensor("int4", 32, qs.reshape(w.shape[0], -1), d, (np.float16(-8) * d).astype(np.float16))
+    assert np.array_equal((np.float16(-8) * d).astype(np.float32), -8 * d.astype(np.float32))
+    theirs = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0),
+                                    gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(dequantize(ours), theirs)
