@@ -113,15 +113,16 @@ def memory_run(cfg, kind, group, prompt_tokens=512, new_tokens=32):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", nargs="+", default=["llama3-8b", "llama3.2-1b"], choices=sorted(SHAPES))
-    ap.add_argument("--types", nargs="+", default=["bf16", "int8", "int4"], choices=("bf16", "int8", "int4"))
-    ap.add_argument("--group", type=int, default=32, help="elements a scale (default 32)")
+    ap.add_argument("--types", nargs="+", default=["bf16", "int8", "int4", "int4:64"],
+                    help="bf16, or a quantized type with its group after a colon (default 32): int8, int4:64, ...")
+    ap.add_argument("--group", type=int, default=32, help="the memory run's int4 group (default 32)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=1024, help="the KV cache's positions in the speed runs")
     ap.add_argument("--memory-only", action="store_true")
     args = ap.parse_args()
     import cupy
     from nanoeuler.model.gpu import device_name
-    print(f"{device_name()}: decoding steps as CUDA graphs, random weights, groups of {args.group}", flush=True)
+    print(f"{device_name()}: decoding steps as CUDA graphs, random weights", flush=True)
     table = []
     if not args.memory_only:
         for shape in args.shape:
@@ -129,27 +130,28 @@ def main():
             base = {}
             for kind in args.types:
                 t0 = time.time()
-                eng = engine(cfg, None if kind == "bf16" else kind, args.group)
+                name, _, group = kind.partition(":")
+                eng = engine(cfg, None if kind == "bf16" else name, int(group or 32))
                 ms = {}
                 for rows in args.rows:
                     ms[rows] = step_time(eng, rows)
                     base.setdefault(rows, ms[rows]) if kind == "bf16" else None
-                    print(f"{shape:<12} {kind:<5} {rows:>3} rows: {ms[rows]:8.3f} ms a step, "
+                    print(f"{shape:<12} {kind:<7} {rows:>3} rows: {ms[rows]:8.3f} ms a step, "
                           f"{1e3 * rows / ms[rows]:>9,.0f} tokens/s"
                           + (f"  ({base[rows] / ms[rows]:.2f}x bf16)" if rows in base and kind != "bf16" else ""),
                           flush=True)
                 from bench_decode import kernel_times
                 times = kernel_times(eng, 1, 130, 100)
-                print(f"{shape:<12} {kind:<5} a layer's kernels at 1 row (us): "
+                print(f"{shape:<12} {kind:<7} a layer's kernels at 1 row (us): "
                       + "; ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
                 if kind != "bf16" and 16 in args.rows:  # a row of a batch of 16 alone gives its tokens
                     prompts = np.random.default_rng(3).integers(0, cfg.vocab_size, (16, 8)).tolist()
                     together = generate(eng, prompts, 12, temperature=0)
                     alone = [list(generate(eng, prompts[r], 12, temperature=0)) for r in (0, 9)]
-                    print(f"{shape:<12} {kind:<5} batch invariance (rows 0, 9 of 16 alone): "
+                    print(f"{shape:<12} {kind:<7} batch invariance (rows 0, 9 of 16 alone): "
                           f"{alone == [together[0], together[9]]}", flush=True)
                 table.append((shape, kind, ms, eng.device_memory()))
-                print(f"{shape:<12} {kind:<5} engine {eng.device_memory() / 2**30:.2f} GiB in CuPy's pool; "
+                print(f"{shape:<12} {kind:<7} engine {eng.device_memory() / 2**30:.2f} GiB in CuPy's pool; "
                       f"{time.time() - t0:.0f} s", flush=True)
                 del eng
                 cupy.get_default_memory_pool().free_all_blocks()
@@ -161,7 +163,7 @@ def main():
           f"the CUDA context), CuPy's pool {pool / 2**30:.2f} GiB", flush=True)
     print("\nshape        type   " + "  ".join(f"{r:>3} rows ms (tok/s)" for r in args.rows))
     for shape, kind, ms, _ in table:
-        print(f"{shape:<12} {kind:<5}  " + "  ".join(f"{ms[r]:7.3f} ({1e3 * r / ms[r]:>8,.0f})" for r in args.rows))
+        print(f"{shape:<12} {kind:<7}  " + "  ".join(f"{ms[r]:7.3f} ({1e3 * r / ms[r]:>8,.0f})" for r in args.rows))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@
 // an order set by I alone, whatever N is (batch invariance, as the bf16 products of matmul.cu). The mma's k
 // order is permuted within a chunk alike for x and W (lane t's k = 2t, 2t+1 are elements 4t, 4t+1 and
 // k = 2t+8, 2t+9 are 4t+2, 4t+3), so that a lane's weights are 4 adjacent bytes. The integers q are exact in
-// bf16, and the scale is applied per chunk: sum_k (d q_k + m) x_k = d (sum_k q_k x_k) + m (sum_k x_k), the
-// second sum an mma of x with ones. N over 64 (prefill): blocks of 64 rows (grid y), the weights read again
+// bf16, and the scale is applied per group (or per record, where a group spans records): sum_k (d q_k + m) x_k
+// = d (sum_k q_k x_k) + m (sum_k x_k), the second sum an mma of x with ones. N over 64 (prefill): blocks of 64 rows (grid y), the weights read again
 // for each.
 //
 // quant_dequantize: rows of W as act_t, d q + m in float32 (exact: d q is exact, one rounding of the sum), then
@@ -113,6 +113,12 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
             const int rec = first + u * QUANT_WARPS;
             if (rec >= records) break;
             const unsigned words[4] = {loaded[u].x, loaded[u].y, loaded[u].z, loaded[u].w};
+            // a group's sums: sum q x and sum x over its chunks in this record, scaled once the group ends
+            float qx[MT][4], sx[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) qx[mt][j] = sx[mt][j] = 0.f;
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c) {
                 const int chunk = rec * CHUNKS + c, group = chunk >> group_shift;
@@ -123,6 +129,18 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                     int8_fragment(words[2 * c], b[0]);
                     int8_fragment(words[2 * c + 1], b[1]);
                 }
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        const int at = 32 * chunk + 16 * s;
+                        const uint2 lo = xr[mt][0] ? *reinterpret_cast<const uint2*>(xr[mt][0] + at) : make_uint2(0u, 0u);
+                        const uint2 hi = xr[mt][1] ? *reinterpret_cast<const uint2*>(xr[mt][1] + at) : make_uint2(0u, 0u);
+                        const unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};
+                        mma_bf16(qx[mt], a, b[s]);
+                        if constexpr (INT4) mma_bf16(sx[mt], a, ones);
+                    }
+                if (c != CHUNKS - 1 && ((chunk + 1) >> group_shift) == group) continue;  // the group goes on
                 float da, db, ma = 0.f, mb = 0.f;
                 if constexpr (INT4) {
                     const unsigned* dm = reinterpret_cast<const unsigned*>(scales) + (long long)group * scale_stride;
@@ -133,26 +151,16 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                     const unsigned short* d = scales + (long long)group * scale_stride;
                     da = half_to_float(__ldg(d + oa)), db = half_to_float(__ldg(d + ob));
                 }
+                // rounded as written, whatever the template (no contraction that could differ with MT)
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    float qx[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int s = 0; s < 2; ++s) {
-                        const int at = 32 * chunk + 16 * s;
-                        const uint2 lo = xr[mt][0] ? *reinterpret_cast<const uint2*>(xr[mt][0] + at) : make_uint2(0u, 0u);
-                        const uint2 hi = xr[mt][1] ? *reinterpret_cast<const uint2*>(xr[mt][1] + at) : make_uint2(0u, 0u);
-                        const unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};
-                        mma_bf16(qx, a, b[s]);
-                        if constexpr (INT4) mma_bf16(sx, a, ones);
-                    }
-                    // rounded as written, whatever the template (no contraction that could differ with MT)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const float d = (j & 1) ? db : da, m = (j & 1) ? mb : ma;
-                        const float chunk_sum = INT4 ? __fmaf_rn(d, qx[j], __fmul_rn(m, sx[j])) : __fmul_rn(d, qx[j]);
-                        acc[mt][j] = __fadd_rn(acc[mt][j], chunk_sum);
+                        const float part = INT4 ? __fmaf_rn(d, qx[mt][j], __fmul_rn(m, sx[mt][j])) : __fmul_rn(d, qx[mt][j]);
+                        acc[mt][j] = __fadd_rn(acc[mt][j], part);
+                        qx[mt][j] = sx[mt][j] = 0.f;
                     }
-                }
             }
         }
     }
