@@ -14,6 +14,11 @@ CuPy's pool's high-water mark.
 
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b llama3.2-1b
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --memory-only
+    PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --products   # each product alone
+
+--products: each of a layer's products (and the head) alone, int8 / int4 / int4:64 and bf16 (matmul_forward on
+random weights), at each --rows, as CUDA graphs of 20 calls: microseconds and the bytes of weights read a
+second.
 """
 import argparse
 import dataclasses
@@ -110,6 +115,43 @@ def memory_run(cfg, kind, group, prompt_tokens=512, new_tokens=32):
     return peak, base, eng.device_memory(), len(tokens)
 
 
+def products(cfg, types, rows_list):
+    """{(name, type, rows): microseconds} of the layer's products alone, and prints them with their weight bytes a
+    second."""
+    import cupy
+    from nanoeuler.model.gpu.layers import Layers
+    layers = Layers("bf16", True)
+    C, F, HD = cfg.dim, cfg.hidden, cfg.head_dim
+    shapes = {"wqkv": ((cfg.n_heads + 2 * cfg.n_kv_heads) * HD, C), "wo": (C, cfg.n_heads * HD),
+              "w_gate_up": (2 * F, C), "w_down": (C, F), "head": (cfg.vocab_size, C)}
+    rng = cupy.random.default_rng(0)
+    for kind in types:
+        name_, _, group = kind.partition(":")
+        for name, (O, I) in shapes.items():
+            if kind == "bf16":
+                w = (rng.standard_normal((O, I), dtype=np.float32) * 0.02).view(np.uint32) >> 16
+                w = w.astype(np.uint16)
+                nbytes = w.nbytes
+            else:
+                w = random_quantized(name_, int(group or 32), O, I, rng)
+                nbytes = w.nbytes
+            for rows in rows_list:
+                x = (rng.standard_normal((rows, I), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+                out = cupy.zeros((rows, O), np.uint16)
+                replay = layers.graph(lambda: [layers.matmul_forward(out, x, w) for _ in range(20)])
+                replay()
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                for _ in range(5):
+                    replay()
+                end.record()
+                end.synchronize()
+                us = 1e3 * cupy.cuda.get_elapsed_time(start, end) / 100
+                print(f"{name:<10} {O:>6} x {I:<6} {kind:<7} {rows:>3} rows: {us:8.1f} us, "
+                      f"{nbytes / us / 1e3:7.0f} GB/s of weights", flush=True)
+            del w
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", nargs="+", default=["llama3-8b", "llama3.2-1b"], choices=sorted(SHAPES))
@@ -119,11 +161,16 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=1024, help="the KV cache's positions in the speed runs")
     ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--products", action="store_true", help="each product alone (see above)")
     args = ap.parse_args()
     import cupy
     from nanoeuler.model.gpu import device_name
     print(f"{device_name()}: decoding steps as CUDA graphs, random weights", flush=True)
     table = []
+    if args.products:
+        for shape in args.shape:
+            products(SHAPES[shape], args.types, args.rows)
+        return
     if not args.memory_only:
         for shape in args.shape:
             cfg = dataclasses.replace(SHAPES[shape], context=args.context)
