@@ -102,11 +102,24 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
 
     wait_for_inputs();
     for (int first = warp; first < records; first += QUANT_WARPS * QUANT_LOADS) {
-        uint4 loaded[QUANT_LOADS];  // several records in flight before any is used
+        // several records in flight before any is used, with their chunks' scales (columns oa, ob): a scale
+        // loaded when its group ends would put a memory latency on every group's path
+        uint4 loaded[QUANT_LOADS];
+        unsigned sa[QUANT_LOADS][CHUNKS], sb[QUANT_LOADS][CHUNKS];
 #pragma unroll
         for (int u = 0; u < QUANT_LOADS; ++u) {
-            const int rec = first + u * QUANT_WARPS;
-            loaded[u] = rec < records ? __ldg(wrow + (long long)rec * 4) : make_uint4(0u, 0u, 0u, 0u);
+            const int rec = min(first + u * QUANT_WARPS, records - 1);  // past the end: a record never used
+            loaded[u] = __ldg(wrow + (long long)rec * 4);
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const long long at = (long long)((rec * CHUNKS + c) >> group_shift) * scale_stride;
+                if constexpr (INT4) {
+                    const unsigned* dm = reinterpret_cast<const unsigned*>(scales) + at;
+                    sa[u][c] = __ldg(dm + oa), sb[u][c] = __ldg(dm + ob);
+                } else {
+                    sa[u][c] = __ldg(scales + at + oa), sb[u][c] = __ldg(scales + at + ob);
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < QUANT_LOADS; ++u) {
@@ -141,16 +154,8 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                         if constexpr (INT4) mma_bf16(sx[mt], a, ones);
                     }
                 if (c != CHUNKS - 1 && ((chunk + 1) >> group_shift) == group) continue;  // the group goes on
-                float da, db, ma = 0.f, mb = 0.f;
-                if constexpr (INT4) {
-                    const unsigned* dm = reinterpret_cast<const unsigned*>(scales) + (long long)group * scale_stride;
-                    const unsigned pa = __ldg(dm + oa), pb = __ldg(dm + ob);
-                    da = half_to_float(pa & 0xffff), ma = half_to_float(pa >> 16);
-                    db = half_to_float(pb & 0xffff), mb = half_to_float(pb >> 16);
-                } else {
-                    const unsigned short* d = scales + (long long)group * scale_stride;
-                    da = half_to_float(__ldg(d + oa)), db = half_to_float(__ldg(d + ob));
-                }
+                const float da = half_to_float(sa[u][c] & 0xffff), db = half_to_float(sb[u][c] & 0xffff);
+                const float ma = INT4 ? half_to_float(sa[u][c] >> 16) : 0.f, mb = INT4 ? half_to_float(sb[u][c] >> 16) : 0.f;
                 // rounded as written, whatever the template (no contraction that could differ with MT)
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
