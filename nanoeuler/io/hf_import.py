@@ -462,6 +462,8 @@ def load_hf(folder, context=None, quant=None, group=None):
 
 
 def main(args):
+    if getattr(args, "group", None) is not None and getattr(args, "quantize", None) is None:
+        raise UserError("--group goes with --quantize int8|int4")
     if os.path.isfile(args.out) and not args.overwrite:
         raise UserError(f"{args.out} exists: --overwrite replaces it, --out FILE writes elsewhere")
     check_writable(args.out)
