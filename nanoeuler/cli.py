@@ -10,6 +10,7 @@
     nanoeuler tokenizer train|encode|decode
     nanoeuler export --hf DIR | --gguf F    a Hugging Face LlamaForCausalLM folder, a GGUF file (llama.cpp)
     nanoeuler import --hf DIR|ID --out F    a Hugging Face Llama (a folder or a Hub id) into a checkpoint
+    nanoeuler quantize --out F --type T     a checkpoint's matrices to int8 or int4
     nanoeuler eval --task hellaswag|mc|bpb  scores: HellaSwag, multiple-choice items, bits per byte
     nanoeuler report [--ckpt F]             a checkpoint's run report
 
@@ -248,6 +249,9 @@ def build_parser():
                    help="let web pages from ORIGIN (or * for any) call the API; repeat for several")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default the checkpoint file's name without .bin)")
+    p.add_argument("--gpu-memory", type=_size, metavar="SIZE",
+                   help="GPU memory the server may hold in all, weights included (e.g. 12GiB): the KV cache is sized "
+                        "to it rather than to all the free memory")
     _invariance_flag(p)
     _device_flag(p, training=False)
 
@@ -286,6 +290,13 @@ def build_parser():
     p.add_argument("--out", required=True, help="checkpoint to write")
     p.add_argument("--context", type=_positive_int, help="context length (default: max_position_embeddings)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _quantize_flags(p, "--quantize", required=False)
+
+    p = sub.add_parser("quantize", help="a checkpoint's matrices to int8 or int4 (infer, chat, serve, eval, export)")
+    p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
+    p.add_argument("--out", required=True, help="quantized checkpoint to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _quantize_flags(p, "--type", required=True)
 
     p = sub.add_parser("eval", help="score a checkpoint: HellaSwag, your own multiple-choice items, bits per byte")
     p.add_argument("--task", required=True, choices=("hellaswag", "mc", "bpb"),
@@ -310,6 +321,22 @@ def build_parser():
 
     document(parser, sub)  # descriptions, examples, the pipeline map (cli_help.py)
     return parser, sub
+
+
+def _size(text):
+    from nanoeuler.model.memory import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _quantize_flags(p, flag, required):
+    """--type / --quantize int8|int4 and --group (docs/quantization.md)."""
+    p.add_argument(flag, choices=("int8", "int4"), required=required, dest="quantize" if flag == "--quantize" else "type",
+                   help="quantized weights: int8 (GGUF Q8_0 in groups of 32) or int4 (GGUF Q4_1 in groups of 32)")
+    p.add_argument("--group", type=int, help="elements a scale along a row: a multiple of 32 (default 32; int8: 0 "
+                   "for a scale per output channel)")
 
 
 def _tokenizer_for(args):
@@ -368,7 +395,8 @@ def report_command(args):
 COMMANDS = {"check": "nanoeuler.check.gradients", "train": "nanoeuler.train.pretrain",
             "infer": "nanoeuler.infer.main", "sft": "nanoeuler.train.sft", "dpo": "nanoeuler.train.dpo",
             "chat": "nanoeuler.infer.chat", "serve": "nanoeuler.infer.serve", "export": "nanoeuler.io.export",
-            "import": "nanoeuler.io.hf_import", "eval": "nanoeuler.eval.main"}
+            "import": "nanoeuler.io.hf_import", "quantize": "nanoeuler.io.quantize",
+            "eval": "nanoeuler.eval.main"}
 OWN_COMMANDS = {"tokenizer": tokenizer_command, "report": report_command}  # the commands whose glue is here
 
 

@@ -27,6 +27,7 @@ FLOW = {
     "report": "a checkpoint -> its run report",
     "export": "a checkpoint -> a Hugging Face folder (--hf) or a GGUF file (--gguf)",
     "import": "a Hugging Face Llama (folder or Hub id) -> a checkpoint",
+    "quantize": "a checkpoint -> a checkpoint of int8 or int4 matrices",
     "check": "no files: every hand-written backward pass against finite differences",
 }
 
@@ -110,6 +111,14 @@ GUIDE = {
         ["nanoeuler import --hf hf_model --out imported.bin",
          "nanoeuler import --hf HuggingFaceTB/SmolLM2-135M-Instruct --out smol_chat.bin",
          "nanoeuler infer 'Hello' --ckpt imported.bin"]),
+    "quantize": (
+        "Quantize a checkpoint's matrices (every layer's and the output heads') to int8 or int4 in groups along "
+        "their rows, with a float16 scale (and for int4 a minimum) a group: GGUF's Q8_0 and Q4_1 for groups of "
+        "32. The embedding and norms stay float. infer, chat, serve, eval and export take the result; training "
+        "needs the float checkpoint. docs/quantization.md has the formats and their measurements.",
+        ["nanoeuler quantize --ckpt imported.bin --out imported_int4.bin --type int4",
+         "nanoeuler quantize --ckpt nanoeuler.bin --out int8.bin --type int8 --group 0   # a scale a row",
+         "nanoeuler import --hf meta-llama/Meta-Llama-3-8B-Instruct --out llama3_int4.bin --quantize int4"]),
     "check": (
         "Verify every hand-written backward pass against finite differences in float64 (the CPU engine), or "
         "with --gpu every GPU kernel against the CPU engine.",

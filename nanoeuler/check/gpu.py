@@ -21,6 +21,12 @@ through some 50 bf16 roundings on its way back through the two layers; as a rand
 sqrt(50) u = 1.4e-2, and the bound is 2^-4 = 6.3e-2). And
 the backward pass must be deterministic: two runs give bit-identical gradients in every precision.
 
+Quantized weights (model/quantize.py): the products on int8 and int4 matrices (gpu/quantized.py) against the
+CPU layers on the same packed matrices, from 1 to 100 rows; the GPU's dequantization bit for bit the host's;
+in bf16 each row of a 64-row product bit for bit that row's product alone (batch invariance). Then a quantized
+model of each type: its full-forward and KV-cache decode logits against the CPU engine's on the same
+quantized checkpoint (float64), bounds as for float weights.
+
     nanoeuler check --gpu
 """
 import dataclasses
@@ -615,8 +621,92 @@ def check_adamw(case, gpu_layers, cpu_layers):
             ("sum_squares", abs(gpu_layers.sum_squares(case.dev32(gr)) - exact) / exact, case.tol)]
 
 
+QUANT_FORMATS = (("int8", 32), ("int8", 0), ("int4", 32), ("int4", 64))
+
+
+@_precisions("fp32", "bf16")
+def check_quantized_matmul(case, gpu_layers, cpu_layers):
+    from nanoeuler.model.gpu.quantized import QuantizedMatrix, dequantize as gpu_dequantize
+    from nanoeuler.model.quantize import dequantize, quantize
+    I, O = 384, 77  # O not a multiple of the kernels' 8 rows
+    out = []
+    for kind, group in QUANT_FORMATS:
+        qt = quantize(case.normal(O, I).astype(np.float32), kind, group)
+        w = QuantizedMatrix.of(qt)
+        what = f"{kind}/{group or 'row'}"
+        if case.precision == "fp32":
+            exact = np.array_equal(gpu_dequantize(w).get(), dequantize(qt))
+            out.append((f"quantized dequantize {what} (bit for bit)", 0.0 if exact else math.inf, 0.0))
+        w64 = dequantize(qt).astype(np.float64)
+        for N in (1, 5, 16, 37, 64, 100):
+            x, base = case.act(case.normal(N, I)), case.act(case.normal(N, O))
+            ref = base.copy()
+            cpu_layers.matmul_forward(ref, x, w64, accumulate=True)
+            g = case.dev(base)
+            gpu_layers.matmul_forward(g, case.dev(x), w, accumulate=True)
+            ref32 = np.empty((N, O))
+            cpu_layers.matmul_forward(ref32, x, w64)
+            g32 = case.poisoned32(N, O)
+            gpu_layers.matmul_forward(g32, case.dev(x), w)
+            out.append((f"quantized matmul{case.tag} {what} {N} rows, +=", rel_err(case.get(g), ref), case.tol))
+            out.append((f"quantized matmul{case.tag} {what} {N} rows, float32 out", rel_err(case.get(g32), ref32),
+                        case.tol))
+            if case.precision == "bf16" and N == 64:  # each row's bits those of its product alone
+                rows = g32.get()
+                alone = case.poisoned32(1, O)
+                same = True
+                for r in (0, 17, 63):
+                    gpu_layers.matmul_forward(alone, case.dev(x[r:r + 1]), w)
+                    same &= np.array_equal(alone.get()[0], rows[r])
+                out.append((f"quantized matmul{case.tag} {what}: a row of 64 = the row alone", 0.0 if same else math.inf,
+                            0.0))
+    # a row slice (an engine's heads.0 of its heads) reads its own rows' scales
+    qt = quantize(case.normal(2 * O, I).astype(np.float32), "int4", 32)
+    x = case.act(case.normal(3, I))
+    ref = np.empty((3, O))
+    cpu_layers.matmul_forward(ref, x, dequantize(qt)[O:].astype(np.float64))
+    g = case.poisoned32(3, O)
+    gpu_layers.matmul_forward(g, case.dev(x), QuantizedMatrix.of(qt).rows(O, 2 * O))
+    out.append((f"quantized matmul{case.tag} int4/32 of a row slice", rel_err(case.get(g), ref), case.tol))
+    return out
+
+
 KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check_attention, check_swiglu,
-                 check_crossentropy, check_adamw, check_argmax, check_sample_rows]
+                 check_crossentropy, check_adamw, check_argmax, check_sample_rows, check_quantized_matmul]
+
+# a quantized model: every row length a multiple of the int4 kernels' 128
+QUANT_CONFIG = dataclasses.replace(MODEL_CONFIG, hidden=384)
+
+
+def quantized_model_check(seed, kind, group, precision, report=print):
+    """A quantized model on the GPU in `precision` vs the CPU engine (float64) on the same quantized weights:
+    full-forward logits and KV-cache decode logits (a prompt, then single tokens: a CUDA graph)."""
+    from nanoeuler.check.problems import random_problem
+    from nanoeuler.model.config import quantized_names, views
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.model.quantize import quantize
+    cfg = QUANT_CONFIG
+    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
+    flat, inputs, _ = random_problem(cfg, np.random.default_rng(seed), batch=3, scale=0.05)
+    v = views(flat, cfg)
+    quantized = {name: quantize(v[name], kind, group) for name in quantized_names(qcfg)}
+    floats = np.concatenate([v[name].reshape(-1) for name in param_layout(qcfg, floats_only=True)[0]])
+    cpu = make_engine(qcfg, device="cpu", dtype=np.float64, training=False)
+    gpu = make_engine(qcfg, device="gpu", precision=precision, training=False)
+    cpu.load_params(_f32(floats), quantized)
+    gpu.load_params(floats, quantized)
+    errors = {"logits": logits_err(gpu.logits(inputs), cpu.logits(inputs), cfg)}
+    logits = []
+    for eng in (cpu, gpu):
+        dec = decoder_of(eng)
+        cache = dec.new_cache(2)
+        steps = [dec.logits(cache, inputs[:2, :37])]
+        steps += [dec.logits(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
+        logits.append(np.stack(steps))
+    errors["decode logits"] = logits_err(logits[1], logits[0], cfg)
+    for name, err in errors.items():
+        report(f"{name + ' (' + kind + '/' + str(group) + ')':<24} : rel err {err:.2e}")
+    return errors
 
 
 def _engines(seed, cfg, precision):
@@ -712,6 +802,12 @@ def run_gpu_check(seed=0):
             model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
             if precision == "tf32":
                 print(f"{'all tensors':<24} : max rel err {worst_here:.2e}")
+            ok &= worst_here < bounds[precision]
+        for kind, group in (("int8", 32), ("int4", 32), ("int4", 64)):
+            print(f"quantized model ({kind}, groups of {group}) in {precision} vs CPU engine (float64) on the same "
+                  f"quantized weights")
+            worst_here = max(quantized_model_check(seed, kind, group, precision).values())
+            model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
             ok &= worst_here < bounds[precision]
     print("worst: " + ", ".join(f"{p} kernels {worst[p]:.2e} (bound {TOLERANCE[p]:.1e}), model {model_worst[p]:.2e} "
                                 f"(bound {bounds[p]:.1e})" for p in ("fp32", "tf32", "bf16")))

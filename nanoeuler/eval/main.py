@@ -34,7 +34,7 @@ def _load_engine(args, world):
     device = resolve(args.device, ck.cfg if world.world_size == 1 else None)
     comm = make_communicator(world, device)
     eng = make_engine(ck.cfg, device=device, precision=args.precision, training=False)
-    eng.load_params(ck.params)
+    eng.load_params(ck.params, ck.quantized)
     return eng, ck.tokenizer(), ck, device, comm
 
 

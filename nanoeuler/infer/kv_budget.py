@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from nanoeuler.errors import UserError
 from nanoeuler.infer.scheduler import SCORE_TOKENS  # positions of one scoring forward (its float32 logits)
 from nanoeuler.model.decoding import kv_cache_bytes
-from nanoeuler.model.memory import GiB, free_bytes, size_text
+from nanoeuler.model.memory import GiB, free_bytes, gpu_in_use, size_text
 
 MIN_CONTEXT = 2048  # the fewest positions a slot gets unless asked (or the model has fewer)
 
@@ -36,10 +36,14 @@ def margin(cfg):
     return GiB + 2 * SCORE_TOKENS * cfg.vocab_size * 4
 
 
-def available(cfg, gpu):
+def available(cfg, gpu, limit=None):
     """The bytes the cache may take on this engine: the free memory (or NANOEULER_MEMORY_AVAILABLE) minus the
-    margin, at least 0."""
-    return max(0, free_bytes(gpu) - margin(cfg))
+    margin, at least 0; with limit (serve --gpu-memory: all the GPU memory the server may hold, weights
+    included), no more than limit less the memory in use now (memory.gpu_in_use) and the margin."""
+    room = free_bytes(gpu) - margin(cfg)
+    if limit is not None and gpu:
+        room = min(room, limit - gpu_in_use() - margin(cfg))
+    return max(0, room)
 
 
 def plan(cfg, itemsize, budget, slots=None, context=None, default_slots=64):

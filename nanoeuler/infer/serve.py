@@ -624,11 +624,11 @@ def listen(host, port):
     return sock
 
 
-def kv_cache_plan(eng, slots, context):
+def kv_cache_plan(eng, slots, context, gpu_memory=None):
     """The KV cache's slots and positions for this engine (kv_budget.plan over the memory left after the
-    weights), and the startup line that says so."""
+    weights, or within gpu_memory bytes in all: --gpu-memory), and the startup line that says so."""
     gpu = eng.xp.__name__ != "numpy"
-    plan = kv_budget.plan(eng.cfg, eng.act.itemsize, kv_budget.available(eng.cfg, gpu), slots, context)
+    plan = kv_budget.plan(eng.cfg, eng.act.itemsize, kv_budget.available(eng.cfg, gpu, gpu_memory), slots, context)
     name = {"bfloat16": "bf16"}.get(eng.act.name, eng.act.name)
     return plan, kv_budget.describe(plan, name, eng.cfg.context)
 
@@ -639,7 +639,7 @@ def main(args):
         raise UserError(f"--slots must be 1 to {DECODE_ROWS} (rows of one decoding batch), got {slots}")
     sock = listen(args.host, args.port)  # first: a busy port fails before a large model loads
     eng, tok, ck = load_model(args.ckpt, args.device, not args.no_batch_invariance)
-    plan, line = kv_cache_plan(eng, slots, context)
+    plan, line = kv_cache_plan(eng, slots, context, getattr(args, "gpu_memory", None))
     print(f"nanoeuler serve: {line}", flush=True)
     model = ModelCard(args.ckpt, ck, args.served_model_name, tok, plan.context)
     scheduler = Scheduler(eng, tok, plan.slots, args.queue, plan.context)

@@ -8,6 +8,12 @@ ids), `step`, `chat` ("0"/"1"; a model whose tokenizer has a chat template is a 
 state).
 `safetensors.numpy.load_file` opens it, and so does any other safetensors reader.
 
+A quantized model (config `quant` "int8" or "int4" and `quant_group`: model/quantize.py, docs/quantization.md)
+holds each of its quantized tensors as `<name>.q` (int8, or uint8 two int4 a byte), `<name>.scales` and, for
+int4, `<name>.mins` (float16); the other tensors stay float32 under their names. Its params are then those
+float tensors alone (config.param_layout(cfg, floats_only=True)) and `quantized` maps each quantized name to
+its QuantizedTensor. A checkpoint without `quant` in its config reads as it always has.
+
 Writes are atomic (nanoeuler/files.py): a crash or Ctrl-C at any moment leaves either the old checkpoint
 or the new one, never a mixture. Reads go through safetensors' own reader (safe_open), which validates the
 file's layout; this module checks the rest (format, config, tensor names, shapes and dtypes) and turns every
@@ -20,7 +26,8 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from nanoeuler.model.config import Config, param_layout, param_shapes, views
+from nanoeuler.model.config import Config, param_layout, param_shapes, quantized_names, views
+from nanoeuler.model.quantize import QuantizedTensor, stored_arrays
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
 from nanoeuler.tokenizer.bpe import Tokenizer
@@ -37,6 +44,7 @@ class Checkpoint:
     chat: bool = False
     opt: tuple = None             # (m, v) flat float32, or None when the file has no optimizer state
     train_state: dict = None      # the training loop's resume state, or None
+    quantized: dict = None        # a quantized model's {name: QuantizedTensor} (params: its float tensors alone)
 
     def tokenizer(self):
         return _tokenizer(self.tokenizer_json, self.cfg)
@@ -55,8 +63,19 @@ def _tokenizer(tokenizer_json, cfg, path=None):
     return tok
 
 
-def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, chat=False):
-    """Atomically write a checkpoint. params (and opt's m, v) are flat float32 host arrays."""
+def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, chat=False, quantized=None):
+    """Atomically write a checkpoint. params (and opt's m, v) are flat float32 host arrays; a quantized model's
+    (cfg.quant) params are its float tensors alone and quantized its {name: QuantizedTensor}."""
+    if cfg.quant is not None:
+        assert opt is None and set(quantized) == set(quantized_names(cfg)), "a quantized model's tensors"
+        tensors = dict(views(np.ascontiguousarray(params, dtype=np.float32), cfg, floats_only=True))
+        for name, qt in quantized.items():
+            for suffix, array in qt.arrays().items():
+                tensors[f"{name}.{suffix}"] = array
+        metadata = {"format": FORMAT, "config": cfg.to_json(), "tokenizer": tokenizer_json,
+                    "step": str(int(step)), "chat": "1" if chat else "0"}
+        atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+        return
     tensors = dict(views(np.ascontiguousarray(params, dtype=np.float32), cfg))
     if opt is not None:
         for prefix, flat in zip(("opt.m.", "opt.v."), opt):
@@ -69,25 +88,33 @@ def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, ch
     atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
 
 
+SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
+                      np.dtype(np.uint8): "U8"}
+DTYPE_NAMES = {"F32": "float32", "F16": "float16", "I8": "int8", "U8": "uint8"}
+
+
 def write_safetensors(f, tensors, metadata):
-    """Write float32 arrays as a safetensors file, as safetensors' own writer lays it out (the tensors sorted by
-    name, the JSON header padded with spaces to 8 bytes), one tensor at a time: no copy of the whole file in
-    memory."""
+    """Write float32 arrays (and a quantized model's float16, int8 and uint8 ones) as a safetensors file, as
+    safetensors' own writer lays it out (the tensors sorted by name, the JSON header padded with spaces to 8
+    bytes), one tensor at a time: no copy of the whole file in memory."""
     names = sorted(tensors)
     header, offset = {"__metadata__": metadata}, 0
     for name in names:
-        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape),
+        header[name] = {"dtype": SAFETENSORS_DTYPES[np.dtype(tensors[name].dtype)],
+                        "shape": list(tensors[name].shape),
                         "data_offsets": [offset, offset + tensors[name].nbytes]}
         offset += tensors[name].nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     f.write(len(blob).to_bytes(8, "little") + blob)
     for name in names:
-        f.write(memoryview(np.ascontiguousarray(tensors[name], dtype="<f4")).cast("B"))
+        a = tensors[name]
+        f.write(memoryview(np.ascontiguousarray(a, dtype=np.dtype(a.dtype).newbyteorder("<"))).cast("B"))
 
 
 def _header(path):
-    """The metadata and {tensor name: shape} of a checkpoint, validated, without reading any tensor data."""
+    """The metadata and {tensor name: (dtype, shape)} of a checkpoint (dtype as safetensors names it), validated,
+    without reading any tensor data."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise UserError(f"checkpoint {path} not found")
@@ -104,10 +131,7 @@ def _header(path):
         raise UserError(_damage(path, e)) from None
     if meta.get("format") != FORMAT:
         raise UserError(f"{path} is not a nanoeuler checkpoint (no format=nanoeuler in its metadata)")
-    for name, (dtype, shape) in entries.items():
-        if dtype != "F32":
-            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is {dtype}, not float32)")
-    return meta, {name: shape for name, (_, shape) in entries.items()}
+    return meta, entries
 
 
 def _damage(path, e):
@@ -170,31 +194,52 @@ def load(path, with_opt=False):
     path = os.fspath(path)
     meta, header = _header(path)
     cfg, step = _config(path, meta)
+    quant = cfg.quant is not None
+    if with_opt and quant:
+        raise UserError(f"checkpoint {path} is quantized ({cfg.quant}): full training needs float weights")
     prefixes = [""] + (["opt.m.", "opt.v."] if with_opt else [])
-    expected = {prefix + name: shape for prefix in prefixes for name, shape in param_shapes(cfg)}
-    for name, shape in expected.items():
+    expected = {prefix + name: ("F32", tuple(shape)) for prefix in prefixes
+                for name, shape in param_shapes(cfg, floats_only=True)}
+    layout = param_layout(cfg)[0]
+    for name in quantized_names(cfg):
+        for suffix, (dtype, shape) in stored_arrays(layout[name][1], cfg.quant, cfg.quant_group).items():
+            expected[f"{name}.{suffix}"] = (SAFETENSORS_DTYPES[dtype], tuple(shape))
+    for name, (dtype, shape) in expected.items():
         if name not in header:
             if name.startswith("opt."):
                 raise UserError(f"checkpoint {path} has no optimizer state to resume from")
             raise UserError(f"checkpoint {path} has no tensor {name}, which its config requires")
-        if header[name] != tuple(shape):
-            raise UserError(f"checkpoint {path}: tensor {name} has shape {header[name]} "
-                            f"but its config says {tuple(shape)}")
-    known = {prefix + name for prefix in ("", "opt.m.", "opt.v.") for name, _ in param_shapes(cfg)}
+        if header[name][0] != dtype:
+            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is {header[name][0]}, not {DTYPE_NAMES[dtype]})")
+        if header[name][1] != shape:
+            raise UserError(f"checkpoint {path}: tensor {name} has shape {header[name][1]} "
+                            f"but its config says {shape}")
+    known = set(expected) | {prefix + name for prefix in ("opt.m.", "opt.v.") for name, _ in param_shapes(cfg)}
+    for name, (dtype, _) in header.items():
+        if name not in known and dtype != "F32":
+            raise UserError(f"checkpoint {path} is corrupt (tensor {name} is {dtype}, not float32)")
     extra = sorted(set(header) - known)
     if extra:
         raise UserError(f"checkpoint {path}: tensor {extra[0]} does not belong to its config")
 
-    total = param_layout(cfg)[1]
+    total = param_layout(cfg, floats_only=True)[1]
     flats = {prefix: np.empty(total, dtype=np.float32) for prefix in prefixes}
+    quantized = {} if quant else None
     try:
         with safe_open(path, framework="numpy") as f:
             for prefix, flat in flats.items():
-                for name, view in views(flat, cfg).items():
+                for name, view in views(flat, cfg, floats_only=True).items():
                     view[...] = f.get_tensor(prefix + name)
+            for name in quantized_names(cfg):
+                parts = {s: f.get_tensor(f"{name}.{s}") for s in ("q", "scales", "mins") if f"{name}.{s}" in header}
+                I = layout[name][1][1]
+                quantized[name] = QuantizedTensor(cfg.quant, cfg.quant_group or I, parts["q"], parts["scales"],
+                                                  parts.get("mins"))
     except Exception as e:  # the header was fine, so this is damage inside the file
         raise UserError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e})") from None
-    if not np.isfinite(flats[""]).all():
+    if not np.isfinite(flats[""]).all() or (quant and not all(
+            np.isfinite(qt.scales).all() and (qt.mins is None or np.isfinite(qt.mins).all())
+            for qt in quantized.values())):
         raise UserError(f"checkpoint {path} holds non-finite weights")
     try:
         train_state = json.loads(meta["train"]) if "train" in meta else None
@@ -203,7 +248,7 @@ def load(path, with_opt=False):
     return Checkpoint(cfg=cfg, params=flats[""], tokenizer_json=meta["tokenizer"], step=step,
                       chat=meta.get("chat") == "1" or _has_chat_template(meta["tokenizer"]),
                       opt=(flats["opt.m."], flats["opt.v."]) if with_opt else None,
-                      train_state=train_state)
+                      train_state=train_state, quantized=quantized)
 
 
 def load_model(ckpt, device, batch_invariant=True):
@@ -214,5 +259,5 @@ def load_model(ckpt, device, batch_invariant=True):
     ck = load(ckpt)
     tok = ck.tokenizer()
     eng = make_engine(ck.cfg, device=resolve(device), batch_invariant=batch_invariant, training=False)
-    eng.load_params(ck.params)
+    eng.load_params(ck.params, ck.quantized)
     return eng, tok, ck

@@ -95,7 +95,11 @@ def main(args):
     def write_json(name, obj):
         atomic_write(os.path.join(out, name), lambda f: json.dump(obj, f, indent=2), mode="w")
 
-    tensors = hf_tensors(ck.cfg, ck.params)
+    cfg, params = ck.cfg, ck.params
+    if cfg.quant is not None:  # Hugging Face's Llama has no such weights: the dequantized (exact) floats
+        from nanoeuler.model.config import float_params
+        cfg, params = float_params(cfg, params, ck.quantized)
+    tensors = hf_tensors(cfg, params)
     data = serialize(tensors, metadata={"format": "pt"})
     atomic_write(os.path.join(out, "model.safetensors"), lambda f: f.write(data))
     write_json("config.json", hf_config(ck.cfg, tok))

@@ -20,6 +20,11 @@ i + D/2 to row 2i + 1: the permutation convert_hf_to_gguf.py (LlamaModel.permute
 checkpoints, which pair as we do. q and k of a head are permuted alike, so their dot products, and hence the
 attention, are unchanged; V and the output projection are untouched.
 
+A quantized checkpoint (model/quantize.py) writes its matrices as GGUF's own blocks wherever the format is
+one: int8 in groups of 32 as Q8_0, int4 in groups of 32 as Q4_1, their bytes copied (d, then the int8 q; d, m,
+then the 16 bytes of packed q, which are already GGUF's nibble order), never dequantized; the other groups are
+dequantized (exactly) and written as --type. Its embedding and norms are float, written as --type and f32.
+
 A model with q/k/v biases (a Qwen2 import) is llama.cpp's `qwen2` architecture instead (gguf_arch): the same
 keys under `qwen2.`, the biases as f32 `blk.{i}.attn_q|attn_k|attn_v.bias`, and no Q/K permutation, since
 llama.cpp runs qwen2 with NeoX RoPE, which pairs i with i + D/2 as we do (convert_hf_to_gguf.py's Qwen2Model
@@ -47,6 +52,7 @@ from nanoeuler.errors import UserError, require
 from nanoeuler.files import atomic_output, check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import rope_inv_freq, views
+from nanoeuler.model.quantize import QuantizedTensor, dequantize
 from nanoeuler.tokenizer.sentencepiece_bpe import SentencePieceBPE
 
 GGUF_LAYER_NAMES = {  # ours -> llama.cpp's, within block i
@@ -106,15 +112,36 @@ def rope_heads(cfg, name):
     return {"wq": cfg.n_heads, "wk": cfg.n_kv_heads}.get(name.rsplit(".", 1)[-1])
 
 
-def gguf_tensors(cfg, params):
-    """{llama.cpp name: float32 array in llama.cpp's row order} of our flat parameters, in file order."""
-    v = views(params, cfg)
+def gguf_tensors(cfg, params, quantized=None):
+    """{llama.cpp name: float32 array in llama.cpp's row order} of our flat parameters, in file order; a
+    quantized model's (params its float tensors, quantized its {name: QuantizedTensor}) quantized matrices as
+    QuantizedTensors, their rows in that order too (a row's groups move with it)."""
+    v = dict(views(params, cfg, floats_only=True), **(quantized or {}))
     out = {}
     for theirs, ours in gguf_names(cfg).items():
         heads = rope_heads(cfg, ours)
-        out[theirs] = np.ascontiguousarray(v[ours] if heads is None else rope_pairs_adjacent(v[ours], heads),
-                                           dtype=np.float32)
+        order = (lambda a: a) if heads is None else (lambda a: np.ascontiguousarray(rope_pairs_adjacent(a, heads)))
+        if isinstance(v[ours], QuantizedTensor):
+            t = v[ours]
+            out[theirs] = QuantizedTensor(t.kind, t.group, order(t.q), order(t.scales),
+                                          None if t.mins is None else order(t.mins))
+        else:
+            out[theirs] = np.ascontiguousarray(order(v[ours]), dtype=np.float32)
     return out
+
+
+def gguf_blocks(gguf, t):
+    """(the bytes (O, blocks * block size) uint8, GGUF type) of a QuantizedTensor that is a GGUF type block for
+    block (int8 / int4 in groups of 32: Q8_0 / Q4_1), or None."""
+    if t.group != 32:
+        return None
+    O = t.q.shape[0]
+    fields = [t.scales.astype(np.float16).view(np.uint8).reshape(O, -1, 2)]
+    if t.kind == "int4":
+        fields.append(t.mins.astype(np.float16).view(np.uint8).reshape(O, -1, 2))
+    fields.append(np.ascontiguousarray(t.q).view(np.uint8).reshape(O, fields[0].shape[1], -1))
+    qtype = gguf.GGMLQuantizationType.Q8_0 if t.kind == "int8" else gguf.GGMLQuantizationType.Q4_1
+    return np.concatenate(fields, axis=-1).reshape(O, -1), qtype
 
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -145,7 +172,13 @@ def read_params(path, cfg, params):
 
 
 def _stored(gguf, array, kind):
-    """(data, raw dtype or None) of one tensor as the file stores it for --type kind."""
+    """(data, raw dtype or None) of one tensor as the file stores it for --type kind (a QuantizedTensor: its
+    own GGUF blocks where it has them, else dequantized)."""
+    if isinstance(array, QuantizedTensor):
+        blocks = gguf_blocks(gguf, array)
+        if blocks is not None:
+            return blocks
+        array = dequantize(array)
     if array.ndim == 1 or kind == "f32":
         return array, None
     if kind == "f16" or (kind == "q8_0" and array.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]):
@@ -154,11 +187,14 @@ def _stored(gguf, array, kind):
     return gguf.quants.quantize(array, qtype), qtype
 
 
-def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler"):
-    """Write the model (head 0) and its tokenizer as a llama.cpp GGUF file, atomically."""
+def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler", quantized=None):
+    """Write the model (head 0) and its tokenizer as a llama.cpp GGUF file, atomically (a quantized model: its
+    {name: QuantizedTensor} in quantized)."""
     gguf, = require("gguf", what="export --gguf")
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
+    if cfg.quant is not None and cfg.quant_group == 32:  # the matrices' own type
+        file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if cfg.quant == "int8" else gguf.LlamaFileType.MOSTLY_Q4_1
     sentencepiece = isinstance(tok, SentencePieceBPE)
     if sentencepiece:
         names, scores, kinds = tok.gguf_vocab()
@@ -211,7 +247,7 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler")
     if chat:
         from nanoeuler.data.template import CHAT_TEMPLATE
         w.add_chat_template(tok.chat_template or CHAT_TEMPLATE)  # an import's own, else ours
-    for tensor_name, array in gguf_tensors(cfg, params).items():
+    for tensor_name, array in gguf_tensors(cfg, params, quantized).items():
         data, raw_dtype = _stored(gguf, array, kind)
         w.add_tensor(tensor_name, data, raw_dtype=raw_dtype)
     if cfg.rope_scaling is not None:
@@ -232,10 +268,14 @@ def main(args):
     tok = ck.tokenizer()
     check_writable(args.gguf)
     name = os.path.splitext(os.path.basename(args.ckpt))[0]
-    write_gguf(args.gguf, ck.cfg, ck.params, tok, args.type, chat=ck.chat, name=name)
+    write_gguf(args.gguf, ck.cfg, ck.params, tok, args.type, chat=ck.chat, name=name, quantized=ck.quantized)
+    cfg = ck.cfg
+    own = {"int8": "q8_0", "int4": "q4_1"}.get(cfg.quant) if cfg.quant_group == 32 else None
+    matrices = f"{args.type} matrices" if cfg.quant is None else (
+        f"{cfg.quant} matrices as {own} blocks (copied)" if own else f"{cfg.quant} matrices dequantized to {args.type}")
     print(f"exported {args.ckpt} (step {ck.step}) to {args.gguf}: llama.cpp GGUF, architecture "
           f"{gguf_arch(ck.cfg)}, "
-          f"{args.type} matrices, {'output tied to token_embd' if ck.cfg.tied else 'head 0 as output'}, "
+          f"{matrices}, {'output tied to token_embd' if ck.cfg.tied else 'head 0 as output'}, "
           f"{tok.vocab_size} tokens"
           + (", chat template" if ck.chat else "") + f" ({os.path.getsize(args.gguf) / 1e6:.1f} MB)")
     return 0

@@ -337,8 +337,7 @@ def params_from_hf(cfg, tensors):
         raise UserError(f"tensor {unused[0]} has no place in nanoeuler's model"
                         + (" (nanoeuler's model has biases on q, k and v only, as Qwen2)"
                            if unused[0].endswith("bias") else ""))
-    flat = np.empty(param_count(cfg), np.float32)
-    for name, view in views(flat, cfg).items():
+    def read(name, view):
         theirs = ours[name]
         if theirs not in tensors:
             raise UserError(f"the weights have no {theirs}")
@@ -352,6 +351,13 @@ def params_from_hf(cfg, tensors):
         for lo in range(0, view.size, CHUNK):  # a chunk at a time: no boolean copy of the model
             if not np.isfinite(view.reshape(-1)[lo:lo + CHUNK]).all():
                 raise UserError("the weights hold non-finite values")
+
+    if cfg.quant is not None:  # each matrix read, quantized and dropped (io/quantize.py)
+        from nanoeuler.io.quantize import quantize_model
+        return quantize_model(cfg, read)
+    flat = np.empty(param_count(cfg), np.float32)
+    for name, view in views(flat, cfg).items():
+        read(name, view)
     return flat
 
 
@@ -427,8 +433,10 @@ def chat_settings(folder, hf, tok):
     return template, [i for i in ends if 0 <= i < tok.vocab_size], named
 
 
-def load_hf(folder, context=None):
-    """(Config, flat float32 parameters, Tokenizer) of a Hugging Face Llama, Mistral or Qwen2 folder or Hub id."""
+def load_hf(folder, context=None, quant=None, group=None):
+    """(Config, flat float32 parameters, Tokenizer) of a Hugging Face Llama, Mistral or Qwen2 folder or Hub id;
+    quant "int8" or "int4": its matrices quantized in groups of `group` as they are read (the parameters are
+    then (flat float32 of the float tensors, {name: QuantizedTensor}): io/quantize.py)."""
     folder = hub_folder(folder)
     hf = _read_json(os.path.join(folder, "config.json"))
     cfg = config_from_hf(hf, context, os.path.join(folder, "config.json"))
@@ -443,19 +451,29 @@ def load_hf(folder, context=None):
     cfg = dataclasses.replace(cfg, tied=tied)
     if tok.vocab_size < cfg.vocab_size:  # the embedding's padding rows (Qwen2's): never generated
         cfg = dataclasses.replace(cfg, tokenizer_vocab=tok.vocab_size)
+    if quant is not None:
+        from nanoeuler.io.quantize import quantized_config
+        cfg = quantized_config(cfg, quant, group)
     return cfg, params_from_hf(cfg, tensors), tok
 
 
 def main(args):
+    if getattr(args, "group", None) is not None and getattr(args, "quantize", None) is None:
+        raise UserError("--group goes with --quantize int8|int4")
     if os.path.isfile(args.out) and not args.overwrite:
         raise UserError(f"{args.out} exists: --overwrite replaces it, --out FILE writes elsewhere")
     check_writable(args.out)
-    cfg, params, tok = load_hf(args.hf, args.context)
-    checkpoint.save(args.out, cfg, params, tok.to_json(), step=0, chat=tok.chat_template is not None)
+    cfg, params, tok = load_hf(args.hf, args.context, getattr(args, "quantize", None), getattr(args, "group", None))
+    quantized = None
+    if cfg.quant is not None:
+        params, quantized = params
+    checkpoint.save(args.out, cfg, params, tok.to_json(), step=0, chat=tok.chat_template is not None,
+                    quantized=quantized)
     print(f"imported {args.hf} into {args.out}: {cfg.architecture}, dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
           f"{cfg.n_kv_heads} heads, hidden {cfg.hidden}, context {cfg.context}, vocab {cfg.vocab_size}, "
           f"rope theta {cfg.rope_theta:g}{_scaling_note(cfg)}, norm eps {cfg.norm_eps:g}, "
-          f"{params.size / 1e6:.2f}M parameters{' (embedding tied to the output head)' if cfg.tied else ''}"
+          f"{param_count(cfg) / 1e6:.2f}M parameters{' (embedding tied to the output head)' if cfg.tied else ''}"
+          f"{'' if cfg.quant is None else f', matrices quantized to {cfg.quant} (groups of {cfg.quant_group})'}"
           f"{', q/k/v biases' if cfg.qkv_bias else ''}; tokenizer: {tok.vocab_size} tokens"
           f"{'' if cfg.tokenizer_vocab is None else f' (ids {tok.vocab_size}..{cfg.vocab_size - 1} are padding, never generated)'}"
           f", end of text {tok.eos!r} = {tok.eos_id}")

@@ -42,6 +42,10 @@ class Config:
     tokenizer_vocab: int = None
     # the Hugging Face architecture an import came from, which export --hf writes back (absent: Llama)
     architecture: str = "LlamaForCausalLM"
+    # quantized weights (model/quantize.py, docs/quantization.md): "int8" or "int4" and the group length along
+    # a row (0: one group a row); None (and absent from the checkpoint's JSON) for float weights
+    quant: str = None
+    quant_group: int = None
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -60,6 +64,9 @@ class Config:
             raise ValueError(f"context {self.context} is larger than the sliding window {self.sliding_window}")
         if self.tokenizer_vocab is not None and not 1 <= self.tokenizer_vocab <= self.vocab_size:
             raise ValueError(f"tokenizer_vocab {self.tokenizer_vocab} is not within vocab_size {self.vocab_size}")
+        if self.quant is not None:
+            from nanoeuler.model.quantize import check_type
+            check_type(self.quant, self.quant_group)
         if self.rope_scaling is not None:
             rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # raises on what we do not compute
 
@@ -70,7 +77,8 @@ class Config:
     def to_json(self):
         # optional keys are left out when unset: our own models' JSON is unchanged
         unset = {"rope_scaling": None, "tied": False, "qkv_bias": False, "sliding_window": None,
-                 "tokenizer_vocab": None, "architecture": "LlamaForCausalLM"}
+                 "tokenizer_vocab": None, "architecture": "LlamaForCausalLM",
+                 "quant": None, "quant_group": None}
         return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if k not in unset or v != unset[k]},
                           sort_keys=True)
 
@@ -101,8 +109,9 @@ PRESETS = {
 }
 
 
-def param_shapes(cfg):
-    """(name, shape) for every tensor, in flat-buffer order."""
+def param_shapes(cfg, floats_only=False):
+    """(name, shape) for every tensor, in flat-buffer order; floats_only leaves out a quantized model's
+    quantized tensors (model/quantize.py: the flat buffer of such a model holds the others alone)."""
     hd = cfg.head_dim
     shapes = [("tok_emb", (cfg.vocab_size, cfg.dim))]
     for i in range(cfg.n_layers):
@@ -126,13 +135,28 @@ def param_shapes(cfg):
     shapes.append(("final_norm", (cfg.dim,)))
     first_head = 1 if cfg.tied else 0  # a tied head 0 is tok_emb
     shapes += [(f"heads.{k}", (cfg.vocab_size, cfg.dim)) for k in range(first_head, cfg.mtp_heads)]
+    if floats_only and cfg.quant is not None:
+        quantized = set(quantized_names(cfg))
+        shapes = [(name, shape) for name, shape in shapes if name not in quantized]
     return shapes
 
 
-def param_layout(cfg):
-    """{name: (offset, shape)} into the flat buffer, and the total element count."""
+QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # a layer's
+
+
+def quantized_names(cfg):
+    """The tensors a quantized model of cfg holds quantized, in parameter order (nothing where cfg.quant is
+    unset): every layer matrix and the untied prediction heads."""
+    if cfg.quant is None:
+        return ()
+    names = [f"layers.{i}.{m}" for i in range(cfg.n_layers) for m in QUANTIZED_MATRICES]
+    return tuple(names + [f"heads.{k}" for k in range(1 if cfg.tied else 0, cfg.mtp_heads)])
+
+
+def param_layout(cfg, floats_only=False):
+    """{name: (offset, shape)} into the flat buffer, and the total element count (floats_only: param_shapes')."""
     layout, offset = {}, 0
-    for name, shape in param_shapes(cfg):
+    for name, shape in param_shapes(cfg, floats_only):
         layout[name] = (offset, shape)
         offset += math.prod(shape)
     return layout, offset
@@ -150,9 +174,9 @@ def flops_per_token(cfg):
     return 6 * (param_count(cfg) - lookup_only) + 6 * cfg.n_layers * cfg.dim * cfg.context
 
 
-def views(flat, cfg):
+def views(flat, cfg, floats_only=False):
     """Named views (no copies) into a flat buffer laid out by param_layout; works for numpy and cupy."""
-    layout, total = param_layout(cfg)
+    layout, total = param_layout(cfg, floats_only)
     assert flat.size == total, (flat.size, total)
     return {name: flat[off:off + math.prod(shape)].reshape(shape) for name, (off, shape) in layout.items()}
 
@@ -221,3 +245,15 @@ def rope_tables(head_dim, max_pos, theta, dtype, scaling=None):
     says), the rotate-half (Hugging Face Llama) pairing. Host-side NumPy, the same tables for both engines."""
     angles = np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(head_dim, theta, scaling)[None, :]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def float_params(cfg, params, quantized):
+    """(the float config, its flat float32 parameters) of a quantized model: params (its float tensors) and
+    each quantized tensor dequantized in its place (export --hf writes these)."""
+    from nanoeuler.model.quantize import dequantize
+    fcfg = dataclasses.replace(cfg, quant=None, quant_group=None)
+    flat = np.empty(param_count(fcfg), np.float32)
+    floats = views(params, cfg, floats_only=True)
+    for name, view in views(flat, fcfg).items():
+        view[...] = floats[name] if name in floats else dequantize(quantized[name])
+    return fcfg, flat

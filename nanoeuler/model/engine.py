@@ -26,6 +26,11 @@ the attention's backward pass has undone the rotation. A tied model's head 0 (`h
 weights and in the gradients: the head's product reads the embedding, and its gradient is added to the
 embedding's (every parameter gradient accumulates), so the tensor trains as the sum of both uses.
 
+A quantized model (cfg.quant: model/quantize.py) decodes and scores only: its flat buffer holds the float
+tensors alone (norms, embedding, biases, a tied head), and load_params puts its quantized matrices, fused as
+above (rows stacked: exact), into `p` as the layers' quantized matrices (`Layers.quantized_matrix`), which
+their products read packed.
+
 Mixed precision (the GPU's "bf16"): the flat buffers above stay float32 (the master weights, what
 checkpoints hold), and the layers read `weights`, a bf16 copy that AdamW rewrites in its pass; activations
 are bf16, parameter gradients float32. Elsewhere `weights` is `params` itself.
@@ -36,8 +41,9 @@ import numpy as np
 
 from nanoeuler.errors import UserError
 from nanoeuler.model import memory
-from nanoeuler.model.config import init_params, param_layout, rope_tables, views
+from nanoeuler.model.config import init_params, param_layout, quantized_names, rope_tables, views
 from nanoeuler.model.device import DEFAULT_PRECISION, precision as device_precision
+from nanoeuler.model.quantize import concat_rows, stored_arrays
 
 
 def to_float32(a):
@@ -63,7 +69,9 @@ class Engine:
         params None) and starts from zero weights (load_params gives it its own)."""
         self.cfg, self.layers, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
         self.act = np.dtype(layers.activation_dtype(self.dtype))  # activations' element type
-        self.layout, total = param_layout(cfg)
+        if cfg.quant is not None and training:
+            raise UserError(f"the model is quantized ({cfg.quant}): full training needs float weights")
+        self.layout, total = param_layout(cfg, floats_only=True)
         if training:
             self.params = xp.asarray(init_params(cfg, seed, self.dtype))
         else:
@@ -124,8 +132,8 @@ class Engine:
 
     def _fused_views(self, flat):
         """Named views plus the fused groups: layers.{i}.wqkv (and bqkv), layers.{i}.w_gate_up and heads."""
-        cfg, v = self.cfg, views(flat, self.cfg)
-        layout, _ = param_layout(cfg)
+        cfg, v = self.cfg, views(flat, self.cfg, floats_only=True)
+        layout = self.layout
 
         def span(first, last, rows=None):
             start = layout[first][0]
@@ -133,15 +141,18 @@ class Engine:
             return flat[start:end] if rows is None else flat[start:end].reshape(rows, cfg.dim)
 
         hd = cfg.head_dim
+        quantized = cfg.quant is not None  # the matrices come in load_params
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
-            v[p + "wqkv"] = span(p + "wq", p + "wv", (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
+            if not quantized:
+                v[p + "wqkv"] = span(p + "wq", p + "wv", (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
             if cfg.qkv_bias:
                 v[p + "bqkv"] = span(p + "bq", p + "bv")
-            v[p + "w_gate_up"] = span(p + "w_gate", p + "w_up", 2 * cfg.hidden)
+            if not quantized:
+                v[p + "w_gate_up"] = span(p + "w_gate", p + "w_up", 2 * cfg.hidden)
         if cfg.tied:  # head 0 is the embedding (and the only head): the same memory under the heads' names
             v["heads.0"] = v["heads"] = v["tok_emb"]
-        else:
+        elif not quantized:
             v["heads"] = span("heads.0", f"heads.{cfg.mtp_heads - 1}", cfg.mtp_heads * cfg.vocab_size)
         return v
 
@@ -153,9 +164,11 @@ class Engine:
         return [self.layout["final_norm"][0], *layers, 0]
 
     # -------------------------------------------------------------------------------- state in and out
-    def load_params(self, flat):
+    def load_params(self, flat, quantized=None):
         """The weights from a flat host array, copied straight into the engine's buffer (no second copy on the
-        device)."""
+        device); a quantized model's float tensors, and its {name: QuantizedTensor} in quantized."""
+        if self.cfg.quant is not None:
+            self._load_quantized(quantized)
         flat = np.ascontiguousarray(flat, dtype=self.dtype).reshape(-1)
         if self.params is None:  # the compute copy alone: converted a piece at a time, as sync_weights rounds
             for start in range(0, flat.size, LOAD_PIECE):
@@ -167,6 +180,20 @@ class Engine:
         else:
             self.params.set(flat)
         self.sync_weights()
+
+    def _load_quantized(self, q):
+        """The quantized matrices into `p`, fused as the float ones are (rows stacked), on the layers' device."""
+        cfg, make = self.cfg, self.layers.quantized_matrix
+        for i in range(cfg.n_layers):
+            w = f"layers.{i}."
+            self.p[w + "wqkv"] = make(concat_rows([q[w + "wq"], q[w + "wk"], q[w + "wv"]]))
+            self.p[w + "w_gate_up"] = make(concat_rows([q[w + "w_gate"], q[w + "w_up"]]))
+            self.p[w + "wo"], self.p[w + "w_down"] = make(q[w + "wo"]), make(q[w + "w_down"])
+        if not cfg.tied:
+            heads = make(concat_rows([q[f"heads.{k}"] for k in range(cfg.mtp_heads)]))
+            self.p["heads"] = heads
+            for k in range(cfg.mtp_heads):
+                self.p[f"heads.{k}"] = heads.rows(k * cfg.vocab_size, (k + 1) * cfg.vocab_size)
 
     def params_numpy(self):
         if self.params is None:
@@ -405,7 +432,8 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, bat
 def _check_fits(cfg, device, dtype, act, training):
     """UserError where the engine's parameter buffers alone exceed the device's free memory."""
     n_params = param_layout(cfg)[1]
-    need = memory.parameter_bytes(n_params, dtype.itemsize, act.itemsize, training)
+    need = memory.parameter_bytes(param_layout(cfg, floats_only=True)[1], dtype.itemsize, act.itemsize, training)
+    need += quantized_bytes(cfg)
     free = memory.free_bytes(device == "gpu")
     if need > free:
         compute = "bf16" if act == np.uint16 else act.name  # bf16 is stored as 16-bit words
@@ -418,3 +446,11 @@ def _check_fits(cfg, device, dtype, act, training):
         raise UserError(f"the model ({n_params / 1e9:,.2f}B parameters) needs {memory.size_text(need)} for its {what} "
                         f"on the {device.upper()}, which has {memory.size_text(free)} free"
                         + ("; a smaller model, or the GPU" if device == "cpu" else "; a smaller model"))
+
+
+def quantized_bytes(cfg):
+    """The bytes of a quantized model's quantized tensors (0 where cfg.quant is unset)."""
+    layout = param_layout(cfg)[0]
+    return sum(int(np.prod(shape)) * dtype.itemsize
+               for name in quantized_names(cfg)
+               for dtype, shape in stored_arrays(layout[name][1], cfg.quant, cfg.quant_group).values())

@@ -30,6 +30,32 @@ def gpu_available():
     return free + cupy.get_default_memory_pool().free_bytes()
 
 
+def gpu_in_use():
+    """Bytes of the device's memory in use (cudaMemGetInfo's total - free, less the blocks CuPy's pool holds
+    unused): this process's CUDA context and arrays, and anything else on the card."""
+    import cupy
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free - cupy.get_default_memory_pool().free_bytes()
+
+
+def parse_size(text):
+    """'12GiB', '12G', '1.5 GB', '800MiB', '4096' (bytes) -> bytes; ValueError otherwise. G, GiB: 2^30; GB: 10^9."""
+    units = {"": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10 ** 3, "m": 1 << 20, "mib": 1 << 20, "mb": 10 ** 6,
+             "g": GiB, "gib": GiB, "gb": 10 ** 9, "t": 1 << 40, "tib": 1 << 40, "tb": 10 ** 12}
+    t = text.strip().lower().replace(" ", "")
+    number = t.rstrip("kmgtib")
+    unit = t[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"{text!r} is not a size (e.g. 12GiB, 800MiB)")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (e.g. 12GiB, 800MiB)") from None
+    if value <= 0:
+        raise ValueError(f"{text!r} is not a positive size")
+    return int(value)
+
+
 def free_bytes(gpu):
     """The free memory of the GPU or the CPU in bytes, or NANOEULER_MEMORY_AVAILABLE where it is set."""
     override = os.environ.get("NANOEULER_MEMORY_AVAILABLE")

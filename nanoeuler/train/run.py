@@ -110,6 +110,8 @@ def run(stage, options):
     if os.path.abspath(options.out) == os.path.abspath(options.ckpt or ""):
         raise UserError(f"--out {options.out} is the checkpoint this run starts from (--ckpt); name another file")
     model = stage.plan(options, resumed)
+    if model.cfg.quant is not None:  # a quantized model decodes and scores only
+        raise UserError(f"{options.ckpt or options.out} is quantized ({model.cfg.quant}): full training needs float weights")
     hp = resume.hyperparameters(options, resumed, model.hyper, world.world_size)
     eval_task = training_eval(options, hp)  # its items read now: a bad file stops the run before any work
     log_path = options.log or os.path.splitext(options.out)[0] + ".jsonl"

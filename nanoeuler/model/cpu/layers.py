@@ -23,6 +23,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from nanoeuler.model.limits import FEW_ROWS, clip_scale
+from nanoeuler.model.quantize import QuantizedTensor
 
 # Reassociation lets LLVM vectorise the sums; no flag that assumes away infinities or NaNs.
 FAST = {"reassoc", "contract", "arcp", "nsz"}
@@ -94,6 +95,81 @@ def _matmul_rows(out, x, w, accumulate):
             for o in range(block * COLUMNS, min(O, (block + 1) * COLUMNS)):
                 v = _dot(x[n], w[o])
                 out[n, o] = out[n, o] + v if accumulate else v
+
+
+# Quantized matrices (model/quantize.py): rows of w dequantized from their packed integers and float16 scales
+# (and minimums) into float32, exactly as quantize.dequantize does, then the float products above on them: a
+# few rows take _matmul_rows_quantized (each output's dot product that of _matmul_rows on the dequantized
+# matrix, bit for bit), more rows BLAS on QUANT_ROWS rows of w dequantized at a time.
+QUANT_ROWS = 1024
+
+
+@njit(**jit)
+def _dequantize_row(out, q, scales, mins, o, group, int4):
+    """out (I,) float32 = row o of a quantized matrix: d * q, or d * q + m (int4: byte j of a group holds its
+    elements j and j + group/2)."""
+    I = out.shape[0]
+    half = group // 2
+    for gi in range(I // group):
+        d = np.float32(scales[o, gi])
+        if int4:
+            m = np.float32(mins[o, gi])
+            for j in range(half):
+                byte = q[o, gi * half + j]
+                out[gi * group + j] = d * np.float32(byte & 15) + m
+                out[gi * group + half + j] = d * np.float32(byte >> 4) + m
+        else:
+            for j in range(group):
+                out[gi * group + j] = d * np.float32(q[o, gi * group + j])
+
+
+@njit(**pjit)
+def _dequantize_rows(out, q, scales, mins, first, group, int4):
+    """out (R, I) float32 = rows first..first+R-1 of a quantized matrix."""
+    for r in prange(out.shape[0]):
+        _dequantize_row(out[r], q, scales, mins, first + r, group, int4)
+
+
+@njit(**pjit)
+def _matmul_rows_quantized(out, x, q, scales, mins, group, int4, accumulate):
+    N, O = out.shape
+    for block in prange(-(-O // COLUMNS)):
+        w = np.empty((COLUMNS, x.shape[1]), dtype=np.float32)
+        for o in range(block * COLUMNS, min(O, (block + 1) * COLUMNS)):
+            _dequantize_row(w[o - block * COLUMNS], q, scales, mins, o, group, int4)
+        for n in range(N):
+            for o in range(block * COLUMNS, min(O, (block + 1) * COLUMNS)):
+                v = _dot(x[n], w[o - block * COLUMNS])
+                out[n, o] = out[n, o] + v if accumulate else v
+
+
+def _quantized_args(w):
+    """The numba kernels' arguments of a QuantizedTensor (mins: a dummy for int8); float16 (which numba lacks)
+    widened to float32, exactly (quantized_matrix does it once for an engine's matrices)."""
+    scales = w.scales.astype(np.float32, copy=False)
+    mins = scales if w.mins is None else w.mins.astype(np.float32, copy=False)
+    return w.q, scales, mins, w.group, w.kind == "int4"
+
+
+def dequantize_rows(w, first, last):
+    """Rows first..last-1 of a QuantizedTensor as float32 (quantize.dequantize's values)."""
+    out = np.empty((last - first, w.shape[1]), np.float32)
+    _dequantize_rows(out, *_quantized_args(w)[:3], first, *_quantized_args(w)[3:])
+    return out
+
+
+def matmul_quantized(out, x, w, accumulate, few_rows):
+    """out (N, O) (+)= x (N, I) @ dequantize(w).T for a QuantizedTensor w: few_rows the row-invariant kernel."""
+    if few_rows:
+        _matmul_rows_quantized(out, x, *_quantized_args(w), accumulate)
+        return
+    for first in range(0, w.shape[0], QUANT_ROWS):
+        last = min(w.shape[0], first + QUANT_ROWS)
+        product = x @ dequantize_rows(w, first, last).T
+        if accumulate:
+            out[:, first:last] += product
+        else:
+            out[:, first:last] = product
 
 
 # matmul_forward and the products that end in it (rmsnorm_matmul_*_forward) read the batch-invariance
@@ -784,8 +860,11 @@ class Layers:
 
     # ------------------------------------------------------------------------------------------ matmul
     def matmul_forward(self, out, x, w, accumulate=False):
-        """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds)."""
-        if x.shape[0] <= FEW_ROWS and self.batch_invariant:
+        """out (N, O) = x (N, I) @ w (O, I).T  -- PyTorch Linear layout; += when accumulate (residual adds). w may
+        be a QuantizedTensor (quantized_matrix), read packed."""
+        if isinstance(w, QuantizedTensor):
+            matmul_quantized(out, x, w, accumulate, x.shape[0] <= FEW_ROWS and self.batch_invariant)
+        elif x.shape[0] <= FEW_ROWS and self.batch_invariant:
             _matmul_rows(out, x, w, accumulate)
         elif accumulate:
             out += x @ w.T
@@ -793,6 +872,13 @@ class Layers:
             np.matmul(x, w.T, out=out)
 
     matmul_backward = staticmethod(matmul_backward)
+
+    @staticmethod
+    def quantized_matrix(qt):
+        """A QuantizedTensor as this engine's products read it: the host arrays, the float16 scales and minimums
+        widened to float32 (exact; numba has no float16)."""
+        widen = lambda a: None if a is None else a.astype(np.float32)
+        return QuantizedTensor(qt.kind, qt.group, qt.q, widen(qt.scales), widen(qt.mins))
 
     def rmsnorm_matmul_forward(self, out, rstd, x, norm_w, w, eps, xn, skip=None):
         """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input,

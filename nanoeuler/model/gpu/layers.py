@@ -44,6 +44,9 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
 from nanoeuler.model.limits import CLIP_EPS, FEW_ROWS
 
+from nanoeuler.errors import UserError
+from nanoeuler.model.gpu import quantized  # products with quantized weights
+
 PRECISIONS = ("bf16", "tf32", "fp32")
 
 
@@ -287,7 +290,11 @@ class Layers:
     def matmul_forward(self, out, x, w, accumulate=False):
         """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
         cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most FEW_ROWS
-        rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the precision."""
+        rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the precision. A quantized w
+        (quantized_matrix) takes gpu/quantized.py's products."""
+        if isinstance(w, quantized.QuantizedMatrix):
+            quantized.matmul(out, x, w, accumulate, self.tf32)
+            return
         _check(x, w, act=x)
         assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
         (N, I), O = x.shape, w.shape[0]
@@ -309,15 +316,24 @@ class Layers:
             ones = cupy.full(N, 0x3F80, dtype=BF16) if dout.dtype == BF16 else cupy.ones(N, dtype=F32)  # bf16 1.0
             runtime.gemm(False, True, 1, O, N, ones, 1, dout, O, dbias, 1, True, self.tf32)
 
+    @staticmethod
+    def quantized_matrix(qt):
+        """A host QuantizedTensor in the layout the quantized products read (gpu/quantized.py), on the device."""
+        try:
+            return quantized.QuantizedMatrix.of(qt)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
     def rmsnorm_matmul_forward(self, out, rstd, x, norm_w, w, eps, xn, skip=None):
         """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
         (what the backward multiplies with), or is None where nobody reads it. skip (N, C), where given, receives
         a copy of x: the next buffer of the residual stream, which the sublayer's output is then added to; the copy
         rides on the norm's read of x. A few rows without xn (decoding) take one kernel that normalises its input
         on the way; else the norm into xn, then the product."""
-        if x.shape[0] > FEW_ROWS or xn is not None:
-            if xn is None:  # a step of more rows than a graph takes: a temporary
-                xn = cupy.empty_like(x)
+        packed = isinstance(w, quantized.QuantizedMatrix)  # quantized: the norm, then the product
+        if x.shape[0] > FEW_ROWS or xn is not None or packed:
+            if xn is None:  # a step of more rows than a graph takes: a temporary (quantized: kept, graphs take it)
+                xn = quantized.scratch(x.shape, x.dtype) if packed else cupy.empty_like(x)
             _rmsnorm_forward(xn, rstd, x, norm_w, eps, skip)
             self.matmul_forward(out, xn, w)
             return
@@ -333,7 +349,7 @@ class Layers:
         take one kernel."""
         B, T, NH, D = qkv.shape
         assert pos.size in (1, B), (pos.shape, B)
-        if B * T > FEW_ROWS or xn is not None:
+        if B * T > FEW_ROWS or xn is not None or isinstance(w, quantized.QuantizedMatrix):
             self.rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
             if bias is not None:
                 _bias_add(qkv.reshape(B * T, -1), bias)
@@ -350,7 +366,7 @@ class Layers:
         """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
         silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows without xn (decoding) take one kernel for
         all of it."""
-        if x.shape[0] > FEW_ROWS or xn is not None:
+        if x.shape[0] > FEW_ROWS or xn is not None or isinstance(w, quantized.QuantizedMatrix):
             self.rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
             self.swiglu_forward(out, gate_up)
             return

@@ -1,0 +1,217 @@
+"""Decoding with quantized weights on the GPU: the device's time of one decoding step (graph replays, CUDA events)
+of bf16, int8 and int4 weights of a published model's shape, at 1, 16 and 64 rows, in one run; and the peak GPU
+memory of a quantized model decoding with an 8,192-token KV cache.
+
+Random weights made on the device (no host copy of an 8B model): bf16 matrices normal(0, 0.02); quantized ones
+random bytes with scales that give the same spread (docs/quantization.md has the formats); the embedding and
+norms as bf16 in every run. ms/token at batch 1 is one step of one row; tokens/s at N rows is N over a step.
+A short greedy decode checks that the quantized model's tokens are a pure function of its own row (a row of a
+batch of 16 decoded alone gives the same tokens).
+
+Memory: a fresh engine of the model quantized, one sequence with an 8,192-token KV cache decoding 32 tokens
+after a 512-token prompt; the peak of (total - free) from CUDA's memory info, sampled after each phase, and
+CuPy's pool's high-water mark.
+
+    PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b llama3.2-1b
+    PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --memory-only
+    PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --products   # each product alone
+
+--products: each of a layer's products (and the head) alone, int8 / int4 / int4:64 and bf16 (matmul_forward on
+random weights), at each --rows, as CUDA graphs of 20 calls: microseconds and the bytes of weights read a
+second.
+"""
+import argparse
+import dataclasses
+import time
+
+import numpy as np
+
+from shapes import SHAPES
+from nanoeuler.model.decoding import decoder_of
+from nanoeuler.model.engine import make_engine
+from nanoeuler.infer.generate import generate
+
+PIECE = 1 << 26  # values a piece of the random float weights
+
+
+def fill_floats(eng, seed):
+    """The engine's bf16 weights (its flat buffer: all of them, or a quantized model's float tensors): norms 1,
+    the rest normal(0, 0.02), made on the device a piece at a time."""
+    import cupy
+    rng = cupy.random.default_rng(seed)
+    for name, (offset, shape) in eng.layout.items():
+        size = int(np.prod(shape))
+        for start in range(0, size, PIECE):
+            n = min(PIECE, size - start)
+            values = cupy.ones(n, np.float32) if name.endswith("norm") else rng.standard_normal(n, np.float32) * 0.02
+            eng.layers.cast_params(eng.weights[offset + start:offset + start + n], values)
+
+
+def random_quantized(kind, group, O, I, rng):
+    """A QuantizedMatrix of random bytes on the device whose values spread about as normal(0, 0.02)."""
+    import cupy
+    from nanoeuler.model.gpu.quantized import QuantizedMatrix
+    w = (rng.random((O, I // 2 if kind == "int4" else I), dtype=np.float32) * 256).astype(np.uint8)
+    G = I // group
+    d = cupy.full((G, O), 0.02 / (4 if kind == "int4" else 64), np.float16)
+    if kind == "int4":
+        scales = cupy.stack([d, (-7.5 * d).astype(np.float16)], axis=-1).reshape(G, 2 * O)
+    else:
+        scales = d
+    return QuantizedMatrix(kind, group, (O, I), w, scales.view(np.uint16), O)
+
+
+def engine(cfg, kind, group, seed=0):
+    """A decoding engine of cfg with random weights: bf16 (kind None) or its matrices quantized."""
+    import cupy
+    if kind is not None:
+        cfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
+    eng = make_engine(cfg, device="gpu", training=False)
+    fill_floats(eng, seed)
+    if kind is not None:
+        rng = cupy.random.default_rng(seed + 1)
+        C, F, HD = cfg.dim, cfg.hidden, cfg.head_dim
+        for i in range(cfg.n_layers):
+            w = f"layers.{i}."
+            eng.p[w + "wqkv"] = random_quantized(kind, group, (cfg.n_heads + 2 * cfg.n_kv_heads) * HD, C, rng)
+            eng.p[w + "wo"] = random_quantized(kind, group, C, cfg.n_heads * HD, rng)
+            eng.p[w + "w_gate_up"] = random_quantized(kind, group, 2 * F, C, rng)
+            eng.p[w + "w_down"] = random_quantized(kind, group, C, F, rng)
+        if not cfg.tied:
+            heads = random_quantized(kind, group, cfg.mtp_heads * cfg.vocab_size, C, rng)
+            eng.p["heads"] = heads
+            for k in range(cfg.mtp_heads):
+                eng.p[f"heads.{k}"] = heads.rows(k * cfg.vocab_size, (k + 1) * cfg.vocab_size)
+    cupy.cuda.Device().synchronize()
+    return eng
+
+
+def step_time(eng, rows, repeats=100):
+    """ms of one decoding step of `rows` sequences as the device runs it (bench_decode.py's measure)."""
+    from bench_decode import step_time as measure
+    return measure(eng, rows, repeats)
+
+
+def used():
+    import cupy
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free
+
+
+def memory_run(cfg, kind, group, prompt_tokens=512, new_tokens=32):
+    """(peak total - free, CuPy pool's bytes, engine bytes) of a fresh engine decoding one sequence with a KV cache
+    of cfg.context (8,192) positions."""
+    import cupy
+    base = used()
+    eng = engine(cfg, kind, group)
+    peak = used()
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_tokens).tolist()
+    tokens = []
+    for t in generate(eng, prompt, new_tokens, temperature=0):
+        tokens.append(t)
+        peak = max(peak, used())
+    cupy.cuda.Device().synchronize()
+    peak = max(peak, used())
+    return peak, base, eng.device_memory(), len(tokens)
+
+
+def products(cfg, types, rows_list):
+    """{(name, type, rows): microseconds} of the layer's products alone, and prints them with their weight bytes a
+    second."""
+    import cupy
+    from nanoeuler.model.gpu.layers import Layers
+    layers = Layers("bf16", True)
+    C, F, HD = cfg.dim, cfg.hidden, cfg.head_dim
+    shapes = {"wqkv": ((cfg.n_heads + 2 * cfg.n_kv_heads) * HD, C), "wo": (C, cfg.n_heads * HD),
+              "w_gate_up": (2 * F, C), "w_down": (C, F), "head": (cfg.vocab_size, C)}
+    rng = cupy.random.default_rng(0)
+    for kind in types:
+        name_, _, group = kind.partition(":")
+        for name, (O, I) in shapes.items():
+            if kind == "bf16":
+                w = (rng.standard_normal((O, I), dtype=np.float32) * 0.02).view(np.uint32) >> 16
+                w = w.astype(np.uint16)
+                nbytes = w.nbytes
+            else:
+                w = random_quantized(name_, int(group or 32), O, I, rng)
+                nbytes = w.nbytes
+            for rows in rows_list:
+                x = (rng.standard_normal((rows, I), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+                out = cupy.zeros((rows, O), np.uint16)
+                replay = layers.graph(lambda: [layers.matmul_forward(out, x, w) for _ in range(20)])
+                replay()
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record()
+                for _ in range(5):
+                    replay()
+                end.record()
+                end.synchronize()
+                us = 1e3 * cupy.cuda.get_elapsed_time(start, end) / 100
+                print(f"{name:<10} {O:>6} x {I:<6} {kind:<7} {rows:>3} rows: {us:8.1f} us, "
+                      f"{nbytes / us / 1e3:7.0f} GB/s of weights", flush=True)
+            del w
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", nargs="+", default=["llama3-8b", "llama3.2-1b"], choices=sorted(SHAPES))
+    ap.add_argument("--types", nargs="+", default=["bf16", "int8", "int4", "int4:64"],
+                    help="bf16, or a quantized type with its group after a colon (default 32): int8, int4:64, ...")
+    ap.add_argument("--group", type=int, default=32, help="the memory run's int4 group (default 32)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=1024, help="the KV cache's positions in the speed runs")
+    ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--products", action="store_true", help="each product alone (see above)")
+    args = ap.parse_args()
+    import cupy
+    from nanoeuler.model.gpu import device_name
+    print(f"{device_name()}: decoding steps as CUDA graphs, random weights", flush=True)
+    table = []
+    if args.products:
+        for shape in args.shape:
+            products(SHAPES[shape], args.types, args.rows)
+        return
+    if not args.memory_only:
+        for shape in args.shape:
+            cfg = dataclasses.replace(SHAPES[shape], context=args.context)
+            base = {}
+            for kind in args.types:
+                t0 = time.time()
+                name, _, group = kind.partition(":")
+                eng = engine(cfg, None if kind == "bf16" else name, int(group or 32))
+                ms = {}
+                for rows in args.rows:
+                    ms[rows] = step_time(eng, rows)
+                    base.setdefault(rows, ms[rows]) if kind == "bf16" else None
+                    print(f"{shape:<12} {kind:<7} {rows:>3} rows: {ms[rows]:8.3f} ms a step, "
+                          f"{1e3 * rows / ms[rows]:>9,.0f} tokens/s"
+                          + (f"  ({base[rows] / ms[rows]:.2f}x bf16)" if rows in base and kind != "bf16" else ""),
+                          flush=True)
+                from bench_decode import kernel_times
+                times = kernel_times(eng, 1, 130, 100)
+                print(f"{shape:<12} {kind:<7} a layer's kernels at 1 row (us): "
+                      + "; ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
+                if kind != "bf16" and 16 in args.rows:  # a row of a batch of 16 alone gives its tokens
+                    prompts = np.random.default_rng(3).integers(0, cfg.vocab_size, (16, 8)).tolist()
+                    together = generate(eng, prompts, 12, temperature=0)
+                    alone = [list(generate(eng, prompts[r], 12, temperature=0)) for r in (0, 9)]
+                    print(f"{shape:<12} {kind:<7} batch invariance (rows 0, 9 of 16 alone): "
+                          f"{alone == [together[0], together[9]]}", flush=True)
+                table.append((shape, kind, ms, eng.device_memory()))
+                print(f"{shape:<12} {kind:<7} engine {eng.device_memory() / 2**30:.2f} GiB in CuPy's pool; "
+                      f"{time.time() - t0:.0f} s", flush=True)
+                del eng
+                cupy.get_default_memory_pool().free_all_blocks()
+    cfg = dataclasses.replace(SHAPES["llama3-8b"], context=8192)
+    cupy.get_default_memory_pool().free_all_blocks()
+    peak, base, pool, n = memory_run(cfg, "int4", args.group)
+    print(f"memory: llama3-8b int4 (groups of {args.group}), one sequence, 8,192-token KV cache, {n} tokens decoded: "
+          f"peak GPU memory in use {peak / 2**30:.2f} GiB (total - free; {base / 2**30:.2f} GiB before the engine: "
+          f"the CUDA context), CuPy's pool {pool / 2**30:.2f} GiB", flush=True)
+    print("\nshape        type   " + "  ".join(f"{r:>3} rows ms (tok/s)" for r in args.rows))
+    for shape, kind, ms, _ in table:
+        print(f"{shape:<12} {kind:<7}  " + "  ".join(f"{ms[r]:7.3f} ({1e3 * r / ms[r]:>8,.0f})" for r in args.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Quantized weights (model/quantize.py, docs/quantization.md): the formats against GGUF's own quantizers, exact
+dequantization on both paths, the checkpoint's quantized tensors read back bit for bit, the CPU engine on them,
+`quantize`, `import --quantize`, `export --gguf`'s copied blocks, and the one-line refusals."""
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import run_cli, sharp_params
+from nanoeuler.io import checkpoint
+from nanoeuler.model.config import Config, float_params, param_layout, quantized_names, views
+from nanoeuler.model.cpu.layers import Layers, dequantize_rows
+from nanoeuler.model.engine import make_engine
+from nanoeuler.model.quantize import concat_rows, dequantize, integers, pack_int4, quantize, unpack_int4
+
+CFG = dict(dim=64, n_heads=4, n_kv_heads=2, n_layers=2, hidden=96, context=48, mtp_heads=2)
+FORMATS = [("int8", 32), ("int8", 0), ("int8", 64), ("int4", 32), ("int4", 64)]
+
+
+def matrix(rows=48, cols=128, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    w[3] = 0  # an all-zero row: d = 0
+    w[5, :40] = 7.5  # an outlier group
+    return w
+
+
+def gguf_fields(w, qtype, sizes):
+    """gguf.quants' blocks of w, split into their fields: (rows, blocks, field bytes) each."""
+    blocks = gguf.quants.quantize(w, qtype).reshape(w.shape[0], -1, sum(sizes))
+    return np.split(blocks, np.cumsum(sizes)[:-1], axis=-1)
+
+
+def test_int8_in_groups_of_32_is_q8_0_bit_for_bit():
+    w = matrix()
+    qt = quantize(w, "int8", 32)
+    d, qs = gguf_fields(w, gguf.GGMLQuantizationType.Q8_0, (2, 32))
+    assert np.array_equal(np.ascontiguousarray(d).view(np.float16)[..., 0], qt.scales)
+    assert np.array_equal(np.ascontiguousarray(qs).view(np.int8).reshape(w.shape), qt.q)
+    assert np.array_equal(dequantize(qt), gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+                                                                 gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_int4_in_groups_of_32_is_q4_1_bit_for_bit():
+    w = matrix()
+    qt = quantize(w, "int4", 32)
+    d, m, qs = gguf_fields(w, gguf.GGMLQuantizationType.Q4_1, (2, 2, 16))
+    assert np.array_equal(np.ascontiguousarray(d).view(np.float16)[..., 0], qt.scales)
+    assert np.array_equal(np.ascontiguousarray(m).view(np.float16)[..., 0], qt.mins)
+    assert np.array_equal(qs.reshape(w.shape[0], -1), qt.q)  # GGUF's nibble order, byte for byte
+    assert np.array_equal(dequantize(qt), gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1),
+                                                                 gguf.GGMLQuantizationType.Q4_1))
+
+
+@pytest.mark.parametrize("kind, group", FORMATS)
+def test_quantization_error_and_exact_dequantization(kind, group):
+    """Every element within half a step of its group (plus the float16 rounding of the minimum); the numba
+    dequantization the CPU products read gives quantize.dequantize's values bit for bit."""
+    w = matrix()
+    qt = quantize(w, kind, group)
+    g = group or w.shape[1]
+    blocks = w.reshape(w.shape[0], -1, g)
+    step = (np.abs(blocks).max(-1) / 127 if kind == "int8" else (blocks.max(-1) - blocks.min(-1)) / 15)
+    err = np.abs(dequantize(qt) - w).reshape(blocks.shape).max(-1)
+    assert (err <= 0.5 * step * 1.01 + 1e-3 * np.abs(blocks).max(-1) + 1e-7).all()
+    assert np.array_equal(dequantize_rows(qt, 0, w.shape[0]), dequantize(qt))
+    assert np.array_equal(dequantize_rows(qt, 7, 20), dequantize(qt)[7:20])
+
+
+def test_int4_packing_round_trips():
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 16, (6, 128)).astype(np.uint8)
+    for group in (32, 64, 128):
+        packed = pack_int4(q, group)
+        assert packed.shape == (6, 64) and np.array_equal(unpack_int4(packed, group), q)
+    assert pack_int4(np.arange(32, dtype=np.uint8)[None] % 16, 32)[0, 0] == 0x00  # element 0 | element 16 << 4
+    assert pack_int4(np.arange(32, dtype=np.uint8)[None] % 16, 32)[0, 1] == 0x11
+
+
+@pytest.mark.parametrize("kind, group", FORMATS)
+def test_cpu_products_are_those_of_the_dequantized_matrix(kind, group):
+    """A few rows: bit for bit the float kernel on the dequantized matrix, whatever the other rows; many rows
+    (BLAS on dequantized pieces): within float32 rounding."""
+    w = matrix()
+    qt = quantize(w, kind, group)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((70, 128)).astype(np.float32)
+    layers = Layers("fp32", True)
+    few = np.zeros((5, 48), np.float32)
+    layers.matmul_forward(few, x[:5], layers.quantized_matrix(qt))
+    ref = np.zeros((5, 48), np.float32)
+    layers.matmul_forward(ref, x[:5], dequantize(qt))
+    assert np.array_equal(few, ref)
+    one = np.zeros((1, 48), np.float32)
+    layers.matmul_forward(one, x[3:4], qt)
+    assert np.array_equal(one[0], few[3])
+    many = np.ones((70, 48), np.float32)
+    layers.matmul_forward(many, x, qt, accumulate=True)
+    np.testing.assert_allclose(many, 1 + x @ dequantize(qt).T, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_rows_are_exact():
+    a, b = quantize(matrix(seed=3), "int4", 32), quantize(matrix(seed=4)[:16], "int4", 32)
+    both = concat_rows([a, b])
+    assert np.array_equal(dequantize(both), np.concatenate([dequantize(a), dequantize(b)]))
+    assert np.array_equal(integers(both.rows(48, 64)), integers(b))
+
+
+def quantized_model(tokenizer, kind, group, tied=False):
+    """(float cfg, its flat parameters, quantized cfg, its float tensors, its quantized tensors)."""
+    cfg = Config(**dict(CFG, hidden=128, mtp_heads=1 if tied else 2), vocab_size=tokenizer.vocab_size, tied=tied)
+    flat = sharp_params(cfg, 1, 0.3)
+    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
+    v = views(flat, cfg)
+    quantized = {name: quantize(v[name], kind, group) for name in quantized_names(qcfg)}
+    floats = np.concatenate([v[name].reshape(-1) for name in param_layout(qcfg, floats_only=True)[0]])
+    return cfg, flat, qcfg, floats, quantized
+
+
+@pytest.mark.parametrize("kind, group, tied", [("int8", 32, False), ("int4", 64, False), ("int4", 32, True)])
+def test_checkpoint_round_trip_and_engine_logits(tokenizer, tmp_path, kind, group, tied):
+    """The quantized tensors read back bit for bit; the CPU engine on them gives the logits of the float model
+    of the dequantized weights, exactly (full forward and decoding)."""
+    cfg, flat, qcfg, floats, quantized = quantized_model(tokenizer, kind, group, tied)
+    path = tmp_path / "q.bin"
+    checkpoint.save(path, qcfg, floats, tokenizer.to_json(), step=4, quantized=quantized)
+    ck = checkpoint.load(path)
+    assert ck.cfg == qcfg and ck.step == 4 and np.array_equal(ck.params, floats)
+    assert set(ck.quantized) == set(quantized) and ("heads.0" in quantized) != tied
+    for name, qt in quantized.items():
+        back = ck.quantized[name]
+        assert back.group == qt.group
+        for a, b in zip(qt.arrays().values(), back.arrays().values()):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+    fcfg, deq = float_params(ck.cfg, ck.params, ck.quantized)
+    assert fcfg == cfg
+    eng, _, _ = checkpoint.load_model(path, "cpu")
+    ref = make_engine(cfg, training=False)
+    ref.load_params(deq)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20))
+    assert np.array_equal(eng.logits(tokens), ref.logits(tokens))
+
+
+def test_old_checkpoints_and_their_json_are_unchanged(tokenizer, tiny_ckpt):
+    ck = checkpoint.load(tiny_ckpt)
+    assert ck.cfg.quant is None and ck.quantized is None and "quant" not in ck.cfg.to_json()
+
+
+@pytest.fixture(scope="module")
+def float_ckpt(tokenizer, tmp_path_factory):
+    cfg = Config(**CFG, vocab_size=tokenizer.vocab_size)
+    path = tmp_path_factory.mktemp("quant") / "f.bin"
+    checkpoint.save(path, cfg, sharp_params(cfg, 1, 0.3), tokenizer.to_json(), step=3)
+    return path
+
+
+def test_quantize_command_and_what_takes_its_output(float_ckpt, tmp_path):
+    out = tmp_path / "q4.bin"
+    r = run_cli("quantize", "--ckpt", float_ckpt, "--out", out, "--type", "int4")
+    assert r.returncode == 0, r.stderr
+    ck, ref = checkpoint.load(out), checkpoint.load(float_ckpt)
+    v = views(ref.params, ref.cfg)
+    assert ck.cfg.quant == "int4" and ck.cfg.quant_group == 32 and ck.step == 3
+    for name, qt in ck.quantized.items():
+        assert np.array_equal(qt.q, quantize(v[name], "int4", 32).q)
+    for command in (["infer", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0"],
+                    ["eval", "--task", "bpb", "--data", "shakespeare.txt", "--limit", "1"]):
+        r = run_cli(*command, "--ckpt", out)
+        assert r.returncode == 0, r.stderr
+    r = run_cli("chat", "--ckpt", out, "--max-new-tokens", "4", input="To be\n")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--type", "int4", "--group", "64"], "not a whole number of int4 groups of 64"),  # hidden 96
+    (["--type", "int4", "--group", "0"], "multiple of 32"),
+    (["--type", "int8", "--group", "48"], "multiple of 32"),
+    (["--type", "int5"], "invalid choice"),
+])
+def test_quantize_bad_input_is_one_line(float_ckpt, tmp_path, args, message):
+    out = tmp_path / "q.bin"
+    r = run_cli("quantize", "--ckpt", float_ckpt, "--out", out, *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_quantized_checkpoints_refuse_training_and_requantizing(float_ckpt, tmp_path):
+    q = tmp_path / "q8.bin"
+    assert run_cli("quantize", "--ckpt", float_ckpt, "--out", q, "--type", "int8").returncode == 0
+    r = run_cli("quantize", "--ckpt", q, "--out", tmp_path / "again.bin", "--type", "int4")
+    assert r.returncode == 2 and "quantized already" in r.stderr
+    for command in (["train", "--steps", "1"], ["sft", "--data", "missing.json"], ["dpo", "--data", "missing.jsonl"]):
+        r = run_cli(*command, "--ckpt", q, "--out", tmp_path / "t.bin")
+        assert r.returncode == 2 and "full training needs float weights" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.bin").exists()
+
+
+@pytest.mark.parametrize("kind, qtype", [("int8", gguf.GGMLQuantizationType.Q8_0),
+                                         ("int4", gguf.GGMLQuantizationType.Q4_1)])
+def test_export_gguf_copies_the_blocks(float_ckpt, tmp_path, kind, qtype):
+    """The GGUF file's matrices are Q8_0 / Q4_1 whose fields are our stored arrays (rows in llama.cpp's RoPE
+    order for q and k), and read back through gguf's own reader as our dequantized values."""
+    from nanoeuler.io.gguf import rope_pairs_adjacent
+    q = tmp_path / "q.bin"
+    assert run_cli("quantize", "--ckpt", float_ckpt, "--out", q, "--type", kind).returncode == 0
+    r = run_cli("export", "--gguf", tmp_path / "q.gguf", "--ckpt", q)
+    assert r.returncode == 0, r.stderr
+    ck = checkpoint.load(q)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors}
+    for ours, theirs, heads in (("layers.1.w_down", "blk.1.ffn_down.weight", None),
+                                ("layers.0.wq", "blk.0.attn_q.weight", ck.cfg.n_heads),
+                                ("heads.0", "output.weight", None)):
+        t = tensors[theirs]
+        assert t.tensor_type == qtype
+        qt = ck.quantized[ours]
+        order = (lambda a: a) if heads is None else (lambda a: rope_pairs_adjacent(a, heads))
+        raw = np.asarray(t.data).reshape(qt.q.shape[0], -1, 34 if kind == "int8" else 20)
+        assert np.array_equal(raw[..., :2].copy().view(np.float16)[..., 0], order(qt.scales))
+        assert np.array_equal(raw[..., -32 if kind == "int8" else -16:].reshape(qt.q.shape[0], -1),
+                              order(qt.q).view(np.uint8))
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(qt.shape)
+        assert np.array_equal(values, order(dequantize(qt)))
+    assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+
+
+def test_import_quantizes_while_streaming(tmp_path):
+    """import --hf --quantize int8: every matrix is the quantization of the Hugging Face tensor; the embedding
+    stays float32 as read."""
+    from test_import_memory import write_random_llama
+    from nanoeuler.io.hf_import import read_tensors
+    write_random_llama(tmp_path / "hf", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=128, vocab=512,
+                       tied=False)
+    r = run_cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "m.bin", "--quantize", "int8")
+    assert r.returncode == 0, r.stderr
+    assert "quantized to int8" in r.stdout
+    ck = checkpoint.load(tmp_path / "m.bin")
+    theirs = read_tensors(tmp_path / "hf")
+    assert np.array_equal(views(ck.params, ck.cfg, floats_only=True)["tok_emb"], theirs["model.embed_tokens.weight"])
+    assert np.array_equal(ck.quantized["layers.1.w_up"].q, quantize(theirs["model.layers.1.mlp.up_proj.weight"], "int8").q)
+    assert np.array_equal(ck.quantized["heads.0"].scales, quantize(theirs["lm_head.weight"], "int8").scales)
+    r = run_cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "x.bin", "--quantize", "int4", "--group", "128")
+    assert r.returncode == 2 and "not a whole number" in r.stderr and not (tmp_path / "x.bin").exists()
+
+
+needs_gpu = pytest.mark.skipif(not __import__("nanoeuler.model.gpu").model.gpu.available(),
+                               reason="needs a CUDA GPU (compute capability 8.0+) and cupy")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_quantized_products_match_the_cpu(precision):
+    """check --gpu's quantized lines: the products of 1..100 rows within the precision's bound, the
+    dequantization bit for bit, a row of 64 (bf16) bit for bit that row alone."""
+    from nanoeuler.check.gpu import _Case, check_quantized_matmul
+    from nanoeuler.model.gpu.layers import Layers as GPULayers
+    case = _Case(np.random.default_rng(0), precision)
+    lines = check_quantized_matmul(case, GPULayers(precision, True), Layers("fp32", True))
+    assert lines and all(err <= tol for _, err, tol in lines), [line for line in lines if line[1] > line[2]]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("kind, group", [("int8", 32), ("int4", 64)])
+def test_gpu_quantized_model_matches_the_cpu_engine(kind, group):
+    from nanoeuler.check.gpu import BF16_MODEL_TOL, quantized_model_check
+    errors = quantized_model_check(0, kind, group, "bf16", report=lambda line: None)
+    assert max(errors.values()) < BF16_MODEL_TOL, errors
+
+
+def test_gpu_memory_sizes():
+    from nanoeuler.model.memory import GiB, parse_size
+    assert parse_size("12GiB") == parse_size("12G") == 12 * GiB and parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("800MiB") == 800 << 20 and parse_size("4096") == 4096
+    for bad in ("x", "12Q", "-1G", ""):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    r = run_cli("serve", "--gpu-memory", "12Q")
+    assert r.returncode == 2 and "not a size" in r.stderr
+
+
+def test_q4_0_blocks_are_int4_groups_of_32():
+    """docs/quantization.md: a Q4_0 block (d, q) is our int4 group (d, q, m = -8 d), m exact in float16: the same
+    values as gguf's own dequantization, bit for bit."""
+    from nanoeuler.model.quantize import QuantizedTensor
+    w = matrix()
+    d, qs = gguf_fields(w, gguf.GGMLQuantizationType.Q4_0, (2, 16))
+    d = np.ascontiguousarray(d).view(np.float16)[..., 0]
+    ours = QuantizedTensor("int4", 32, qs.reshape(w.shape[0], -1), d, (np.float16(-8) * d).astype(np.float16))
+    assert np.array_equal((np.float16(-8) * d).astype(np.float32), -8 * d.astype(np.float32))
+    theirs = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0),
+                                    gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(dequantize(ours), theirs)
