@@ -169,6 +169,11 @@ def load(path, with_opt=False):
     """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent)."""
     path = os.fspath(path)
     meta, header = _header(path)
+    if "adapters" in meta:  # an adapter checkpoint (io/adapters.py) is read as its base with them merged
+        if with_opt:
+            raise UserError(f"{path} is an adapter checkpoint: resume it with --lora")
+        from nanoeuler.io import adapters
+        return adapters.merged(path)
     cfg, step = _config(path, meta)
     prefixes = [""] + (["opt.m.", "opt.v."] if with_opt else [])
     expected = {prefix + name: shape for prefix in prefixes for name, shape in param_shapes(cfg)}
