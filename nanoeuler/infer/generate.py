@@ -260,7 +260,8 @@ def sample_text(eng, tok, prompt, max_new_tokens, temperature=0.8, top_k=0, top_
 
 
 def main(args):
-    eng, tok, _ = load_model(args.ckpt, args.device, not args.no_batch_invariance)
+    eng, tok, _ = load_model(args.ckpt, args.device, not args.no_batch_invariance,
+                             adapter=getattr(args, "adapter", None))
     samples = getattr(args, "num_samples", 1)
     if args.speculative:
         check_speculative(eng)

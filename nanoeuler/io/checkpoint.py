@@ -211,13 +211,22 @@ def load(path, with_opt=False):
                       train_state=train_state)
 
 
-def load_model(ckpt, device, batch_invariant=True):
+def load_model(ckpt, device, batch_invariant=True, adapter=None):
     """Checkpoint path -> (engine, tokenizer, checkpoint), on the resolved device (make_engine says what
-    batch_invariant False trades)."""
+    batch_invariant False trades); adapter: a PEFT LoRA folder merged into the weights (--adapter DIR)."""
     from nanoeuler.model.device import resolve
     from nanoeuler.model.engine import make_engine
-    ck = load(ckpt)
+    ck = load_with_adapter(ckpt, adapter)
     tok = ck.tokenizer()
     eng = make_engine(ck.cfg, device=resolve(device), batch_invariant=batch_invariant, training=False)
     eng.load_params(ck.params)
     return eng, tok, ck
+
+
+def load_with_adapter(ckpt, adapter=None):
+    """load(ckpt), with the PEFT LoRA adapter of folder `adapter` (where given) merged into its weights."""
+    ck = load(ckpt)
+    if adapter:
+        from nanoeuler.io import peft
+        ck = peft.apply(ck, adapter)
+    return ck
