@@ -457,6 +457,8 @@ class Engine:
             if ready:
                 ready(layout[w + "attn_norm"][0])
         if frozen:
+            if final and ad.gradients_ready:
+                ad.gradients_ready(0)
             return
         layers.embedding_backward(gw("tok_emb"), dresid, inputs.reshape(N))
         if ready:

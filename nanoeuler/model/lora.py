@@ -175,6 +175,10 @@ class Adapters:
         self.p = self._views(self.weights)
         self.g = self._views(self.grads) if training else None
         self.sync_weights()
+        self.layers = eng.layers
+        # data parallelism (train/distributed.py) steps adapters as it steps an engine: it sets this, called
+        # with offset 0 when the backward pass has made every adapter gradient final
+        self.gradients_ready = None
         self.enabled = True
         self.dropout_on = spec.dropout > 0
         self.dropout_key = 0
@@ -199,6 +203,33 @@ class Adapters:
 
     def params_numpy(self):
         return np.asarray(self.params.get() if hasattr(self.params, "get") else self.params, dtype=np.float32)
+
+    # ------------------------------------------------- what the optimizer and data parallelism ask of them
+    def read_later(self, a):
+        return self.eng.read_later(a)
+
+    def device_memory(self):
+        return self.eng.device_memory()
+
+    def gradient_offsets(self):
+        """The offsets gradients_ready is called with: the adapters' gradients are final together, at the end."""
+        return [0]
+
+    def pad_buffers(self, multiple, grads=None):
+        """params and grads moved into buffers padded to a multiple of `multiple` (Engine.pad_buffers)."""
+        total = self.params.size
+        size = -(-total // multiple) * multiple
+        same = self.weights is self.params
+        for name in ("params", "grads"):
+            padded = grads if name == "grads" and grads is not None else self.xp.zeros(size, dtype=self.dtype)
+            padded[:total] = getattr(self, name)
+            if name == "grads" and grads is not None:
+                padded[total:] = 0
+            setattr(self, name + "_padded", padded)
+            setattr(self, name, padded[:total])
+        if same:
+            self.weights = self.params
+        self.p, self.g = self._views(self.weights), self._views(self.grads)
 
     def targets(self, *names):
         """Whether the adapters are on and change any of the named targets."""
