@@ -357,7 +357,7 @@ def tokenizer_command(args):
 
 # the module whose main(args) runs each command, imported only when it runs
 COMMANDS = {"check": "nanoeuler.check.gradients", "train": "nanoeuler.train.pretrain",
-            "infer": "nanoeuler.infer.generate", "sft": "nanoeuler.train.sft", "dpo": "nanoeuler.train.dpo",
+            "infer": "nanoeuler.infer.main", "sft": "nanoeuler.train.sft", "dpo": "nanoeuler.train.dpo",
             "chat": "nanoeuler.infer.chat", "serve": "nanoeuler.infer.serve", "export": "nanoeuler.io.export",
             "import": "nanoeuler.io.hf_import",
             "eval": "nanoeuler.eval.main", "report": "nanoeuler.io.report"}

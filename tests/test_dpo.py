@@ -13,8 +13,8 @@ from conftest import ROOT, run_cli
 from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
 from nanoeuler.train import dpo, loop, objectives, sft, pretrain as train
-from nanoeuler.model import losses
-from nanoeuler.model.losses import dpo_backward, sequence_logprobs
+from nanoeuler.model.losses import sequence_logprobs
+from nanoeuler.train.objectives import dpo_backward
 from nanoeuler.data import instructions, preferences, template
 from nanoeuler.check.gradients import CHECK_CONFIGS, THRESHOLD, dpo_gradient_check
 from nanoeuler.model.config import PRESETS, Config
@@ -37,7 +37,7 @@ def test_dpo_gradient_check_passes_for_both_models():
 
 @pytest.mark.parametrize("wrong", ["sign", "beta", "rejected sign", "no nll", "nll per pair"])
 def test_dpo_gradient_check_catches_a_wrong_weight(wrong, monkeypatch):
-    real = losses.dpo_row_weights
+    real = objectives.dpo_row_weights
 
     def broken(z, beta, pairs, alpha, tokens):
         w = real(z, beta, pairs, alpha, tokens)  # (2P,): the chosen rows' weights, then the rejected rows'
@@ -51,7 +51,7 @@ def test_dpo_gradient_check_catches_a_wrong_weight(wrong, monkeypatch):
             return real(z, beta, pairs, alpha, pairs)
         P = len(w) // 2
         return np.concatenate([w[:P], -w[P:]])
-    monkeypatch.setattr(losses, "dpo_row_weights", broken)
+    monkeypatch.setattr(objectives, "dpo_row_weights", broken)
     errors = dpo_gradient_check(CHECK_CONFIGS[1], samples=2, report=lambda *a: None)
     assert _worst(errors) > 1e-2, errors
 

@@ -33,8 +33,8 @@ import numpy as np
 
 from nanoeuler.model.config import Config, param_layout
 from nanoeuler.check.problems import random_problem, relative_error
-from nanoeuler.model.losses import (chosen_tokens, cross_entropy, cross_entropy_backward, dpo_backward, dpo_loss,
-                                    dpo_margins, sequence_logprobs)
+from nanoeuler.model.losses import cross_entropy, cross_entropy_backward, sequence_logprobs
+from nanoeuler.train.objectives import chosen_tokens, dpo_backward, dpo_loss, dpo_margins
 
 THRESHOLD = 1e-6
 # The small preset's structure at reduced width; head_dim 8. K = 1 is the shipped `small`, K = 2 checks the
@@ -89,7 +89,7 @@ def dpo_problem(cfg, rng, pairs=2, beta=0.5):
 
 
 def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5, alpha=DPO_ALPHA):
-    """Finite differences of the preference objective (model/losses.dpo_backward: DPO plus RPO's chosen-reply
+    """Finite differences of the preference objective (train/objectives.dpo_backward: DPO plus RPO's chosen-reply
     NLL per token weighted by alpha) against its analytic gradient, float64 CPU engine, as gradient_check
     does for the training loss."""
     from nanoeuler.model.engine import make_engine

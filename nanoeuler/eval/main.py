@@ -18,34 +18,10 @@ import time
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write, check_writable
 from nanoeuler.io import checkpoint
-from nanoeuler.data.corpus import fetch_hint
+from nanoeuler.eval.tasks import HELLASWAG_DEFAULT, read_task_items
+from nanoeuler.parallel.world import printer
 
-HELLASWAG_DEFAULT = "data/hellaswag_val.jsonl"
 BATCH_SIZE = {"cpu": 32, "gpu": 128}  # rows per forward when --batch-size is not given
-
-
-def read_task_items(task, data=None):
-    """The items of `hellaswag` (data or the default file) or `mc` (data, required)."""
-    from nanoeuler.data.hellaswag import read_hellaswag
-    from nanoeuler.data.mc_items import read_mc
-    if task == "hellaswag":
-        path = data or HELLASWAG_DEFAULT
-        if not os.path.exists(path):
-            raise UserError(f"{path} not found{fetch_hint(path) if data is None else ''}")
-        return read_hellaswag(path)
-    if data is None:
-        raise UserError("--task mc needs --data FILE (JSON lines {\"context\", \"choices\", \"label\"})")
-    return read_mc(data)
-
-
-def parse_eval_task(spec):
-    """`hellaswag` or `mc:FILE` (training's --eval-task) -> (task name, items), read now so that a bad file
-    stops the run before it starts."""
-    if spec == "hellaswag":
-        return "hellaswag", read_task_items("hellaswag")
-    if spec.startswith("mc:") and len(spec) > 3:
-        return "mc", read_task_items("mc", spec[3:])
-    raise UserError(f"--eval-task {spec!r}: expected hellaswag or mc:FILE")
 
 
 def _load_engine(args, world):
@@ -64,12 +40,8 @@ def _load_engine(args, world):
 
 def _world(args):
     """This process's World (parallel/world.py); --gpus (x --nnodes), when given, must agree with it."""
-    from nanoeuler.parallel.world import World
-    world = World.from_env()
-    gpus, nodes = getattr(args, "gpus", None), getattr(args, "nnodes", None) or 1
-    if gpus is not None and gpus * nodes != world.world_size:
-        raise UserError(f"--gpus {gpus} but WORLD_SIZE is {world.world_size}")
-    return world
+    from nanoeuler.parallel.world import world_of
+    return world_of(getattr(args, "gpus", None), getattr(args, "nnodes", None))
 
 
 def _table(rows):
@@ -92,7 +64,7 @@ def run_choices(args, eng, tok, ck, device, comm):
     result = score_choices(eng, tok, items, args.batch_size or BATCH_SIZE[device], chat=args.chat, comm=comm,
                            progress=comm.rank == 0)
     seconds = time.perf_counter() - t0
-    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    say = printer(comm.rank)
     if result["truncated"]:
         say(f"note: {result['truncated']} of {sum(len(i['choices']) for i in items)} context + choice sequences "
               f"are longer than the model's context of {eng.cfg.context} tokens; their contexts keep their last "

@@ -11,11 +11,40 @@ the choice's length in characters (Python's len of the choice without the delimi
 bytes), lm-eval's acc_norm. Ties go to the first choice (numpy's argmax, as in lm-eval).
 """
 import math
+import os
 
 import numpy as np
 
+from nanoeuler.data.corpus import fetch_hint
 from nanoeuler.data.template import prompt_ids
+from nanoeuler.errors import UserError
 from nanoeuler.eval.scoring import check_requests, choice_requests, loglikelihoods
+
+HELLASWAG_DEFAULT = "data/hellaswag_val.jsonl"
+
+
+def read_task_items(task, data=None):
+    """The items of `hellaswag` (data or the default file) or `mc` (data, required)."""
+    from nanoeuler.data.hellaswag import read_hellaswag
+    from nanoeuler.data.mc_items import read_mc
+    if task == "hellaswag":
+        path = data or HELLASWAG_DEFAULT
+        if not os.path.exists(path):
+            raise UserError(f"{path} not found{fetch_hint(path) if data is None else ''}")
+        return read_hellaswag(path)
+    if data is None:
+        raise UserError("--task mc needs --data FILE (JSON lines {\"context\", \"choices\", \"label\"})")
+    return read_mc(data)
+
+
+def parse_eval_task(spec):
+    """`hellaswag` or `mc:FILE` (training's --eval-task) -> (task name, items), read now so that a bad file
+    stops the run before it starts."""
+    if spec == "hellaswag":
+        return "hellaswag", read_task_items("hellaswag")
+    if spec.startswith("mc:") and len(spec) > 3:
+        return "mc", read_task_items("mc", spec[3:])
+    raise UserError(f"--eval-task {spec!r}: expected hellaswag or mc:FILE")
 
 
 def interval95(hits):

@@ -37,6 +37,7 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.model import memory
 from nanoeuler.model.config import init_params, param_layout, rope_tables, views
+from nanoeuler.model.device import DEFAULT_PRECISION, precision as device_precision
 
 
 def to_float32(a):
@@ -465,9 +466,6 @@ class Engine:
             ready(0)
 
 
-DEFAULT_PRECISION = {"cpu": "fp32", "gpu": "bf16"}
-
-
 def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, batch_invariant=True, training=True):
     """An Engine on the CPU (numba) or the GPU (CUDA kernels; needs CUDA and cupy). precision: "fp32" (the
     CPU's only one), "tf32" or "bf16" (the GPU's default); None takes the device's default. batch_invariant
@@ -475,10 +473,10 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, bat
     else is in its batch (the GPU's batched decoding is faster so: docs/decoding.md). training False: no
     gradient buffer (decoding, scoring). A model whose buffers cannot fit the device's free memory is refused
     in one line that names both (model/memory.py)."""
-    precision = precision or DEFAULT_PRECISION[device]
+    if device not in DEFAULT_PRECISION:
+        raise ValueError(f"unknown device {device!r}")
+    precision = device_precision(device, precision)
     if device == "cpu":
-        if precision != "fp32":
-            raise UserError(f"--precision {precision}: the CPU engine computes in fp32 only")
         from nanoeuler.model.cpu.layers import Layers
         layers, xp = Layers(precision, batch_invariant), np
     elif device == "gpu":

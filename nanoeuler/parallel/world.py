@@ -28,6 +28,8 @@ import re
 import threading
 import time
 
+from tqdm import tqdm
+
 from nanoeuler.env import env_int
 from nanoeuler.errors import UserError
 
@@ -70,6 +72,28 @@ class World:
         addr, port = first.address(env)
         return cls(first.rank, first.world_size, first.local_rank, addr, port,
                    "env" if first.launcher == "launcher" else first.launcher)
+
+
+def world_of(gpus=None, nnodes=None):
+    """This process's World, from the variables that `--gpus N` (parallel/launch.py), torchrun, srun or mpirun
+    set, else a world of one; --gpus (x --nnodes), when given, must agree with it."""
+    world = World.from_env()
+    nodes = nnodes or 1
+    if gpus is not None and gpus * nodes != world.world_size:
+        hosts = f" x --nnodes {nodes}" if nodes > 1 else ""
+        raise UserError(f"--gpus {gpus}{hosts} but WORLD_SIZE is {world.world_size}")
+    return world
+
+
+def printer(rank):
+    """The one way a command prints on N ranks: `print` on rank 0 (through tqdm.write, which moves a progress
+    bar on the terminal out of the way instead of writing through it), nothing on the others."""
+    if rank != 0:
+        return lambda *values, **options: None
+
+    def say(*values, file=None, end="\n"):
+        tqdm.write(" ".join(map(str, values)), file=file, end=end)
+    return say
 
 
 @dataclasses.dataclass

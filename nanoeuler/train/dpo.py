@@ -16,7 +16,7 @@ is Rafailov et al.'s DPO plus RPO's NLL of the chosen replies (Pang et al. 2024,
     loss = mean over pairs of -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))
            + alpha * (the chosen replies' summed -log-probability) / (their tokens)
 
-written once in model/losses.py: the engine's backward pass with a weight per sequence on its rows'
+written once in train/objectives.py: the engine's backward pass with a weight per sequence on its rows'
 cross-entropy gradients, on either engine. Plain DPO (--rpo-alpha 0) wins its margin by pushing the rejected
 reply's first tokens down onto junk; the NLL term makes the chosen reply's tokens take that mass
 (docs/dpo.md: the comparison with plain DPO and DPOP). The defaults (lr, steps) are per preset, the one
@@ -30,13 +30,15 @@ chosen / rejected replies under the model minus under the reference). At the end
 pair of which either sequence is longer than the context + 1 tokens is skipped (cutting a response would
 change what is compared) and counted.
 
-The stage's hooks on the shared skeleton (run.py), so the same progress bar, metrics log, PNG, atomic
+The stage's functions on the shared skeleton (run.py), so the same progress bar, metrics log, PNG, atomic
 checkpoints, samples, Ctrl-C and exact --resume as `train` and `sft`; the data is data/preferences.py.
 """
+import dataclasses
 import json
 import math
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -50,9 +52,11 @@ from nanoeuler.infer.generate import generate
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import PRESETS, param_count
 from nanoeuler.model.losses import sequence_logprobs
-from nanoeuler.train.loop import Hyperparameters
+from nanoeuler.train import resume
+from nanoeuler.train.loop import Hyperparameters, Validation
 from nanoeuler.train.objectives import DPO
-from nanoeuler.train.run import Stage, refuse_changed_flags, run_stage
+from nanoeuler.train.options import DpoOptions
+from nanoeuler.train.run import Data, Model, Stage, run
 
 # Per preset (the checkpoint's size picks the nearest, as pretraining's PRESET_HYPER). small and base: what
 # took docs/dpo.md's trait at the first token with fluent replies (measured); big and large: by size, between.
@@ -113,99 +117,124 @@ def reference_logps(eng, pairs, batch, progress=True, comm=None):
     return comm.all_reduce_sum(ref) if ranks > 1 else ref
 
 
-class PreferenceTune(Stage):
-    kind, command = "dpo", "nanoeuler dpo"
+class Preference(NamedTuple):
+    """The DPO run's own settings: the pairs, the held-out pairs asked for, the checkpoint it was tuned from (a
+    path), beta, RPO's alpha, the preset whose defaults it takes, and the checkpoint its weights start from."""
+    data: str
+    n_val: int
+    base: str
+    beta: float
+    alpha: float
+    preset: str
+    start: object
 
-    def begin(self, run):
-        args, ck = run.args, run.ck
-        if ck is not None:
-            state = ck.train_state
-            refuse_changed_flags(run, ("beta", "rpo_alpha"), "it cannot change mid-run")
-            self.data, self.n_val, self.base = args.data or state["data"], state["val_pairs"], state["base"]
-            self.beta, self.alpha = state["beta"], state["rpo_alpha"]
-            self.start = ck
-        else:
-            self.start = checkpoint.load(args.ckpt)
-            self.data, self.n_val, self.base = args.data or DEFAULT_DATA, args.val_pairs, args.ckpt
-            self.beta = DEFAULT_BETA if args.beta is None else args.beta
-            self.alpha = DEFAULT_RPO_ALPHA if args.rpo_alpha is None else args.rpo_alpha
-            run.params = self.start.params
-        self.preset, hyper = preset_hyper(self.start.cfg)
-        run.cfg, run.tok, run.hyper = self.start.cfg, self.start.tokenizer(), hyper
 
-    def load(self, run):
-        data = read_pairs(self.data)
-        if len(data) < 2:
-            raise UserError(f"{self.data} holds {len(data)} pair; DPO needs at least 2 (1 held out)")
-        train_idx, val_idx = split(len(data), self.n_val)
-        self.n_val = len(val_idx)
-        self.first = data[val_idx[0]]
-        self.train, self.val, self.counts = prepare(data, train_idx, val_idx, run.tok, run.cfg.context)
-        counts = self.counts
-        run.say(f"data: {self.data}: {len(data):,} pairs: {counts['train']:,} for training, {counts['val']:,} held "
-              f"out; {counts['skipped']:,} skipped (a response does not fit the context of {run.cfg.context} tokens)")
-        if not self.start.chat:
-            run.say(f"note: {self.base if run.ck is None else run.out} is not a chat model (no `nanoeuler sft`): the "
-                  "pairs are still rendered in the chat template")
+def plan(options, resumed):
+    """The chat checkpoint's model (--ckpt, also the reference), or the resumed run's, whose beta and alpha
+    cannot change."""
+    if resumed is not None:
+        state = resumed.train_state
+        resume.refuse_changed(options, resumed, ("beta", "rpo_alpha"), "it cannot change mid-run")
+        preset, hyper = preset_hyper(resumed.cfg)
+        settings = Preference(options.data or state["data"], state["val_pairs"], state["base"], state["beta"],
+                              state["rpo_alpha"], preset, resumed)
+        return Model(resumed.cfg, hyper, f"{options.out} (step {resumed.step}, tuned from {settings.base})",
+                     settings=settings)
+    start = checkpoint.load(options.ckpt)
+    preset, hyper = preset_hyper(start.cfg)
+    settings = Preference(options.data or DEFAULT_DATA, options.val_pairs, options.ckpt,
+                          DEFAULT_BETA if options.beta is None else options.beta,
+                          DEFAULT_RPO_ALPHA if options.rpo_alpha is None else options.rpo_alpha, preset, start)
+    return Model(start.cfg, hyper, f"{options.ckpt} (step {start.step})", start.params, settings)
 
-    def ready(self, run):
-        """The reference log-probs of the starting model: computed when the run began, kept in its state."""
-        hp, cfg, ck = run.hp, run.cfg, run.ck
-        if ck is not None:
-            self.ref = np.array(ck.train_state["ref"], dtype=np.float64)
-            if self.ref.shape != (self.counts["train"] + self.counts["val"], 2):
-                raise UserError(f"--resume: {self.data} no longer gives the pairs {run.out} was trained on")
-        else:
-            t0 = time.perf_counter()
-            self.ref = reference_logps(run.eng, self.train + self.val, hp.batch_size, comm=run.comm)
-            run.say(f"reference: log-probabilities of {len(self.ref):,} pairs under {self.base} in "
-                  f"{time.perf_counter() - t0:.1f} s (kept in the checkpoint)")
-        # the held-out prompts, and the starting model's greedy replies to them (kept for --resume)
-        self.prompts = list(dict.fromkeys(tuple(c[:n].tolist()) for (c, n), _ in self.val))[:GREEDY_PROMPTS]
-        main = run.world.is_main  # rank 0 alone compares greedy replies at the end
-        self.before = (ck.train_state["greedy_before"] if ck is not None
-                       else greedy_replies(run.eng, run.tok, self.prompts) if main else None)
-        ref_train, ref_val = self.ref[:len(self.train)], self.ref[len(self.train):]
-        run.source = PairBatches(self.train, ref_train, hp.batch_size * hp.grad_accum, cfg.context,
-                                 cfg.mtp_heads, hp.seed, run.world.rank, run.world.world_size)
-        run.val_full, run.val_quick = (pair_eval_batches(self.val, ref_val, hp.batch_size, cfg.context,
-                                                         cfg.mtp_heads, limit=limit)
-                                       for limit in run.eval_limits())
 
-    def origin(self, run):
-        if run.ck is not None:
-            return f"{run.out} (step {run.ck.step}, tuned from {self.base})"
-        return f"{self.base} (step {self.start.step})"
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """The pairs as load() prepares them (Data.pairs), which ready() turns into batches once it has their
+    reference log-probabilities, and whose held-out prompts finish() asks again: training and held-out pairs,
+    the counts."""
+    train: list
+    val: list
+    counts: dict
 
-    def plan(self, run):
-        remedy = f"RPO alpha {self.alpha:g}" if self.alpha else "plain DPO"
-        return "dpo", f" pairs, beta {self.beta:g}, {remedy} (defaults of {self.preset})"
 
-    def objective(self, run):
-        return DPO(self.beta, self.alpha, run.comm)
+def load(options, model, context):
+    """The pairs in the chat template; their batches need the reference log-probabilities (ready)."""
+    settings, cfg = model.settings, model.cfg
+    tok = settings.start.tokenizer()
+    data = read_pairs(settings.data)
+    if len(data) < 2:
+        raise UserError(f"{settings.data} holds {len(data)} pair; DPO needs at least 2 (1 held out)")
+    train_idx, val_idx = split(len(data), settings.n_val)
+    first = data[val_idx[0]]
+    train, val, counts = prepare(data, train_idx, val_idx, tok, cfg.context)
+    context.say(f"data: {settings.data}: {len(data):,} pairs: {counts['train']:,} for training, {counts['val']:,} "
+                f"held out; {counts['skipped']:,} skipped (a response does not fit the context of {cfg.context} "
+                "tokens)")
+    if not settings.start.chat:
+        context.say(f"note: {settings.base if context.resumed is None else options.out} is not a chat model (no "
+                    "`nanoeuler sft`): the pairs are still rendered in the chat template")
+    remedy = f"RPO alpha {settings.alpha:g}" if settings.alpha else "plain DPO"
+    state = dict(data=os.path.abspath(settings.data), base=os.path.abspath(settings.base), beta=settings.beta,
+                 rpo_alpha=settings.alpha, val_pairs=len(val_idx), pairs=counts)
+    return Data(cfg, tok, None, None, DPO(settings.beta, settings.alpha,
+                context.comm), state, "dpo", f" pairs, beta {settings.beta:g}, {remedy} (defaults of "
+                f"{settings.preset})", chat=True, sample_prompt=sample_prompt(tok, first["prompt"]),
+                title="nanoeuler dpo", log_first=dict(pairs_skipped=counts["skipped"],
+                                                      data=provenance(settings.data)),
+                pairs=Pairs(train, val, counts))
 
-    def train_state(self, run):
-        return dict(data=os.path.abspath(self.data), base=os.path.abspath(self.base), beta=self.beta,
-                    rpo_alpha=self.alpha, val_pairs=self.n_val, pairs=self.counts,
-                    ref=self.ref.tolist(), greedy_before=self.before)
 
-    def fit_options(self, run):
-        return dict(chat=True, sample_prompt=sample_prompt(run.tok, self.first["prompt"]), title="nanoeuler dpo",
-                    log_first=dict(pairs_skipped=self.counts["skipped"], data=provenance(self.data)))
+def ready(model, data, eng, context):
+    """The reference log-probs of the starting model (computed when the run began, kept in its state) and its
+    greedy replies to the held-out prompts (kept for --resume); the pairs' batches and held-out batches."""
+    settings, pairs, hp, cfg, resumed = model.settings, data.pairs, context.hyper, data.cfg, context.resumed
+    if resumed is not None:
+        ref = np.array(resumed.train_state["ref"], dtype=np.float64)
+        if ref.shape != (pairs.counts["train"] + pairs.counts["val"], 2):
+            raise UserError(f"--resume: {settings.data} no longer gives the pairs {context.options.out} was trained "
+                            "on")
+    else:
+        t0 = time.perf_counter()
+        ref = reference_logps(eng, pairs.train + pairs.val, hp.batch_size, comm=context.comm)
+        context.say(f"reference: log-probabilities of {len(ref):,} pairs under {settings.base} in "
+                    f"{time.perf_counter() - t0:.1f} s (kept in the checkpoint)")
+    prompts = held_out_prompts(pairs.val)
+    main = context.world.is_main  # rank 0 alone compares greedy replies at the end
+    before = (resumed.train_state["greedy_before"] if resumed is not None
+              else greedy_replies(eng, data.tokenizer, prompts) if main else None)
+    ref_train, ref_val = ref[:len(pairs.train)], ref[len(pairs.train):]
+    source = PairBatches(pairs.train, ref_train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads,
+                         hp.seed, context.world.rank, context.world.world_size)
+    full, quick = (pair_eval_batches(pairs.val, ref_val, hp.batch_size, cfg.context, cfg.mtp_heads, limit=limit)
+                   for limit in context.eval_limits())
+    return dataclasses.replace(data, source=source, validation=Validation(quick, full),
+                               state=dict(data.state, ref=ref.tolist(), greedy_before=before))
 
-    def done(self, run):
-        """The greedy replies to the held-out prompts after DPO against the starting model's: printed, and
-        one closing record in the metrics log (no step: a later --resume drops it and writes its own)."""
-        after = greedy_replies(run.eng, run.tok, self.prompts)
-        share, examples = changed_replies(self.before, after, self.prompts, run.tok)
-        print(f"greedy replies to {len(self.prompts)} held-out prompts: {share:.0%} changed from {self.base}'s")
-        for e in examples:
-            print(f"  {e['prompt']!r}\n    before: {e['before']!r}\n    after:  {e['after']!r}")
-        with open(run.log_path, "a") as log:
-            log.write(json.dumps(dict(greedy_changed=share, greedy_prompts=len(self.prompts),
-                                      greedy_examples=examples)) + "\n")
-        return f"saved {run.out} (a chat model: `nanoeuler chat --ckpt {run.out}`), log {run.log_path}"
+
+def held_out_prompts(val):
+    """The distinct prompts of the held-out pairs (token ids), GREEDY_PROMPTS at most."""
+    return list(dict.fromkeys(tuple(c[:n].tolist()) for (c, n), _ in val))[:GREEDY_PROMPTS]
+
+
+def finish(model, data, eng, context):
+    """The greedy replies to the held-out prompts after DPO against the starting model's: printed, and one
+    closing record in the metrics log (no step: a later --resume drops it and writes its own)."""
+    out, log_path, base, tok = context.options.out, context.log_path, model.settings.base, data.tokenizer
+    before, prompts = data.state["greedy_before"], held_out_prompts(data.pairs.val)
+    after = greedy_replies(eng, tok, prompts)
+    share, examples = changed_replies(before, after, prompts, tok)
+    print(f"greedy replies to {len(prompts)} held-out prompts: {share:.0%} changed from {base}'s")
+    for e in examples:
+        print(f"  {e['prompt']!r}\n    before: {e['before']!r}\n    after:  {e['after']!r}")
+    with open(log_path, "a") as log:
+        log.write(json.dumps(dict(greedy_changed=share, greedy_prompts=len(prompts), greedy_examples=examples))
+                  + "\n")
+    return f"saved {out} (a chat model: `nanoeuler chat --ckpt {out}`), log {log_path}"
+
+
+STAGE = Stage("dpo", "nanoeuler dpo", plan, load, ready, finish)
 
 
 def main(args):
-    return run_stage(PreferenceTune(), args)
+    return run(STAGE, DpoOptions.from_args(args))

@@ -1,17 +1,17 @@
 """The training loop every stage shares: `fit()`, with its schedule, metrics log, loss curve and Ctrl-C.
 
-    status = fit(eng, optimizer, tok, source, val_quick, val_full, hp, out, log_path, objective=..., ...)
+    status = fit(Job(hyper, tokenizer, source, Validation(quick, full), objective, out, log_path, ...), trainable)
 
-A step: a batch from `source` (any object with next/state/load_state: data/corpus.py's RandomWindows,
-data/instructions.py's ExampleBatches, data/preferences.py's PairBatches), the objective's gradients of it
-(train/objectives.py), the ranks' sum and the AdamW step (train/distributed.py's DataParallel), queued on the
-device and read once the next step is queued (so the GPU never waits for the host), then one JSON line in the
-metrics log (flushed: `tail -f` it). Every `eval_every` steps the objective evaluates the
-held-out batches and the loss curve (a PNG beside the log) is redrawn; every `sample_every` steps a sample is
-printed; every `ckpt_every` steps and at the end an atomic checkpoint is written with what --resume needs to
-continue exactly (the optimizer state, the batch source's state, the hyperparameters). The first Ctrl-C
-finishes the step under way (on several ranks also the one queued after it: they agree through the steps'
-sums), saves and returns 130; a second aborts.
+A step: a batch from the job's `source` (any object with next/state/load_state: data/corpus.py's
+RandomWindows, data/instructions.py's ExampleBatches, data/preferences.py's PairBatches), the objective's
+gradients of it (train/objectives.py), then the trainable's step (train/trainable.py: the ranks' sum, the
+clip, the AdamW step), queued on the device and read once the next step is queued (StepPipeline: the GPU
+never waits for the host), then one JSON line in the metrics log (flushed: `tail -f` it). Every `eval_every`
+steps the objective evaluates the held-out batches and the loss curve (a PNG beside the log) is redrawn;
+every `sample_every` steps a sample is printed; every `ckpt_every` steps and at the end an atomic checkpoint
+is written with what --resume needs to continue exactly (the trainable's state, the batch source's state,
+the hyperparameters). The first Ctrl-C finishes the step under way (on several ranks also the one queued
+after it: they agree through the steps' sums), saves and returns 130; a second aborts.
 
 The learning rate: linear warmup, the peak held until the last `decay_frac` of the steps, then a cosine decay
 to lr * min_lr_ratio.
@@ -34,6 +34,7 @@ from nanoeuler.files import atomic_write
 from nanoeuler.io.report import read_log, write_report
 from nanoeuler.model.config import flops_per_token
 from nanoeuler.parallel.comm import heartbeat
+from nanoeuler.parallel.world import printer
 
 
 @dataclasses.dataclass
@@ -165,151 +166,215 @@ def _peak_flops(eng):
     return peak_flops(eng.precision)
 
 
-def fit(eng, tok, source, val_quick, val_full, hp, out, log_path, objective, parallel, start_step=0,
-        train_state=None, chat=False, sample_prompt="\n", title="nanoeuler", log_first=None, eval_task=None):
-    """Train eng from start_step to hp.steps on batches from `source` with `objective` (objectives.py), the
-    ranks' gradients summed and the AdamW step taken by `parallel` (distributed.DataParallel; a world of one
-    is one rank), evaluating on val_quick periodically and val_full at the end. Checkpoints go to `out` with
-    `train_state` (plus the source's state, the optimizer step and the hyperparameters) for --resume.
-    log_first (a dict) is added to the first metrics record this run writes. Rank 0 alone evaluates,
-    samples, prints and writes the log and the checkpoints; every rank stops at the same step on Ctrl-C.
-    eval_task (eval/tasks.py's TrainingEval) scores multiple-choice items every eval_task.every steps and at the
-    end, into the log and the curve's second panel. Each checkpoint gets its run report beside it (io/report.py).
-    Returns 0 when done, 130 when stopped by Ctrl-C (after saving)."""
-    main = parallel.comm.rank == 0
-    log = MetricsLog(log_path, resume_step=start_step if start_step else None) if main else None
-    say = tqdm.write if main else (lambda text: None)
-    # a resumed run's wall time and tokens go on from its last record
-    previous = log.records[-1] if main and log.records else {}
-    time0, tokens_seen, t_run = previous.get("time_s", 0.0), previous.get("tokens_seen", 0), time.perf_counter()
-    sample = {}  # the last sample printed and its step, kept in the checkpoint for the report
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """The held-out batches an objective evaluates: `quick` every eval_every steps, `full` at the end."""
+    quick: list
+    full: list
 
-    def save(step):
-        # every rank: with ZeRO the moments (and in bf16 the master weights) are gathered from all
-        params, (m, v) = parallel.params_numpy(), parallel.opt_state_numpy()
-        if main:
-            state = dict(train_state or {}, hyper=dataclasses.asdict(hp), source=source.state(),
-                         opt_step=parallel.optimizer.steps, world_size=parallel.comm.world_size, **sample)
-            if os.path.abspath(log_path) != os.path.abspath(os.path.splitext(out)[0] + ".jsonl"):
-                state.update(log=os.path.abspath(log_path))  # the report finds a log elsewhere than beside `out`
-            checkpoint.save(out, eng.cfg, params, tok.to_json(), step, opt=(m, v),
-                            train_state=state, chat=chat)
-            write_report(out)
 
-    peak = _peak_flops(eng)  # MFU is reported on the GPU, whose peak we know
-    gpus = parallel.comm.world_size if peak else 1  # tokens/s and MFU per GPU beside the total
-    bar = tqdm(total=hp.steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1,
-               disable=not main)
-    tps_avg, status, stop = None, 0, False
-    t_mark = time.perf_counter()  # where the time of the next step read starts
+@dataclasses.dataclass
+class Job:
+    """What fit() trains on and writes, besides the weights (train/trainable.py): the hyperparameters, the
+    tokenizer (saved with every checkpoint, and the samples'), the batch `source` (any object with
+    next/state/load_state), the held-out batches, the objective (objectives.py), the checkpoint `out` and
+    the metrics log, the step to start from (a resumed run's), the training state the checkpoints carry for
+    --resume beside the loop's own, whether the result is a chat model, the prompt of the samples, the curve's
+    title, fields for the first metrics record this run writes, and an eval task (eval/tasks.py's
+    TrainingEval) scored every eval_task.every steps and at the end."""
+    hyper: Hyperparameters
+    tokenizer: object
+    source: object
+    validation: Validation
+    objective: object
+    out: str
+    log_path: str
+    start_step: int = 0
+    train_state: dict = dataclasses.field(default_factory=dict)
+    chat: bool = False
+    sample_prompt: str = "\n"
+    title: str = "nanoeuler"
+    log_first: dict = None
+    eval_task: object = None
 
-    def finish(step, lr, names, numbers):
+
+class Progress:
+    """Rank 0's account of the steps as they are read: the metrics record of each (losses at full precision,
+    so that a resumed run compares bit for bit; rates rounded), the tokens and time that go on from a resumed
+    run's last record, and the progress bar with the smoothed rate and MFU."""
+
+    def __init__(self, job, trainable, log):
+        self.job, self.trainable, self.eng = job, trainable, trainable.engine
+        # a resumed run's wall time and tokens go on from its last record
+        previous = log.records[-1] if log is not None and log.records else {}
+        self.time0, self.tokens_seen = previous.get("time_s", 0.0), previous.get("tokens_seen", 0)
+        self.t_run = time.perf_counter()
+        self.peak = _peak_flops(self.eng)  # MFU is reported on the GPU, whose peak we know
+        self.gpus = trainable.comm.world_size if self.peak else 1  # tokens/s and MFU per GPU beside the total
+        self.tps_avg, self.log_first = None, job.log_first
+        self.bar = tqdm(total=job.hyper.steps, initial=job.start_step, unit="step", dynamic_ncols=True,
+                        smoothing=0.1, disable=log is None)
+
+    def record(self, step, lr, losses, grad_norm, tokens, seconds, now):
+        """The metrics record of a step that took `seconds` for `tokens`; the bar advanced."""
+        eng, peak, gpus = self.eng, self.peak, self.gpus
+        tps = tokens / seconds  # SFT batches may be shorter than the context
+        self.tps_avg = tps if self.tps_avg is None else 0.9 * self.tps_avg + 0.1 * tps
+        self.tokens_seen += int(tokens)
+        record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
+                      tokens_per_s=round(tps, 1), tokens_seen=self.tokens_seen,
+                      time_s=round(self.time0 + now - self.t_run, 2))
+        if gpus > 1:
+            record.update(tokens_per_s_per_gpu=round(tps / gpus, 1))
+        if peak:  # of all the GPUs' peak: the mean utilisation of one
+            record.update(mfu=round(tps * flops_per_token(eng.cfg) / (peak * gpus), 4))
+        if eng.device_memory() is not None:  # the engine's pool and the copy engines' allocation
+            memory = eng.device_memory() + self.trainable.device_memory()
+            record.update(gpu_mem_gib=round(memory / 2 ** 30, 3))
+        if self.log_first:
+            record.update(self.log_first)
+            self.log_first = None
+        mfu = f", MFU {self.tps_avg * flops_per_token(eng.cfg) / (peak * gpus):.1%}" if peak else ""
+        rate = (f"{self.tps_avg:,.0f} tok/s" if gpus == 1 else
+                f"{self.tps_avg:,.0f} tok/s in total, {self.tps_avg / gpus:,.0f} a GPU")
+        self.bar.set_postfix_str(f"loss {record['loss']:.3f}, {rate}{mfu}", refresh=False)
+        self.bar.update(1)
+        return record
+
+
+class StepPipeline:
+    """The steps queued on the device whose numbers the host has not read yet. A step is read once the next
+    one is queued (on the GPU; the CPU engine has finished a step when it is queued: reading it a step later
+    would time the next one), and every step up to one that ends in work reading the weights or the log.
+    Reading a step checks its losses, makes its record (rank 0) and learns whether a rank asked to stop
+    (Ctrl-C): every rank reads the same sums at the same step, so all stop after the same one."""
+
+    def __init__(self, job, progress, log, eng):
+        self.job, self.progress, self.log = job, progress, log
+        self.queued = collections.deque()  # (step, lr, loss names, the function that reads its numbers)
+        self.read_behind = 0 if eng.xp is np else 1
+        self.stop = False
+        self.t_mark = time.perf_counter()  # where the time of the next step read starts
+
+    def push(self, step, lr, names, numbers):
+        self.queued.append((step, lr, names, numbers))
+
+    def restart_clock(self):
+        """The next step's time starts now (after an evaluation, a sample, a checkpoint)."""
+        self.t_mark = time.perf_counter()
+
+    def _finish(self, step, lr, names, numbers):
         """Read a queued step's numbers (waiting for that step alone) and check them; (its metrics record on
-        rank 0, else None; whether a rank was asked to stop: Ctrl-C)."""
-        nonlocal tps_avg, tokens_seen, log_first, t_mark
+        rank 0, else None; whether a rank was asked to stop)."""
         grad_norm, (*totals, tokens, stops) = numbers()
         now = time.perf_counter()
         heartbeat()
         losses = dict(zip(names, totals))
         if not all(math.isfinite(v) for v in losses.values()):
             raise UserError(f"training diverged at step {step} (loss {losses['loss']}); the last checkpoint in "
-                            f"{out} is kept; try a lower --lr")
-        if main:
-            tps = tokens / (now - t_mark)  # SFT batches may be shorter than the context
-            tps_avg = tps if tps_avg is None else 0.9 * tps_avg + 0.1 * tps
-            # losses at full precision (a resumed run can be compared bit for bit), the rest rounded
-            tokens_seen += int(tokens)
-            record = dict(step=step, **losses, lr=float(f"{lr:.6g}"), grad_norm=round(grad_norm, 6),
-                          tokens_per_s=round(tps, 1), tokens_seen=tokens_seen,
-                          time_s=round(time0 + now - t_run, 2))
-            if gpus > 1:
-                record.update(tokens_per_s_per_gpu=round(tps / gpus, 1))
-            if peak:  # of all the GPUs' peak: the mean utilisation of one
-                record.update(mfu=round(tps * flops_per_token(eng.cfg) / (peak * gpus), 4))
-            if eng.device_memory() is not None:  # the engine's pool and the copy engines' allocation
-                memory = eng.device_memory() + parallel.device_memory()
-                record.update(gpu_mem_gib=round(memory / 2 ** 30, 3))
-            if log_first:
-                record.update(log_first)
-                log_first = None
-            mfu = f", MFU {tps_avg * flops_per_token(eng.cfg) / (peak * gpus):.1%}" if peak else ""
-            rate = (f"{tps_avg:,.0f} tok/s" if gpus == 1 else
-                    f"{tps_avg:,.0f} tok/s in total, {tps_avg / gpus:,.0f} a GPU")
-            bar.set_postfix_str(f"loss {record['loss']:.3f}, {rate}{mfu}", refresh=False)
-            bar.update(1)
-        t_mark = now
-        return record if main else None, stops > 0
+                            f"{self.job.out} is kept; try a lower --lr")
+        record = None
+        if self.log is not None:
+            record = self.progress.record(step, lr, losses, grad_norm, tokens, now - self.t_mark, now)
+        self.t_mark = now
+        return record, stops > 0
 
-    def at_boundary(step):
-        """Whether step ends with work that reads the weights or the log (evaluation, a sample, a checkpoint)."""
-        every = [hp.eval_every, hp.sample_every, hp.ckpt_every] + ([eval_task.every] if eval_task else [])
-        return step == hp.steps or any(step % n == 0 for n in every)
-
-    step, queued = start_step, collections.deque()  # queued: steps on the device whose numbers are not read yet
-    # the CPU engine has finished a step when it is queued: reading it a step later would time the next one
-    read_behind = 0 if eng.xp is np else 1
-
-    def read_queued(keep, hold=None):
-        """Read the queued steps until `keep` are left (all of them once a rank asked to stop), writing their
-        records but step `hold`'s, which is returned (rank 0) for its evaluation."""
-        nonlocal stop
+    def read(self, boundary=None):
+        """Read the queued steps until read_behind are left (none at a boundary, or once a rank asked to stop),
+        writing their records to the log but the boundary step's, which is returned (rank 0) for its
+        evaluation."""
+        keep = 0 if boundary is not None else self.read_behind
         held = None
-        while len(queued) > (0 if stop else keep):
-            done = queued[0][0]
-            record, asked = finish(*queued.popleft())
-            stop |= asked  # every rank reads the same sum at the same step: all stop after the same one
-            if main and done == hold:
+        while len(self.queued) > (0 if self.stop else keep):
+            done = self.queued[0][0]
+            record, asked = self._finish(*self.queued.popleft())
+            self.stop |= asked
+            if self.log is not None and done == boundary:
                 held = record
-            elif main:
-                log.write(record)
+            elif self.log is not None:
+                self.log.write(record)
         return held
 
+
+def fit(job, trainable):
+    """Train trainable (train/trainable.py: the engine, the weights that train and their optimizer over the
+    ranks; a world of one is one rank) from job.start_step to job.hyper.steps on job's batches and objective,
+    evaluating on the quick held-out batches periodically and the full ones at the end. Checkpoints go to
+    job.out with job.train_state (plus the source's state, the optimizer step, the hyperparameters and the
+    last sample) for --resume, each with its run report beside it (io/report.py). Rank 0 alone evaluates,
+    samples, prints and writes the log and the checkpoints; every rank stops at the same step on Ctrl-C.
+    Returns 0 when done, 130 when stopped by Ctrl-C (after saving)."""
+    hp, eng, comm = job.hyper, trainable.engine, trainable.comm
+    main = comm.rank == 0
+    log = MetricsLog(job.log_path, resume_step=job.start_step if job.start_step else None) if main else None
+    say = printer(comm.rank)
+    sample = {}  # the last sample printed and its step, kept in the checkpoint for the report
+    every = [hp.eval_every, hp.sample_every, hp.ckpt_every] + ([job.eval_task.every] if job.eval_task else [])
+
+    def save(step):
+        params, (m, v), opt_step = trainable.state()  # every rank: with ZeRO the pieces are gathered from all
+        if main:
+            state = dict(job.train_state, hyper=dataclasses.asdict(hp), source=job.source.state(),
+                         opt_step=opt_step, world_size=comm.world_size, **sample)
+            if os.path.abspath(job.log_path) != os.path.abspath(os.path.splitext(job.out)[0] + ".jsonl"):
+                state.update(log=os.path.abspath(job.log_path))  # the report finds a log elsewhere than beside out
+            checkpoint.save(job.out, eng.cfg, params, job.tokenizer.to_json(), step, opt=(m, v),
+                            train_state=state, chat=job.chat)
+            write_report(job.out)
+
+    progress = Progress(job, trainable, log)
+    pipeline = StepPipeline(job, progress, log, eng)
+    step, status = job.start_step, 0
     try:
         with StopOnInterrupt(say) as interrupt:
-            while step < hp.steps and not stop:
-                if interrupt.requested and parallel.comm.world_size == 1:
-                    stop = True  # one process stops after the step under way; ranks agree on the step's sum
-                    read_queued(0)
+            while step < hp.steps and not pipeline.stop:
+                if interrupt.requested and comm.world_size == 1:
+                    pipeline.stop = True  # one process stops after the step under way; ranks agree on the sum
+                    pipeline.read()
                     break
                 lr = lr_at(hp, step)
-                shares, tokens = objective.train_step(eng, source.next(), hp)
+                shares, tokens = job.objective.train_step(eng, job.source.next(), hp)
                 # the ranks' losses, tokens and Ctrl-C flags summed in the collective of the gradient norm,
                 # on the device: the step is read once the next one is queued, so the GPU never waits
-                numbers = parallel.start_step(lr, hp.weight_decay, hp.grad_clip,
-                                              [*shares.values(), tokens, float(interrupt.requested)])
+                numbers = trainable.step(lr, hp, [*shares.values(), tokens, float(interrupt.requested)])
                 step += 1
-                queued.append((step, lr, list(shares), numbers))
-                boundary = at_boundary(step)
-                record = read_queued(0 if boundary else read_behind, hold=step if boundary else None)
+                pipeline.push(step, lr, list(shares), numbers)
+                # whether the step ends with work that reads the weights or the log
+                boundary = step == hp.steps or any(step % n == 0 for n in every)
+                record = pipeline.read(step if boundary else None)
                 if not boundary:
                     continue
                 last = step == hp.steps
                 if main:
-                    if last or step % hp.eval_every == 0:
-                        record.update(objective.evaluate(eng, val_full if last else val_quick))
-                        say(f"step {step}: {objective.eval_text(record)}"
-                            + (" (final, held-out split)" if last else ""))
-                    if eval_task is not None and (last or step % eval_task.every == 0):
-                        record.update(eval_task.evaluate(eng, tok))
-                        say(f"step {step}: {eval_task.text(record)}")
-                    if step % hp.sample_every == 0 or last:
-                        text = sample_text(eng, tok, sample_prompt, hp.sample_tokens, seed=hp.seed + step)
-                        sample.update(sample=text, sample_step=step)
-                        say(f"--- sample at step {step} ---\n{text}\n---")
+                    _evaluate(job, eng, step, last, record, sample, say)
                     log.write(record)
                 if last or step % hp.ckpt_every == 0:
                     save(step)
                 if main and "val_loss" in record:
-                    log.plot(f"{title}: step {step}, {objective.plot_title(record)}", objective.ylabel)
-                t_mark = time.perf_counter()  # the next step's time starts after the evaluation and the save
-            if stop and step < hp.steps:
+                    log.plot(f"{job.title}: step {step}, {job.objective.plot_title(record)}", job.objective.ylabel)
+                pipeline.restart_clock()  # the next step's time starts after the evaluation and the save
+            if pipeline.stop and step < hp.steps:
                 save(step)
-                say(f"stopped at step {step}: saved {out}; continue with --resume")
+                say(f"stopped at step {step}: saved {job.out}; continue with --resume")
                 status = 130
     finally:
-        bar.close()
+        progress.bar.close()
         if log is not None:
             log.close()
     return status
 
 
+def _evaluate(job, eng, step, last, record, sample, say):
+    """Rank 0's work at a boundary step: the held-out evaluation, the eval task and the sample where they are
+    due, into `record` (and the sample into `sample`, for the checkpoint)."""
+    hp, objective = job.hyper, job.objective
+    if last or step % hp.eval_every == 0:
+        record.update(objective.evaluate(eng, job.validation.full if last else job.validation.quick))
+        say(f"step {step}: {objective.eval_text(record)}" + (" (final, held-out split)" if last else ""))
+    if job.eval_task is not None and (last or step % job.eval_task.every == 0):
+        record.update(job.eval_task.evaluate(eng, job.tokenizer))
+        say(f"step {step}: {job.eval_task.text(record)}")
+    if step % hp.sample_every == 0 or last:
+        text = sample_text(eng, job.tokenizer, job.sample_prompt, hp.sample_tokens, seed=hp.seed + step)
+        sample.update(sample=text, sample_step=step)
+        say(f"--- sample at step {step} ---\n{text}\n---")

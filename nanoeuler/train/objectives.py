@@ -1,12 +1,23 @@
 """What training minimises: `CrossEntropy` and `DPO`, the objectives train.loop.fit() takes. They turn a
-batch into gradients and the loss fields of the metrics record, and evaluate held-out batches. The math
-they are written with (per-position weights, the DPO and RPO formulas) is in nanoeuler/model/losses.py.
+batch into gradients and the loss fields of the metrics record, and evaluate held-out batches. The
+cross-entropy's math (per-position weights over the engine's losses) is the model's, in
+nanoeuler/model/losses.py; the preference objective's is here, below the DPO class:
+
+DPO (Rafailov et al. 2023): a sequence's log-probability is pi_s = -sum of head 0's losses over its
+supervised targets; with pairs (chosen c, rejected r) and the reference model's ref,
+
+    z_i  = beta * ((pi_c - ref_c) - (pi_r - ref_r))
+    loss = (1 / pairs) * sum_i -log sigmoid(z_i)  +  alpha * (sum_i -pi_c,i) / chosen_tokens
+
+the second term RPO's (Pang et al. 2024; TRL's `rpo_alpha`): the chosen replies' NLL per token, which
+keeps DPO from winning its margin by pushing the rejected reply down onto unrelated tokens (docs/dpo.md);
+alpha 0 is plain DPO. d loss / d loss_s[0, n] = -d loss / d pi_s = beta * sigmoid(-z) / pairs + alpha /
+chosen_tokens on a chosen row's positions, -beta * sigmoid(-z) / pairs on a rejected row's, 0 for heads
+1..K-1.
 """
 import numpy as np
 
-from nanoeuler.model.losses import (bits_per_byte, chosen_tokens, cross_entropy_backward, dpo_backward,
-                                    dpo_loss, dpo_margins, sequence_logprobs, supervised_counts,
-                                    tie_accuracy)
+from nanoeuler.model.losses import bits_per_byte, cross_entropy_backward, sequence_logprobs, supervised_counts
 from nanoeuler.parallel.comm import SingleProcess
 
 
@@ -113,3 +124,59 @@ class DPO:
 
     def plot_title(self, record):
         return f"val reward accuracy {record['val_reward_accuracy']:.1%}"
+
+
+# ------------------------------------------------------------------------------------------- DPO's math
+def dpo_margins(pi, ref, beta):
+    """z (P,) of rows (2P,) holding the P chosen sequences, then the P rejected ones."""
+    P = len(pi) // 2
+    return beta * ((pi[:P] - ref[:P]) - (pi[P:] - ref[P:]))
+
+
+def chosen_tokens(targets):
+    """(2P,) rows -> the number of head-0 targets of the P chosen rows (what RPO's NLL is averaged over)."""
+    targets = np.asarray(targets)
+    return int((targets[0, :targets.shape[1] // 2] >= 0).sum())
+
+
+def dpo_loss(z, pairs, pi=None, alpha=0.0, tokens=1):
+    """sum of -log sigmoid(z) (stable for any z) over the pairs, divided by `pairs`; alpha > 0 adds RPO's
+    alpha * (the chosen rows' summed -log-probability, pi (2P,)'s first half) / tokens."""
+    loss = np.logaddexp(0.0, -z).sum() / pairs
+    return float(loss - alpha * pi[:len(pi) // 2].sum() / tokens if alpha else loss)
+
+
+def dpo_row_weights(z, beta, pairs, alpha=0.0, tokens=1):
+    """(2P,): d loss / d loss_s of each row's head-0 cross-entropy, chosen rows first: DPO's
+    beta * sigmoid(-z) / pairs, and on the chosen rows RPO's alpha / tokens."""
+    w = beta * (1.0 / (1.0 + np.exp(z))) / pairs  # beta * sigmoid(-z) / pairs
+    return np.concatenate([w + alpha / tokens, -w])
+
+
+def dpo_backward(eng, inputs, targets, ref, beta, pairs=None, accumulate=False, alpha=0.0, tokens=None,
+                 final=True):
+    """The preference objective's gradients of P pairs into eng.grads: rows 0..P-1 of inputs (2P, T) the chosen
+    sequences, rows P..2P-1 the rejected ones, targets (K, 2P, T) masking all but each response and its </s>
+    with -1, ref (2P,) the reference model's sequence log-probabilities. pairs and tokens: what the DPO term
+    and the chosen NLL are averaged over (this batch's pairs and chosen tokens, or a larger batch's with
+    accumulate). alpha: RPO's weight of the chosen replies' NLL (0: plain DPO). final: passed on to
+    Engine.backward, False on a step's passes before its last. Returns (loss, z)."""
+    B, T = np.shape(inputs)
+    if B % 2:
+        raise ValueError(f"DPO needs chosen and rejected rows in pairs, got {B} rows")
+    pairs = B // 2 if pairs is None else pairs
+    tokens = chosen_tokens(targets) if tokens is None else tokens
+    # the forward first: the weights need every sequence's log-probability
+    pi = sequence_logprobs(eng, inputs, targets)
+    ref = np.asarray(ref, dtype=np.float64)
+    z = dpo_margins(pi, ref, beta)
+    weights = np.zeros((eng.cfg.mtp_heads, B, T))
+    weights[0] = dpo_row_weights(z, beta, pairs, alpha, tokens)[:, None]
+    eng.backward(weights.reshape(eng.cfg.mtp_heads, -1), accumulate, final=final)
+    return dpo_loss(z, pairs, pi, alpha, tokens), z
+
+
+def tie_accuracy(z):
+    """The share of pairs whose chosen reward beats the rejected one (z > 0), a tie counting a half."""
+    z = np.asarray(z)
+    return float(((z > 0).sum() + 0.5 * (z == 0).sum()) / max(1, z.size))

@@ -5,13 +5,14 @@
     nanoeuler train small --resume                        # continue nanoeuler.bin exactly where it stopped
     nanoeuler train --ckpt smollm.bin --data my.txt --out more.bin --lr 1e-4   # continued pretraining of an import
 
-The stage's hooks on the shared skeleton (run.py): a preset (or the resumed checkpoint's model), a tokenizer
-(the checkpoint's, --tokenizer, or one learned on the corpus by rank 0), the corpus as random windows for
-training and its held-out last tenth for the validation loss and bits per byte; the objective is the
-cross-entropy of the K heads (objectives.py).
+The stage's functions on the shared skeleton (run.py): `plan`, a preset (or the resumed checkpoint's model, or
+--ckpt's); `load`, a tokenizer (the checkpoint's, --tokenizer, or one learned on the corpus by rank 0), the
+corpus as random windows for training and its held-out last tenth for the validation loss and bits per byte;
+the objective is the cross-entropy of the K heads (objectives.py).
 """
 import dataclasses
 import os
+from typing import NamedTuple
 
 from nanoeuler.data.corpus import RandomWindows, check_corpus, eval_batches, open_corpus, provenance
 from nanoeuler.errors import UserError
@@ -19,9 +20,10 @@ from nanoeuler.io import checkpoint
 from nanoeuler.model.config import PRESETS
 from nanoeuler.tokenizer.bpe import Tokenizer
 from nanoeuler.parallel.comm import broadcast_text
-from nanoeuler.train.loop import Hyperparameters
+from nanoeuler.train.loop import Hyperparameters, Validation
 from nanoeuler.train.objectives import CrossEntropy
-from nanoeuler.train.run import Stage, run_stage
+from nanoeuler.train.options import PretrainOptions
+from nanoeuler.train.run import Data, Model, Stage, run
 
 # small: `make train` on 2 CPU cores, its schedule chosen by the sweeps of docs/training-small.md; big and
 # base: one GPU; large: base's tokens per step in 4 passes, for a 12 GB card.
@@ -39,79 +41,77 @@ DEFAULT_DATA = {"small": "shakespeare.txt", "big": "shakespeare.txt", "base": "d
                 "large": "data/pretrain.txt"}
 
 
-class Pretrain(Stage):
-    kind, command = "pretrain", "nanoeuler train"
-    start = None  # the checkpoint that --ckpt continues
+class Pretraining(NamedTuple):
+    """The pretraining run's own settings: the preset (its hyperparameters), the corpus, and the checkpoint that
+    --ckpt continues (None: a fresh model, or the resumed run's)."""
+    preset: str
+    data: str
+    start: object = None
 
-    def begin(self, run):
-        args, ck = run.args, run.ck
-        if ck is not None:
-            self.preset = ck.train_state["preset"]
-            if args.preset not in (None, self.preset):
-                raise UserError(f"--resume: {run.out} is a {self.preset} model, not {args.preset}")
-            self.data = args.data or ck.train_state["data"]
-            run.cfg = ck.cfg
-        elif args.ckpt:  # continued pretraining: the checkpoint's model, weights and tokenizer, a fresh optimizer
-            if args.tokenizer:
-                raise UserError("--ckpt brings its own tokenizer; leave out --tokenizer")
-            self.start = checkpoint.load(args.ckpt)
-            self.preset = args.preset or "base"
-            self.data = args.data or DEFAULT_DATA[self.preset]
-            run.cfg, run.params = self.start.cfg, self.start.params
-        else:
-            self.preset = args.preset or "small"
-            self.data = args.data or DEFAULT_DATA[self.preset]
-            run.cfg = PRESETS[self.preset]  # its vocabulary is close enough to the final one for the device rule
-        run.hyper = PRESET_HYPER[self.preset]
 
-    def load(self, run):
-        args, ck, world, comm, hp = run.args, run.ck, run.world, run.comm, run.hp
-        check_corpus(self.data)  # a missing default corpus: the one-line error says how to download it
-        if ck is not None or self.start is not None:
-            run.tok = (ck or self.start).tokenizer()
-        elif args.tokenizer:
-            run.tok = Tokenizer.load(args.tokenizer)
+def plan(options, resumed):
+    """The model: the resumed run's, --ckpt's (its weights and tokenizer; a fresh optimizer), or the preset's."""
+    if resumed is not None:
+        preset = resumed.train_state["preset"]
+        if options.preset not in (None, preset):
+            raise UserError(f"--resume: {options.out} is a {preset} model, not {options.preset}")
+        settings = Pretraining(preset, options.data or resumed.train_state["data"])
+        return Model(resumed.cfg, PRESET_HYPER[preset], preset, settings=settings)
+    if options.ckpt:  # continued pretraining: the checkpoint's model, weights and tokenizer, a fresh optimizer
+        if options.tokenizer:
+            raise UserError("--ckpt brings its own tokenizer; leave out --tokenizer")
+        start = checkpoint.load(options.ckpt)
+        preset = options.preset or "base"
+        return Model(start.cfg, PRESET_HYPER[preset],
+                     f"{options.ckpt} (step {start.step}), {preset}'s hyperparameters", start.params,
+                     Pretraining(preset, options.data or DEFAULT_DATA[preset], start))
+    preset = options.preset or "small"
+    # its vocabulary is close enough to the final one for the device rule
+    return Model(PRESETS[preset], PRESET_HYPER[preset], preset,
+                 settings=Pretraining(preset, options.data or DEFAULT_DATA[preset]))
+
+
+def load(options, model, context):
+    """The tokenizer, the corpus's windows and held-out batches, and the objective."""
+    settings, resumed, world, comm, hp = model.settings, context.resumed, context.world, context.comm, context.hyper
+    data = settings.data
+    check_corpus(data)  # a missing default corpus: the one-line error says how to download it
+    cfg = model.cfg
+    if resumed is not None or settings.start is not None:
+        tok = (resumed or settings.start).tokenizer()
+    else:
+        if options.tokenizer:
+            tok = Tokenizer.load(options.tokenizer)
         else:  # learned by rank 0 alone, then sent to the others
-            tok = Tokenizer.train(self.data, PRESETS[self.preset].vocab_size, progress=True) if world.is_main else None
-            run.tok = Tokenizer.from_json(broadcast_text(comm, tok.to_json() if tok else None))
-        if ck is None and self.start is None:
-            run.cfg = dataclasses.replace(run.cfg, vocab_size=run.tok.vocab_size)
-        cfg = run.cfg
-        if not world.is_main:
-            comm.barrier()  # rank 0 writes the token cache, the others then read it
-        corpus = open_corpus(self.data, run.tok, progress=world.is_main)
-        if world.is_main:
-            comm.barrier()
-        size = os.path.getsize(self.data)
-        run.say(f"data: {self.data}: {size:,} bytes, {len(corpus.tokens):,} tokens ({size / len(corpus.tokens):.2f} "
+            tok = Tokenizer.train(data, PRESETS[settings.preset].vocab_size, progress=True) if world.is_main else None
+            tok = Tokenizer.from_json(broadcast_text(comm, tok.to_json() if tok else None))
+        cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)
+    if not world.is_main:
+        comm.barrier()  # rank 0 writes the token cache, the others then read it
+    corpus = open_corpus(data, tok, progress=world.is_main)
+    if world.is_main:
+        comm.barrier()
+    size = os.path.getsize(data)
+    context.say(f"data: {data}: {size:,} bytes, {len(corpus.tokens):,} tokens ({size / len(corpus.tokens):.2f} "
                 f"bytes/token); train {len(corpus.train):,}, validation {len(corpus.val):,} (the last tenth)")
-        # one optimizer batch per draw, split into grad_accum passes: B x N draws the windows of B * N x 1
-        run.source = RandomWindows(corpus.train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads,
-                                   hp.seed, world.rank, world.world_size)
-        final, periodic = run.eval_limits()
-        run.val_full, run.val_quick = (eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context,
-                                                    cfg.mtp_heads, limit=limit) for limit in (final, periodic))
+    # one optimizer batch per draw, split into grad_accum passes: B x N draws the windows of B * N x 1
+    source = RandomWindows(corpus.train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
+                           world.rank, world.world_size)
+    final, periodic = context.eval_limits()
+    full, quick = (eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=limit)
+                   for limit in (final, periodic))
+    png = os.path.splitext(context.log_path)[0] + ".png"
+    return Data(cfg, tok, source, Validation(quick, full),
+                CrossEntropy(comm, every_target=True),  # random windows: every position has its target
+                dict(preset=settings.preset, data=os.path.abspath(data)), "training", f"x{cfg.context} tokens",
+                title=f"nanoeuler {settings.preset}",
+                # the first log record says what the run trained on: the corpus's sha256 and its fetched sources
+                log_first=dict(data=provenance(data)) if world.is_main else None,
+                done=f"saved {options.out}, log {context.log_path}, loss curve {png}")
 
-    def origin(self, run):
-        return f"{run.args.ckpt} (step {self.start.step}), {self.preset}'s hyperparameters" if self.start else self.preset
 
-    def plan(self, run):
-        return "training", f"x{run.cfg.context} tokens"
-
-    def objective(self, run):
-        return CrossEntropy(run.comm, every_target=True)  # random windows: every position has its target
-
-    def train_state(self, run):
-        return dict(preset=self.preset, data=os.path.abspath(self.data))
-
-    def fit_options(self, run):
-        # the first log record says what the run trained on: the corpus's sha256 and its fetched sources
-        return dict(title=f"nanoeuler {self.preset}", log_first=dict(data=provenance(self.data)) if run.world.is_main
-                    else None)
-
-    def done(self, run):
-        return f"saved {run.out}, log {run.log_path}, loss curve {os.path.splitext(run.log_path)[0]}.png"
+STAGE = Stage("pretrain", "nanoeuler train", plan, load)
 
 
 def main(args):
-    return run_stage(Pretrain(), args)
+    return run(STAGE, PretrainOptions.from_args(args))

@@ -5,13 +5,14 @@
     nanoeuler sft --resume                          # continue nanoeuler_chat.bin exactly where it stopped
     nanoeuler sft --show 3                          # print 3 examples as trained, supervised tokens marked
 
-The stage's hooks on the shared skeleton (run.py): the weights of a pretrained checkpoint (`--ckpt`; the
+The stage's functions on the shared skeleton (run.py): the weights of a pretrained checkpoint (`--ckpt`; the
 optimizer starts fresh), Alpaca examples in the chat template with the loss masked to the responses
 (data/instructions.py), the cross-entropy objective. The result is saved with `chat` = 1 in its metadata,
 which tells `nanoeuler chat` to wrap each line in the template.
 """
 import os
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,78 +21,77 @@ from nanoeuler.data.instructions import (DEFAULT_DATA, ExampleBatches, encode_ex
 from nanoeuler.data.corpus import provenance
 from nanoeuler.data.template import render_prompt, sample_prompt  # noqa: F401 (the prompt sft trains on)
 from nanoeuler.io import checkpoint
-from nanoeuler.train.loop import Hyperparameters
+from nanoeuler.train import resume
+from nanoeuler.train.loop import Hyperparameters, Validation
 from nanoeuler.train.objectives import CrossEntropy
-from nanoeuler.train.run import Stage, refuse_changed_flags, run_stage
+from nanoeuler.train.options import SftOptions
+from nanoeuler.train.run import Data, Model, Stage, run
 
 # For the base model on one GPU: about one epoch of Alpaca (52K examples, 500 held out) at 32 per batch.
 SFT_HYPER = Hyperparameters(steps=1500, batch_size=32, lr=1e-4, warmup=50, eval_every=100, sample_every=500,
                             ckpt_every=500)
 
 
-class FineTune(Stage):
-    kind, command = "sft", "nanoeuler sft"
+class FineTuning(NamedTuple):
+    """The SFT run's own settings: the examples, --long, the held-out examples asked for, the checkpoint it was
+    fine-tuned from (a path), and the checkpoint its weights start from (the base, or the resumed run)."""
+    data: str
+    long: str
+    n_val: int
+    base: str
+    start: object
 
-    def begin(self, run):
-        args, ck = run.args, run.ck
-        if ck is not None:
-            state = ck.train_state
-            refuse_changed_flags(run, ("long", "val_examples"), "the held-out split and the examples cannot change "
-                                 "mid-run")
-            self.data, self.long, self.n_val, self.base = (args.data or state["data"], state["long"],
-                                                           state["val_examples"], state["base"])
-            self.start = ck
-        else:
-            self.start = checkpoint.load(args.ckpt)
-            self.data, self.long, self.n_val, self.base = (args.data or DEFAULT_DATA, args.long or "truncate",
-                                                           args.val_examples, args.ckpt)
-            run.params = self.start.params
-        run.cfg, run.tok, run.hyper = self.start.cfg, self.start.tokenizer(), SFT_HYPER
 
-    def load(self, run):
-        cfg, hp, world = run.cfg, run.hp, run.world
-        data = read_data(self.data)
-        train_idx, val_idx = split(len(data), self.n_val)
-        self.n_val = len(val_idx)
-        self.first = data[val_idx[0]]  # the samples during training answer a held-out instruction
-        train, val, self.counts = prepare(data, train_idx, val_idx, run.tok, cfg.context, cfg.mtp_heads, self.long,
-                                          progress=world.is_main)
-        lengths = np.array([len(ids) for ids, _ in train])
-        counts = self.counts
-        run.say(f"data: {self.data}: {len(data):,} examples: {counts['train']:,} for training, {counts['val']:,} "
+def plan(options, resumed):
+    """The model of the pretrained checkpoint (--ckpt), or of the resumed run, whose held-out split and
+    examples cannot change."""
+    if resumed is not None:
+        state = resumed.train_state
+        resume.refuse_changed(options, resumed, ("long", "val_examples"), "the held-out split and the examples "
+                              "cannot change mid-run")
+        settings = FineTuning(options.data or state["data"], state["long"], state["val_examples"], state["base"],
+                              resumed)
+        return Model(resumed.cfg, SFT_HYPER, f"{options.out} (step {resumed.step}, fine-tuned from "
+                     f"{settings.base})", settings=settings)
+    start = checkpoint.load(options.ckpt)
+    settings = FineTuning(options.data or DEFAULT_DATA, options.long or "truncate", options.val_examples,
+                          options.ckpt, start)
+    return Model(start.cfg, SFT_HYPER, f"{options.ckpt} (step {start.step}"
+                 f"{', already a chat model' if start.chat else ''})", start.params, settings)
+
+
+def load(options, model, context):
+    """The examples in the chat template, their batches and held-out batches, and the objective."""
+    settings, cfg, hp, world = model.settings, model.cfg, context.hyper, context.world
+    tok = settings.start.tokenizer()
+    data = read_data(settings.data)
+    train_idx, val_idx = split(len(data), settings.n_val)
+    first = data[val_idx[0]]  # the samples during training answer a held-out instruction
+    train, val, counts = prepare(data, train_idx, val_idx, tok, cfg.context, cfg.mtp_heads, settings.long,
+                                 progress=world.is_main)
+    lengths = np.array([len(ids) for ids, _ in train])
+    context.say(f"data: {settings.data}: {len(data):,} examples: {counts['train']:,} for training, {counts['val']:,} "
                 f"held out; {counts['truncated']:,} truncated and {counts['skipped']:,} skipped (longer than "
-                f"{cfg.context} + {cfg.mtp_heads} tokens, --long {self.long}); {int(np.median(lengths))} tokens per "
-                f"training example (median), {int(lengths.max())} at most")
-        run.source = ExampleBatches(train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
-                                    world.rank, world.world_size)
-        byte_len = response_byte_len(run.tok)
-        final, periodic = run.eval_limits()
-        run.val_full, run.val_quick = (eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads,
-                                                    limit=limit) for limit in (final, periodic))
+                f"{cfg.context} + {cfg.mtp_heads} tokens, --long {settings.long}); {int(np.median(lengths))} tokens "
+                f"per training example (median), {int(lengths.max())} at most")
+    source = ExampleBatches(train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
+                            world.rank, world.world_size)
+    byte_len = response_byte_len(tok)
+    final, periodic = context.eval_limits()
+    full, quick = (eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=limit)
+                   for limit in (final, periodic))
+    state = dict(data=os.path.abspath(settings.data), base=os.path.abspath(settings.base), long=settings.long,
+                 val_examples=len(val_idx), examples=counts)
+    return Data(cfg, tok, source, Validation(quick, full), CrossEntropy(context.comm), state, "fine-tuning",
+                " examples, loss on the responses only", chat=True,
+                sample_prompt=sample_prompt(tok, first["instruction"], first["input"]), title="nanoeuler sft",
+                log_first=dict(examples_truncated=counts["truncated"], examples_skipped=counts["skipped"],
+                               data=provenance(settings.data) if world.is_main else None),
+                done=f"saved {options.out} (a chat model: `nanoeuler chat --ckpt {options.out}`), log "
+                     f"{context.log_path}")
 
-    def origin(self, run):
-        if run.ck is not None:
-            return f"{run.out} (step {run.ck.step}, fine-tuned from {self.base})"
-        return f"{self.base} (step {self.start.step}{', already a chat model' if self.start.chat else ''})"
 
-    def plan(self, run):
-        return "fine-tuning", " examples, loss on the responses only"
-
-    def objective(self, run):
-        return CrossEntropy(run.comm)
-
-    def train_state(self, run):
-        return dict(data=os.path.abspath(self.data), base=os.path.abspath(self.base), long=self.long,
-                    val_examples=self.n_val, examples=self.counts)
-
-    def fit_options(self, run):
-        return dict(chat=True, sample_prompt=sample_prompt(run.tok, self.first["instruction"], self.first["input"]),
-                    title="nanoeuler sft", log_first=dict(examples_truncated=self.counts["truncated"],
-                                                          examples_skipped=self.counts["skipped"],
-                                                          data=provenance(self.data) if run.world.is_main else None))
-
-    def done(self, run):
-        return f"saved {run.out} (a chat model: `nanoeuler chat --ckpt {run.out}`), log {run.log_path}"
+STAGE = Stage("sft", "nanoeuler sft", plan, load)
 
 
 # ------------------------------------------------------------------------------------------ --show
@@ -105,22 +105,23 @@ def marked(tok, ids, n_prompt, color):
     return prompt + (GREEN + response + RESET if color else "[[" + response + "]]")
 
 
-def show(args):
-    ck = checkpoint.load(args.ckpt)
+def show(options):
+    """--show N: the first N examples as `nanoeuler sft` trains them, the supervised tokens marked."""
+    ck = checkpoint.load(options.ckpt)
     tok, cfg = ck.tokenizer(), ck.cfg
-    data = read_data(args.data or DEFAULT_DATA)
+    data = read_data(options.data or DEFAULT_DATA)
     color = sys.stdout.isatty()
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
     where = "in bold green" if color else "between [[ and ]]"
-    print(f"{min(args.show, len(data))} of {len(data)} examples as `nanoeuler sft` trains them with "
-          f"{args.ckpt}'s tokenizer and window ({cfg.context} + {cfg.mtp_heads} tokens); the supervised "
+    print(f"{min(options.show, len(data))} of {len(data)} examples as `nanoeuler sft` trains them with "
+          f"{options.ckpt}'s tokenizer and window ({cfg.context} + {cfg.mtp_heads} tokens); the supervised "
           f"tokens, the only ones in the loss, are {where}.")
-    for i, example in enumerate(data[:args.show]):
+    for i, example in enumerate(data[:options.show]):
         ids, n_prompt = encode_example(tok, example)
-        fitted, status = fit_example(ids, n_prompt, cfg.context, cfg.mtp_heads, args.long or "truncate")
+        fitted, status = fit_example(ids, n_prompt, cfg.context, cfg.mtp_heads, options.long or "truncate")
         window = cfg.context + cfg.mtp_heads
-        why = "--long skip" if args.long == "skip" else "the prompt alone fills the context"
+        why = "--long skip" if options.long == "skip" else "the prompt alone fills the context"
         note = {"ok": "", "skipped": f"; SKIPPED: longer than the window of {window} and {why}",
                 "truncated": f"; TRUNCATED to {window} (the rest and </s> are not trained)"}[status]
         print(f"\n=== example {i} ({'with' if example['input'] else 'no'} input): {len(ids)} tokens, "
@@ -133,6 +134,7 @@ def show(args):
 
 
 def main(args):
-    if args.show is not None:
-        return show(args)
-    return run_stage(FineTune(), args)
+    options = SftOptions.from_args(args)
+    if options.show is not None:
+        return show(options)
+    return run(STAGE, options)

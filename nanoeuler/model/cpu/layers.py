@@ -820,12 +820,10 @@ class Layers:
     one object, as the GPU's Layers are. Its setting, batch_invariant, is read by the products, which are
     therefore defined here: products of at most FEW_ROWS rows take _matmul_rows (on: a row's bits the same
     whatever the other rows) or BLAS, whose rounding depends on the row count (off). The other layers read no
-    setting and are this module's functions as they are. precision: "fp32" only; the arrays' dtype decides
-    the arithmetic (float64 for the gradient check)."""
+    setting and are this module's functions as they are. precision: "fp32", the only one (model/device.py's
+    rule); the arrays' dtype decides the arithmetic (float64 for the gradient check)."""
 
     def __init__(self, precision, batch_invariant):
-        if precision != "fp32":
-            raise ValueError(f"the CPU engine computes in fp32 (or float64), not {precision}")
         self.precision, self.batch_invariant = precision, bool(batch_invariant)
 
     def activation_dtype(self, dtype):
