@@ -21,6 +21,16 @@ def test_adapter_gradients_match_finite_differences(cfg, dropout):
     assert max(errors.values()) < 1e-6, max(errors.items(), key=lambda kv: kv[1])
 
 
+def test_each_backward_pass_draws_new_masks():
+    cfg = CHECK_CONFIGS[0]
+    eng, ad, _, inputs, targets = lora_problem(cfg, np.random.default_rng(0), 0.25)
+    cross_entropy_backward(eng, inputs, targets)
+    assert ad.dropout_key == 8
+    first = ad.grads.copy()
+    cross_entropy_backward(eng, inputs, targets)
+    assert not np.array_equal(ad.grads, first)
+
+
 def test_dropout_changes_the_loss_and_its_mask_follows_the_key():
     cfg = CHECK_CONFIGS[0]
     eng, ad, _, inputs, targets = lora_problem(cfg, np.random.default_rng(0), 0.25)
@@ -117,6 +127,8 @@ def test_recompute_gradients_are_bit_identical(with_adapters):
     losses = cross_entropy_backward(eng, inputs, targets)
     stored = grads()
     eng.recompute = True
+    if with_adapters:
+        eng.adapters.dropout_key -= 1  # each backward pass moves the key on: the same masks again
     assert cross_entropy_backward(eng, inputs, targets) == losses
     assert np.array_equal(grads(), stored)
     assert eng._acts["qkv"].shape[0] == 1  # one layer's activations kept, not n_layers'

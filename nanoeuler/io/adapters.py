@@ -119,10 +119,9 @@ def base_path(ack, path):
 def load_base(ack, path):
     """The base checkpoint of the adapter checkpoint at path, checked to be the one the adapters were trained on."""
     where = base_path(ack, path)
-    meta = checkpoint.read_metadata(where)
-    if is_adapter(meta):
-        raise UserError(f"adapter checkpoint {path}: its base {where} is itself an adapter checkpoint")
-    base = checkpoint.load(where)
+    if os.path.abspath(where) == os.path.abspath(path):
+        raise UserError(f"adapter checkpoint {path} names itself as its base")
+    base = checkpoint.load(where)  # an adapter checkpoint too (DPO's adapters over SFT's): merged, as trained on
     if base.cfg != ack.cfg or (ack.fingerprint and fingerprint(base.params) != ack.fingerprint):
         raise UserError(f"adapter checkpoint {path}: {where} is not the base it was trained on (its weights differ)")
     return base

@@ -37,6 +37,7 @@ class Checkpoint:
     chat: bool = False
     opt: tuple = None             # (m, v) flat float32, or None when the file has no optimizer state
     train_state: dict = None      # the training loop's resume state, or None
+    adapters: object = None       # --resume of a LoRA run: its io/adapters.AdapterCheckpoint (params are the base's)
 
     def tokenizer(self):
         return _tokenizer(self.tokenizer_json, self.cfg)

@@ -457,6 +457,8 @@ class Engine:
                                     acts["rstd1"][j])
             if ready:
                 ready(layout[w + "attn_norm"][0])
+        if ad is not None:
+            ad.dropout_key += 1  # the next pass (a micro-batch) draws new masks; this one's forward and backward shared one
         if frozen:
             if final and ad.gradients_ready:
                 ad.gradients_ready(0)
