@@ -16,7 +16,8 @@
 Each subcommand's work lives in its own module, imported only when it runs, so `nanoeuler tokenizer`
 never pays for numba compilation and the CPU path never imports cupy; `nanoeuler tokenizer`'s own glue
 (reading a tokenizer from a file or a checkpoint) is here, so that the tokenizer needs nothing of
-the checkpoint module. Bad input raises UserError, which is printed here as one line on stderr with a non-zero exit
+the checkpoint module, and so is `nanoeuler report`'s line, so that io/report.py, which training writes its
+reports with, is a library and no command's module. Bad input raises UserError, which is printed here as one line on stderr with a non-zero exit
 and no traceback.
 
 This module imports neither NumPy nor numba at its top, and main() calls configure_cpu_runtime() before
@@ -388,12 +389,20 @@ def tokenizer_command(args):
     return 0
 
 
+def report_command(args):
+    """`nanoeuler report [--ckpt F]`: the checkpoint's run report (io/report.py)."""
+    from nanoeuler.io.report import report_text
+
+    print(report_text(args.ckpt))
+    return 0
+
+
 # the module whose main(args) runs each command, imported only when it runs
 COMMANDS = {"check": "nanoeuler.check.gradients", "train": "nanoeuler.train.pretrain",
             "infer": "nanoeuler.infer.main", "sft": "nanoeuler.train.sft", "dpo": "nanoeuler.train.dpo",
             "chat": "nanoeuler.infer.chat", "serve": "nanoeuler.infer.serve", "export": "nanoeuler.io.export",
-            "import": "nanoeuler.io.hf_import",
-            "eval": "nanoeuler.eval.main", "report": "nanoeuler.io.report"}
+            "import": "nanoeuler.io.hf_import", "eval": "nanoeuler.eval.main"}
+OWN_COMMANDS = {"tokenizer": tokenizer_command, "report": report_command}  # the commands whose glue is here
 
 
 def launch_nodes(args):
@@ -428,8 +437,8 @@ def main(argv=None):
         if nodes is not None:
             from nanoeuler.parallel.launch import launch_self  # the launcher; each worker it starts runs the command
             sys.exit(launch_self(args.gpus or 1, sys.argv[1:] if argv is None else list(argv), nodes))
-        if args.command == "tokenizer":
-            run = tokenizer_command
+        if args.command in OWN_COMMANDS:
+            run = OWN_COMMANDS[args.command]
         else:
             run = importlib.import_module(COMMANDS[args.command]).main
         status = run(args)

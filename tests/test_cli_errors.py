@@ -140,15 +140,15 @@ def _help(*args):
 
 
 def test_the_top_help_is_a_map_of_every_command():
-    """`nanoeuler --help` lists every command (COMMANDS and tokenizer) once, with its one-line help and what it
+    """`nanoeuler --help` lists every command (COMMANDS and OWN_COMMANDS) once, with its one-line help and what it
     reads and writes, in the pipeline's order."""
-    from nanoeuler.cli import COMMANDS, build_parser
+    from nanoeuler.cli import COMMANDS, OWN_COMMANDS, build_parser
     from nanoeuler.cli_help import FLOW
 
     r = run_cli("--help")
     assert r.returncode == 0
     _, sub = build_parser()
-    assert set(sub.choices) == set(COMMANDS) | {"tokenizer"}
+    assert set(sub.choices) == set(COMMANDS) | set(OWN_COMMANDS)
     listed = re.findall(r"(?m)^  ([a-z]+)  +\S", r.stdout)
     assert listed == [name for name in FLOW if name in sub.choices]
     for name, action in ((choice.dest, choice) for choice in sub._choices_actions):

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from conftest import tiny_config
+from nanoeuler import cli
 from nanoeuler.cli import build_parser
 from nanoeuler.io import report
 from nanoeuler.model.config import PRESETS, param_count
@@ -53,7 +54,7 @@ def test_training_writes_the_report_and_the_eval_scores(trained, tokenizer, corp
 
 def test_report_command_prints_it_and_rebuilds_it_the_same(trained, capsys):
     written = trained.with_suffix(".md").read_text()
-    report.main(argparse.Namespace(ckpt=str(trained)))
+    cli.report_command(argparse.Namespace(ckpt=str(trained)))
     assert capsys.readouterr().out == written + "\n"
     trained.with_suffix(".md").unlink()
     try:

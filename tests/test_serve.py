@@ -486,8 +486,8 @@ def test_key_name_cors_429_disconnects_free_rows_and_sigterm_finishes_requests(c
 def test_missing_extra_busy_port_and_bad_flags_are_one_line_errors(tiny_ckpt, tmp_path, base):
     (tmp_path / "uvicorn.py").write_text("raise ImportError('no uvicorn here')\n")
     r = run_cli("serve", "--ckpt", tiny_ckpt, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
-    assert r.returncode == 2 and r.stderr.strip() == ("nanoeuler: error: nanoeuler serve needs its extra: "
-                                                      "pip install '.[serve]'")
+    assert r.returncode == 2 and r.stderr.strip() == ("nanoeuler: error: nanoeuler serve needs uvicorn, which does "
+                                                      "not import (no uvicorn here): pip install -e '.[serve]'")
     r = run_cli("serve", "--ckpt", tiny_ckpt, "--port", base.port)
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr and len(r.stderr.splitlines()) == 1
     for flags in (["--port", "70000"], ["--slots", "0"], ["--slots", "65"], ["--queue", "-1"]):

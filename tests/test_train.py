@@ -125,7 +125,7 @@ def test_each_record_times_its_own_step_on_the_cpu(tiny_preset, corpus, tokenize
     assert _train("--data", corpus, "--tokenizer", tokenizer_file, "--device", "cpu", "--out", tmp_path / "t.bin",
                   "--steps", 3) == 0
     seconds = np.diff([r["time_s"] for r in _log(tmp_path / "t.jsonl")])
-    assert seconds[1] >= 0.4 and seconds[0] < 0.3, seconds
+    assert seconds[1] >= 0.39 and seconds[0] < 0.3, seconds  # time_s is rounded to 0.01 s
 
 
 def test_bits_per_byte_covers_the_validation_split_once(corpus, tokenizer):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from nanoeuler.errors import UserError
 from nanoeuler.model.engine import to_numpy
+from nanoeuler.model.losses import log_softmax
 
 PAD_MULTIPLE = 16  # row lengths rounded up to this: few distinct batch shapes, little padding
 LOGITS_BUDGET = 1 << 25  # floats of logits a batch of shared contexts reads back (128 MiB)
@@ -125,9 +126,7 @@ def _score_shared(eng, unique, groups, batch_size, scores, bar, share=(0, 1)):
             inputs[b, :len(window) - 1] = window[:-1]
         logits = eng.logits(inputs)
         for b, members in enumerate(batch):
-            last = logits[b, len(unique[members[0]][0]) - 2].astype(np.float64)
-            top = last.max()
-            logp = last - top - np.log(np.exp(last - top).sum())
+            logp = log_softmax(logits[b, len(unique[members[0]][0]) - 2])
             for r in members:
                 scores[r] = logp[unique[r][0][-1]]
             bar.update(len(members) * share[1])

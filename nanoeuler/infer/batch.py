@@ -28,6 +28,7 @@ import numpy as np
 
 from nanoeuler.model.decoding import CHAINED, batch_state, decoder_of
 from nanoeuler.model.limits import DECODE_ROWS, FEW_ROWS
+from nanoeuler.model.losses import log_softmax
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -306,9 +307,7 @@ class BatchGenerator:
 
 def log_probabilities(logits, token, n):
     """(log p(token), the n likeliest (id, log p) pairs) under softmax(logits (V,)), in float64."""
-    z = np.asarray(logits.get() if hasattr(logits, "get") else logits, dtype=np.float64)
-    z = z - z.max()
-    z -= np.log(np.exp(z).sum())
+    z = log_softmax(logits)
     top = None
     if n > 0:
         ids = np.argsort(-z, kind="stable")[:n]

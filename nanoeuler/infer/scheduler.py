@@ -27,6 +27,7 @@ import numpy as np
 
 from nanoeuler.infer.batch import BatchGenerator, Request
 from nanoeuler.model.decoding import CHAINED
+from nanoeuler.model.losses import log_softmax
 
 SCORE_TOKENS = 4096  # positions (rows x padded length) a scoring piece runs in one forward
 
@@ -110,13 +111,6 @@ def held_back(text, stops):
         if any(len(s) > k and text.endswith(s[:k]) for s in stops):
             return k
     return 0
-
-
-def log_softmax(logits):
-    """log-probabilities (float64) of logits (..., V)."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 def top_logprobs(lp, n):

@@ -1,9 +1,9 @@
 """`nanoeuler serve`: an OpenAI-compatible HTTP server for a checkpoint, and a web chat page.
 
-    pip install '.[serve]'
+    pip install -e '.[serve]'
     nanoeuler serve --ckpt nanoeuler_chat.bin [--host 127.0.0.1] [--port 8000] [--device auto|cpu|gpu]
-                    [--api-key KEY] [--cors-origin ORIGIN] [--served-model-name NAME] [--slots 64] [--queue 64]
-                    [--context N]
+                    [--api-key KEY] [--cors-origin ORIGIN] [--served-model-name NAME] [--slots 64] [--queue 256]
+                    [--context N] [--no-batch-invariance]
 
     GET  /                      the web chat page (nanoeuler/infer/web/index.html: one file, no network)
     GET  /v1/models             the one model, named after the checkpoint file (`nanoeuler_chat`) or --served-model-name
@@ -40,7 +40,7 @@ import time
 import uuid
 from importlib.resources import files
 
-from nanoeuler.errors import UserError
+from nanoeuler.errors import UserError, require
 
 try:
     import uvicorn
@@ -52,7 +52,8 @@ try:
     from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
     from starlette.routing import Route
 except ImportError:
-    raise UserError("nanoeuler serve needs its extra: pip install '.[serve]'") from None
+    require("uvicorn", "starlette", what="nanoeuler serve")  # one line naming the one that is missing
+    raise
 
 from nanoeuler.data import jinja_template
 from nanoeuler.data.template import conversation_ids, own_template

@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 
-from nanoeuler.errors import UserError
+from nanoeuler.errors import UserError, require
 from nanoeuler.files import atomic_output, check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import rope_inv_freq, views
@@ -156,10 +156,7 @@ def _stored(gguf, array, kind):
 
 def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler"):
     """Write the model (head 0) and its tokenizer as a llama.cpp GGUF file, atomically."""
-    try:
-        import gguf
-    except ImportError:
-        raise UserError("export --gguf needs the gguf package: pip install -e '.[gguf]'") from None
+    gguf, = require("gguf", what="export --gguf")
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
     sentencepiece = isinstance(tok, SentencePieceBPE)

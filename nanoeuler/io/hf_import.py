@@ -55,7 +55,7 @@ import sys
 
 import numpy as np
 
-from nanoeuler.errors import UserError
+from nanoeuler.errors import UserError, require
 from nanoeuler.files import check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.io.export import BIAS_NAMES, LAYER_NAMES
@@ -84,12 +84,8 @@ def hub_folder(source):
     if not HUB_ID.fullmatch(source):
         raise UserError(f"--hf {source} is not a directory")
     repo, _, revision = source.partition("@")
-    try:
-        import huggingface_hub
-        from huggingface_hub import errors
-    except ImportError:
-        raise UserError(f"--hf {source} is not a directory, and a Hugging Face Hub id needs huggingface_hub: "
-                        "pip install 'nanoeuler[hub]'") from None
+    huggingface_hub, errors = require("huggingface_hub", "huggingface_hub.errors",
+                                      what=f"--hf {source} is not a directory, and a Hugging Face Hub id")
     at = f" at revision {revision}" if revision else ""
     try:
         return huggingface_hub.snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES)

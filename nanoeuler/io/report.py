@@ -1,5 +1,5 @@
 """Run reports: the page a person reads about a trained checkpoint. `nanoeuler train|sft|dpo` write `<out>.md`
-beside the checkpoint at each checkpoint and at the end; `nanoeuler report [--ckpt F]` prints it; `nanoeuler
+beside the checkpoint at each checkpoint and at the end; `nanoeuler report [--ckpt F]` prints it (cli.py); `nanoeuler
 export --hf` makes the model card (README.md) from it.
 
     write_report("nanoeuler.bin")          # after checkpoint.save: nanoeuler.md, atomically
@@ -222,9 +222,3 @@ def report_text(ckpt):
         with open(path, encoding="utf-8") as f:
             return f.read()
     return build_report(ckpt)
-
-
-def main(args):
-    """`nanoeuler report [--ckpt F]`."""
-    print(report_text(args.ckpt))
-    return 0

@@ -10,7 +10,7 @@ The probe is nanoeuler.model.gpu.available(), which imports cupy only inside a t
 never loads cupy) on a machine without CUDA.
 """
 from nanoeuler.model.config import param_count
-from nanoeuler.errors import UserError
+from nanoeuler.errors import UserError, require
 from nanoeuler.model.gpu import available as gpu_available
 
 # small has 1.1M parameters (2.0M with a 4096-token vocabulary), big 14.2M: the line falls between them.
@@ -32,9 +32,13 @@ def resolve(device, cfg=None):
     if device == "cpu":
         return "cpu"
     if device == "gpu":
+        try:
+            require("cupy", what="the GPU engine")
+        except UserError as e:
+            raise UserError(f"--device gpu: no CUDA GPU found ({e}); use --device cpu") from None
         if not gpu_available():
             raise UserError("--device gpu: no CUDA GPU found (needs an NVIDIA GPU of compute capability 8.0+ "
-                            "and `pip install nanoeuler[gpu]`); use --device cpu")
+                            "and `pip install -e '.[gpu]'`); use --device cpu")
         return "gpu"
     return "gpu" if (cfg is None or wants_gpu(cfg)) and gpu_available() else "cpu"
 

@@ -16,6 +16,14 @@ from nanoeuler.model.engine import to_numpy
 
 
 # --------------------------------------------------------------------------------------- cross-entropy
+def log_softmax(logits):
+    """log-probabilities of logits (..., V) along the last axis, in float64 on the host (a copy: the logits are
+    left as they are); the one log-softmax that decoding's log-probs, the server's and eval's scores read."""
+    z = to_numpy(logits).astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
 def supervised_counts(targets):
     """(K,) float64: each head's targets that are not -1."""
     targets = np.asarray(targets)

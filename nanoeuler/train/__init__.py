@@ -1,3 +1,4 @@
-"""Training: the loop every stage shares (loop), the objectives it optimizes (objectives), the command
-skeleton of a run (run), the three stages as hooks on it (pretrain, sft, dpo), and data parallelism over
-ranks (distributed, launch)."""
+"""Training: the command skeleton of a run (run), the three stages as functions on it (pretrain, sft, dpo), their
+typed options (options), --resume's rules (resume), the loop every stage shares (loop), what trains and in
+which state (trainable), the objectives it optimizes (objectives), and data parallelism over ranks
+(distributed)."""

@@ -97,9 +97,8 @@ def load(options, model, context):
     # one optimizer batch per draw, split into grad_accum passes: B x N draws the windows of B * N x 1
     source = RandomWindows(corpus.train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
                            world.rank, world.world_size)
-    final, periodic = context.eval_limits()
     full, quick = (eval_batches(corpus.val, corpus.byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=limit)
-                   for limit in (final, periodic))
+                   for limit in context.eval_limits())
     png = os.path.splitext(context.log_path)[0] + ".png"
     return Data(cfg, tok, source, Validation(quick, full),
                 CrossEntropy(comm, every_target=True),  # random windows: every position has its target

@@ -24,6 +24,7 @@ from nanoeuler.io.report import machine
 from nanoeuler.model.config import param_count
 from nanoeuler.model.device import precision as device_precision, resolve, wants_gpu
 from nanoeuler.model.engine import make_engine
+from nanoeuler.model.gpu import require_libraries
 from nanoeuler.parallel.comm import make_communicator
 from nanoeuler.parallel.world import printer, world_of
 from nanoeuler.train import resume
@@ -83,7 +84,7 @@ class Context:
     say: object
 
     def eval_limits(self):
-        """(final, periodic) evaluation batches. Rank 0 evaluates alone, in batches of the per-rank size: N
+        """The batches of the (full, quick) evaluations (loop.Validation's), None: all of them. Rank 0 evaluates alone, in batches of the per-rank size: N
         times as many of them cover the windows one process at the global batch would score, so the validation
         numbers do not depend on the world size."""
         n, hp = self.world.world_size, self.hyper
@@ -191,6 +192,8 @@ def run_device(options, cfg, log_path, world_size=1):
     (tokenizer training, data loading) starts."""
     device = resolve(options.device, cfg if world_size == 1 else None)
     device_precision(device, options.precision)
+    if device == "gpu":
+        require_libraries()  # training's products are cuBLAS's: without its bindings, one line now
     for path in (options.out, log_path, os.path.splitext(log_path)[0] + ".png"):
         check_writable(path)
         remove_stale_temporaries(path)  # a run killed mid-write leaves its temporary behind

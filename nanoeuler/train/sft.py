@@ -77,9 +77,8 @@ def load(options, model, context):
     source = ExampleBatches(train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
                             world.rank, world.world_size)
     byte_len = response_byte_len(tok)
-    final, periodic = context.eval_limits()
     full, quick = (eval_batches(val, byte_len, hp.batch_size, cfg.context, cfg.mtp_heads, limit=limit)
-                   for limit in (final, periodic))
+                   for limit in context.eval_limits())
     state = dict(data=os.path.abspath(settings.data), base=os.path.abspath(settings.base), long=settings.long,
                  val_examples=len(val_idx), examples=counts)
     return Data(cfg, tok, source, Validation(quick, full), CrossEntropy(context.comm), state, "fine-tuning",

@@ -3,7 +3,10 @@ same layer functions as the CPU engine (layers.py; nanoeuler.model.engine.Engine
 runtime of runtime.py (compiling, launching, cuBLAS through nvmath-python, CUDA graphs).
 
 Nothing here imports cupy at import time, so the CPU path never loads it; `available()` probes inside a try.
+The extra `[gpu]` brings the three libraries the engine needs (`require_libraries`): a machine without one of
+them is told so in one line, never with a traceback.
 """
+from nanoeuler.errors import installed, require
 
 # Dense tensor-core peaks (FLOP/s) of the GPUs we know, for MFU, by substring of the device name (most specific
 # first): TF32, and bf16 with float32 accumulation (what our matmuls use; GeForce cards run that at half
@@ -23,6 +26,14 @@ def available():
         return int(cupy.cuda.Device(0).compute_capability) >= 80
     except Exception:  # no cupy, no driver, no device: all mean "no GPU"
         return False
+
+
+def require_libraries(what="the GPU engine"):
+    """CuPy imported, and NVIDIA's CUDA Python (cuda-bindings) and nvmath-python bindings installed (imported
+    where they are used, by runtime.py, after CuPy has loaded its CUDA libraries); a one-line UserError naming
+    the first that is missing and `pip install -e '.[gpu]'` otherwise."""
+    require("cupy", what=what)
+    installed("cuda.bindings", "nvmath", what=what)
 
 
 def device_name():

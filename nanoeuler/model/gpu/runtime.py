@@ -20,6 +20,7 @@ import functools
 import cupy
 import numpy as np
 
+from nanoeuler.errors import require
 from nanoeuler.model.gpu.constants import KERNELS, module_defines
 
 BF16 = np.dtype(np.uint16)  # storage type of bfloat16 activations (CuPy has no bfloat16 dtype)
@@ -76,7 +77,7 @@ def _driver():
     """cuda.bindings.driver, or None where programmatic dependent launch is not to be had (before sm_90)."""
     if int(cupy.cuda.Device().compute_capability) < 90:
         return None
-    from cuda.bindings import driver
+    driver, = require("cuda.bindings.driver", what="the GPU engine's CUDA graphs")
     return driver
 
 
@@ -125,7 +126,7 @@ class _Cublas:
         # its handle then runs in the cuBLAS CuPy was built against, and NVRTC stays the one CuPy compiles with
         cupy.cuda.device.get_cublas_handle()
         cupy.cuda.nvrtc.getVersion()
-        from nvmath.bindings import cublas
+        cublas, = require("nvmath.bindings.cublas", what="the GPU engine's cuBLAS products")
         self.cublas = cublas
         self.handle = cublas.create()
         cublas.set_math_mode(self.handle, cublas.Math.DEFAULT_MATH)
