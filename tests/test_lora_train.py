@@ -132,3 +132,15 @@ def test_an_adapter_for_another_base_is_refused(pipeline, tmp_path, capsys):  # 
         status, _, err = _cli(capsys, *argv)
         assert status == 2 and "another base" in err and err.count("\n") == 1, err
     assert sorted(os.listdir(tmp_path)) == ["other"]
+
+
+def test_recompute_trains_the_same_bits(pipeline, tmp_path):  # noqa: F811
+    """--recompute on a full fine-tuning run: the same weights and log, bit for bit, as without it."""
+    common = ["--ckpt", pipeline["base"], "--steps", 3, "--batch-size", 4, "--eval-every", 3, "--sample-every", 3,
+              *SFT_FLAGS]
+    assert _main(sft, "sft", "--out", tmp_path / "a.bin", *common) == 0
+    assert _main(sft, "sft", "--out", tmp_path / "b.bin", "--recompute", *common) == 0
+    a, b = (checkpoint.load(tmp_path / f"{n}.bin") for n in "ab")
+    np.testing.assert_array_equal(a.params, b.params)
+    logs = [[json.loads(line)["loss"] for line in open(tmp_path / f"{n}.jsonl")] for n in "ab"]
+    assert logs[0] == logs[1]
