@@ -144,3 +144,17 @@ def test_recompute_trains_the_same_bits(pipeline, tmp_path):  # noqa: F811
     np.testing.assert_array_equal(a.params, b.params)
     logs = [[json.loads(line)["loss"] for line in open(tmp_path / f"{n}.jsonl")] for n in "ab"]
     assert logs[0] == logs[1]
+
+
+def test_lora_on_two_ranks_is_one_rank_at_twice_the_batch(pipeline, tmp_path):  # noqa: F811
+    """--gpus 2 (two CPU processes): the adapters' gradients summed over the ranks, the frozen base never; the
+    losses of one rank at the global batch, to float32 rounding."""
+    common = ["--ckpt", pipeline["base"], "--steps", 3, "--eval-every", 3, "--sample-every", 3, "--lora", 4,
+              *map(str, SFT_FLAGS)]
+    r = run_cli("sft", "--out", tmp_path / "two.bin", "--gpus", 2, "--batch-size", 4, *common)
+    assert r.returncode == 0, r.stderr
+    assert _main(sft, "sft", "--out", tmp_path / "one.bin", "--batch-size", 8, *common) == 0
+    two, one = ([json.loads(line)["loss"] for line in open(tmp_path / f"{n}.jsonl")] for n in ("two", "one"))
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    np.testing.assert_allclose(adapters.load(tmp_path / "two.bin").params, adapters.load(tmp_path / "one.bin").params,
+                               atol=1e-5)
