@@ -12,7 +12,7 @@ tokens/s and the peak GPU memory (ours: CuPy's pool, which only grows, after the
 allocation; and CUDA's used memory seen at the end of each row, cudaMemGetInfo).
 
     PYTHONPATH=. python3 benchmarks/bench_lora.py                       # 1B and 8B, every row
-    PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3.2-1b --no-compile
+    PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3.2-1b --compile
 """
 import argparse
 import dataclasses
@@ -158,7 +158,8 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    ap.add_argument("--compile", nargs="*", default=["llama3.2-1b"], choices=sorted(BATCH), metavar="SHAPE",
+                    help="the shapes that also get a torch.compile row (default llama3.2-1b; none: no such rows)")
     ap.add_argument("--no-full", action="store_true", help="leave out our full-SFT rows")
     args = ap.parse_args()
     from nanoeuler.model.gpu import device_name
@@ -177,7 +178,7 @@ def main():
         if not args.no_full and name == "llama3.2-1b":
             modes.append(("ours full SFT", lambda: bench_ours(cfg, inputs, targets, args, "full")))
         modes.append(("PEFT + transformers eager, SDPA, ckpt", lambda: bench_peft(cfg, inputs, targets, args)))
-        if not args.no_compile:
+        if name in args.compile:
             modes.append(("PEFT + transformers compiled, SDPA, ckpt",
                           lambda: bench_peft(cfg, inputs, targets, args, compiled=True)))
         for label, bench in modes:
