@@ -29,7 +29,7 @@ from nanoeuler.parallel.comm import make_communicator
 from nanoeuler.parallel.world import printer, world_of
 from nanoeuler.train import resume
 from nanoeuler.train.loop import Job, fit, schedule_text
-from nanoeuler.train.trainable import LoraTrainable, Trainable, lora_plan
+from nanoeuler.train.trainable import LORA_LR_FACTOR, LoraTrainable, Trainable, lora_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,8 @@ def run(stage, options):
     adapters = lora_plan(options, resumed, model.cfg, options.ckpt, model.params) if hasattr(options, "lora") else None
     if adapters is not None and options.zero:
         raise UserError("--zero shards full training's optimizer state; LoRA's adapters keep theirs whole (it is small)")
-    hp = resume.hyperparameters(options, resumed, model.hyper, world.world_size)
+    fresh = model.hyper if adapters is None else dataclasses.replace(model.hyper, lr=model.hyper.lr * LORA_LR_FACTOR)
+    hp = resume.hyperparameters(options, resumed, fresh, world.world_size)
     eval_task = training_eval(options, hp)  # its items read now: a bad file stops the run before any work
     log_path = options.log or os.path.splitext(options.out)[0] + ".jsonl"
     device = run_device(options, model.cfg, log_path, world.world_size)

@@ -72,6 +72,9 @@ class Trainable:
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
+# A LoRA run's default peak learning rate is the command's full-training default times this: the ratio of the
+# usual recipes (Hugging Face's alignment handbook: SFT 2e-5 full, 2e-4 LoRA; DPO 5e-7 full, 5e-6 LoRA)
+LORA_LR_FACTOR = 10
 @dataclasses.dataclass(frozen=True)
 class LoraPlan:
     """What a LoRA run trains: its spec, the adapters to start from (None: fresh), the base checkpoint's path
