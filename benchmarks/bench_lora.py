@@ -67,6 +67,15 @@ def random_weights(eng, seed=0):
     eng.sync_weights()
 
 
+def free_memory():
+    """What a failed row left in CuPy's pool and torch's caching allocator, handed back."""
+    import cupy
+    import torch
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+
+
 def bench_ours(cfg, inputs, targets, args, mode):
     """mode: 'lora', 'lora-recompute' or 'full'."""
     import cupy
@@ -168,30 +177,31 @@ def main():
           f"{args.context}; {args.warmup} warm-up steps, median of {args.steps}", flush=True)
     print(f"{'shape':<12} {'engine':<40} {'batch':>5} {'ms/step':>8} {'tokens/s':>9} {'peak GiB':>9} "
           f"{'CUDA used':>9} {'loss':>8} {'ours/this':>9}", flush=True)
+    plan, compiled, first = [], [], {}
     for name in args.shapes:
         cfg = dataclasses.replace(SHAPES[name], context=args.context)
         B = BATCH[name]
         inputs, targets = next(batches(cfg, B, seed=1))
-        rows = []
-        modes = [("ours LoRA --recompute", lambda: bench_ours(cfg, inputs, targets, args, "lora-recompute")),
-                 ("ours LoRA", lambda: bench_ours(cfg, inputs, targets, args, "lora"))]
+        run = lambda mode, cfg=cfg, inputs=inputs, targets=targets: bench_ours(cfg, inputs, targets, args, mode)
+        plan += [(name, B, "ours LoRA --recompute", lambda run=run: run("lora-recompute")),
+                 (name, B, "ours LoRA", lambda run=run: run("lora"))]
         if not args.no_full and name == "llama3.2-1b":
-            modes.append(("ours full SFT", lambda: bench_ours(cfg, inputs, targets, args, "full")))
-        modes.append(("PEFT + transformers eager, SDPA, ckpt", lambda: bench_peft(cfg, inputs, targets, args)))
-        if name in args.compile:
-            modes.append(("PEFT + transformers compiled, SDPA, ckpt",
-                          lambda: bench_peft(cfg, inputs, targets, args, compiled=True)))
-        for label, bench in modes:
-            try:
-                med, loss, mem, used = bench()
-            except Exception as e:  # an out-of-memory row, or a compile that fails: said, and the others go on
-                print(f"{name:<12} {label:<40} {B:5d} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            rows.append(med)
-            tps = B * args.context / (med / 1e3)
-            print(f"{name:<12} {label:<40} {B:5d} {med:8.1f} {tps:9.0f} {mem / 2**30:9.2f} {used / 2**30:9.2f} "
-                  f"{loss:8.4f} {med / rows[0]:8.2f}x", flush=True)
-
+            plan.append((name, B, "ours full SFT", lambda run=run: run("full")))
+        peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
+        plan.append((name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False)))
+        if name in args.compile:  # last: a long compile must not cost the other rows
+            compiled.append((name, B, "PEFT + transformers compiled, SDPA, ckpt", lambda peer=peer: peer(True)))
+    for name, B, label, bench in plan + compiled:
+        try:
+            med, loss, mem, used = bench()
+        except Exception as e:  # an out-of-memory row, or a compile that fails: said, and the others go on
+            print(f"{name:<12} {label:<40} {B:5d} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            free_memory()
+            continue
+        first.setdefault(name, med)
+        tps = B * args.context / (med / 1e3)
+        print(f"{name:<12} {label:<40} {B:5d} {med:8.1f} {tps:9.0f} {mem / 2**30:9.2f} {used / 2**30:9.2f} "
+              f"{loss:8.4f} {med / first[name]:8.2f}x", flush=True)
 
 if __name__ == "__main__":
     main()
