@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_cli
 from nanoeuler.data import instructions
-from nanoeuler.io import adapters, checkpoint, peft as peft_io
+from nanoeuler.io import checkpoint, peft as peft_io
 from nanoeuler.model import lora
 from nanoeuler.model.config import Config
 from nanoeuler.model.engine import make_engine
@@ -31,10 +31,10 @@ def lora_chat(pipeline):  # noqa: F811
 
 
 def test_lora_sft_learns_and_saves_the_adapters_alone(pipeline, lora_chat):  # noqa: F811
-    ack = adapters.load(lora_chat, with_opt=True)
+    ack = checkpoint.load_adapters(lora_chat, with_opt=True)
     base = checkpoint.load(pipeline["base"])
     assert ack.spec == lora.LoraSpec(8, 16.0, 0.0, lora.TARGETS) and ack.step == 40 and ack.chat
-    assert ack.base == os.path.abspath(pipeline["base"]) and ack.fingerprint == adapters.fingerprint(base.params)
+    assert ack.base == os.path.abspath(pipeline["base"]) and ack.fingerprint == checkpoint.adapter_fingerprint(base.params)
     assert os.path.getsize(lora_chat) < 0.3 * os.path.getsize(pipeline["base"])
     log = [json.loads(line) for line in open(pipeline["dir"] / "lora_chat.jsonl")]
     # on this barely pretrained 0.1M model the frozen features carry little: the adapters learn, slower than
@@ -68,7 +68,7 @@ def test_adapters_through_peft_folders_and_the_inference_commands(pipeline, lora
     out = tmp_path / "more.bin"
     assert _main(sft, "sft", "--ckpt", pipeline["base"], "--adapter", tmp_path / "peft", "--out", out, "--steps", 2,
                  "--batch-size", 4, "--eval-every", 2, "--sample-every", 2, *SFT_FLAGS) == 0
-    assert adapters.load(out).spec.rank == 8
+    assert checkpoint.load_adapters(out).spec.rank == 8
 
 
 def test_lora_resume_after_interrupt_is_bit_identical(pipeline, tmp_path, monkeypatch):  # noqa: F811
@@ -79,14 +79,14 @@ def test_lora_resume_after_interrupt_is_bit_identical(pipeline, tmp_path, monkey
     with monkeypatch.context() as m:
         _interrupt_at(m, 7, instructions.ExampleBatches)
         assert _main(sft, "sft", "--out", tmp_path / "b.bin", *common) == 130
-    assert adapters.load(tmp_path / "b.bin").step == 7
+    assert checkpoint.load_adapters(tmp_path / "b.bin").step == 7
     assert _main(sft, "sft", "--resume", "--out", tmp_path / "b.bin", "--device", "cpu", "--recompute") == 0
     full, resumed = ([json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in "ab")
     assert [r["step"] for r in resumed] == list(range(1, 11))
     for record, record_resumed in zip(full, resumed):
         for key in ("loss", "lr", "grad_norm", "val_loss"):
             assert record.get(key) == record_resumed.get(key), (record["step"], key)
-    a, b = (adapters.load(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
+    a, b = (checkpoint.load_adapters(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
     np.testing.assert_array_equal(a.params, b.params)
     np.testing.assert_array_equal(a.opt[1], b.opt[1])
     assert a.spec == b.spec == lora.LoraSpec(4, 8.0, 0.1, ("q", "v", "down"))
@@ -100,7 +100,7 @@ def test_dpo_lora_over_sft_lora(pipeline, lora_chat, tmp_path):  # noqa: F811
     assert _main(dpo, "dpo", "--ckpt", lora_chat, "--data", tmp_path / "pairs.jsonl", "--out", out, "--lora", 4,
                  "--steps", 4, "--batch-size", 2, "--lr", 1e-2, "--eval-every", 2, "--sample-every", 4, "--rpo-alpha", 0,
                  "--val-pairs", 2, "--device", "cpu") == 0
-    ack = adapters.load(out)
+    ack = checkpoint.load_adapters(out)
     assert ack.base == os.path.abspath(lora_chat)
     sft_merged, dpo_merged = checkpoint.load(lora_chat), checkpoint.load(out)
     assert np.allclose(dpo_merged.params, lora.merge(ack.cfg, sft_merged.params, ack.spec, ack.params))
@@ -156,5 +156,5 @@ def test_lora_on_two_ranks_is_one_rank_at_twice_the_batch(pipeline, tmp_path):  
     assert _main(sft, "sft", "--out", tmp_path / "one.bin", "--batch-size", 8, *common) == 0
     two, one = ([json.loads(line)["loss"] for line in open(tmp_path / f"{n}.jsonl")] for n in ("two", "one"))
     np.testing.assert_allclose(two, one, rtol=1e-5)
-    np.testing.assert_allclose(adapters.load(tmp_path / "two.bin").params, adapters.load(tmp_path / "one.bin").params,
+    np.testing.assert_allclose(checkpoint.load_adapters(tmp_path / "two.bin").params, checkpoint.load_adapters(tmp_path / "one.bin").params,
                                atol=1e-5)

@@ -1,6 +1,6 @@
 """PEFT's LoRA files (io/peft.py) both ways, checked by PEFT itself: our adapters loaded with
 `PeftModel.from_pretrained` on the `export --hf` base give our logits, and an adapter PEFT made loads into our
-engine with PEFT's logits; adapter checkpoints (io/adapters.py) read as their base merged."""
+engine with PEFT's logits; adapter checkpoints (io/checkpoint.py) read as their base merged."""
 import json
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_cli, sharp_params, tiny_config
 from nanoeuler.errors import UserError
-from nanoeuler.io import adapters, checkpoint, peft as peft_io
+from nanoeuler.io import checkpoint, peft as peft_io
 from nanoeuler.model import lora
 from nanoeuler.model.config import Config
 from nanoeuler.model.engine import make_engine
@@ -113,10 +113,10 @@ def test_adapter_checkpoint_reads_as_its_merged_base(base, tokenizer, tmp_path):
     spec = lora.make_spec(cfg, 4, 8.0)
     values = _random_adapters(cfg, spec, 4)
     out = tmp_path / "adapters.bin"
-    adapters.save(out, cfg, spec, values, path, adapters.fingerprint(flat), tokenizer.to_json(), step=7,
+    checkpoint.save_adapters(out, cfg, spec, values, path, checkpoint.adapter_fingerprint(flat), tokenizer.to_json(), step=7,
                   opt=(values * 0, values * 0 + 1), train_state={"x": 1})
     assert out.stat().st_size < 0.5 * path.stat().st_size  # the adapters alone
-    ack = adapters.load(out, with_opt=True)
+    ack = checkpoint.load_adapters(out, with_opt=True)
     assert ack.spec == spec and np.array_equal(ack.params, values) and ack.train_state == {"x": 1}
     merged = checkpoint.load(out)
     assert merged.step == 7 and np.allclose(merged.params, lora.merge(cfg, flat, spec, values))
@@ -124,6 +124,6 @@ def test_adapter_checkpoint_reads_as_its_merged_base(base, tokenizer, tmp_path):
         checkpoint.load(out, with_opt=True)
     other = tmp_path / "other.bin"
     checkpoint.save(other, cfg, flat * 1.01, tokenizer.to_json(), step=1)
-    adapters.save(out, cfg, spec, values, other, adapters.fingerprint(flat), tokenizer.to_json(), step=7)
+    checkpoint.save_adapters(out, cfg, spec, values, other, checkpoint.adapter_fingerprint(flat), tokenizer.to_json(), step=7)
     with pytest.raises(UserError, match="not the base"):
         checkpoint.load(out)

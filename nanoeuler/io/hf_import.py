@@ -137,10 +137,9 @@ class Safetensors:
     (the header is JSON, the data raw little-endian) because NumPy has no bfloat16, the dtype most published
     checkpoints use."""
 
-    def __init__(self, folder, files=None):
-        """files: the paths to read (default: the folder's safetensors files)."""
+    def __init__(self, folder):
         self.entries = {}  # name -> (path, dtype, shape, start byte, end byte)
-        for path in files or _safetensors_files(folder):
+        for path in _safetensors_files(folder):
             try:
                 with open(path, "rb") as f:
                     (n,) = struct.unpack("<Q", f.read(8))

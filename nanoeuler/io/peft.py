@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import struct
 
 import numpy as np
 
@@ -74,7 +75,6 @@ def write(folder, cfg, spec, values, base=None):
 def read(folder, cfg):
     """(LoraSpec, flat float32 adapter values) of a PEFT LoRA folder for the base of config cfg; one-line
     UserErrors for what does not fit (module docstring)."""
-    from nanoeuler.io.hf_import import Safetensors
     where = f"--adapter {folder}"
     config_path, weights_path = os.path.join(folder, CONFIG), os.path.join(folder, WEIGHTS)
     if not os.path.isdir(folder):
@@ -103,7 +103,7 @@ def read(folder, cfg):
         raise UserError(f"{where}: {CONFIG} has no valid r and lora_alpha") from None
     if conf.get("use_rslora"):  # rsLoRA scales by alpha / sqrt(r): the same as our alpha / r with alpha * sqrt(r)
         alpha *= math.sqrt(rank)
-    tensors = Safetensors(folder, files=[weights_path])
+    tensors = _Tensors(weights_path)
     found = {}
     for name in tensors:
         m = _NAME.fullmatch(name)
@@ -134,6 +134,53 @@ def read(folder, cfg):
     if not np.isfinite(flat).all():
         raise UserError(f"{where}: non-finite adapter weights")
     return spec, flat
+
+
+_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
+
+
+class _Tensors:
+    """A safetensors file's tensors by name, read by hand as float32 (NumPy has no bfloat16: a bf16 is the top
+    half of a float32, exact)."""
+
+    def __init__(self, path):
+        self.path, self.entries = path, {}
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise UserError(f"cannot read {path}: {e}") from None
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry.get("dtype") not in _DTYPES:
+                raise UserError(f"{path}: tensor {name} is {entry.get('dtype')}; adapters are float tensors")
+            lo, hi = entry["data_offsets"]
+            self.entries[name] = (entry["dtype"], tuple(entry["shape"]), 8 + n + lo, hi - lo)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def shape(self, name):
+        return self.entries[name][1]
+
+    def read_into(self, name, out):
+        dtype, shape, start, size = self.entries[name]
+        source = np.dtype(_DTYPES[dtype])
+        if size != math.prod(shape) * source.itemsize:
+            raise UserError(f"{self.path}: tensor {name} has {size} bytes, its shape {list(shape)} needs "
+                            f"{math.prod(shape) * source.itemsize}")
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                raw = np.frombuffer(f.read(size), dtype=source)
+        except OSError as e:
+            raise UserError(f"cannot read {self.path}: {e}") from None
+        if raw.size != math.prod(shape):
+            raise UserError(f"{self.path} ends inside tensor {name}")
+        values = (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw.astype(np.float32)
+        out[...] = values.reshape(shape)
 
 
 def apply(ck, folder):

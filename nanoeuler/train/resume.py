@@ -5,7 +5,7 @@ import dataclasses
 import os
 
 from nanoeuler.errors import UserError
-from nanoeuler.io import adapters, checkpoint
+from nanoeuler.io import checkpoint
 from nanoeuler.train.loop import Hyperparameters
 
 
@@ -22,9 +22,9 @@ def load(options, kind, command):
         return None
     if not os.path.exists(out):
         raise UserError(f"--resume: nothing to resume, {out} not found (--out names the checkpoint)")
-    if adapters.is_adapter(checkpoint.read_metadata(out)):  # a LoRA run: its base's weights, its adapters' state
-        ack = adapters.load(out, with_opt=True)
-        base = adapters.load_base(ack, out)
+    if checkpoint.is_adapter(checkpoint.read_metadata(out)):  # a LoRA run: its base's weights, its adapters' state
+        ack = checkpoint.load_adapters(out, with_opt=True)
+        base = checkpoint.load_adapter_base(ack, out)
         ck = dataclasses.replace(base, step=ack.step, chat=ack.chat, opt=ack.opt, train_state=ack.train_state,
                                  adapters=ack)
     else:

@@ -11,7 +11,7 @@ AdamW's moments over all of them (model/optimizer.py) and, over N ranks, DataPar
 ZeRO-1 the moments' shards (train/distributed.py). What trains in another way plugs in here, behind the same
 members (engine, step, state, save, evaluating, device_memory): `LoraTrainable` trains LoRA's adapters
 (model/lora.py) beside the frozen weights of an engine that has no gradients, with their own flat parameters,
-gradients and moments, and saves those alone as an adapter checkpoint (io/adapters.py); ZeRO-2/3 would shard
+gradients and moments, and saves those alone as an adapter checkpoint (io/checkpoint.py); ZeRO-2/3 would shard
 the gradients and the weights. The loop, the objectives' shares and the checkpoints' format of the
 training state stay as they are.
 """
@@ -78,7 +78,7 @@ LORA_LR_FACTOR = 10
 @dataclasses.dataclass(frozen=True)
 class LoraPlan:
     """What a LoRA run trains: its spec, the adapters to start from (None: fresh), the base checkpoint's path
-    and the fingerprint of its weights (io/adapters.py), and where the start came from in words."""
+    and the fingerprint of its weights (io/checkpoint.py's adapter checkpoints), and where the start came from in words."""
     spec: lora.LoraSpec
     values: object
     base: str
@@ -113,7 +113,6 @@ def lora_plan(options, resumed, cfg, base_path, base_params):
         if given:
             raise UserError(f"--{given[0].replace('_', '-')} needs --lora R (the adapters' rank)")
         return None
-    from nanoeuler.io import adapters
     if adapter:  # a PEFT adapter to go on training: its rank, alpha and targets
         from nanoeuler.io import peft
         spec, values = peft.read(adapter, cfg)
@@ -123,10 +122,11 @@ def lora_plan(options, resumed, cfg, base_path, base_params):
             raise UserError(f"--lora-targets: the adapter {adapter} adapts {','.join(spec.targets)}")
         alpha = spec.alpha if options.lora_alpha is None else options.lora_alpha
         spec = lora.make_spec(cfg, spec.rank, alpha, options.lora_dropout or 0.0, spec.targets)
-        return LoraPlan(spec, values, base_path, adapters.fingerprint(base_params), f"the PEFT adapter {adapter}")
+        return LoraPlan(spec, values, base_path, checkpoint.adapter_fingerprint(base_params),
+                        f"the PEFT adapter {adapter}")
     targets = lora.parse_targets(options.lora_targets) if options.lora_targets is not None else lora.TARGETS
     spec = lora.make_spec(cfg, options.lora, options.lora_alpha, options.lora_dropout or 0.0, targets)
-    return LoraPlan(spec, None, base_path, adapters.fingerprint(base_params), "fresh adapters")
+    return LoraPlan(spec, None, base_path, checkpoint.adapter_fingerprint(base_params), "fresh adapters")
 
 
 class LoraTrainable(Trainable):
@@ -155,8 +155,7 @@ class LoraTrainable(Trainable):
         return numbers
 
     def save(self, path, params, moments, tokenizer_json, step, train_state, chat):
-        from nanoeuler.io import adapters
-        adapters.save(path, self.engine.cfg, self.plan.spec, params, self.plan.base, self.plan.fingerprint,
+        checkpoint.save_adapters(path, self.engine.cfg, self.plan.spec, params, self.plan.base, self.plan.fingerprint,
                       tokenizer_json, step, opt=moments, train_state=train_state, chat=chat)
 
     @contextlib.contextmanager
