@@ -177,21 +177,23 @@ def main():
           f"{args.context}; {args.warmup} warm-up steps, median of {args.steps}", flush=True)
     print(f"{'shape':<12} {'engine':<40} {'batch':>5} {'ms/step':>8} {'tokens/s':>9} {'peak GiB':>9} "
           f"{'CUDA used':>9} {'loss':>8} {'ours/this':>9}", flush=True)
-    plan, compiled, first = [], [], {}
+    # in order of what matters most, so that a run cut short has measured it: ours with --recompute and PEFT's
+    # eager step of every shape, then ours without --recompute and full SFT, then the torch.compile rows
+    tiers, first = ([], [], []), {}
     for name in args.shapes:
         cfg = dataclasses.replace(SHAPES[name], context=args.context)
         B = BATCH[name]
         inputs, targets = next(batches(cfg, B, seed=1))
         run = lambda mode, cfg=cfg, inputs=inputs, targets=targets: bench_ours(cfg, inputs, targets, args, mode)
-        plan += [(name, B, "ours LoRA --recompute", lambda run=run: run("lora-recompute")),
-                 (name, B, "ours LoRA", lambda run=run: run("lora"))]
-        if not args.no_full and name == "llama3.2-1b":
-            plan.append((name, B, "ours full SFT", lambda run=run: run("full")))
         peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
-        plan.append((name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False)))
-        if name in args.compile:  # last: a long compile must not cost the other rows
-            compiled.append((name, B, "PEFT + transformers compiled, SDPA, ckpt", lambda peer=peer: peer(True)))
-    for name, B, label, bench in plan + compiled:
+        tiers[0].extend([(name, B, "ours LoRA --recompute", lambda run=run: run("lora-recompute")),
+                         (name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False))])
+        tiers[1].append((name, B, "ours LoRA", lambda run=run: run("lora")))
+        if not args.no_full and name == "llama3.2-1b":
+            tiers[1].append((name, B, "ours full SFT", lambda run=run: run("full")))
+        if name in args.compile:
+            tiers[2].append((name, B, "PEFT + transformers compiled, SDPA, ckpt", lambda peer=peer: peer(True)))
+    for name, B, label, bench in tiers[0] + tiers[1] + tiers[2]:
         try:
             med, loss, mem, used = bench()
         except Exception as e:  # an out-of-memory row, or a compile that fails: said, and the others go on
@@ -201,7 +203,7 @@ def main():
         first.setdefault(name, med)
         tps = B * args.context / (med / 1e3)
         print(f"{name:<12} {label:<40} {B:5d} {med:8.1f} {tps:9.0f} {mem / 2**30:9.2f} {used / 2**30:9.2f} "
-              f"{loss:8.4f} {med / first[name]:8.2f}x", flush=True)
+              f"{loss:8.4f} {med / first[name]:8.2f}x", flush=True)  # first: ours with --recompute
 
 if __name__ == "__main__":
     main()
