@@ -413,7 +413,7 @@ def launch_nodes(args):
         return None
     from nanoeuler.parallel.world import World
     if World.from_env().world_size > 1:
-        return None  # a worker (of this launcher, torchrun, srun or mpirun): run_world checks --gpus against it
+        return None  # a worker (of this launcher, torchrun, srun or mpirun): world.world_of checks --gpus against it
     from nanoeuler.parallel.launch import Nodes
     if count == 1:
         if args.node_rank:
