@@ -126,6 +126,30 @@ def _training_flags(p):
                         "computes in fp32")
     p.add_argument("--grad-accum", type=_positive_int,
                    help="forward/backward passes of --batch-size per optimizer step (less memory, same result)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep each layer's input only and recompute its activations in the backward pass (less "
+                        "memory for long contexts, a forward pass more; the same gradients bit for bit)")
+
+
+def _lora_flags(p, adapter=False):
+    p.add_argument("--lora", type=int, metavar="R",
+                   help="train LoRA adapters of rank R on the frozen model instead of every weight; --out is then a "
+                        "small checkpoint of the adapters naming their base (docs/lora.md)")
+    p.add_argument("--lora-alpha", type=_positive_float, metavar="A",
+                   help="the adapters' scale is A / R (default A = 2R)")
+    p.add_argument("--lora-dropout", type=_probability, metavar="P",
+                   help="dropout on the adapters' inputs while training (default 0)")
+    p.add_argument("--lora-targets", metavar="LIST",
+                   help="the products that get adapters, among q,k,v,o,gate,up,down (default all seven)")
+    if adapter:
+        p.add_argument("--adapter", metavar="DIR",
+                       help="start the adapters from this PEFT LoRA folder (its rank, alpha and targets)")
+
+
+def _adapter_flag(p):
+    p.add_argument("--adapter", metavar="DIR",
+                   help="a PEFT LoRA folder (adapter_config.json, adapter_model.safetensors) made for --ckpt's "
+                        "model, merged into its weights")
 
 
 def _launch_flags(p):
@@ -149,6 +173,7 @@ def _parallel_flags(p):
 
 def _sampling_flags(p):
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
+    _adapter_flag(p)
     p.add_argument("--max-new-tokens", type=_nonneg_int, default=200,
                    help="tokens to generate at most; generation also stops at </s> (default 200)")
     p.add_argument("--temperature", type=_nonneg_float, default=0.8, help="0 is greedy (default 0.8)")
@@ -213,6 +238,7 @@ def build_parser():
                    help="examples longer than context + K tokens: cut to the window (default) or skip them")
     p.add_argument("--show", type=_positive_int, metavar="N",
                    help="print the first N examples as trained, supervised tokens marked, and exit")
+    _lora_flags(p, adapter=True)
 
     p = sub.add_parser("dpo", help="preference-tune a chat model on chosen/rejected pairs (DPO)")
     _device_flag(p)
@@ -227,6 +253,7 @@ def build_parser():
     p.add_argument("--val-pairs", type=_positive_int,
                    help="pairs held out for the validation metrics (default a twentieth, at most 500)")
     _parallel_flags(p)
+    _lora_flags(p)
 
     p = sub.add_parser("chat", help="interactive session with a trained model")
     _sampling_flags(p)
@@ -252,6 +279,7 @@ def build_parser():
     p.add_argument("--gpu-memory", type=_size, metavar="SIZE",
                    help="GPU memory the server may hold in all, weights included (e.g. 12GiB): the KV cache is sized "
                         "to it rather than to all the free memory")
+    _adapter_flag(p)
     _invariance_flag(p)
     _device_flag(p, training=False)
 
@@ -280,6 +308,10 @@ def build_parser():
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--hf", metavar="DIR", help="output folder")
     where.add_argument("--gguf", metavar="FILE", help="output GGUF file, for llama.cpp, Ollama, LM Studio")
+    where.add_argument("--peft", metavar="DIR", help="an adapter checkpoint's adapters as a PEFT LoRA folder, for the "
+                       "base that --hf writes")
+    p.add_argument("--merge", action="store_true",
+                   help="an adapter checkpoint (sft/dpo --lora) is written merged into its base: implied, accepted")
     p.add_argument("--type", default="f16", choices=("f32", "f16", "bf16", "q8_0"),
                    help="GGUF weight type of the matrices (default f16; norms stay f32)")
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
@@ -313,6 +345,7 @@ def build_parser():
     p.add_argument("--chat", action="store_true",
                    help="a chat checkpoint: each context is an instruction in the chat template, each choice a reply")
     p.add_argument("--precision", choices=("bf16", "tf32", "fp32"), help="GPU arithmetic (default bf16)")
+    _adapter_flag(p)
     _device_flag(p, training=False)
     _launch_flags(p)
 

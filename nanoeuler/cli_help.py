@@ -60,7 +60,8 @@ GUIDE = {
         "nanoeuler.data.fetch alpaca`.",
         ["nanoeuler sft                                  # nanoeuler.bin + data/alpaca.json -> nanoeuler_chat.bin",
          "nanoeuler sft --show 3                         # the first 3 examples as trained, then exit",
-         "nanoeuler sft --ckpt base.bin --data mine.json --out mine_chat.bin --steps 300"]),
+         "nanoeuler sft --ckpt base.bin --data mine.json --out mine_chat.bin --steps 300",
+         "nanoeuler sft --ckpt llama.bin --lora 16 --out chat_lora.bin   # LoRA adapters alone (docs/lora.md)"]),
     "dpo": (
         "Preference tuning of a chat checkpoint on {prompt, chosen, rejected} pairs: DPO against the starting "
         "model as the reference, with the chosen replies' likelihood kept up by RPO's NLL term (--rpo-alpha; "
@@ -70,6 +71,7 @@ GUIDE = {
         "nanoeuler.data.fetch preferences`.",
         ["nanoeuler dpo                                  # nanoeuler_chat.bin + data/preferences.jsonl -> nanoeuler_dpo.bin",
          "nanoeuler dpo --data pairs.jsonl --beta 0.2 --steps 300",
+         "nanoeuler dpo --ckpt chat_lora.bin --lora 16 --out dpo_lora.bin   # adapters; the reference is the base",
          "nanoeuler chat --ckpt nanoeuler_dpo.bin        # then talk to the result"]),
     "infer": (
         "Continue a prompt with a trained model (head 0; --speculative drafts with the other heads and gives "

@@ -552,7 +552,7 @@ def test_chat_repl_keeps_the_conversation_and_drops_its_oldest_turns(tokenizer, 
         except StopIteration:
             raise EOFError from None
     eng = SimpleNamespace(cfg=SimpleNamespace(context=context))
-    monkeypatch.setattr(chat, "load_model", lambda ckpt, device: (eng, tok, SimpleNamespace(chat=True, step=0)))
+    monkeypatch.setattr(chat, "load_model", lambda ckpt, device, **_: (eng, tok, SimpleNamespace(chat=True, step=0)))
     monkeypatch.setattr(chat, "generate", fake_generate)
     monkeypatch.setattr("builtins.input", fake_input)
     args = SimpleNamespace(ckpt="c.bin", device="cpu", speculative=0, seed=0, max_new_tokens=max_new,

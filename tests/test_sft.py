@@ -73,7 +73,7 @@ def test_sft_dpo_chat_and_serve_prompt_alike(tokenizer, monkeypatch):
         except StopIteration:
             raise EOFError from None
     eng = SimpleNamespace(cfg=SimpleNamespace(context=4096))
-    monkeypatch.setattr(chat, "load_model", lambda ckpt, device: (eng, tok, SimpleNamespace(chat=True, step=0)))
+    monkeypatch.setattr(chat, "load_model", lambda ckpt, device, **_: (eng, tok, SimpleNamespace(chat=True, step=0)))
     monkeypatch.setattr(chat, "generate", fake_generate)
     monkeypatch.setattr("builtins.input", fake_input)
     args = SimpleNamespace(ckpt="c.bin", device="cpu", speculative=0, seed=0, max_new_tokens=4, temperature=0,

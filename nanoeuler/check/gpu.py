@@ -26,6 +26,10 @@ CPU layers on the same packed matrices, from 1 to 100 rows; the GPU's dequantiza
 in bf16 each row of a 64-row product bit for bit that row's product alone (batch invariance). Then a quantized
 model of each type: its full-forward and KV-cache decode logits against the CPU engine's on the same
 quantized checkpoint (float64), bounds as for float weights.
+LoRA: its layers (the update into a column slice of a wider product, its backward pass, dropout's mask), then a
+frozen base with adapters on all seven targets, dropout off and on (the same key: the same mask on both
+engines), the adapters' gradients against the CPU engine's in fp32 and bf16, and --recompute's gradients equal
+to the stored path's bit for bit.
 
     nanoeuler check --gpu
 """
@@ -671,8 +675,38 @@ def check_quantized_matmul(case, gpu_layers, cpu_layers):
     return out
 
 
+@_precisions("fp32", "tf32", "bf16")
+def check_lora(case, gpu_layers, cpu_layers):
+    """LoRA's layers: the update into a column slice of a wider output, its backward pass from a column slice of
+    that output's gradient (rank 5, sizes off the tiles), and dropout (p 0.3: a wrong mask is an O(1) error)."""
+    N, I, O, r, wide, at = 71, 93, 37, 5, 100, 21
+    scale = 1.75
+    x, a, b = case.act(case.normal(N, I)), case.act(case.normal(r, I, scale=0.3)), case.act(case.normal(O, r, scale=0.3))
+    base, dout = case.act(case.normal(N, wide)), case.act(case.normal(N, wide))
+    ref_out, ref_h = base.copy(), np.empty((N, r))
+    cpu_layers.lora_forward(ref_out[:, at:at + O], ref_h, x, a, b, scale)
+    g_out, g_h = case.dev(base), case.poisoned(N, r)
+    gpu_layers.lora_forward(g_out[:, at:at + O], g_h, case.dev(x), case.dev(a), case.dev(b), scale)
+    h = case.act(ref_h)  # the backward pass reads the kept product as the GPU rounded it
+    dx0 = case.act(case.normal(N, I))
+    rdx, rda, rdb, rdh = dx0.copy(), np.zeros((r, I)), np.zeros((O, r)), np.empty((N, r))
+    cpu_layers.lora_backward(rdx, rda, rdb, rdh, dout[:, at:at + O], x, h, a, b, scale, True)
+    gdx, gda, gdb, gdh = case.dev(dx0), case.dev32(np.zeros((r, I))), case.dev32(np.zeros((O, r))), case.poisoned(N, r)
+    gpu_layers.lora_backward(gdx, gda, gdb, gdh, case.dev(dout)[:, at:at + O], case.dev(x), case.dev(h), case.dev(a),
+                             case.dev(b), scale, True)
+    rd, gd = np.empty((N, I)), case.poisoned(N, I)
+    cpu_layers.dropout_forward(rd, x, 0.3, 987654321, False)
+    gpu_layers.dropout_forward(gd, case.dev(x), 0.3, 987654321, False)
+    return [(f"lora_forward{case.tag} into columns {at}..{at + O} of {wide}", rel_err(case.get(g_out), ref_out), case.tol),
+            (f"lora_forward{case.tag}: kept x A^T", rel_err(case.get(g_h), ref_h), case.tol),
+            (f"lora_backward{case.tag}: dx (added)", rel_err(case.get(gdx), rdx), case.tol),
+            (f"lora_backward{case.tag}: dA, dB", max(rel_err(gda.get(), rda), rel_err(gdb.get(), rdb)), case.tol),
+            (f"dropout_forward{case.tag} p 0.3", rel_err(case.get(gd), rd), case.tol)]
+
+
 KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check_attention, check_swiglu,
-                 check_crossentropy, check_adamw, check_argmax, check_sample_rows, check_quantized_matmul]
+                 check_crossentropy, check_adamw, check_argmax, check_sample_rows, check_quantized_matmul,
+                 check_lora]
 
 # a quantized model: every row length a multiple of the int4 kernels' 128
 QUANT_CONFIG = dataclasses.replace(MODEL_CONFIG, hidden=384)
@@ -766,6 +800,43 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
     return errors
 
 
+def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, dropout=0.0):
+    """LoRA on a frozen base (model/lora.py), GPU engine in `precision` vs CPU engine (float64), the same base,
+    adapters (rank 8 on all seven targets, alpha 16) and dropout key: {adapter tensor: error}, plus the loss,
+    and whether the GPU's gradients with --recompute equal its stored path's bit for bit (error 0 or inf)."""
+    from nanoeuler.check.problems import random_problem
+    from nanoeuler.model import lora
+    from nanoeuler.model.engine import make_engine
+
+    rng = np.random.default_rng(seed + 11)
+    flat, inputs, targets = random_problem(cfg, rng, batch=3, scale=0.05)
+    spec = lora.make_spec(cfg, 8, 16.0, dropout)
+    values = _f32(rng.normal(0.0, 0.05, lora.adapter_layout(cfg, spec)[1]))
+    engines = []
+    for device, dtype in (("cpu", np.float64), ("gpu", np.float32)):
+        eng = make_engine(cfg, device=device, dtype=dtype, precision=None if device == "cpu" else precision,
+                          training=False)
+        eng.load_params(_f32(flat))
+        lora.attach(eng, spec, values).dropout_key = 3
+        engines.append(eng)
+    cpu, gpu = engines
+    losses = [cross_entropy_backward(eng, inputs, targets)[0] for eng in engines]
+    errors = {"loss": abs(losses[1] - losses[0]) / abs(losses[0])}
+    report(f"{'loss':<24} : rel err {errors['loss']:.2e}  (cpu {losses[0]:.8f}, gpu {losses[1]:.8f})")
+    got, ref = gpu.adapters.grads.get(), cpu.adapters.grads
+    for name, (off, shape) in cpu.adapters.layout.items():
+        size = math.prod(shape)
+        errors[name] = rel_err(got[off:off + size], ref[off:off + size])
+        report(f"{name:<24} : rel err {errors[name]:.2e}")
+    gpu.recompute = True
+    gpu.adapters.dropout_key -= 1  # the same masks again
+    cross_entropy_backward(gpu, inputs, targets)
+    same = bool((gpu.adapters.grads.get() == got).all())
+    errors["recompute"] = 0.0 if same else math.inf
+    report(f"{'--recompute':<24} : {'bit-identical gradients' if same else 'DIFFERENT gradients'}")
+    return errors
+
+
 def run_gpu_check(seed=0):
     from nanoeuler.model.cpu.layers import Layers as CPULayers
     from nanoeuler.model.gpu import device_name
@@ -807,6 +878,14 @@ def run_gpu_check(seed=0):
             print(f"quantized model ({kind}, groups of {group}) in {precision} vs CPU engine (float64) on the same "
                   f"quantized weights")
             worst_here = max(quantized_model_check(seed, kind, group, precision).values())
+            model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
+            ok &= worst_here < bounds[precision]
+    for precision in ("fp32", "bf16"):
+        for p in (0.0, 0.25):
+            print(f"LoRA in {precision} vs CPU engine (float64): base frozen, rank 8 on q,k,v,o,gate,up,down, "
+                  f"dropout {p:g}{' (seeded)' if p else ''}, on the q/k/v-bias model")
+            errors = lora_model_check(seed, precision, report=print, dropout=p)
+            worst_here = max(errors.values())
             model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
             ok &= worst_here < bounds[precision]
     print("worst: " + ", ".join(f"{p} kernels {worst[p]:.2e} (bound {TOLERANCE[p]:.1e}), model {model_worst[p]:.2e} "

@@ -19,7 +19,11 @@ training init (std 0.15, norm gains 1 +- 0.2) so every layer has gradients well 
 softmax and SiLU leave their linear regimes. The check fails (exit status 1) if any entry's error is
 1e-6 or more.
 
-    nanoeuler check            # CPU engine vs finite differences: 39 + 40 + 38 + 50 tensors, ~3 s on 2 cores
+LoRA (model/lora.py): the same loss's finite differences in every adapter tensor (A and B of q, k, v, o, gate, up
+and down in every layer; rank 4, scale 2, entries normal(0, 0.1)) of a frozen base, with dropout off and at 0.25
+(a fixed key, so the loss is a deterministic function of the adapters), on the first and last models.
+
+    nanoeuler check            # CPU engine vs finite differences: the tensors of 4 models, DPO and LoRA
     nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/check/gpu.py)
 """
 import math
@@ -39,6 +43,9 @@ THRESHOLD = 1e-6
 _SHAPE = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden=96, vocab_size=64, context=24)
 CHECK_CONFIGS = (Config(**_SHAPE, mtp_heads=1), Config(**_SHAPE, mtp_heads=2), Config(**_SHAPE, mtp_heads=1, tied=True),
                  Config(**_SHAPE, mtp_heads=1, tied=True, qkv_bias=True))
+# LoRA (model/lora.py) is checked on the first and last models, with dropout off and on
+LORA_RANK, LORA_DROPOUT = 4, 0.25
+LORA_CONFIGS = (CHECK_CONFIGS[0], CHECK_CONFIGS[-1])
 # The preference objective is checked as shipped: DPO plus RPO's chosen-reply NLL (dpo.DEFAULT_RPO_ALPHA).
 DPO_ALPHA = 1.0
 
@@ -109,8 +116,43 @@ def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5, a
                     skip=[f"heads.{k}" for k in range(1, cfg.mtp_heads)])
 
 
-def _compare(cfg, eng, flat, analytic, loss_at, inputs, samples, rng, h, report, skip=()):
-    layout, _ = param_layout(cfg)
+def lora_problem(cfg, rng, dropout):
+    """(frozen base engine in float64, adapters, their flat values, inputs, targets) for the LoRA check: the
+    random problem's base frozen, adapters of rank 4 (alpha 8: a scale of 2) on all seven targets with entries
+    normal(0, 0.1) (B too, so both factors have gradients), dropout p on the adapters' inputs (a fixed key)."""
+    from nanoeuler.model import lora
+    from nanoeuler.model.engine import make_engine
+
+    eng = make_engine(cfg, device="cpu", dtype=np.float64, training=False)
+    flat, inputs, targets = random_problem(cfg, rng)
+    eng.load_params(flat)
+    ad = lora.attach(eng, lora.make_spec(cfg, LORA_RANK, 2.0 * LORA_RANK, dropout))
+    values = rng.normal(0.0, 0.1, ad.size)
+    ad.load(values)
+    ad.dropout_key = 7
+    return eng, ad, values, inputs, targets
+
+
+def lora_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, dropout=0.0):
+    """Finite differences of the training loss in the adapter tensors (the base frozen: it has no gradient
+    buffer at all) against the backward pass's adapter gradients, float64 CPU engine, dropout p (seeded)."""
+    rng = np.random.default_rng(seed + 2)
+    eng, ad, values, inputs, targets = lora_problem(cfg, rng, dropout)
+    cross_entropy_backward(eng, inputs, targets)
+    analytic = ad.grads.copy()
+    ad.dropout_key -= 1  # the backward pass moved the key on: the differences draw the masks it drew
+
+    def loss_at(index, delta):
+        ad.params[index] = values[index] + delta
+        loss = cross_entropy(eng, inputs, targets)[0]
+        ad.params[index] = values[index]
+        return loss
+
+    return _compare(cfg, eng, values, analytic, loss_at, inputs, samples, rng, h, report, layout=ad.layout)
+
+
+def _compare(cfg, eng, flat, analytic, loss_at, inputs, samples, rng, h, report, skip=(), layout=None):
+    layout = param_layout(cfg)[0] if layout is None else layout
     used_rows = np.unique(inputs)
     errors = {}
     for name, (off, shape) in layout.items():
@@ -171,9 +213,15 @@ def main(args):
               "padding masked:")
         for name, err in dpo_gradient_check(cfg, samples=args.samples, seed=args.seed).items():
             errors[f"DPO {label(cfg)}, {name}"] = err
+    for cfg in LORA_CONFIGS:
+        for p in (0.0, LORA_DROPOUT):
+            print(f"LoRA adapters, {label(cfg)}: rank {LORA_RANK} on q,k,v,o,gate,up,down, base frozen, dropout "
+                  f"{p:g}{' (seeded)' if p else ''}:")
+            for name, err in lora_gradient_check(cfg, samples=args.samples, seed=args.seed, dropout=p).items():
+                errors[f"LoRA {label(cfg)}, dropout {p:g}, {name}"] = err
     worst = max(errors, key=lambda n: math.inf if math.isnan(errors[n]) else errors[n])  # NaN is worst
     print(f"max relative error: {errors[worst]:.2e} ({worst})")
     ok = all(err < THRESHOLD for err in errors.values())
     print(f"{'PASS' if ok else 'FAIL'} (threshold {THRESHOLD:.0e}, {len(errors)} tensors in "
-          f"{len(CHECK_CONFIGS)} models, training loss and DPO, {time.time() - start:.1f} s)")
+          f"{len(CHECK_CONFIGS)} models, training loss, DPO and LoRA, {time.time() - start:.1f} s)")
     return 0 if ok else 1

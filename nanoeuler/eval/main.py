@@ -30,7 +30,7 @@ def _load_engine(args, world):
     from nanoeuler.model.device import resolve
     from nanoeuler.model.engine import make_engine
     from nanoeuler.parallel.comm import make_communicator
-    ck = checkpoint.load(args.ckpt)
+    ck = checkpoint.load_with_adapter(args.ckpt, getattr(args, "adapter", None))
     device = resolve(args.device, ck.cfg if world.world_size == 1 else None)
     comm = make_communicator(world, device)
     eng = make_engine(ck.cfg, device=device, precision=args.precision, training=False)

@@ -44,7 +44,7 @@ def _readline():
 
 
 def main(args):
-    eng, tok, ck = load_model(args.ckpt, args.device)
+    eng, tok, ck = load_model(args.ckpt, args.device, adapter=getattr(args, "adapter", None))
     if args.speculative:
         check_speculative(eng)
     rl = _readline() if sys.stdin.isatty() else None  # a pipe: answer each line, no history, exit at its end

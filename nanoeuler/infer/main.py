@@ -16,7 +16,8 @@ from nanoeuler.io.checkpoint import load_model
 
 
 def main(args):
-    eng, tok, _ = load_model(args.ckpt, args.device, not args.no_batch_invariance)
+    eng, tok, _ = load_model(args.ckpt, args.device, not args.no_batch_invariance,
+                             adapter=getattr(args, "adapter", None))
     samples = getattr(args, "num_samples", 1)
     if args.speculative:
         check_speculative(eng)

@@ -638,7 +638,8 @@ def main(args):
     if slots is not None and slots > DECODE_ROWS:
         raise UserError(f"--slots must be 1 to {DECODE_ROWS} (rows of one decoding batch), got {slots}")
     sock = listen(args.host, args.port)  # first: a busy port fails before a large model loads
-    eng, tok, ck = load_model(args.ckpt, args.device, not args.no_batch_invariance)
+    eng, tok, ck = load_model(args.ckpt, args.device, not args.no_batch_invariance,
+                             adapter=getattr(args, "adapter", None))
     plan, line = kv_cache_plan(eng, slots, context, getattr(args, "gpu_memory", None))
     print(f"nanoeuler serve: {line}", flush=True)
     model = ModelCard(args.ckpt, ck, args.served_model_name, tok, plan.context)

@@ -26,6 +26,7 @@ import os
 import numpy as np
 from safetensors import safe_open
 
+from nanoeuler.model import lora
 from nanoeuler.model.config import Config, param_layout, param_shapes, quantized_names, views
 from nanoeuler.model.quantize import QuantizedTensor, stored_arrays
 from nanoeuler.errors import UserError
@@ -45,6 +46,7 @@ class Checkpoint:
     opt: tuple = None             # (m, v) flat float32, or None when the file has no optimizer state
     train_state: dict = None      # the training loop's resume state, or None
     quantized: dict = None        # a quantized model's {name: QuantizedTensor} (params: its float tensors alone)
+    adapters: object = None       # --resume of a LoRA run: its AdapterCheckpoint (below; params are the base's)
 
     def tokenizer(self):
         return _tokenizer(self.tokenizer_json, self.cfg)
@@ -193,6 +195,10 @@ def load(path, with_opt=False):
     """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent)."""
     path = os.fspath(path)
     meta, header = _header(path)
+    if is_adapter(meta):  # an adapter checkpoint is read as its base with the adapters merged
+        if with_opt:
+            raise UserError(f"{path} is an adapter checkpoint: resume it with --lora")
+        return load_merged(path)
     cfg, step = _config(path, meta)
     quant = cfg.quant is not None
     if with_opt and quant:
@@ -251,13 +257,146 @@ def load(path, with_opt=False):
                       train_state=train_state, quantized=quantized)
 
 
-def load_model(ckpt, device, batch_invariant=True):
+def load_model(ckpt, device, batch_invariant=True, adapter=None):
     """Checkpoint path -> (engine, tokenizer, checkpoint), on the resolved device (make_engine says what
-    batch_invariant False trades)."""
+    batch_invariant False trades); adapter: a PEFT LoRA folder merged into the weights (--adapter DIR)."""
     from nanoeuler.model.device import resolve
     from nanoeuler.model.engine import make_engine
-    ck = load(ckpt)
+    ck = load_with_adapter(ckpt, adapter)
     tok = ck.tokenizer()
     eng = make_engine(ck.cfg, device=resolve(device), batch_invariant=batch_invariant, training=False)
     eng.load_params(ck.params, ck.quantized)
     return eng, tok, ck
+
+
+def load_with_adapter(ckpt, adapter=None):
+    """load(ckpt), with the PEFT LoRA adapter of folder `adapter` (where given) merged into its weights."""
+    ck = load(ckpt)
+    if adapter:
+        from nanoeuler.io import peft
+        ck = peft.apply(ck, adapter)
+    return ck
+
+
+# ------------------------------------------------------------------------------------- adapter checkpoints
+# What `sft|dpo --lora R --out F` writes: the adapters alone (megabytes, not the base's gigabytes) and the
+# checkpoint of the base they belong to, by path. The file is a checkpoint as above (format "nanoeuler", the
+# base's config and tokenizer, step, chat, train) whose tensors are the adapters (model/lora.py's names:
+# `layers.0.q.lora_a`, ...; their AdamW moments under `opt.m.` / `opt.v.`), plus three metadata keys:
+# `adapters` (the LoraSpec as JSON), `base` (the base checkpoint's absolute path) and `base_fingerprint` (its
+# parameter count and a sum over a sample of its weights, so that adapters are not silently merged into another
+# model of the same shape). load() reads one as its base with the adapters merged (infer, chat, serve, eval,
+# export --hf / --gguf); training reads the adapters themselves (load_adapters) to resume.
+@dataclasses.dataclass
+class AdapterCheckpoint:
+    cfg: Config           # the base's
+    spec: lora.LoraSpec
+    params: np.ndarray    # flat float32 adapters, model/lora.py's layout
+    base: str             # the base checkpoint's path
+    fingerprint: str
+    tokenizer_json: str
+    step: int
+    chat: bool = False
+    opt: tuple = None
+    train_state: dict = None
+
+
+FINGERPRINT_STRIDE = 1009  # every 1009th weight summed: cheap for a large model, changed by any retraining
+
+
+def adapter_fingerprint(params):
+    """A short string that tells a base's weights apart: their count and a float64 sum of a strided sample."""
+    params = np.asarray(params)
+    return f"{params.size}:{float(np.sum(params[::FINGERPRINT_STRIDE], dtype=np.float64)):.17g}"
+
+
+def is_adapter(meta):
+    """Whether a checkpoint's metadata is an adapter checkpoint's."""
+    return "adapters" in meta
+
+
+def save_adapters(path, cfg, spec, values, base, base_fingerprint, tokenizer_json, step, opt=None,
+                  train_state=None, chat=False):
+    """Atomically write an adapter checkpoint: values (and opt's m, v) flat float32 host arrays of spec's layout."""
+    tensors = dict(lora.adapter_views(np.ascontiguousarray(values, dtype=np.float32), cfg, spec))
+    if opt is not None:
+        for prefix, flat in zip(("opt.m.", "opt.v."), opt):
+            for name, view in lora.adapter_views(np.ascontiguousarray(flat, dtype=np.float32), cfg, spec).items():
+                tensors[prefix + name] = view
+    metadata = {"format": FORMAT, "config": cfg.to_json(), "tokenizer": tokenizer_json,
+                "step": str(int(step)), "chat": "1" if chat else "0", "adapters": spec.to_json(),
+                "base": os.path.abspath(base), "base_fingerprint": base_fingerprint}
+    if train_state is not None:
+        metadata["train"] = json.dumps(train_state, sort_keys=True)
+    atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+
+
+def load_adapters(path, with_opt=False):
+    """Read and validate an adapter checkpoint (one-line UserErrors as checkpoint.load's)."""
+    path = os.fspath(path)
+    meta = read_metadata(path)
+    if not is_adapter(meta):
+        raise UserError(f"{path} is a model checkpoint, not an adapter checkpoint (sft/dpo --lora writes those)")
+    cfg = read_config(path)
+    try:
+        spec = lora.LoraSpec.from_json(meta["adapters"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"checkpoint {path} is corrupt (bad adapters metadata: {e})") from None
+    layout, total = lora.adapter_layout(cfg, spec)
+    prefixes = [""] + (["opt.m.", "opt.v."] if with_opt else [])
+    flats = {prefix: np.empty(total, dtype=np.float32) for prefix in prefixes}
+    try:
+        with safe_open(path, framework="numpy") as f:
+            names = set(f.keys())
+            if with_opt and "opt.m." + next(iter(layout)) not in names:
+                raise UserError(f"checkpoint {path} has no optimizer state to resume from")
+            for prefix, flat in flats.items():
+                for name, view in lora.adapter_views(flat, cfg, spec).items():
+                    if prefix + name not in names:
+                        raise UserError(f"checkpoint {path} has no tensor {prefix + name}, which its adapters require")
+                    view[...] = f.get_tensor(prefix + name)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e})") from None
+    if not np.isfinite(flats[""]).all():
+        raise UserError(f"checkpoint {path} holds non-finite adapter weights")
+    try:
+        train_state = json.loads(meta["train"]) if "train" in meta else None
+    except ValueError:
+        raise UserError(f"checkpoint {path} is corrupt (unreadable training state)") from None
+    return AdapterCheckpoint(cfg=cfg, spec=spec, params=flats[""], base=meta.get("base", ""),
+                             fingerprint=meta.get("base_fingerprint", ""), tokenizer_json=meta["tokenizer"],
+                             step=int(meta["step"]), chat=meta.get("chat") == "1",
+                             opt=(flats["opt.m."], flats["opt.v."]) if with_opt else None, train_state=train_state)
+
+
+def adapter_base_path(ack, path):
+    """Where the adapter checkpoint's base is: its recorded path, else a file of that name beside the adapter
+    checkpoint (the two moved together); a one-line UserError if neither exists."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(ack.base))
+    for candidate in (ack.base, beside):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    raise UserError(f"adapter checkpoint {path}: its base {ack.base} is not found (nor beside it)")
+
+
+def load_adapter_base(ack, path):
+    """The base checkpoint of the adapter checkpoint at path, checked to be the one the adapters were trained on."""
+    where = adapter_base_path(ack, path)
+    if os.path.abspath(where) == os.path.abspath(path):
+        raise UserError(f"adapter checkpoint {path} names itself as its base")
+    base = load(where)  # an adapter checkpoint too (DPO's adapters over SFT's): merged, as trained on
+    if base.cfg != ack.cfg or (ack.fingerprint and adapter_fingerprint(base.params) != ack.fingerprint):
+        raise UserError(f"adapter checkpoint {path}: {where} is not the base it was trained on (its weights differ)")
+    return base
+
+
+def load_merged(path):
+    """checkpoint.load of an adapter checkpoint: its base with the adapters merged in, at the adapters' step."""
+    ack = load_adapters(path)
+    base = load_adapter_base(ack, path)
+    base.params = lora.merge(base.cfg, base.params, ack.spec, ack.params)
+    base.step, base.chat = ack.step, ack.chat or base.chat
+    base.train_state = ack.train_state
+    return base

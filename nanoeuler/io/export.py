@@ -17,6 +17,10 @@ tokenizer_config.json (an import's named special tokens; with a chat checkpoint'
 model's own, else data/template.py's, so `tokenizer.apply_chat_template` renders the template it was
 fine-tuned on), special_tokens_map.json, and README.md, the model card (the run report, io/report.py, with
 loading instructions and the loss curve); each is written atomically.
+
+An adapter checkpoint (`sft|dpo --lora R`: io/checkpoint.py) is exported merged: its base with W + (alpha / r) B A
+in every adapted product (`--merge` says so and is implied), here and with `--gguf`. `--peft DIR` writes its
+adapters alone, as PEFT's files (io/peft.py), for the base this command writes of the checkpoint it names.
 """
 import json
 import os
@@ -77,7 +81,24 @@ def hf_config(cfg, tok):
     }
 
 
+def export_peft(args):
+    """`export --peft DIR --ckpt F`: an adapter checkpoint's adapters as PEFT's files (io/peft.py)."""
+    from nanoeuler.io import peft
+    meta = checkpoint.read_metadata(args.ckpt)
+    if not checkpoint.is_adapter(meta):
+        raise UserError(f"--peft: {args.ckpt} is a model checkpoint, not adapters (sft/dpo --lora R writes those)")
+    ack = checkpoint.load_adapters(args.ckpt)
+    tensors = peft.write(args.peft, ack.cfg, ack.spec, ack.params, base=ack.base)
+    print(f"exported the adapters of {args.ckpt} (step {ack.step}; rank {ack.spec.rank}, alpha {ack.spec.alpha:g}, "
+          f"{','.join(ack.spec.targets)}) to {args.peft}/: {len(tensors)} tensors, "
+          f"{sum(a.size for a in tensors.values()) / 1e6:.2f}M parameters, for the base {ack.base} exported with "
+          "--hf")
+    return 0
+
+
 def main(args):
+    if getattr(args, "peft", None):
+        return export_peft(args)
     if args.gguf:
         from nanoeuler.io import gguf
         return gguf.main(args)

@@ -85,6 +85,12 @@ class Engine:
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
         self._acts, self._acts_shape = None, None
+        # LoRA's adapters (model/lora.py: attach), read by the passes at their targets; None: none
+        self.adapters = None
+        # keep only each layer's input and recompute the layer's activations in the backward pass (less memory,
+        # one more forward pass; the same gradients bit for bit)
+        self.recompute = False
+        self._gain_scratch = None  # a frozen norm gain's gradient lands here (the backward pass of a frozen base)
         self._last = None  # the last forward's (tokens, targets, B, T), for backward()
         self._decoder = None  # KV-cache decoding over this engine: decoding.decoder_of(eng) makes and keeps it
         # called during a step's final backward pass with the flat offset from which every gradient is final
@@ -229,17 +235,20 @@ class Engine:
     # ------------------------------------------------------------------------------------ activations
     def _activations(self, B, T):
         """Buffers for everything the backward pass reads, allocated once per (B, T)."""
-        if self._acts_shape == (B, T):
+        if self._acts_shape == (B, T, self.recompute):
             return self._acts
+        self._acts = None  # the old buffers freed before the new ones are made
         cfg, xp = self.cfg, self.xp
-        N, C, n_layers, D = B * T, cfg.dim, cfg.n_layers, cfg.head_dim
+        N, C, D = B * T, cfg.dim, cfg.head_dim
+        n_layers = 1 if self.recompute else cfg.n_layers  # slots of per-layer activations: one, recomputed
+        layer_inputs = cfg.n_layers + 1  # the residual stream before each layer is always kept
         H, G, F = cfg.n_heads, cfg.n_kv_heads, cfg.hidden
         head_logits = cfg.mtp_heads * cfg.vocab_size  # all K heads' logits of a position, one matmul's output
         act = lambda *shape: xp.empty(shape, dtype=self.act)       # activations
         stat = lambda *shape: xp.empty(shape, dtype=self.dtype)    # statistics and losses, never bf16
         # the SwiGLU output and the sublayers' normed inputs are kept, not recomputed (docs/gpu-engine.md)
         acts = dict(
-            resid=act(n_layers + 1, N, C), resid_mid=act(n_layers, N, C),  # residual stream before each sublayer
+            resid=act(layer_inputs, N, C), resid_mid=act(n_layers, N, C),  # residual stream before each sublayer
             xn1=act(n_layers, N, C), xn2=act(n_layers, N, C), rstd1=stat(n_layers, N), rstd2=stat(n_layers, N),
             qkv=act(n_layers, B, T, H + 2 * G, D), att=act(n_layers, B, T, H, D), lse=stat(n_layers, B, H, T),
             gate_up=act(n_layers, N, 2 * F), sw=act(n_layers, N, F),
@@ -248,7 +257,7 @@ class Engine:
             dresid=act(N, C), dxn=act(N, C), dqkv=act(B, T, H + 2 * G, D), datt=act(B, T, H, D),
             dgate_up=act(N, 2 * F), dsw=act(N, F), dhf=act(N, C),
         )
-        self._acts, self._acts_shape = acts, (B, T)
+        self._acts, self._acts_shape = acts, (B, T, self.recompute)
         return acts
 
     # ---------------------------------------------------------------------------------------- forward
@@ -262,34 +271,80 @@ class Engine:
         and the stream is updated in place: no copy; decoding stops before the final norm (acts['resid'][-1] is
         the stream), which its head's product folds in."""
         cfg, layers, p = self.cfg, self.layers, self.p
-        H, G = cfg.n_heads, cfg.n_kv_heads
         N = B * T
         in_place = acts.get("in_place", False)
         layers.embedding_forward(acts["resid"][0], tokens.reshape(N), p["tok_emb"])
+        low_rank = self._low_rank(N, in_place)
         for i in range(cfg.n_layers):
-            w = f"layers.{i}."
-            resid, resid_mid = acts["resid"][i], acts["resid_mid"][i]
-            qkv, att = acts["qkv"][i], acts["att"][i]
-            # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
-            skip = None if in_place else resid_mid
-            resid_next = acts["resid"][i + 1]
-            position = self.zero_position if cache is None else cache.position
-            layers.rmsnorm_matmul_rope_forward(qkv, acts["rstd1"][i], resid, p[w + "attn_norm"], p[w + "wqkv"],
-                                               cfg.norm_eps, acts["xn1"][i], self.cos, self.sin, H + G, position,
-                                               skip, p.get(w + "bqkv"))
-            if cache is None:
-                layers.attention_forward(att, acts["lse"][i], qkv, H, G)
-            else:  # k and v into the cache, attention over it
-                layers.attention_cached(att, acts["lse"][i], qkv, cache.kv[i], H, G, cache.position, cache.slots)
-            layers.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
-            # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
-            layers.rmsnorm_matmul_swiglu_forward(acts["sw"][i], acts["gate_up"][i], acts["rstd2"][i], resid_mid,
-                                                 p[w + "ffn_norm"], p[w + "w_gate_up"], cfg.norm_eps,
-                                                 acts["xn2"][i], None if in_place else resid_next)
-            layers.matmul_forward(resid_next, acts["sw"][i], p[w + "w_down"], accumulate=True)
+            slot = 0 if in_place or self.recompute else i
+            self._layer_forward(i, slot, acts, B, T, cache, None if low_rank is None else low_rank[slot])
         if not in_place:  # decoding's head product folds the final norm in (decoding.py)
             layers.rmsnorm_forward(acts["hf"], acts["rstdf"], acts["resid"][cfg.n_layers], p["final_norm"],
                                    cfg.norm_eps)
+
+    def _low_rank(self, N, in_place=False):
+        """The adapters' kept low-rank products (slots, targets, N, r), or None without adapters."""
+        ad = self.adapters
+        if ad is None or not ad.enabled:
+            return None
+        return ad.low_rank(1 if in_place or self.recompute else self.cfg.n_layers, N)
+
+    def _layer_forward(self, i, j, acts, B, T, cache, low_rank):
+        """Layer i from acts['resid'][i] to acts['resid'][i + 1], its activations into slot j of the per-layer
+        buffers (i; 0 where they are recomputed, and decoding's single set); low_rank: the adapters' slot
+        (targets, N, r), or None without adapters. Where an adapter changes a fused product (q|k|v, gate|up), the
+        product is computed plain, the update added, then the bias, rotary embedding or SwiGLU that follows."""
+        cfg, layers, p = self.cfg, self.layers, self.p
+        H, G, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+        N = B * T
+        in_place = acts.get("in_place", False)
+        ad = self.adapters if low_rank is not None else None
+        w = f"layers.{i}."
+        resid, resid_mid = acts["resid"][i], acts["resid_mid"][j]
+        qkv, att = acts["qkv"][j], acts["att"][j]
+        # attention block: (N, C) -> qkv (B, T, H+2G, D) -> att (B, T, H, D) -> (N, C)
+        skip = None if in_place else resid_mid
+        resid_next = acts["resid"][i + 1]
+        position = self.zero_position if cache is None else cache.position
+        if ad is not None and ad.targets("q", "k", "v"):
+            xn, rows = acts["xn1"][j], qkv.reshape(N, -1)
+            xn = ad.normed_input(N) if xn is None else xn
+            layers.rmsnorm_matmul_forward(rows, acts["rstd1"][j], resid, p[w + "attn_norm"], p[w + "wqkv"],
+                                          cfg.norm_eps, xn, skip)
+            for t, cols in (("q", slice(0, H * D)), ("k", slice(H * D, (H + G) * D)),
+                            ("v", slice((H + G) * D, (H + 2 * G) * D))):
+                ad.forward(i, t, low_rank, rows[:, cols], xn, cache is None)
+            if cfg.qkv_bias:
+                layers.bias_add(rows, p[w + "bqkv"])
+            layers.rope_forward(qkv, self.cos, self.sin, H + G, position)
+        else:
+            layers.rmsnorm_matmul_rope_forward(qkv, acts["rstd1"][j], resid, p[w + "attn_norm"], p[w + "wqkv"],
+                                               cfg.norm_eps, acts["xn1"][j], self.cos, self.sin, H + G, position,
+                                               skip, p.get(w + "bqkv"))
+        if cache is None:
+            layers.attention_forward(att, acts["lse"][j], qkv, H, G)
+        else:  # k and v into the cache, attention over it
+            layers.attention_cached(att, acts["lse"][j], qkv, cache.kv[i], H, G, cache.position, cache.slots)
+        layers.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
+        if ad is not None:
+            ad.forward(i, "o", low_rank, resid_mid, att.reshape(N, -1), cache is None)
+        # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
+        skip = None if in_place else resid_next
+        if ad is not None and ad.targets("gate", "up"):
+            xn, gate_up = acts["xn2"][j], acts["gate_up"][j]
+            xn = ad.normed_input(N) if xn is None else xn
+            layers.rmsnorm_matmul_forward(gate_up, acts["rstd2"][j], resid_mid, p[w + "ffn_norm"],
+                                          p[w + "w_gate_up"], cfg.norm_eps, xn, skip)
+            ad.forward(i, "gate", low_rank, gate_up[:, :F], xn, cache is None)
+            ad.forward(i, "up", low_rank, gate_up[:, F:], xn, cache is None)
+            layers.swiglu_forward(acts["sw"][j], gate_up)
+        else:
+            layers.rmsnorm_matmul_swiglu_forward(acts["sw"][j], acts["gate_up"][j], acts["rstd2"][j], resid_mid,
+                                                 p[w + "ffn_norm"], p[w + "w_gate_up"], cfg.norm_eps,
+                                                 acts["xn2"][j], skip)
+        layers.matmul_forward(resid_next, acts["sw"][j], p[w + "w_down"], accumulate=True)
+        if ad is not None:
+            ad.forward(i, "down", low_rank, resid_next, acts["sw"][j], cache is None)
 
     def _tokens(self, inputs):
         """inputs as a (B, T) int32 array of the engine's library; refuses what does not fit the context (the
@@ -359,44 +414,83 @@ class Engine:
 
     # --------------------------------------------------------------------------------------- backward
     def _backward(self, inputs, acts, B, T, accumulate, final=True):
-        """From d loss / d logits in acts['logits'] to every parameter's gradient (into self.grads, or added)."""
-        if self.grads is None:
+        """From d loss / d logits in acts['logits'] to every parameter's gradient (into self.grads, or added).
+        An engine without gradients (training=False) with adapters on has a frozen base: only the adapters'
+        gradients are computed (into adapters.grads), and of the base's products only the input gradients."""
+        ad = self.adapters if self.adapters is not None and self.adapters.enabled else None
+        frozen = self.grads is None
+        if frozen and ad is None:
             raise ValueError("an engine made with training=False has no gradients")
-        cfg, layers, p, g = self.cfg, self.layers, self.p, self.g
+        cfg, layers, p = self.cfg, self.layers, self.p
         layout = self.layout
-        ready = self.gradients_ready if final else None
-        N, H, G = B * T, cfg.n_heads, cfg.n_kv_heads
+        if frozen:  # no weight gradients; a norm gain's is summed into a scratch vector and never read
+            if self._gain_scratch is None:
+                self._gain_scratch = self.xp.zeros(cfg.dim, dtype=self.dtype)
+            gw = gb = lambda name: None
+            gn = lambda name: self._gain_scratch
+        else:
+            gw = gn = self.g.__getitem__
+            gb = self.g.get
+        ready = self.gradients_ready if final and not frozen else None
+        N, H, G, D, F = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
         if not accumulate:
-            self.grads.fill(0)
+            if not frozen:
+                self.grads.fill(0)
+            if ad is not None:
+                ad.grads.fill(0)
+        low_rank = self._low_rank(N)
         dresid, dxn = acts["dresid"], acts["dxn"]
         # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf (tied: into tok_emb's gradient,
         # which the embedding's scatter-add below adds to)
-        layers.matmul_backward(acts["dhf"], g["heads"], acts["logits"], acts["hf"], p["heads"])
+        layers.matmul_backward(acts["dhf"], gw("heads"), acts["logits"], acts["hf"], p["heads"])
         dresid.fill(0)
-        layers.rmsnorm_backward(dresid, g["final_norm"], acts["dhf"], acts["resid"][cfg.n_layers],
+        layers.rmsnorm_backward(dresid, gn("final_norm"), acts["dhf"], acts["resid"][cfg.n_layers],
                                 p["final_norm"], acts["rstdf"])
         if ready:
             ready(layout["final_norm"][0])
         for i in reversed(range(cfg.n_layers)):
             w = f"layers.{i}."
+            j = 0 if self.recompute else i
+            lr = None if low_rank is None else low_rank[j]
+            if self.recompute:  # the layer's activations again, from its kept input: the same bits as before
+                self._layer_forward(i, j, acts, B, T, None, lr)
             # feed-forward block; dresid is d(resid[i+1]) and, through the skip, d(resid_mid)
-            layers.matmul_backward(acts["dsw"], g[w + "w_down"], dresid, acts["sw"][i], p[w + "w_down"])
-            layers.swiglu_backward(acts["dgate_up"], acts["dsw"], acts["gate_up"][i])
-            layers.matmul_backward(dxn, g[w + "w_gate_up"], acts["dgate_up"], acts["xn2"][i], p[w + "w_gate_up"])
-            layers.rmsnorm_backward(dresid, g[w + "ffn_norm"], dxn, acts["resid_mid"][i], p[w + "ffn_norm"],
-                                    acts["rstd2"][i])
+            layers.matmul_backward(acts["dsw"], gw(w + "w_down"), dresid, acts["sw"][j], p[w + "w_down"])
+            if ad is not None:
+                ad.backward(i, "down", lr, acts["dsw"], dresid, acts["sw"][j])
+            layers.swiglu_backward(acts["dgate_up"], acts["dsw"], acts["gate_up"][j])
+            layers.matmul_backward(dxn, gw(w + "w_gate_up"), acts["dgate_up"], acts["xn2"][j], p[w + "w_gate_up"])
+            if ad is not None:
+                ad.backward(i, "gate", lr, dxn, acts["dgate_up"][:, :F], acts["xn2"][j])
+                ad.backward(i, "up", lr, dxn, acts["dgate_up"][:, F:], acts["xn2"][j])
+            layers.rmsnorm_backward(dresid, gn(w + "ffn_norm"), dxn, acts["resid_mid"][j], p[w + "ffn_norm"],
+                                    acts["rstd2"][j])
             # attention block; dresid is now d(resid_mid) and, through the skip, d(resid[i])
-            layers.matmul_backward(acts["datt"].reshape(N, -1), g[w + "wo"], dresid,
-                                   acts["att"][i].reshape(N, -1), p[w + "wo"])
-            layers.attention_backward(acts["dqkv"], acts["datt"], acts["att"][i], acts["lse"][i], acts["qkv"][i],
+            datt, att = acts["datt"].reshape(N, -1), acts["att"][j].reshape(N, -1)
+            layers.matmul_backward(datt, gw(w + "wo"), dresid, att, p[w + "wo"])
+            if ad is not None:
+                ad.backward(i, "o", lr, datt, dresid, att)
+            layers.attention_backward(acts["dqkv"], acts["datt"], acts["att"][j], acts["lse"][j], acts["qkv"][j],
                                       H, G, self.cos, self.sin)  # through the rotary embedding too
-            layers.matmul_backward(dxn, g[w + "wqkv"], acts["dqkv"].reshape(N, -1), acts["xn1"][i], p[w + "wqkv"],
-                                   g.get(w + "bqkv"))
-            layers.rmsnorm_backward(dresid, g[w + "attn_norm"], dxn, acts["resid"][i], p[w + "attn_norm"],
-                                    acts["rstd1"][i])
+            dqkv = acts["dqkv"].reshape(N, -1)
+            layers.matmul_backward(dxn, gw(w + "wqkv"), dqkv, acts["xn1"][j], p[w + "wqkv"], gb(w + "bqkv"))
+            if ad is not None:
+                for t, cols in (("q", slice(0, H * D)), ("k", slice(H * D, (H + G) * D)),
+                                ("v", slice((H + G) * D, (H + 2 * G) * D))):
+                    ad.backward(i, t, lr, dxn, dqkv[:, cols], acts["xn1"][j])
+            if frozen and i == 0:
+                break  # the frozen embedding wants no gradient: the stream's below the first layer is unused
+            layers.rmsnorm_backward(dresid, gn(w + "attn_norm"), dxn, acts["resid"][i], p[w + "attn_norm"],
+                                    acts["rstd1"][j])
             if ready:
                 ready(layout[w + "attn_norm"][0])
-        layers.embedding_backward(g["tok_emb"], dresid, inputs.reshape(N))
+        if ad is not None:
+            ad.dropout_key += 1  # the next pass (a micro-batch) draws new masks; this one's forward and backward shared one
+        if frozen:
+            if final and ad.gradients_ready:
+                ad.gradients_ready(0)
+            return
+        layers.embedding_backward(gw("tok_emb"), dresid, inputs.reshape(N))
         if ready:
             ready(0)
 

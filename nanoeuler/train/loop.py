@@ -29,7 +29,6 @@ from tqdm import tqdm
 
 from nanoeuler.errors import UserError
 from nanoeuler.infer.generate import sample_text
-from nanoeuler.io import checkpoint
 from nanoeuler.files import atomic_write
 from nanoeuler.io.report import read_log, write_report
 from nanoeuler.model.config import flops_per_token
@@ -318,8 +317,7 @@ def fit(job, trainable):
                          opt_step=opt_step, world_size=comm.world_size, **sample)
             if os.path.abspath(job.log_path) != os.path.abspath(os.path.splitext(job.out)[0] + ".jsonl"):
                 state.update(log=os.path.abspath(job.log_path))  # the report finds a log elsewhere than beside out
-            checkpoint.save(job.out, eng.cfg, params, job.tokenizer.to_json(), step, opt=(m, v),
-                            train_state=state, chat=job.chat)
+            trainable.save(job.out, params, (m, v), job.tokenizer.to_json(), step, state, job.chat)
             write_report(job.out)
 
     progress = Progress(job, trainable, log)
@@ -346,7 +344,8 @@ def fit(job, trainable):
                     continue
                 last = step == hp.steps
                 if main:
-                    _evaluate(job, eng, step, last, record, sample, say)
+                    with trainable.evaluating():  # LoRA's dropout off
+                        _evaluate(job, eng, step, last, record, sample, say)
                     log.write(record)
                 if last or step % hp.ckpt_every == 0:
                     save(step)

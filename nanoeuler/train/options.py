@@ -32,6 +32,7 @@ class RunOptions:
     gpus: int = None
     nnodes: int = None
     zero: int = 0                   # 1: ZeRO stage 1
+    recompute: bool = False         # recompute each layer's activations in the backward pass (less memory)
 
     HYPER_FLAGS = ("steps", "batch_size", "lr", "seed", "eval_every", "sample_every", "ckpt_every", "grad_accum")
 
@@ -54,7 +55,17 @@ class PretrainOptions(RunOptions):
 
 
 @dataclasses.dataclass(frozen=True)
-class SftOptions(RunOptions):
+class FineTuneOptions(RunOptions):
+    """The flags sft and dpo add: LoRA's (model/lora.py)."""
+    lora: int = None                # the adapters' rank; None: full fine-tuning
+    lora_alpha: float = None        # default 2 * rank
+    lora_dropout: float = None      # default 0
+    lora_targets: str = None        # q,k,v,o,gate,up,down (the default: all seven)
+    adapter: str = None             # a PEFT LoRA folder to start the adapters from (sft)
+
+
+@dataclasses.dataclass(frozen=True)
+class SftOptions(FineTuneOptions):
     out: str = "nanoeuler_chat.bin"
     ckpt: str = "nanoeuler.bin"
     val_examples: int = None
@@ -63,7 +74,7 @@ class SftOptions(RunOptions):
 
 
 @dataclasses.dataclass(frozen=True)
-class DpoOptions(RunOptions):
+class DpoOptions(FineTuneOptions):
     out: str = "nanoeuler_dpo.bin"
     ckpt: str = "nanoeuler_chat.bin"
     beta: float = None

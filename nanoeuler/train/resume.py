@@ -12,7 +12,8 @@ from nanoeuler.train.loop import Hyperparameters
 def load(options, kind, command):
     """The checkpoint that options.resume continues (options.out, with its optimizer state), which `command`
     (of training `kind`) must have written; None for a new run, whose outputs must then be free. One-line
-    errors otherwise."""
+    errors otherwise. An adapter checkpoint (a LoRA run) is read as its base's weights with the adapters'
+    state: step, moments, training state, and the adapters themselves in `adapters`."""
     out = options.out
     if not options.resume:
         if os.path.isfile(out) and not options.overwrite:
@@ -21,7 +22,13 @@ def load(options, kind, command):
         return None
     if not os.path.exists(out):
         raise UserError(f"--resume: nothing to resume, {out} not found (--out names the checkpoint)")
-    ck = checkpoint.load(out, with_opt=True)
+    if checkpoint.is_adapter(checkpoint.read_metadata(out)):  # a LoRA run: its base's weights, its adapters' state
+        ack = checkpoint.load_adapters(out, with_opt=True)
+        base = checkpoint.load_adapter_base(ack, out)
+        ck = dataclasses.replace(base, step=ack.step, chat=ack.chat, opt=ack.opt, train_state=ack.train_state,
+                                 adapters=ack)
+    else:
+        ck = checkpoint.load(out, with_opt=True)
     if not ck.train_state or ck.train_state.get("kind") != kind:
         raise UserError(f"--resume: {out} was not written by `{command}`; nothing to resume")
     return ck

@@ -9,7 +9,8 @@ the flags on top); the device and precision (refused early, as are unwritable ou
 stage's `load(options, model, context) -> Data` (tokenizer, batch source, held-out batches, objective, the
 training state --resume needs); the engine with the weights; the stage's `ready(...) -> Data` where it has work
 that needs the engine (DPO's reference log-probabilities); what trains (train/trainable.py's Trainable: the
-weights, their optimizer, the ranks' reduction); the banners; train.loop.fit(Job, Trainable); the closing line
+weights, their optimizer, the ranks' reduction; with --lora R or --adapter DIR its LoraTrainable: adapters on
+frozen weights, the engine made without gradients); the banners; train.loop.fit(Job, Trainable); the closing line
 (the stage's `finish`, where it has one).
 """
 import dataclasses
@@ -28,7 +29,7 @@ from nanoeuler.parallel.comm import make_communicator
 from nanoeuler.parallel.world import printer, world_of
 from nanoeuler.train import resume
 from nanoeuler.train.loop import Job, fit, schedule_text
-from nanoeuler.train.trainable import Trainable
+from nanoeuler.train.trainable import LORA_LR_FACTOR, LoraTrainable, Trainable, lora_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,15 +112,23 @@ def run(stage, options):
         raise UserError(f"--out {options.out} is the checkpoint this run starts from (--ckpt); name another file")
     model = stage.plan(options, resumed)
     if model.cfg.quant is not None:  # a quantized model decodes and scores only
-        raise UserError(f"{options.ckpt or options.out} is quantized ({model.cfg.quant}): full training needs float weights")
-    hp = resume.hyperparameters(options, resumed, model.hyper, world.world_size)
+        raise UserError(f"{options.ckpt or options.out} is quantized ({model.cfg.quant}): training needs float weights "
+                        "(full training, and LoRA: adapters over a quantized base are not built)")
+    adapters = lora_plan(options, resumed, model.cfg, options.ckpt, model.params) if hasattr(options, "lora") else None
+    if adapters is not None and options.zero:
+        raise UserError("--zero shards full training's optimizer state; LoRA's adapters keep theirs whole (it is small)")
+    fresh = model.hyper if adapters is None else dataclasses.replace(model.hyper, lr=model.hyper.lr * LORA_LR_FACTOR)
+    hp = resume.hyperparameters(options, resumed, fresh, world.world_size)
     eval_task = training_eval(options, hp)  # its items read now: a bad file stops the run before any work
     log_path = options.log or os.path.splitext(options.out)[0] + ".jsonl"
     device = run_device(options, model.cfg, log_path, world.world_size)
     context = Context(options, resumed, world, make_communicator(world, device), hp, device, log_path, say)
     data = stage.load(options, model, context)
 
-    eng = make_engine(data.cfg, device=device, seed=hp.seed, precision=resume.precision(options, device, resumed))
+    # LoRA: the base frozen, without gradients or (in bf16) float32 master weights; the adapters train
+    eng = make_engine(data.cfg, device=device, seed=hp.seed, precision=resume.precision(options, device, resumed),
+                      training=adapters is None)
+    eng.recompute = options.recompute
     if resumed is not None:
         eng.load_params(resumed.params)
     elif model.params is not None:
@@ -128,7 +137,10 @@ def run(stage, options):
         data = stage.ready(model, data, eng, context)
     if resumed is not None:
         data.source.load_state(resumed.train_state["source"])
-    trainable = Trainable(eng, hp, context.comm, zero=options.zero == 1, resumed=resumed)
+    if adapters is None:
+        trainable = Trainable(eng, hp, context.comm, zero=options.zero == 1, resumed=resumed)
+    else:  # after ready(): DPO's reference is the base without the adapters
+        trainable = LoraTrainable(eng, adapters, hp, context.comm, resumed=resumed, seed=hp.seed)
 
     start_step = resumed.step if resumed is not None else 0
     slow = " (no GPU: this will be slow)" if device == "cpu" and wants_gpu(data.cfg) else ""
@@ -137,6 +149,11 @@ def run(stage, options):
         f"layers, {cfg.n_heads}/{cfg.n_kv_heads} heads, context {cfg.context}, vocab {cfg.vocab_size}, "
         f"{cfg.mtp_heads} prediction head{'s' * (cfg.mtp_heads != 1)}{', tied to the embedding' * cfg.tied}), "
         f"{device.upper()} engine in {eng.precision}{slow}")
+    if adapters is not None:
+        spec, n = adapters.spec, trainable.adapters.size
+        say(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g} (scale {spec.scale:g}), dropout {spec.dropout:g}, on "
+            f"{','.join(spec.targets)}: {n / 1e6:.2f}M trained parameters ({100 * n / param_count(cfg):.2f}% of the "
+            f"model), from {adapters.origin}; the base frozen; checkpoints hold the adapters alone")
     say(f"{data.doing}: steps {start_step + 1}..{hp.steps} of {batch_text(hp, world.world_size)}{data.unit}, "
         f"peak lr {hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
         + (f"; resuming {options.out}" if resumed is not None else ""))

@@ -175,12 +175,60 @@ def matmul_quantized(out, x, w, accumulate, few_rows):
 # matmul_forward and the products that end in it (rmsnorm_matmul_*_forward) read the batch-invariance
 # setting: they are methods of Layers, at the end.
 def matmul_backward(dx, dw, dout, x, w, dbias=None):
-    """dx (N, I) = dout @ w; dw (O, I) += dout.T @ x; where given, dbias (O,) += the column sums of dout (the
+    """dx (N, I) = dout @ w; dw (O, I) += dout.T @ x (dw None: not computed); where given, dbias (O,) += the column sums of dout (the
     gradient of a bias added to the product)."""
     np.matmul(dout, w, out=dx)
-    dw += dout.T @ x
+    if dw is not None:  # None: a frozen weight (LoRA's base), whose input gradient alone is wanted
+        dw += dout.T @ x
     if dbias is not None:
         dbias += dout.sum(axis=0)
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+# A frozen product's low-rank update (model/lora.py): out += scale * (x A^T) B^T, x possibly after dropout.
+def lora_forward(out, h, x, a, b, scale):
+    """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T; out may be a column slice
+    of a wider product (q of q|k|v)."""
+    np.matmul(x, a.T, out=h)
+    out += scale * (h @ b.T)
+
+
+def lora_backward(dx, da, db, dh, dout, x, h, a, b, scale, accumulate):
+    """Given dout (N, O) (a column slice where the forward's out was): db (O, r) += scale * dout.T @ h;
+    dh (N, r) = scale * dout @ b; da (r, I) += dh.T @ x; dx (N, I) += dh @ a (= without accumulate)."""
+    db += scale * (dout.T @ h)
+    np.matmul(dout, b, out=dh)
+    dh *= scale
+    da += dh.T @ x
+    if accumulate:
+        dx += dh @ a
+    else:
+        np.matmul(dh, a, out=dx)
+
+
+def dropout_threshold(p):
+    """Dropout keeps an element whose 24-bit hash is at least this (p of the 2^24 values fall below it)."""
+    return np.uint32(min(1 << 24, round(p * (1 << 24))))
+
+
+@njit(**pjit)
+def _dropout(out, x, threshold, key, inv, accumulate):
+    flat_out, flat_x = out.reshape(-1), x.reshape(-1)
+    for e in prange(flat_x.size):
+        h = _mix64(key ^ (np.uint64(e) * _GOLDEN))
+        v = flat_x[e] * inv if np.uint32(h >> np.uint64(40)) >= threshold else inv * 0
+        flat_out[e] = flat_out[e] + v if accumulate else v
+
+
+def dropout_forward(out, x, p, key, accumulate):
+    """out (N, I) = x * keep / (1 - p) (+= with accumulate), keep drawn per element from a hash of (key, its
+    flat index): the same mask for the same key on every call and on the GPU (kernels/lora.cu)."""
+    _dropout(out, x, dropout_threshold(p), np.uint64(key), x.dtype.type(1.0 / (1.0 - p)), bool(accumulate))
+
+
+def bias_add(out, bias):
+    """out (N, O) += bias (O,)"""
+    out += bias
 
 
 # ------------------------------------------------------------------------------------------- embedding
@@ -921,6 +969,10 @@ class Layers:
     attention_backward = staticmethod(attention_backward)
     swiglu_forward = staticmethod(swiglu_forward)
     swiglu_backward = staticmethod(swiglu_backward)
+    lora_forward = staticmethod(lora_forward)
+    lora_backward = staticmethod(lora_backward)
+    dropout_forward = staticmethod(dropout_forward)
+    bias_add = staticmethod(bias_add)
     crossentropy_forward = staticmethod(crossentropy_forward)
     crossentropy_forward_backward = staticmethod(crossentropy_forward_backward)
     adamw_update = staticmethod(adamw_update)

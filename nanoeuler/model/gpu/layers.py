@@ -85,6 +85,13 @@ def _position(pos):
     return pos
 
 
+def _row_stride(a, dtype):
+    """The row stride, in elements, of a 2-D array of dtype whose rows are contiguous (a column slice of a
+    wider one allowed): cuBLAS's leading dimension."""
+    assert a.dtype == dtype and a.ndim == 2 and a.strides[1] == a.itemsize, (a.dtype, dtype, a.shape, a.strides)
+    return a.strides[0] // a.itemsize
+
+
 # ---------------------------------------------------------------------------------------------- matmul
 def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None,
                   bias=None):
@@ -304,13 +311,16 @@ class Layers:
             _matmul_small(out, x, w, accumulate)
 
     def matmul_backward(self, dx, dw, dout, x, w, dbias=None):
-        """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations); where given,
+        """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations; None: not
+        computed); where given,
         dbias (O,) float32 += the column sums of dout, as the product of dout.T with a column of ones."""
         _check(dx, dout, x, w, act=x)
-        _check(dw)
+        if dw is not None:
+            _check(dw)
         (N, I), O = x.shape, w.shape[0]
         runtime.gemm(False, False, I, N, O, w, I, dout, O, dx, I, False, self.tf32)
-        runtime.gemm(False, True, I, O, N, x, I, dout, O, dw, I, True, self.tf32)
+        if dw is not None:  # None: a frozen weight (LoRA's base), whose input gradient alone is wanted
+            runtime.gemm(False, True, I, O, N, x, I, dout, O, dw, I, True, self.tf32)
         if dbias is not None:
             _check(dbias)
             ones = cupy.full(N, 0x3F80, dtype=BF16) if dout.dtype == BF16 else cupy.ones(N, dtype=F32)  # bf16 1.0
@@ -510,6 +520,43 @@ class Layers:
         N, F = dout.shape
         kernel("swiglu", "swiglu_backward", _act_defines(gate_up))((_blocks(N * F // _vec(F), 256),), (256,),
                                                                    (dgate_up, dout, gate_up, _i32(N), _i32(F)))
+
+    # -------------------------------------------------------------------------------------------- LoRA
+    def lora_forward(self, out, h, x, a, b, scale):
+        """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T, both on cuBLAS (the
+        scale its alpha); out may be a column slice of a wider product (its rows' stride is cuBLAS's ldc)."""
+        _check(h, x, a, b, act=x)
+        ldo = _row_stride(out, x.dtype)
+        (N, I), r, O = x.shape, a.shape[0], b.shape[0]
+        runtime.gemm(True, False, r, N, I, a, I, x, I, h, r, False, self.tf32)
+        runtime.gemm(True, False, O, N, r, b, r, h, r, out, ldo, True, self.tf32, alpha=scale)
+
+    def lora_backward(self, dx, da, db, dh, dout, x, h, a, b, scale, accumulate):
+        """Given dout (N, O) (a column slice where the forward's out was): db (O, r) += scale * dout.T @ h;
+        dh (N, r) = scale * dout @ b; da (r, I) += dh.T @ x; dx (N, I) += dh @ a (= without accumulate). da, db
+        float32, the others activations; four cuBLAS products."""
+        _check(dx, dh, x, h, a, b, act=x)
+        _check(da, db)
+        ldd = _row_stride(dout, x.dtype)
+        (N, I), r, O = x.shape, a.shape[0], b.shape[0]
+        runtime.gemm(False, True, r, O, N, h, r, dout, ldd, db, r, True, self.tf32, alpha=scale)
+        runtime.gemm(False, False, r, N, O, b, r, dout, ldd, dh, r, False, self.tf32, alpha=scale)
+        runtime.gemm(False, True, I, r, N, x, I, dh, r, da, I, True, self.tf32)
+        runtime.gemm(False, False, I, N, r, a, I, dh, r, dx, I, accumulate, self.tf32)
+
+    def dropout_forward(self, out, x, p, key, accumulate):
+        """out (N, I) = x * keep / (1 - p) (+= with accumulate), keep from a hash of (key, the element's flat
+        index): the CPU layer's mask, bit for bit (kernels/lora.cu)."""
+        _check(out, x, act=x)
+        n = x.size
+        threshold = np.uint32(min(1 << 24, round(p * (1 << 24))))
+        kernel("lora", "dropout_forward", _act_defines(x))(
+            (min(_blocks(n, 256), 65535 * 8),), (256,),
+            (out, x, np.int64(n), np.uint64(key), threshold, _f32(1.0 / (1.0 - p)), _i32(accumulate)))
+
+    def bias_add(self, out, bias):
+        """out (N, O) += bias (O,)"""
+        _bias_add(out, bias)
 
     # ----------------------------------------------------------------------------------- cross-entropy
     def crossentropy_forward(self, losses, logits, targets):

@@ -145,9 +145,9 @@ _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host scalars fo
 _CUDA_TYPE = {F32: 0, BF16: 14}  # cudaDataType_t: CUDA_R_32F, CUDA_R_16BF
 
 
-def gemm(trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, accumulate, tf32):
-    """Column-major C (m, n) = op(A) op(B) (+ C when accumulate), on cuBLAS on the current stream; op transposes
-    where trans_a / trans_b. A and B share a dtype (float32 or bf16); C may be either, and the products
+def gemm(trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, accumulate, tf32, alpha=1.0):
+    """Column-major C (m, n) = alpha op(A) op(B) (+ C when accumulate), on cuBLAS on the current stream; op
+    transposes where trans_a / trans_b. A and B share a dtype (float32 or bf16); C may be either, and the products
     accumulate in float32: on the TF32 tensor cores for float32 operands where tf32, else in full float32
     (bf16 operands: compute type 32F whatever tf32 says)."""
     handle = _cublas(cupy.cuda.Device().id)
@@ -157,7 +157,8 @@ def gemm(trans_a, trans_b, m, n, k, A, lda, B, ldb, C, ldc, accumulate, tf32):
     ab, c = _CUDA_TYPE[A.dtype], _CUDA_TYPE[C.dtype]
     beta = _ONE if accumulate else _ZERO
     cublas.set_stream(handle.handle, cupy.cuda.get_current_stream().ptr)
-    cublas.gemm_ex(handle.handle, op(trans_a), op(trans_b), m, n, k, host_address(_ONE), A.data.ptr, ab, lda,
+    scale = _ONE if alpha == 1.0 else np.array([alpha], np.float32)  # read by cuBLAS during the call
+    cublas.gemm_ex(handle.handle, op(trans_a), op(trans_b), m, n, k, host_address(scale), A.data.ptr, ab, lda,
                    B.data.ptr, ab, ldb, host_address(beta), C.data.ptr, c, ldc, compute, cublas.GemmAlgo.DEFAULT)
 
 

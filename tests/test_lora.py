@@ -1,0 +1,148 @@
+"""LoRA in the engine (model/lora.py): adapter gradients against finite differences with dropout off and on,
+a frozen base, the untrained adapter as the identity, merging, decoding with adapters, and --recompute's
+gradients equal to the stored path's bit for bit."""
+import numpy as np
+import pytest
+
+from nanoeuler.check.gradients import CHECK_CONFIGS, LORA_CONFIGS, lora_gradient_check, lora_problem
+from nanoeuler.check.problems import random_problem
+from nanoeuler.errors import UserError
+from nanoeuler.model import lora
+from nanoeuler.model.cpu.layers import Layers
+from nanoeuler.model.engine import make_engine
+from nanoeuler.model.losses import cross_entropy, cross_entropy_backward
+
+
+@pytest.mark.parametrize("cfg", LORA_CONFIGS, ids=["K1", "tied-bias"])
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_adapter_gradients_match_finite_differences(cfg, dropout):
+    errors = lora_gradient_check(cfg, samples=2, seed=3, dropout=dropout, report=lambda line: None)
+    assert len(errors) == 2 * 7 * cfg.n_layers
+    assert max(errors.values()) < 1e-6, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_each_backward_pass_draws_new_masks():
+    cfg = CHECK_CONFIGS[0]
+    eng, ad, _, inputs, targets = lora_problem(cfg, np.random.default_rng(0), 0.25)
+    cross_entropy_backward(eng, inputs, targets)
+    assert ad.dropout_key == 8
+    first = ad.grads.copy()
+    cross_entropy_backward(eng, inputs, targets)
+    assert not np.array_equal(ad.grads, first)
+
+
+def test_dropout_changes_the_loss_and_its_mask_follows_the_key():
+    cfg = CHECK_CONFIGS[0]
+    eng, ad, _, inputs, targets = lora_problem(cfg, np.random.default_rng(0), 0.25)
+    with_key = lambda key: (setattr(ad, "dropout_key", key), cross_entropy(eng, inputs, targets)[0])[1]
+    assert with_key(7) == with_key(7) != with_key(8)
+    ad.dropout_on = False  # evaluation: no dropout, whatever the key
+    assert with_key(7) == with_key(8)
+
+
+def test_dropout_mask_rate_and_scale():
+    layers = Layers("fp32", True)
+    x = np.ones((64, 1000), dtype=np.float32)
+    out = np.empty_like(x)
+    layers.dropout_forward(out, x, 0.3, 12345, False)
+    kept = out != 0
+    assert abs(kept.mean() - 0.7) < 0.01
+    assert np.all(out[kept] == np.float32(1 / 0.7))
+    again = np.full_like(x, 2.0)
+    layers.dropout_forward(again, x, 0.3, 12345, True)  # the same mask, added
+    assert np.array_equal(again, out + 2.0)
+
+
+def test_frozen_base_and_adapter_identity():
+    """Fresh adapters (B = 0) leave the logits as they are; the base engine has no gradient buffer, and the
+    gradient of a fresh A is exactly zero (it is multiplied by B) while B's is not."""
+    cfg = CHECK_CONFIGS[3]
+    rng = np.random.default_rng(1)
+    eng = make_engine(cfg, "cpu", dtype=np.float64, training=False)
+    flat, inputs, targets = random_problem(cfg, rng)
+    eng.load_params(flat)
+    before = eng.logits(inputs)
+    ad = lora.attach(eng, lora.make_spec(cfg, 2))
+    assert np.array_equal(eng.logits(inputs), before)
+    cross_entropy_backward(eng, inputs, targets)
+    assert eng.grads is None
+    v = ad._views(ad.grads)
+    assert all(not v[n].any() for n in v if n.endswith("lora_a"))
+    assert all(v[n].any() for n in v if n.endswith("lora_b"))
+    ad.enabled = False
+    with pytest.raises(ValueError):
+        cross_entropy_backward(eng, inputs, targets)  # nothing to train
+
+
+@pytest.mark.parametrize("targets", [lora.TARGETS, ("q", "v"), ("down",)])
+def test_merged_weights_give_the_adapted_logits(targets):
+    cfg = CHECK_CONFIGS[3]
+    eng, ad, values, inputs, _ = lora_problem(cfg, np.random.default_rng(2), 0.0)
+    if targets != lora.TARGETS:
+        base = eng.params.copy()
+        ad = lora.attach(eng, lora.make_spec(cfg, 4, 8.0, 0.0, targets))
+        values = np.random.default_rng(3).normal(0, 0.1, ad.size)
+        ad.load(values)
+    else:
+        base = eng.params.copy()
+    adapted = eng.logits(inputs)
+    ad.enabled = False
+    assert not np.allclose(eng.logits(inputs), adapted)  # the adapters change the model
+    merged = make_engine(cfg, "cpu", dtype=np.float64, training=False)
+    merged.load_params(lora.merge(cfg, base, ad.spec, values))
+    assert np.allclose(merged.logits(inputs), adapted, rtol=0, atol=1e-5)  # merge rounds to float32
+
+
+def test_decoding_reads_the_adapters():
+    """Greedy generation with live adapters (the KV-cache path) picks what the merged model picks."""
+    from nanoeuler.infer.generate import generate
+    cfg = CHECK_CONFIGS[0]
+    rng = np.random.default_rng(4)
+    flat, inputs, _ = random_problem(cfg, rng)
+    eng = make_engine(cfg, "cpu", training=False)
+    eng.load_params(flat)
+    spec = lora.make_spec(cfg, 4, 8.0, 0.25)
+    values = rng.normal(0, 0.3, lora.adapter_layout(cfg, spec)[1])
+    lora.attach(eng, spec, values)
+    merged = make_engine(cfg, "cpu", training=False)
+    merged.load_params(lora.merge(cfg, flat, spec, values))
+    prompt = list(inputs[0, :5])
+    live = list(generate(eng, prompt, 12, temperature=0))
+    assert live == list(generate(merged, prompt, 12, temperature=0))
+    eng.adapters.enabled = False
+    assert live != list(generate(eng, prompt, 12, temperature=0))
+
+
+@pytest.mark.parametrize("with_adapters", [False, True])
+def test_recompute_gradients_are_bit_identical(with_adapters):
+    cfg = CHECK_CONFIGS[1] if not with_adapters else CHECK_CONFIGS[3]
+    rng = np.random.default_rng(5)
+    flat, inputs, targets = random_problem(cfg, rng)
+    eng = make_engine(cfg, "cpu", training=not with_adapters)
+    eng.load_params(flat)
+    if with_adapters:
+        ad = lora.attach(eng, lora.make_spec(cfg, 4, 8.0, 0.25))
+        ad.load(rng.normal(0, 0.1, ad.size))
+    grads = lambda: (eng.adapters.grads if with_adapters else eng.grads).copy()
+    losses = cross_entropy_backward(eng, inputs, targets)
+    stored = grads()
+    eng.recompute = True
+    if with_adapters:
+        eng.adapters.dropout_key -= 1  # each backward pass moves the key on: the same masks again
+    assert cross_entropy_backward(eng, inputs, targets) == losses
+    assert np.array_equal(grads(), stored)
+    assert eng._acts["qkv"].shape[0] == 1  # one layer's activations kept, not n_layers'
+
+
+def test_bad_specs_are_one_line_errors():
+    cfg = CHECK_CONFIGS[0]
+    with pytest.raises(UserError, match="at least 1"):
+        lora.make_spec(cfg, 0)
+    with pytest.raises(UserError, match="unknown"):
+        lora.parse_targets("q,x_proj")
+    with pytest.raises(UserError, match="rank at most"):
+        lora.make_spec(cfg, 64)
+    with pytest.raises(UserError, match="dropout"):
+        lora.make_spec(cfg, 4, dropout=1.0)
+    assert lora.parse_targets("v, q") == ("q", "v")
+    assert lora.make_spec(cfg, 4).alpha == 8.0
