@@ -112,8 +112,8 @@ def run(stage, options):
         raise UserError(f"--out {options.out} is the checkpoint this run starts from (--ckpt); name another file")
     model = stage.plan(options, resumed)
     if model.cfg.quant is not None:  # a quantized model decodes and scores only
-        raise UserError(f"{options.ckpt or options.out} is quantized ({model.cfg.quant}): training needs float weights "
-                        "(full training, and LoRA: adapters over a quantized base are not built)")
+        raise UserError(f"{options.ckpt or options.out} is quantized ({model.cfg.quant}): full training needs float "
+                        "weights (and LoRA over a quantized base is not built)")
     adapters = lora_plan(options, resumed, model.cfg, options.ckpt, model.params) if hasattr(options, "lora") else None
     if adapters is not None and options.zero:
         raise UserError("--zero shards full training's optimizer state; LoRA's adapters keep theirs whole (it is small)")
