@@ -278,6 +278,13 @@ def test_fit_asks_only_the_trainable_about_the_weights(corpus, tokenizer, tmp_pa
             self.calls.append("state")
             return self.real.state()
 
+        def save(self, *args):
+            self.calls.append("save")
+            return self.real.save(*args)
+
+        def evaluating(self):
+            return self.real.evaluating()
+
         def device_memory(self):
             return self.real.device_memory()
 
@@ -291,7 +298,7 @@ def test_fit_asks_only_the_trainable_about_the_weights(corpus, tokenizer, tmp_pa
     job = loop.Job(hp, tokenizer, source, validation, CrossEntropy(), str(tmp_path / "t.bin"),
                    str(tmp_path / "t.jsonl"))
     assert loop.fit(job, trainable) == 0
-    assert trainable.calls == ["step"] * 5 + ["state", "step", "state"]  # checkpoints at steps 5 and 6
+    assert trainable.calls == ["step"] * 5 + ["state", "save", "step", "state", "save"]  # checkpoints at steps 5, 6
     assert checkpoint.load(tmp_path / "t.bin", with_opt=True).train_state["opt_step"] == 6
 
 
