@@ -208,6 +208,7 @@ def test_qlora_sft_learns_resumes_exactly_and_reads_merged(pipeline, int4_base, 
     r = run_cli("infer", "Greet Romeo.", "--ckpt", tmp_path / "a.bin", "--device", "cpu", "--max-new-tokens", 4)
     assert r.returncode == 0, r.stderr
     # full training of a quantized checkpoint: one line, nothing written
+    capsys.readouterr()
     status, _, err = _cli(capsys, "sft", "--ckpt", int4_base, "--out", tmp_path / "x.bin", *SFT_FLAGS)
     assert status == 2 and "full training needs float weights" in err and err.count("\n") == 1, err
     assert not (tmp_path / "x.bin").exists()
