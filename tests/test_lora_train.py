@@ -229,3 +229,12 @@ def test_qlora_dpo_and_the_peft_export(pipeline, int4_base, tmp_path):  # noqa: 
     assert r.returncode == 0, r.stderr
     spec, values = peft_io.read(tmp_path / "peft", ack.cfg)
     assert spec.rank == 4 and np.allclose(values, ack.params)
+    # export --hf: the adapters merged in float into the base's dequantized weights (no second quantization)
+    r = run_cli("export", "--hf", tmp_path / "hf", "--ckpt", out)
+    assert r.returncode == 0, r.stderr
+    from safetensors.numpy import load_file
+    base = checkpoint.load(int4_base)
+    cfg, floats = float_params(base.cfg, base.params, base.quantized)
+    want = views(lora.merge(cfg, floats, ack.spec, ack.params), cfg)["layers.1.w_down"]
+    got = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    assert not np.array_equal(want, views(floats, cfg)["layers.1.w_down"]) and np.array_equal(got, want)

@@ -27,7 +27,7 @@ import numpy as np
 from safetensors import safe_open
 
 from nanoeuler.model import lora
-from nanoeuler.model.config import Config, param_layout, param_shapes, quantized_names, views
+from nanoeuler.model.config import Config, float_params, param_layout, param_shapes, quantized_names, views
 from nanoeuler.model.quantize import QuantizedTensor, stored_arrays
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
@@ -396,6 +396,23 @@ def load_adapter_base(ack, path):
     if base.cfg != ack.cfg or (ack.fingerprint
                                and adapter_fingerprint(base.params, base.quantized) != ack.fingerprint):
         raise UserError(f"adapter checkpoint {path}: {where} is not the base it was trained on (its weights differ)")
+    return base
+
+
+def load_float_merged(path):
+    """checkpoint.load for export --hf: an adapter checkpoint over a quantized base (QLoRA) as the base's exact
+    dequantized floats with the adapters merged in float (the model it trained as; no second quantization);
+    any other checkpoint as load reads it."""
+    if not is_adapter(read_metadata(path)):
+        return load(path)
+    ack = load_adapters(path)
+    base = load_adapter_base(ack, path)
+    if base.cfg.quant is None:
+        return load_merged(path)
+    cfg, params = float_params(base.cfg, base.params, base.quantized)
+    base.cfg, base.params, base.quantized = cfg, lora.merge(cfg, params, ack.spec, ack.params), None
+    base.step, base.chat = ack.step, ack.chat or base.chat
+    base.train_state = ack.train_state
     return base
 
 
