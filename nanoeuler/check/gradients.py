@@ -119,12 +119,12 @@ def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5, a
                     skip=[f"heads.{k}" for k in range(1, cfg.mtp_heads)])
 
 
-def lora_problem(cfg, rng, dropout, quant=None):
+def lora_problem(cfg, rng, dropout, quant=None, dtype=np.float64):
     """(frozen base engine in float64, adapters, their flat values, inputs, targets) for the LoRA check: the
     random problem's base frozen, adapters of rank 4 (alpha 8: a scale of 2) on all seven targets with entries
     normal(0, 0.1) (B too, so both factors have gradients), dropout p on the adapters' inputs (a fixed key).
     quant "int8" / "int4": the base's matrices quantized in groups of 32 (QLoRA: the differences are those of
-    the same quantized model)."""
+    the same quantized model); dtype: the engine's (float64 for the check)."""
     from nanoeuler.model import lora
     from nanoeuler.model.engine import make_engine
 
@@ -136,7 +136,7 @@ def lora_problem(cfg, rng, dropout, quant=None):
         cfg = dataclasses.replace(cfg, quant=quant, quant_group=32)
         quantized = {name: quantize(full[name], quant, 32) for name in quantized_names(cfg)}
         flat = np.concatenate([full[name].reshape(-1) for name in param_layout(cfg, floats_only=True)[0]])
-    eng = make_engine(cfg, device="cpu", dtype=np.float64, training=False)
+    eng = make_engine(cfg, device="cpu", dtype=dtype, training=False)
     eng.load_params(flat, quantized)
     ad = lora.attach(eng, lora.make_spec(cfg, LORA_RANK, 2.0 * LORA_RANK, dropout))
     values = rng.normal(0.0, 0.1, ad.size)
