@@ -174,7 +174,8 @@ def matmul_quantized(out, x, w, accumulate, few_rows):
 
 def matmul_backward_quantized(dx, dout, w):
     """dx (N, I) = dout (N, O) @ dequantize(w) for a QuantizedTensor w: the input gradient through a frozen
-    quantized matrix, summed over blocks of QUANT_ROWS rows of w dequantized in turn (one block in float at a time)."""
+    quantized matrix, summed over blocks of QUANT_ROWS rows of w dequantized in turn (one block in float at a
+    time)."""
     dx.fill(0)
     for first in range(0, w.shape[0], QUANT_ROWS):
         last = min(w.shape[0], first + QUANT_ROWS)
