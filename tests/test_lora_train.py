@@ -171,7 +171,7 @@ def int4_base(pipeline):  # noqa: F811
     return out
 
 
-def test_qlora_sft_learns_resumes_exactly_and_reads_merged(pipeline, int4_base, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_qlora_sft_learns_resumes_and_reads_merged(pipeline, int4_base, tmp_path, monkeypatch, capsys):  # noqa: F811
     """sft --lora on a quantized base: the base stays int4 (its products and the input gradients through it
     dequantized), the adapters learn, resume is exact; full training of it is refused in one line."""
     common = ["--ckpt", int4_base, "--steps", 10, "--batch-size", 4, "--lr", 1e-2, "--eval-every", 5,
