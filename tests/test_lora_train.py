@@ -1,6 +1,7 @@
 """`sft|dpo --lora R` end to end on the CPU: the adapters learn, their checkpoint is small and names its base,
 every command reads it merged, exact resume and Ctrl-C with dropout and --recompute, PEFT's folder in and
 out of the commands, DPO's adapters over SFT's, and bad input as one line, exit 2 and nothing written."""
+import dataclasses
 import json
 import os
 
@@ -11,7 +12,8 @@ from conftest import run_cli
 from nanoeuler.data import instructions
 from nanoeuler.io import checkpoint, peft as peft_io
 from nanoeuler.model import lora
-from nanoeuler.model.config import Config
+from nanoeuler.model.config import Config, float_params, views
+from nanoeuler.model.quantize import dequantize
 from nanoeuler.model.engine import make_engine
 from nanoeuler.train import sft, dpo
 from test_sft import GREETINGS, SFT_FLAGS, _cli, _main, pipeline  # noqa: F401 (the fixture)
@@ -158,3 +160,81 @@ def test_lora_on_two_ranks_is_one_rank_at_twice_the_batch(pipeline, tmp_path):  
     np.testing.assert_allclose(two, one, rtol=1e-5)
     np.testing.assert_allclose(checkpoint.load_adapters(tmp_path / "two.bin").params, checkpoint.load_adapters(tmp_path / "one.bin").params,
                                atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def int4_base(pipeline):  # noqa: F811
+    """The pipeline's pretrained model quantized to int4 (groups of 32): QLoRA's base."""
+    out = pipeline["dir"] / "base_int4.bin"
+    r = run_cli("quantize", "--ckpt", pipeline["base"], "--out", out, "--type", "int4")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_qlora_sft_learns_resumes_and_reads_merged(pipeline, int4_base, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """sft --lora on a quantized base: the base stays int4 (its products and the input gradients through it
+    dequantized), the adapters learn, resume is exact; full training of it is refused in one line."""
+    common = ["--ckpt", int4_base, "--steps", 10, "--batch-size", 4, "--lr", 1e-2, "--eval-every", 5,
+              "--sample-every", 10, "--ckpt-every", 5, "--lora", 4, "--lora-dropout", 0.1, *SFT_FLAGS]
+    assert _main(sft, "sft", "--out", tmp_path / "a.bin", *common) == 0
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 7, instructions.ExampleBatches)
+        assert _main(sft, "sft", "--out", tmp_path / "b.bin", *common) == 130
+    assert _main(sft, "sft", "--resume", "--out", tmp_path / "b.bin", "--device", "cpu") == 0
+    full, resumed = ([json.loads(line) for line in open(tmp_path / f"{n}.jsonl")] for n in "ab")
+    assert full[-1]["loss"] < 0.98 * full[0]["loss"] and full[-1]["val_loss"] < full[4]["val_loss"]
+    for record, record_resumed in zip(full, resumed):
+        for key in ("loss", "grad_norm", "val_loss"):
+            assert record.get(key) == record_resumed.get(key), (record["step"], key)
+    a, b = (checkpoint.load_adapters(tmp_path / f"{n}.bin", with_opt=True) for n in "ab")
+    np.testing.assert_array_equal(a.params, b.params)
+    base = checkpoint.load(int4_base)
+    assert a.cfg.quant == "int4" and a.fingerprint == checkpoint.adapter_fingerprint(base.params, base.quantized)
+    # read elsewhere as the base with the adapters merged and quantized again (int4): each merged weight within
+    # half a step of its group (and the float16 rounding of the step and the minimum) of the float merge
+    # W + (alpha / r) B A
+    merged = checkpoint.load(tmp_path / "a.bin")
+    assert merged.cfg.quant == "int4" and np.array_equal(merged.params, base.params)
+    floats = views(lora.merge(*float_params(base.cfg, base.params, base.quantized), a.spec, a.params),
+                   dataclasses.replace(base.cfg, quant=None, quant_group=None))
+    for name, qt in merged.quantized.items():
+        if name.startswith("heads"):
+            assert np.array_equal(qt.q, base.quantized[name].q)
+            continue
+        step = np.repeat(qt.scales.astype(np.float32), qt.group, axis=1)
+        error = np.abs(dequantize(qt) - floats[name])
+        assert (error <= 0.5 * step + 16 * 2.0 ** -11 * (step + np.abs(floats[name]).max())).all(), name
+        assert not np.array_equal(qt.q, base.quantized[name].q), name
+    r = run_cli("infer", "Greet Romeo.", "--ckpt", tmp_path / "a.bin", "--device", "cpu", "--max-new-tokens", 4)
+    assert r.returncode == 0, r.stderr
+    # full training of a quantized checkpoint: one line, nothing written
+    capsys.readouterr()
+    status, _, err = _cli(capsys, "sft", "--ckpt", int4_base, "--out", tmp_path / "x.bin", *SFT_FLAGS)
+    assert status == 2 and "full training needs float weights" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_qlora_dpo_and_the_peft_export(pipeline, int4_base, tmp_path):  # noqa: F811
+    """dpo --lora on a quantized base (the reference is the base without adapters: the first loss is log 2);
+    export --peft writes the adapters for the base's export --hf (its dequantized floats)."""
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    out = tmp_path / "dpo.bin"
+    assert _main(dpo, "dpo", "--ckpt", int4_base, "--data", tmp_path / "pairs.jsonl", "--out", out, "--lora", 4,
+                 "--steps", 3, "--batch-size", 2, "--lr", 1e-2, "--eval-every", 3, "--sample-every", 3,
+                 "--rpo-alpha", 0, "--val-pairs", 2, "--device", "cpu") == 0
+    log = [json.loads(line) for line in open(tmp_path / "dpo.jsonl")]
+    assert log[0]["loss"] == pytest.approx(np.log(2), rel=1e-3)
+    ack = checkpoint.load_adapters(out)
+    r = run_cli("export", "--peft", tmp_path / "peft", "--ckpt", out)
+    assert r.returncode == 0, r.stderr
+    spec, values = peft_io.read(tmp_path / "peft", ack.cfg)
+    assert spec.rank == 4 and np.allclose(values, ack.params)
+    # export --hf: the adapters merged in float into the base's dequantized weights (no second quantization)
+    r = run_cli("export", "--hf", tmp_path / "hf", "--ckpt", out)
+    assert r.returncode == 0, r.stderr
+    from safetensors.numpy import load_file
+    base = checkpoint.load(int4_base)
+    cfg, floats = float_params(base.cfg, base.params, base.quantized)
+    want = views(lora.merge(cfg, floats, ack.spec, ack.params), cfg)["layers.1.w_down"]
+    got = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    assert not np.array_equal(want, views(floats, cfg)["layers.1.w_down"]) and np.array_equal(got, want)

@@ -800,23 +800,33 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
     return errors
 
 
-def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, dropout=0.0):
+def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, dropout=0.0, quant=None):
     """LoRA on a frozen base (model/lora.py), GPU engine in `precision` vs CPU engine (float64), the same base,
     adapters (rank 8 on all seven targets, alpha 16) and dropout key: {adapter tensor: error}, plus the loss,
-    and whether the GPU's gradients with --recompute equal its stored path's bit for bit (error 0 or inf)."""
+    and whether the GPU's gradients with --recompute equal its stored path's bit for bit (error 0 or inf).
+    quant "int8" / "int4": QLoRA, the base's matrices quantized in groups of 32 on both engines (the input
+    gradient through them: the CPU's exact dequantization, the GPU's dequantized scratch and cuBLAS)."""
     from nanoeuler.check.problems import random_problem
     from nanoeuler.model import lora
+    from nanoeuler.model.config import quantized_names, views
     from nanoeuler.model.engine import make_engine
+    from nanoeuler.model.quantize import quantize
 
     rng = np.random.default_rng(seed + 11)
     flat, inputs, targets = random_problem(cfg, rng, batch=3, scale=0.05)
     spec = lora.make_spec(cfg, 8, 16.0, dropout)
     values = _f32(rng.normal(0.0, 0.05, lora.adapter_layout(cfg, spec)[1]))
+    quantized = None
+    if quant is not None:
+        v = views(flat, cfg)
+        cfg = dataclasses.replace(cfg, quant=quant, quant_group=32)
+        quantized = {name: quantize(v[name], quant, 32) for name in quantized_names(cfg)}
+        flat = np.concatenate([v[name].reshape(-1) for name in param_layout(cfg, floats_only=True)[0]])
     engines = []
     for device, dtype in (("cpu", np.float64), ("gpu", np.float32)):
         eng = make_engine(cfg, device=device, dtype=dtype, precision=None if device == "cpu" else precision,
                           training=False)
-        eng.load_params(_f32(flat))
+        eng.load_params(_f32(flat), quantized)
         lora.attach(eng, spec, values).dropout_key = 3
         engines.append(eng)
     cpu, gpu = engines
@@ -885,6 +895,13 @@ def run_gpu_check(seed=0):
             print(f"LoRA in {precision} vs CPU engine (float64): base frozen, rank 8 on q,k,v,o,gate,up,down, "
                   f"dropout {p:g}{' (seeded)' if p else ''}, on the q/k/v-bias model")
             errors = lora_model_check(seed, precision, report=print, dropout=p)
+            worst_here = max(errors.values())
+            model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
+            ok &= worst_here < bounds[precision]
+        for kind in ("int8", "int4"):
+            print(f"QLoRA in {precision} vs CPU engine (float64): the base's matrices {kind} in groups of 32, "
+                  f"frozen, rank 8 on q,k,v,o,gate,up,down, dropout 0.25 (seeded)")
+            errors = lora_model_check(seed, precision, report=print, cfg=QUANT_CONFIG, dropout=0.25, quant=kind)
             worst_here = max(errors.values())
             model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
             ok &= worst_here < bounds[precision]

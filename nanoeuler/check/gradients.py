@@ -26,12 +26,13 @@ and down in every layer; rank 4, scale 2, entries normal(0, 0.1)) of a frozen ba
     nanoeuler check            # CPU engine vs finite differences: the tensors of 4 models, DPO and LoRA
     nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/check/gpu.py)
 """
+import dataclasses
 import math
 import time
 
 import numpy as np
 
-from nanoeuler.model.config import Config, param_layout
+from nanoeuler.model.config import Config, param_layout, quantized_names, views
 from nanoeuler.check.problems import random_problem, relative_error
 from nanoeuler.model.losses import cross_entropy, cross_entropy_backward, sequence_logprobs
 from nanoeuler.train.objectives import chosen_tokens, dpo_backward, dpo_loss, dpo_margins
@@ -46,6 +47,8 @@ CHECK_CONFIGS = (Config(**_SHAPE, mtp_heads=1), Config(**_SHAPE, mtp_heads=2), C
 # LoRA (model/lora.py) is checked on the first and last models, with dropout off and on
 LORA_RANK, LORA_DROPOUT = 4, 0.25
 LORA_CONFIGS = (CHECK_CONFIGS[0], CHECK_CONFIGS[-1])
+# QLoRA: the adapters on the first model with its matrices quantized (model/quantize.py), dropout on
+QLORA_TYPES = ("int8", "int4")
 # The preference objective is checked as shipped: DPO plus RPO's chosen-reply NLL (dpo.DEFAULT_RPO_ALPHA).
 DPO_ALPHA = 1.0
 
@@ -116,16 +119,25 @@ def dpo_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, beta=0.5, a
                     skip=[f"heads.{k}" for k in range(1, cfg.mtp_heads)])
 
 
-def lora_problem(cfg, rng, dropout):
+def lora_problem(cfg, rng, dropout, quant=None, dtype=np.float64):
     """(frozen base engine in float64, adapters, their flat values, inputs, targets) for the LoRA check: the
     random problem's base frozen, adapters of rank 4 (alpha 8: a scale of 2) on all seven targets with entries
-    normal(0, 0.1) (B too, so both factors have gradients), dropout p on the adapters' inputs (a fixed key)."""
+    normal(0, 0.1) (B too, so both factors have gradients), dropout p on the adapters' inputs (a fixed key).
+    quant "int8" / "int4": the base's matrices quantized in groups of 32 (QLoRA: the differences are those of
+    the same quantized model); dtype: the engine's (float64 for the check)."""
     from nanoeuler.model import lora
     from nanoeuler.model.engine import make_engine
 
-    eng = make_engine(cfg, device="cpu", dtype=np.float64, training=False)
     flat, inputs, targets = random_problem(cfg, rng)
-    eng.load_params(flat)
+    quantized = None
+    if quant is not None:
+        from nanoeuler.model.quantize import quantize
+        full = views(flat, cfg)
+        cfg = dataclasses.replace(cfg, quant=quant, quant_group=32)
+        quantized = {name: quantize(full[name], quant, 32) for name in quantized_names(cfg)}
+        flat = np.concatenate([full[name].reshape(-1) for name in param_layout(cfg, floats_only=True)[0]])
+    eng = make_engine(cfg, device="cpu", dtype=dtype, training=False)
+    eng.load_params(flat, quantized)
     ad = lora.attach(eng, lora.make_spec(cfg, LORA_RANK, 2.0 * LORA_RANK, dropout))
     values = rng.normal(0.0, 0.1, ad.size)
     ad.load(values)
@@ -133,11 +145,12 @@ def lora_problem(cfg, rng, dropout):
     return eng, ad, values, inputs, targets
 
 
-def lora_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, dropout=0.0):
+def lora_gradient_check(cfg, samples=8, seed=0, h=1e-3, report=print, dropout=0.0, quant=None):
     """Finite differences of the training loss in the adapter tensors (the base frozen: it has no gradient
-    buffer at all) against the backward pass's adapter gradients, float64 CPU engine, dropout p (seeded)."""
+    buffer at all) against the backward pass's adapter gradients, float64 CPU engine, dropout p (seeded); quant:
+    a quantized base (QLoRA, lora_problem)."""
     rng = np.random.default_rng(seed + 2)
-    eng, ad, values, inputs, targets = lora_problem(cfg, rng, dropout)
+    eng, ad, values, inputs, targets = lora_problem(cfg, rng, dropout, quant)
     cross_entropy_backward(eng, inputs, targets)
     analytic = ad.grads.copy()
     ad.dropout_key -= 1  # the backward pass moved the key on: the differences draw the masks it drew
@@ -219,9 +232,16 @@ def main(args):
                   f"{p:g}{' (seeded)' if p else ''}:")
             for name, err in lora_gradient_check(cfg, samples=args.samples, seed=args.seed, dropout=p).items():
                 errors[f"LoRA {label(cfg)}, dropout {p:g}, {name}"] = err
+    for quant in QLORA_TYPES:
+        cfg = LORA_CONFIGS[0]
+        print(f"QLoRA adapters, {label(cfg)}: the base's matrices {quant} in groups of 32, rank {LORA_RANK} on "
+              f"q,k,v,o,gate,up,down, dropout {LORA_DROPOUT:g} (seeded):")
+        for name, err in lora_gradient_check(cfg, samples=args.samples, seed=args.seed, dropout=LORA_DROPOUT,
+                                             quant=quant).items():
+            errors[f"QLoRA {quant} {label(cfg)}, {name}"] = err
     worst = max(errors, key=lambda n: math.inf if math.isnan(errors[n]) else errors[n])  # NaN is worst
     print(f"max relative error: {errors[worst]:.2e} ({worst})")
     ok = all(err < THRESHOLD for err in errors.values())
     print(f"{'PASS' if ok else 'FAIL'} (threshold {THRESHOLD:.0e}, {len(errors)} tensors in "
-          f"{len(CHECK_CONFIGS)} models, training loss, DPO and LoRA, {time.time() - start:.1f} s)")
+          f"{len(CHECK_CONFIGS)} models, training loss, DPO, LoRA and QLoRA, {time.time() - start:.1f} s)")
     return 0 if ok else 1

@@ -27,7 +27,7 @@ import numpy as np
 from safetensors import safe_open
 
 from nanoeuler.model import lora
-from nanoeuler.model.config import Config, param_layout, param_shapes, quantized_names, views
+from nanoeuler.model.config import Config, float_params, param_layout, param_shapes, quantized_names, views
 from nanoeuler.model.quantize import QuantizedTensor, stored_arrays
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
@@ -304,10 +304,16 @@ class AdapterCheckpoint:
 FINGERPRINT_STRIDE = 1009  # every 1009th weight summed: cheap for a large model, changed by any retraining
 
 
-def adapter_fingerprint(params):
-    """A short string that tells a base's weights apart: their count and a float64 sum of a strided sample."""
+def adapter_fingerprint(params, quantized=None):
+    """A short string that tells a base's weights apart: their count and a float64 sum of a strided sample; a
+    quantized base's (QLoRA) also sums a sample of its matrices' integers and scales, in name order."""
     params = np.asarray(params)
-    return f"{params.size}:{float(np.sum(params[::FINGERPRINT_STRIDE], dtype=np.float64)):.17g}"
+    text = f"{params.size}:{float(np.sum(params[::FINGERPRINT_STRIDE], dtype=np.float64)):.17g}"
+    if quantized:
+        total = sum(float(np.sum(a.reshape(-1)[::FINGERPRINT_STRIDE], dtype=np.float64))
+                    for name in sorted(quantized) for a in quantized[name].arrays().values())
+        text += f":q{total:.17g}"
+    return text
 
 
 def is_adapter(meta):
@@ -387,16 +393,38 @@ def load_adapter_base(ack, path):
     if os.path.abspath(where) == os.path.abspath(path):
         raise UserError(f"adapter checkpoint {path} names itself as its base")
     base = load(where)  # an adapter checkpoint too (DPO's adapters over SFT's): merged, as trained on
-    if base.cfg != ack.cfg or (ack.fingerprint and adapter_fingerprint(base.params) != ack.fingerprint):
+    if base.cfg != ack.cfg or (ack.fingerprint
+                               and adapter_fingerprint(base.params, base.quantized) != ack.fingerprint):
         raise UserError(f"adapter checkpoint {path}: {where} is not the base it was trained on (its weights differ)")
     return base
 
 
-def load_merged(path):
-    """checkpoint.load of an adapter checkpoint: its base with the adapters merged in, at the adapters' step."""
+def load_float_merged(path):
+    """checkpoint.load for export --hf: an adapter checkpoint over a quantized base (QLoRA) as the base's exact
+    dequantized floats with the adapters merged in float (the model it trained as; no second quantization);
+    any other checkpoint as load reads it."""
+    if not is_adapter(read_metadata(path)):
+        return load(path)
     ack = load_adapters(path)
     base = load_adapter_base(ack, path)
-    base.params = lora.merge(base.cfg, base.params, ack.spec, ack.params)
+    if base.cfg.quant is None:
+        return load_merged(path)
+    cfg, params = float_params(base.cfg, base.params, base.quantized)
+    base.cfg, base.params, base.quantized = cfg, lora.merge(cfg, params, ack.spec, ack.params), None
+    base.step, base.chat = ack.step, ack.chat or base.chat
+    base.train_state = ack.train_state
+    return base
+
+
+def load_merged(path):
+    """checkpoint.load of an adapter checkpoint: its base with the adapters merged in, at the adapters' step (a
+    quantized base's targets merged and quantized again: lora.merge_quantized)."""
+    ack = load_adapters(path)
+    base = load_adapter_base(ack, path)
+    if base.cfg.quant is not None:  # QLoRA: merged, then quantized again in the base's format
+        base.quantized = lora.merge_quantized(base.cfg, base.quantized, ack.spec, ack.params)
+    else:
+        base.params = lora.merge(base.cfg, base.params, ack.spec, ack.params)
     base.step, base.chat = ack.step, ack.chat or base.chat
     base.train_state = ack.train_state
     return base

@@ -21,6 +21,8 @@ loading instructions and the loss curve); each is written atomically.
 An adapter checkpoint (`sft|dpo --lora R`: io/checkpoint.py) is exported merged: its base with W + (alpha / r) B A
 in every adapted product (`--merge` says so and is implied), here and with `--gguf`. `--peft DIR` writes its
 adapters alone, as PEFT's files (io/peft.py), for the base this command writes of the checkpoint it names.
+Adapters over a quantized base (QLoRA) are merged in float into its exact dequantized weights here; `--gguf`
+writes the merge quantized again in the base's format (io/checkpoint.py's load_merged).
 """
 import json
 import os
@@ -102,7 +104,7 @@ def main(args):
     if args.gguf:
         from nanoeuler.io import gguf
         return gguf.main(args)
-    ck = checkpoint.load(args.ckpt)
+    ck = checkpoint.load_float_merged(args.ckpt)  # QLoRA's adapters merged into the dequantized base, in float
     tok = ck.tokenizer()
     out = args.hf
     if os.path.exists(out) and not os.path.isdir(out):

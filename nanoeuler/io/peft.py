@@ -187,5 +187,8 @@ def apply(ck, folder):
     """The checkpoint ck with the PEFT adapter of folder merged into its weights (what inference with
     `--adapter DIR` runs): W + (alpha / r) B A for each adapted product."""
     spec, values = read(folder, ck.cfg)
-    ck.params = lora.merge(ck.cfg, ck.params, spec, values)
+    if ck.cfg.quant is not None:  # a quantized checkpoint: merged, then quantized again in its format
+        ck.quantized = lora.merge_quantized(ck.cfg, ck.quantized, spec, values)
+    else:
+        ck.params = lora.merge(ck.cfg, ck.params, spec, values)
     return ck

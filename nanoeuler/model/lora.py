@@ -146,6 +146,22 @@ def merge(cfg, base, spec, adapters):
     return merged
 
 
+def merge_quantized(cfg, quantized, spec, adapters):
+    """A quantized base's {name: QuantizedTensor} with each target's update folded in and quantized again in the
+    base's format: quantize(dequantize(W) + (alpha / r) B A) (QLoRA's merge; the second quantization adds its
+    error to the first's: docs/lora.md). Untargeted matrices are kept as they are."""
+    from nanoeuler.model.quantize import dequantize, quantize
+    merged = dict(quantized)
+    ad = adapter_views(np.asarray(adapters, dtype=np.float32), cfg, spec)
+    for i in range(cfg.n_layers):
+        for t in spec.targets:
+            a, b = ad[f"layers.{i}.{t}.lora_a"].astype(np.float64), ad[f"layers.{i}.{t}.lora_b"].astype(np.float64)
+            name = f"layers.{i}.{BASE_NAMES[t]}"
+            w = dequantize(quantized[name]).astype(np.float64) + spec.scale * (b @ a)
+            merged[name] = quantize(w.astype(np.float32), cfg.quant, cfg.quant_group)
+    return merged
+
+
 def _mix64(x):
     """splitmix64's finaliser on Python ints (the dropout keys; the layers' hash is the same function)."""
     x &= _MASK64

@@ -145,7 +145,8 @@ def plan(options, resumed):
     settings = Preference(options.data or DEFAULT_DATA, options.val_pairs, options.ckpt,
                           DEFAULT_BETA if options.beta is None else options.beta,
                           DEFAULT_RPO_ALPHA if options.rpo_alpha is None else options.rpo_alpha, preset, start)
-    return Model(start.cfg, hyper, f"{options.ckpt} (step {start.step})", start.params, settings)
+    return Model(start.cfg, hyper, f"{options.ckpt} (step {start.step})", start.params, settings,
+                 start.quantized)
 
 
 @dataclasses.dataclass(frozen=True)

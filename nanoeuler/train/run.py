@@ -37,12 +37,14 @@ class Model:
     """What a stage's plan() decides before any work: the model's config (final, or close enough for the device
     rule: pretraining's vocabulary is its tokenizer's, which load() learns), the stage's default
     hyperparameters, where the weights come from in words (the banner), the weights to start from (None: a
-    fresh initialisation, or the resumed checkpoint's), and the stage's own settings (its data, preset, ...)."""
+    fresh initialisation, or the resumed checkpoint's; a quantized base's matrices in `quantized`), and the
+    stage's own settings (its data, preset, ...)."""
     cfg: object
     hyper: object
     origin: str
     params: object = None
     settings: object = None
+    quantized: object = None    # a quantized base's {name: QuantizedTensor} (QLoRA: params its float tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +113,11 @@ def run(stage, options):
     if os.path.abspath(options.out) == os.path.abspath(options.ckpt or ""):
         raise UserError(f"--out {options.out} is the checkpoint this run starts from (--ckpt); name another file")
     model = stage.plan(options, resumed)
-    if model.cfg.quant is not None:  # a quantized model decodes and scores only
+    adapters = (lora_plan(options, resumed, model.cfg, options.ckpt, model.params, model.quantized)
+                if hasattr(options, "lora") else None)
+    if model.cfg.quant is not None and adapters is None:  # QLoRA trains adapters on it; nothing else trains it
         raise UserError(f"{options.ckpt or options.out} is quantized ({model.cfg.quant}): full training needs float "
-                        "weights (and LoRA over a quantized base is not built)")
-    adapters = lora_plan(options, resumed, model.cfg, options.ckpt, model.params) if hasattr(options, "lora") else None
+                        "weights (train the float checkpoint, or adapters on this one with --lora R)")
     if adapters is not None and options.zero:
         raise UserError("--zero shards full training's optimizer state; LoRA's adapters keep theirs whole (it is small)")
     fresh = model.hyper if adapters is None else dataclasses.replace(model.hyper, lr=model.hyper.lr * LORA_LR_FACTOR)
@@ -130,9 +133,9 @@ def run(stage, options):
                       training=adapters is None)
     eng.recompute = options.recompute
     if resumed is not None:
-        eng.load_params(resumed.params)
+        eng.load_params(resumed.params, resumed.quantized)
     elif model.params is not None:
-        eng.load_params(model.params)
+        eng.load_params(model.params, model.quantized)
     if stage.ready is not None:
         data = stage.ready(model, data, eng, context)
     if resumed is not None:

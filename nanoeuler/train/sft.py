@@ -57,7 +57,8 @@ def plan(options, resumed):
     settings = FineTuning(options.data or DEFAULT_DATA, options.long or "truncate", options.val_examples,
                           options.ckpt, start)
     return Model(start.cfg, SFT_HYPER, f"{options.ckpt} (step {start.step}"
-                 f"{', already a chat model' if start.chat else ''})", start.params, settings)
+                 f"{', already a chat model' if start.chat else ''})", start.params, settings,
+                 start.quantized)
 
 
 def load(options, model, context):

@@ -86,7 +86,7 @@ class LoraPlan:
     origin: str
 
 
-def lora_plan(options, resumed, cfg, base_path, base_params):
+def lora_plan(options, resumed, cfg, base_path, base_params, base_quantized=None):
     """The run's LoRA (None for full training) from --lora R, --lora-alpha, --lora-dropout, --lora-targets and
     --adapter DIR (a PEFT folder to start from), or the resumed adapter checkpoint's; one-line errors for what
     cannot be (checked before any work)."""
@@ -122,11 +122,12 @@ def lora_plan(options, resumed, cfg, base_path, base_params):
             raise UserError(f"--lora-targets: the adapter {adapter} adapts {','.join(spec.targets)}")
         alpha = spec.alpha if options.lora_alpha is None else options.lora_alpha
         spec = lora.make_spec(cfg, spec.rank, alpha, options.lora_dropout or 0.0, spec.targets)
-        return LoraPlan(spec, values, base_path, checkpoint.adapter_fingerprint(base_params),
+        return LoraPlan(spec, values, base_path, checkpoint.adapter_fingerprint(base_params, base_quantized),
                         f"the PEFT adapter {adapter}")
     targets = lora.parse_targets(options.lora_targets) if options.lora_targets is not None else lora.TARGETS
     spec = lora.make_spec(cfg, options.lora, options.lora_alpha, options.lora_dropout or 0.0, targets)
-    return LoraPlan(spec, None, base_path, checkpoint.adapter_fingerprint(base_params), "fresh adapters")
+    return LoraPlan(spec, None, base_path, checkpoint.adapter_fingerprint(base_params, base_quantized),
+                    "fresh adapters")
 
 
 class LoraTrainable(Trainable):

@@ -172,12 +172,27 @@ def matmul_quantized(out, x, w, accumulate, few_rows):
             out[:, first:last] = product
 
 
+def matmul_backward_quantized(dx, dout, w):
+    """dx (N, I) = dout (N, O) @ dequantize(w) for a QuantizedTensor w: the input gradient through a frozen
+    quantized matrix, summed over blocks of QUANT_ROWS rows of w dequantized in turn (one block in float at a
+    time)."""
+    dx.fill(0)
+    for first in range(0, w.shape[0], QUANT_ROWS):
+        last = min(w.shape[0], first + QUANT_ROWS)
+        dx += dout[:, first:last] @ dequantize_rows(w, first, last).astype(dx.dtype, copy=False)
+
+
 # matmul_forward and the products that end in it (rmsnorm_matmul_*_forward) read the batch-invariance
 # setting: they are methods of Layers, at the end.
 def matmul_backward(dx, dw, dout, x, w, dbias=None):
     """dx (N, I) = dout @ w; dw (O, I) += dout.T @ x (dw None: not computed); where given, dbias (O,) += the column sums of dout (the
-    gradient of a bias added to the product)."""
-    np.matmul(dout, w, out=dx)
+    gradient of a bias added to the product). A QuantizedTensor w (a frozen quantized base: QLoRA) gives dx
+    through its exact dequantization, QUANT_ROWS rows at a time (never the whole matrix in float)."""
+    if isinstance(w, QuantizedTensor):
+        assert dw is None, "a quantized matrix is frozen"
+        matmul_backward_quantized(dx, dout, w)
+    else:
+        np.matmul(dout, w, out=dx)
     if dw is not None:  # None: a frozen weight (LoRA's base), whose input gradient alone is wanted
         dw += dout.T @ x
     if dbias is not None:

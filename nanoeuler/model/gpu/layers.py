@@ -312,8 +312,12 @@ class Layers:
 
     def matmul_backward(self, dx, dw, dout, x, w, dbias=None):
         """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations; None: not
-        computed); where given,
+        computed; a QuantizedMatrix w, frozen, is dequantized into one scratch of the activations' type shared by
+        every such product, then cuBLAS: bf16 rounds the dequantized weights to bf16); where given,
         dbias (O,) float32 += the column sums of dout, as the product of dout.T with a column of ones."""
+        if isinstance(w, quantized.QuantizedMatrix):  # a frozen quantized base (QLoRA): its input gradient alone
+            assert dw is None, "a quantized matrix is frozen"
+            w = quantized.dequantize(w, dout.dtype, quantized.backward_scratch(w.shape, dout.dtype))
         _check(dx, dout, x, w, act=x)
         if dw is not None:
             _check(dw)

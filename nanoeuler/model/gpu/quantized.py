@@ -12,7 +12,8 @@ take for such a w:
   cuBLAS, as for float weights.
 
 `dequantize(w)` gives the dequantized matrix as a CuPy array (float32 by default: model/quantize.py's values
-bit for bit): the float32 path's first step, the checks', and what a frozen base's product can start from.
+bit for bit): the float32 path's first step, the checks', and a frozen base's backward product (QLoRA: dx =
+dout W through a dequantized copy of one matrix at a time in `backward_scratch`, then cuBLAS).
 """
 import dataclasses
 
@@ -94,6 +95,21 @@ def scratch(shape, dtype):
     if key not in _scratch:
         _scratch[key] = cupy.empty(shape, dtype)
     return _scratch[key]
+
+
+_backward = {}
+
+
+def backward_scratch(shape, dtype):
+    """An (O, I) buffer for a frozen matrix's dequantized copy in the backward pass (QLoRA: dx = dout W): one
+    buffer per type and device, grown to the largest matrix asked and shared by all (a transient copy of one
+    matrix at a time; the backward pass runs outside CUDA graphs)."""
+    key = (np.dtype(dtype).str, cupy.cuda.Device().id)
+    size = shape[0] * shape[1]
+    if key not in _backward or _backward[key].size < size:
+        _backward.pop(key, None)  # the smaller one freed before the larger is made
+        _backward[key] = cupy.empty(size, dtype)
+    return _backward[key][:size].reshape(shape)
 
 
 def dequantize(w, dtype=F32, out=None):
