@@ -5,6 +5,7 @@ token files, metrics logs and loss curves, exports, tokenizer.json, the fetched 
         f.write(...)
     atomic_write("nanoeuler.bin", lambda f: f.write(data))   # the same for one callback; OSError -> UserError
     check_writable("nanoeuler.bin")                  # before hours of training, not after
+    output_folder("hf_out", "--hf", "config.json")   # a folder made (or kept) and found writable, for exports
 
 A file is written under a temporary name in the same directory (`<root>.tmp<pid><ext>`: it keeps the
 extension, so the ignore rules that cover the file cover its temporary too, and two processes writing the
@@ -105,3 +106,15 @@ def check_writable(path):
         os.remove(tmp)
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def output_folder(folder, flag, first_file):
+    """Make `folder` (the value of `flag`) for an export, or keep it, and check that `first_file` in it can be
+    written: a one-line error before any work."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"{flag} {folder} exists and is not a directory")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {folder}: {e.strerror or e}") from None
+    check_writable(os.path.join(folder, first_file))

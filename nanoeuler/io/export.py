@@ -35,7 +35,7 @@ from nanoeuler.io import checkpoint
 from nanoeuler.io.report import model_card
 from nanoeuler.model.config import views
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_write, check_writable
+from nanoeuler.files import atomic_write, output_folder
 
 LAYER_NAMES = {  # ours -> Hugging Face Llama, within layer i
     "attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
@@ -107,13 +107,7 @@ def main(args):
     ck = checkpoint.load_float_merged(args.ckpt)  # QLoRA's adapters merged into the dequantized base, in float
     tok = ck.tokenizer()
     out = args.hf
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UserError(f"--hf {out} exists and is not a directory")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {out}: {e.strerror or e}") from None
-    check_writable(os.path.join(out, "config.json"))
+    output_folder(out, "--hf", "config.json")
 
     def write_json(name, obj):
         atomic_write(os.path.join(out, name), lambda f: json.dump(obj, f, indent=2), mode="w")

@@ -50,7 +50,6 @@ import dataclasses
 import json
 import os
 import re
-import struct
 import sys
 
 import numpy as np
@@ -58,6 +57,7 @@ import numpy as np
 from nanoeuler.errors import UserError, require
 from nanoeuler.files import check_writable
 from nanoeuler.io import checkpoint
+from nanoeuler.io.safetensors_header import safetensors_header
 from nanoeuler.io.export import BIAS_NAMES, LAYER_NAMES
 from nanoeuler.model.config import ROPE_TYPES, Config, param_count, views
 from nanoeuler.tokenizer.bpe import Tokenizer
@@ -140,19 +140,14 @@ class Safetensors:
     def __init__(self, folder):
         self.entries = {}  # name -> (path, dtype, shape, start byte, end byte)
         for path in _safetensors_files(folder):
-            try:
-                with open(path, "rb") as f:
-                    (n,) = struct.unpack("<Q", f.read(8))
-                    header = json.loads(f.read(n))
-            except (OSError, ValueError, struct.error) as e:
-                raise UserError(f"cannot read {path}: {e}") from None
+            header, start = safetensors_header(path)
             for name, entry in header.items():
                 if name == "__metadata__":
                     continue
                 if entry["dtype"] != "BF16" and entry["dtype"] not in _DTYPES:
                     raise UserError(f"{path}: tensor {name} is {entry['dtype']}; nanoeuler reads float weights only")
                 lo, hi = entry["data_offsets"]
-                self.entries[name] = (path, entry["dtype"], tuple(entry["shape"]), 8 + n + lo, 8 + n + hi)
+                self.entries[name] = (path, entry["dtype"], tuple(entry["shape"]), start + lo, start + hi)
 
     def __contains__(self, name):
         return name in self.entries

@@ -20,12 +20,12 @@ import json
 import math
 import os
 import re
-import struct
 
 import numpy as np
 
 from nanoeuler.errors import UserError
-from nanoeuler.files import atomic_write, check_writable
+from nanoeuler.files import atomic_write, output_folder
+from nanoeuler.io.safetensors_header import safetensors_header
 from nanoeuler.model import lora
 
 MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -53,13 +53,7 @@ def adapter_config(spec, base=None):
 
 def write(folder, cfg, spec, values, base=None):
     """Write PEFT's two files for the adapters `values` (flat, model/lora.py's layout) of spec into folder."""
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise UserError(f"--peft {folder} exists and is not a directory")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {folder}: {e.strerror or e}") from None
-    check_writable(os.path.join(folder, CONFIG))
+    output_folder(folder, "--peft", CONFIG)
     from safetensors.numpy import save as serialize
     views = lora.adapter_views(np.asarray(values, dtype=np.float32), cfg, spec)
     tensors = {}
@@ -145,19 +139,14 @@ class _Tensors:
 
     def __init__(self, path):
         self.path, self.entries = path, {}
-        try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error) as e:
-            raise UserError(f"cannot read {path}: {e}") from None
+        header, start = safetensors_header(path)
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
             if entry.get("dtype") not in _DTYPES:
                 raise UserError(f"{path}: tensor {name} is {entry.get('dtype')}; adapters are float tensors")
             lo, hi = entry["data_offsets"]
-            self.entries[name] = (entry["dtype"], tuple(entry["shape"]), 8 + n + lo, hi - lo)
+            self.entries[name] = (entry["dtype"], tuple(entry["shape"]), start + lo, hi - lo)
 
     def __iter__(self):
         return iter(self.entries)
