@@ -22,25 +22,11 @@ import time
 
 import numpy as np
 
+from bench_gpu_train import time_steps
 from reference import batches
 from shapes import SHAPES
 
 BATCH = {"llama3.2-1b": 4, "llama3-8b": 2}
-
-
-def time_steps(step, sync, warmup, steps):
-    """Median ms of `steps` timed steps after `warmup`, and the first step's loss."""
-    first = step()
-    for _ in range(warmup - 1):
-        step()
-    sync()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append(1e3 * (time.perf_counter() - t))
-    return float(np.median(times)), first
 
 
 def cuda_used():
@@ -101,7 +87,7 @@ def bench_ours(cfg, inputs, targets, args, mode):
         opt.step(trained, lr=1e-4, weight_decay=0.0, grad_clip=1.0)
         return loss
 
-    med, loss = time_steps(step, cupy.cuda.Device().synchronize, args.warmup, args.steps)
+    med, _, loss = time_steps(step, cupy.cuda.Device().synchronize, args.warmup, args.steps)
     mem, used = pool.total_bytes(), cuda_used()
     del eng, trained, opt
     gc.collect()
@@ -152,7 +138,7 @@ def bench_peft(cfg, inputs, targets, args, compiled=False):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    med, loss = time_steps(step, torch.cuda.synchronize, args.warmup, args.steps)
+    med, _, loss = time_steps(step, torch.cuda.synchronize, args.warmup, args.steps)
     mem, used = torch.cuda.max_memory_allocated(), cuda_used()
     del model, forward, opt, params
     gc.collect()

@@ -715,16 +715,11 @@ QUANT_CONFIG = dataclasses.replace(MODEL_CONFIG, hidden=384)
 def quantized_model_check(seed, kind, group, precision, report=print):
     """A quantized model on the GPU in `precision` vs the CPU engine (float64) on the same quantized weights:
     full-forward logits and KV-cache decode logits (a prompt, then single tokens: a CUDA graph)."""
-    from nanoeuler.check.problems import random_problem
-    from nanoeuler.model.config import quantized_names, views
+    from nanoeuler.check.problems import quantized_problem, random_problem
     from nanoeuler.model.engine import make_engine
-    from nanoeuler.model.quantize import quantize
     cfg = QUANT_CONFIG
-    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
     flat, inputs, _ = random_problem(cfg, np.random.default_rng(seed), batch=3, scale=0.05)
-    v = views(flat, cfg)
-    quantized = {name: quantize(v[name], kind, group) for name in quantized_names(qcfg)}
-    floats = np.concatenate([v[name].reshape(-1) for name in param_layout(qcfg, floats_only=True)[0]])
+    qcfg, floats, quantized = quantized_problem(cfg, flat, kind, group)
     cpu = make_engine(qcfg, device="cpu", dtype=np.float64, training=False)
     gpu = make_engine(qcfg, device="gpu", precision=precision, training=False)
     cpu.load_params(_f32(floats), quantized)
@@ -806,11 +801,9 @@ def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, drop
     and whether the GPU's gradients with --recompute equal its stored path's bit for bit (error 0 or inf).
     quant "int8" / "int4": QLoRA, the base's matrices quantized in groups of 32 on both engines (the input
     gradient through them: the CPU's exact dequantization, the GPU's dequantized scratch and cuBLAS)."""
-    from nanoeuler.check.problems import random_problem
+    from nanoeuler.check.problems import quantized_problem, random_problem
     from nanoeuler.model import lora
-    from nanoeuler.model.config import quantized_names, views
     from nanoeuler.model.engine import make_engine
-    from nanoeuler.model.quantize import quantize
 
     rng = np.random.default_rng(seed + 11)
     flat, inputs, targets = random_problem(cfg, rng, batch=3, scale=0.05)
@@ -818,10 +811,7 @@ def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, drop
     values = _f32(rng.normal(0.0, 0.05, lora.adapter_layout(cfg, spec)[1]))
     quantized = None
     if quant is not None:
-        v = views(flat, cfg)
-        cfg = dataclasses.replace(cfg, quant=quant, quant_group=32)
-        quantized = {name: quantize(v[name], quant, 32) for name in quantized_names(cfg)}
-        flat = np.concatenate([v[name].reshape(-1) for name in param_layout(cfg, floats_only=True)[0]])
+        cfg, flat, quantized = quantized_problem(cfg, flat, quant, 32)
     engines = []
     for device, dtype in (("cpu", np.float64), ("gpu", np.float32)):
         eng = make_engine(cfg, device=device, dtype=dtype, precision=None if device == "cpu" else precision,

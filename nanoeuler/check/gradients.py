@@ -26,14 +26,13 @@ and down in every layer; rank 4, scale 2, entries normal(0, 0.1)) of a frozen ba
     nanoeuler check            # CPU engine vs finite differences: the tensors of 4 models, DPO and LoRA
     nanoeuler check --gpu      # GPU kernels and gradients vs the CPU engine (nanoeuler/check/gpu.py)
 """
-import dataclasses
 import math
 import time
 
 import numpy as np
 
-from nanoeuler.model.config import Config, param_layout, quantized_names, views
-from nanoeuler.check.problems import random_problem, relative_error
+from nanoeuler.model.config import Config, param_layout
+from nanoeuler.check.problems import quantized_problem, random_problem, relative_error
 from nanoeuler.model.losses import cross_entropy, cross_entropy_backward, sequence_logprobs
 from nanoeuler.train.objectives import chosen_tokens, dpo_backward, dpo_loss, dpo_margins
 
@@ -131,11 +130,7 @@ def lora_problem(cfg, rng, dropout, quant=None, dtype=np.float64):
     flat, inputs, targets = random_problem(cfg, rng)
     quantized = None
     if quant is not None:
-        from nanoeuler.model.quantize import quantize
-        full = views(flat, cfg)
-        cfg = dataclasses.replace(cfg, quant=quant, quant_group=32)
-        quantized = {name: quantize(full[name], quant, 32) for name in quantized_names(cfg)}
-        flat = np.concatenate([full[name].reshape(-1) for name in param_layout(cfg, floats_only=True)[0]])
+        cfg, flat, quantized = quantized_problem(cfg, flat, quant, 32)
     eng = make_engine(cfg, device="cpu", dtype=dtype, training=False)
     eng.load_params(flat, quantized)
     ad = lora.attach(eng, lora.make_spec(cfg, LORA_RANK, 2.0 * LORA_RANK, dropout))

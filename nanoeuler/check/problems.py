@@ -3,11 +3,13 @@ tests: well-conditioned parameters, a batch with masked targets, and the error m
 
 A module of its own, below both checks, so that neither check imports the other.
 """
+import dataclasses
 import math
 
 import numpy as np
 
-from nanoeuler.model.config import param_layout
+from nanoeuler.model.config import param_layout, quantized_names, views
+from nanoeuler.model.quantize import quantize
 
 
 def random_problem(cfg, rng, batch=2, scale=0.15):
@@ -29,6 +31,16 @@ def random_problem(cfg, rng, batch=2, scale=0.15):
     targets[:, 0, T // 3] = -1                  # a masked position in every head
     targets[K - 1, batch - 1, T // 2:T // 2 + 4] = -1  # and a masked run in the last head
     return flat, inputs, targets
+
+
+def quantized_problem(cfg, flat, kind, group):
+    """The problem's model with its matrices quantized (`kind` int8/int4 in groups of `group`): (its config, its
+    float tensors flat, {name: QuantizedTensor}), what Engine.load_params takes."""
+    full = views(flat, cfg)
+    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
+    quantized = {name: quantize(full[name], kind, group) for name in quantized_names(qcfg)}
+    floats = np.concatenate([full[name].reshape(-1) for name in param_layout(qcfg, floats_only=True)[0]])
+    return qcfg, floats, quantized
 
 
 def relative_error(a, b):
