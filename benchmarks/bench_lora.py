@@ -4,7 +4,9 @@ Shapes of published models (benchmarks/shapes.py) on random weights: Llama-3.2-1
 projections at 4 x 2048, and Llama-3-8B's shape at 2 x 2048 (its QLoRA peer needs bitsandbytes, which the GPU
 machine may lack: then both sides run LoRA on a bf16 base). Ours: the base frozen in bf16 (an engine without
 master weights or gradients), the adapters' float32 master weights, gradients and AdamW moments, bf16
-activations; with and without --recompute; beside it our full SFT step of the same model and batch. PEFT's:
+activations; with and without --recompute; beside it our full SFT step of the same model and batch; with --quant,
+QLoRA rows: the same adapters on the base's matrices quantized (random int8/int4 blocks made on the device, as
+bench_quantized.py makes them), with --recompute. PEFT's:
 LlamaForCausalLM in bf16 with SDPA attention, `get_peft_model` with the same rank, alpha and targets, gradient
 checkpointing (non-reentrant), fused AdamW over the adapters; eager, then torch.compile where it compiles in
 time. A step is forward, backward, gradient clipping and AdamW, ending with the loss on the host. Printed: ms/step,
@@ -13,6 +15,7 @@ allocation; and CUDA's used memory seen at the end of each row, cudaMemGetInfo).
 
     PYTHONPATH=. python3 benchmarks/bench_lora.py                       # 1B and 8B, every row
     PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3.2-1b --compile
+    PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3-8b --quant int4 --compile  # QLoRA on the 8B
 """
 import argparse
 import dataclasses
@@ -63,7 +66,7 @@ def free_memory():
 
 
 def bench_ours(cfg, inputs, targets, args, mode):
-    """mode: 'lora', 'lora-recompute' or 'full'."""
+    """mode: 'lora', 'lora-recompute', 'qlora-recompute' (the base's matrices args.quant) or 'full'."""
     import cupy
     from nanoeuler.model import lora
     from nanoeuler.model.engine import make_engine
@@ -73,14 +76,19 @@ def bench_ours(cfg, inputs, targets, args, mode):
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
     full = mode == "full"
-    eng = make_engine(cfg, device="gpu", precision="bf16", training=full)
-    random_weights(eng)
+    if mode.startswith("qlora"):
+        from bench_quantized import engine as quantized_engine
+        kind, _, group = args.quant.partition(":")
+        eng = quantized_engine(cfg, kind, int(group or 32))
+    else:
+        eng = make_engine(cfg, device="gpu", precision="bf16", training=full)
+        random_weights(eng)
     if full:
         trained, opt = eng, AdamW(eng)
     else:
         trained = lora.attach(eng, lora.make_spec(cfg, args.rank, 2.0 * args.rank))
         opt = AdamW(eng, mask=lora.decay_mask(trained))
-        eng.recompute = mode == "lora-recompute"
+        eng.recompute = mode.endswith("-recompute")
 
     def step():
         loss = cross_entropy_backward(eng, inputs, targets)[0]
@@ -156,6 +164,8 @@ def main():
     ap.add_argument("--compile", nargs="*", default=["llama3.2-1b"], choices=sorted(BATCH), metavar="SHAPE",
                     help="the shapes that also get a torch.compile row (default llama3.2-1b; none: no such rows)")
     ap.add_argument("--no-full", action="store_true", help="leave out our full-SFT rows")
+    ap.add_argument("--quant", metavar="TYPE", help="also QLoRA rows on the base quantized to TYPE: int8 or int4, "
+                    "a group after a colon (default 32), e.g. int4:64")
     args = ap.parse_args()
     from nanoeuler.model.gpu import device_name
 
@@ -174,6 +184,8 @@ def main():
         peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
         tiers[0].extend([(name, B, "ours LoRA --recompute", lambda run=run: run("lora-recompute")),
                          (name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False))])
+        if args.quant:
+            tiers[0].append((name, B, f"ours QLoRA {args.quant} --recompute", lambda run=run: run("qlora-recompute")))
         tiers[1].append((name, B, "ours LoRA", lambda run=run: run("lora")))
         if not args.no_full and name == "llama3.2-1b":
             tiers[1].append((name, B, "ours full SFT", lambda run=run: run("full")))
