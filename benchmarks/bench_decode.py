@@ -25,6 +25,12 @@ or Qwen2, tied or not, Llama 3's RoPE scaling, Qwen's biases) on the same tensor
 
     PYTHONPATH=. python3 benchmarks/bench_decode.py --shape llama3-8b --device gpu --batch 32 --tokens 128
 
+--prefill N: the time to the first token of one random N-token prompt (the prompt's forward and the first
+token's pick; median of 5 after a warm-up), ours beside `transformers`' forward of the same prompt in the same
+precision (SDPA attention, no cache kept beyond the call) and its argmax.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --shape llama3.2-1b --device gpu --prefill 2048
+
 --batch N: N random 8-token prompts, --tokens new tokens each (no stop), prefill included; ours greedy and
 sampled (temperature 0.8, top-p 0.95, a seed a prompt), greedy without batch invariance (an engine whose few
 rows' products are BLAS's: what invariance costs), and the batch-invariance check that every row's greedy
@@ -122,6 +128,7 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (top-p 0.95, as infer) instead of greedy; no peers")
     ap.add_argument("--batch", type=int, help="decode this many prompts together (see above) instead")
+    ap.add_argument("--prefill", type=int, metavar="N", help="time to the first token of an N-token prompt instead")
     args = ap.parse_args()
     if args.prompt is not None and not args.ckpt:
         ap.error("--prompt needs --ckpt (random weights have no tokenizer)")
@@ -153,6 +160,8 @@ def main():
     T = args.temperature
     if args.batch:
         return batch_rows(args, cfg, params, eng, n, precision)
+    if args.prefill:
+        return prefill_rows(args, cfg, params, eng, precision)
     # warm-up (numba compilation, kernel compilation; on the GPU the recording of the steps' graphs, which a
     # generation of this length's cache size then replays)
     ours(eng, prompt, n, False, T)
@@ -202,6 +211,57 @@ def main():
                     continue
                 report((f"transformers static cache + compile ({mode})", seconds, hfc, ""), rows[0], n)
                 break
+
+
+def prefill_rows(args, cfg, params, eng, precision, repeats=5):
+    """--prefill: ours and transformers' time to the first token of one random prompt of args.prefill tokens."""
+    N = min(args.prefill, cfg.context - 1)
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, N).tolist()
+    sync = eng.xp.cuda.Device().synchronize if eng.xp is not np else (lambda: None)
+
+    def first_token():
+        sync()
+        t0 = time.perf_counter()
+        token = list(generate(eng, prompt, 1, temperature=0.0))
+        sync()
+        return time.perf_counter() - t0, token
+
+    first_token()  # warm-up: kernels compiled, the prompt's shapes planned
+    ours_s, token = sorted(first_token() for _ in range(repeats))[repeats // 2]
+    print(f"{args.preset}: time to the first token of a {N}-token prompt, batch 1, {args.device} ({precision}), "
+          f"median of {repeats}")
+    print(f"{'nanoeuler generate(), 1 token':<44} {1e3 * ours_s:9.2f} ms  {N / ours_s:>10,.0f} prompt tokens/s")
+    if args.no_hf:
+        return
+    import types
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = hf_config(cfg, types.SimpleNamespace(eos_id=0))
+    hf_cfg = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    dev = "cuda" if args.device == "gpu" else "cpu"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_tensors(cfg, params).items()}, strict=False)
+    if cfg.tied:
+        model.tie_weights()
+    x = torch.tensor([prompt], device=dev)
+
+    def hf_first_token():
+        with torch.no_grad():
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            token = int(model(input_ids=x, logits_to_keep=1).logits[0, -1].argmax())
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0, [token]
+
+    hf_first_token()
+    hf_s, hf_token = sorted(hf_first_token() for _ in range(repeats))[repeats // 2]
+    print(f"{'transformers forward (SDPA) + argmax':<44} {1e3 * hf_s:9.2f} ms  {N / hf_s:>10,.0f} prompt tokens/s  "
+          f"(ours: {hf_s / ours_s:.2f}x; first token equal: {hf_token == token})")
 
 
 def batch_rows(args, cfg, params, eng, n, precision):
