@@ -14,9 +14,12 @@ compared token for token with `generate()` on it alone in this process.
 
     PYTHONPATH=. python3 benchmarks/bench_serve.py --ckpt nanoeuler.bin --device cpu --clients 16
     PYTHONPATH=. python3 benchmarks/bench_serve.py --preset base --device gpu    # random weights, no checkpoint
+    PYTHONPATH=. python3 benchmarks/bench_serve.py --shape llama3.2-1b --device gpu --clients 1 16 64
 
 --preset writes a checkpoint of the preset with random weights (and a BPE of its vocabulary learned on
 shakespeare.txt) to a temporary folder: the speed of serving does not depend on what the weights learned.
+--shape a published model's shape (benchmarks/shapes.py) likewise (served in bf16): its BPE has 4,096 tokens, and
+the ids past them are the checkpoint's padding rows (tokenizer_vocab, as an import's), never generated.
 The client reads the server-sent events as lines and parses only the last (usage) chunk, so that the
 clients' own work weighs little beside the server's on the same machine.
 """
@@ -37,14 +40,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LEVELS = [1, 4, 16, 64, 256]
 
 
-def random_checkpoint(preset, folder):
+def random_checkpoint(preset, folder, shape=None):
+    """A checkpoint of random weights: a preset, or a published model's shape (the BPE's 4,096 tokens, the ids
+    past them padding)."""
+    import dataclasses
     from nanoeuler.io import checkpoint
     from nanoeuler.model.config import PRESETS, init_params
     from nanoeuler.tokenizer.bpe import Tokenizer
 
-    cfg = PRESETS[preset]
-    tok = Tokenizer.train(os.path.join(ROOT, "shakespeare.txt"), cfg.vocab_size, progress=False)
-    path = os.path.join(folder, f"{preset}.bin")
+    if shape is None:
+        cfg = PRESETS[preset]
+        tok = Tokenizer.train(os.path.join(ROOT, "shakespeare.txt"), cfg.vocab_size, progress=False)
+    else:
+        from shapes import SHAPES
+        tok = Tokenizer.train(os.path.join(ROOT, "shakespeare.txt"), 4096, progress=False)
+        cfg = dataclasses.replace(SHAPES[shape], tokenizer_vocab=tok.vocab_size)
+    path = os.path.join(folder, f"{shape or preset}.bin")
     checkpoint.save(path, cfg, init_params(cfg, seed=0), tok.to_json(), step=0)
     return path
 
@@ -173,6 +184,7 @@ def main():
     source = ap.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", help="checkpoint to serve")
     source.add_argument("--preset", choices=("small", "big", "base", "large"), help="serve random weights")
+    source.add_argument("--shape", help="serve random weights of a published model's shape (benchmarks/shapes.py)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     ap.add_argument("--clients", type=int, nargs="+", default=LEVELS, help=f"levels (default {LEVELS})")
     ap.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
@@ -182,7 +194,7 @@ def main():
                     help="serve (and run the peer) with BLAS's products: faster, not batch-invariant")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = args.ckpt or random_checkpoint(args.preset, tmp)
+        ckpt = args.ckpt or random_checkpoint(args.preset, tmp, args.shape)
         from nanoeuler.io.checkpoint import load_model
         eng, tok, _ = load_model(ckpt, args.device, not args.no_batch_invariance)
         batch = min(64, max(args.clients))
