@@ -17,6 +17,7 @@ bit for bit): the float32 path's first step, the checks', and a frozen base's ba
 dout W through a dequantized copy of one matrix at a time in `backward_scratch`, then cuBLAS).
 """
 import dataclasses
+import functools
 
 import cupy
 import numpy as np
@@ -141,15 +142,27 @@ def dequantize(w, dtype=F32, out=None):
     return out
 
 
+WARP_SMEM = QUANT_LOADS * 2048 + 16 * 9 * 4  # a warp's stages (a lane's 4 x 16 bytes each) and its sums
+
+
+@functools.lru_cache(maxsize=None)
+def _most_warps(device):
+    """The warps a block's shared memory holds on this GPU (227 KB a block on an H100 / H200, 99 KB on an RTX
+    40x0)."""
+    return cupy.cuda.runtime.deviceGetAttribute(97, device) // WARP_SMEM  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
 def split(w):
-    """The warps that split a row of w's records (a block's): from the matrix's shape alone, never the rows of
-    x, so a row's sums run in the same order whatever N is. The most (a power of two, at most QUANT_SPLIT and
-    the records a row) that keep the product's warps within QUANT_WAVE_WARPS: small products split their rows
-    to fill the GPU, large ones give each warp whole rows, which keep its QUANT_LOADS records streaming."""
+    """The warps that split a row of w's records (a block's): from the matrix's shape (and the GPU's shared
+    memory) alone, never the rows of x, so a row's sums run in the same order whatever N is. The most (a power
+    of two, at most QUANT_SPLIT and the records a row) that keep the product's warps within QUANT_WAVE_WARPS:
+    small products split their rows to fill the GPU, large ones give each warp whole rows, which keep its
+    QUANT_LOADS records streaming."""
     (O, I), records = w.shape, w.shape[1] // (128 if w.kind == "int4" else 64)
     tiles = -(-O // 16)  # 16 rows of W (8 pairs) a warp
+    most = min(QUANT_SPLIT, records, _most_warps(cupy.cuda.Device().id))
     ways = 1
-    while ways * 2 <= min(QUANT_SPLIT, records) and tiles * ways * 2 <= QUANT_WAVE_WARPS:
+    while ways * 2 <= most and tiles * ways * 2 <= QUANT_WAVE_WARPS:
         ways *= 2
     return ways
 
@@ -181,7 +194,7 @@ def matmul(out, x, w, accumulate, tf32, gain=None, rstd=None, eps=0.0, glu_out=N
     ways = split(w)
     tiles = -(-(O // 2) // 8) if half else -(-O // 16)
     q, scales, groups, group_shift = w._args()
-    smem = ways * (QUANT_LOADS * 2048 + 16 * 9 * 4)
+    smem = ways * WARP_SMEM
     name = f"quant_matmul_{w.kind}{'_norm' if gain is not None else ''}_t{tiles_x}"
     launch(kernel("quantized", name, ("ACT_BF16=1",), smem),
            (tiles * row_blocks,), (32 * ways,),
