@@ -53,12 +53,12 @@ def random_quantized(kind, group, O, I, rng):
     from nanoeuler.model.gpu.quantized import QuantizedMatrix
     w = (rng.random((O, I // 2 if kind == "int4" else I), dtype=np.float32) * 256).astype(np.uint8)
     G = I // group
-    d = cupy.full((G, O), 0.02 / (4 if kind == "int4" else 64), np.float16)
+    d = cupy.full((O, G), 0.02 / (4 if kind == "int4" else 64), np.float16)
     if kind == "int4":
-        scales = cupy.stack([d, (-7.5 * d).astype(np.float16)], axis=-1).reshape(G, 2 * O)
+        scales = cupy.stack([d, (-7.5 * d).astype(np.float16)], axis=-1).reshape(O, 2 * G)
     else:
         scales = d
-    return QuantizedMatrix(kind, group, (O, I), w, scales.view(np.uint16), O)
+    return QuantizedMatrix(kind, group, (O, I), w, scales.view(np.uint16))
 
 
 def engine(cfg, kind, group, seed=0):

@@ -672,6 +672,70 @@ def check_quantized_matmul(case, gpu_layers, cpu_layers):
     g = case.poisoned32(3, O)
     gpu_layers.matmul_forward(g, case.dev(x), QuantizedMatrix.of(qt).rows(O, 2 * O))
     out.append((f"quantized matmul{case.tag} int4/32 of a row slice", rel_err(case.get(g), ref), case.tol))
+    if case.precision == "bf16":
+        out += _quantized_folded(case, gpu_layers, cpu_layers)
+    return out
+
+
+def _quantized_folded(case, gpu_layers, cpu_layers):
+    """bf16 quantized products with RMSNorm folded in (decoding's and any unnormed-input forward's): plain, with
+    SwiGLU, with a bias and the rotary embedding of 3 of 5 heads (a row at its own position), at 1, 13 and 64
+    rows against the CPU layers on the dequantized matrix; and a row's bits in 64 rows those of the row alone."""
+    from nanoeuler.model.gpu.quantized import QuantizedMatrix
+    from nanoeuler.model.quantize import dequantize, quantize
+    I, NH, D = 256, 5, 16
+    O = NH * D  # not a multiple of the kernels' 16 rows (8 pairs)
+    gain, bias = case.act(1 + case.normal(I, scale=0.3)), case.act(case.normal(O))
+    cos, sin = (_f32(t) for t in rope_tables(D, 64, 10000.0, np.float64))
+    dgain, dbias, dcos, dsin = case.dev(gain), case.dev(bias), case.dev32(cos), case.dev32(sin)
+    out = []
+    for kind, group in (("int4", 32), ("int8", 64)):
+        qt = quantize(case.normal(O, I).astype(np.float32), kind, group)
+        w, w64, what = QuantizedMatrix.of(qt), dequantize(qt).astype(np.float64), f"{kind}/{group}"
+
+        def normed(x, pos):
+            g, grstd = case.poisoned(len(x), O), case.poisoned32(len(x))
+            gpu_layers.rmsnorm_matmul_forward(g, grstd, case.dev(x), dgain, w, 1e-5, None)
+            return g, grstd
+
+        def swiglu(x, pos):
+            gsw, ggu = case.poisoned(len(x), O // 2), case.poisoned(len(x), O)
+            gpu_layers.rmsnorm_matmul_swiglu_forward(gsw, ggu, case.poisoned32(len(x)), case.dev(x), dgain, w, 1e-5,
+                                                     None)
+            return gsw, ggu
+
+        def rotated(x, pos):
+            g = case.poisoned(len(x), 1, NH, D)
+            gpu_layers.rmsnorm_matmul_rope_forward(g, case.poisoned32(len(x)), case.dev(x), dgain, w, 1e-5, None, dcos,
+                                                   dsin, 3, case.cp.asarray(pos), bias=dbias)
+            return g,
+
+        for N in (1, 13, 64):
+            x, pos = case.act(case.normal(N, I)), case.rng.integers(0, 64, N).astype(np.int32)
+            ref, rstd, sw, xn = np.empty((N, O)), np.empty(N), np.empty((N, O // 2)), np.empty((N, I))
+            cpu_layers.rmsnorm_matmul_forward(ref, rstd, x, gain, w64, 1e-5, xn)
+            g, grstd = normed(x, pos)
+            out += [(f"quantized rmsnorm_matmul_forward{case.tag} {what} {N} rows", rel_err(case.get(g), ref), case.tol),
+                    (f"quantized rmsnorm_matmul_forward{case.tag} {what} {N} rows rstd", rel_err(case.get(grstd), rstd),
+                     case.tol)]
+            cpu_layers.rmsnorm_matmul_swiglu_forward(sw, ref, rstd, x, gain, w64, 1e-5, xn)
+            gsw, ggu = swiglu(x, pos)
+            out += [(f"quantized rmsnorm_matmul_swiglu_forward{case.tag} {what} {N} rows gate|up",
+                     rel_err(case.get(ggu), ref), case.tol),
+                    (f"quantized rmsnorm_matmul_swiglu_forward{case.tag} {what} {N} rows out", rel_err(case.get(gsw), sw),
+                     case.tol)]
+            ref = np.empty((N, 1, NH, D))
+            cpu_layers.rmsnorm_matmul_rope_forward(ref, rstd, x, gain, w64, 1e-5, xn, cos, sin, 3, pos, bias=bias)
+            out.append((f"quantized rmsnorm_matmul_rope_forward{case.tag} {what} {N} rows, a bias, 3 of 5 heads",
+                        rel_err(case.get(rotated(x, pos)[0]), ref), case.tol))
+        same = True
+        for product in (normed, swiglu, rotated):
+            together = [a.get() for a in product(x, pos)]
+            for r in (0, 17, 63):
+                alone = [a.get() for a in product(x[r:r + 1], pos[r:r + 1])]
+                same &= all(np.array_equal(a[0], b[r]) for a, b in zip(alone, together))
+        out.append((f"quantized folded products{case.tag} {what}: a row of 64 = the row alone (norm, SwiGLU, rotary)",
+                    0.0 if same else math.inf, 0.0))
     return out
 
 

@@ -23,10 +23,14 @@ MATMUL_FEW_WARPS = (8, 4)
 # embedding.cu: the most rows of one token a block of the backward pass sums (longer runs are cut in pieces)
 EMB_SEGMENT = 32
 
-# quantized products (kernels/quantized.cu): the warps of a block, which split a row's 64-byte records, and the
-# records a thread has in flight at once
-QUANT_WARPS = 4
-QUANT_LOADS = 4
+# quantized products (kernels/quantized.cu): the most warps splitting a row's records (a block's warps; a
+# matrix's split set by its shape alone: the most, up to QUANT_SPLIT, that keep its warps within about one wave
+# of QUANT_WAVE_WARPS), the records a warp has in flight (cp.async stages), and the blocks of 32 x QUANT_SPLIT
+# threads an SM must hold (the registers a thread: 65,536 / that many threads)
+QUANT_SPLIT = 8
+QUANT_WAVE_WARPS = 2048
+QUANT_LOADS = 6
+QUANT_BLOCKS = 2
 # rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
 ROPE_HEADS = 4
 # attention.cu
@@ -95,7 +99,7 @@ def module_defines(name, variant=()):
                       "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY,
                       "ATT_WARPS_D128": ATT_WARPS_D128},
         "decoding": {"SAMPLE_BITS": SAMPLE_BITS},
-        "quantized": {"QUANT_WARPS": QUANT_WARPS, "QUANT_LOADS": QUANT_LOADS},
+        "quantized": {"QUANT_SPLIT": QUANT_SPLIT, "QUANT_LOADS": QUANT_LOADS, "QUANT_BLOCKS": QUANT_BLOCKS},
         "rmsnorm": {f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)},
     }.get(name, {})
     return tuple(f"{key}={value}" for key, value in shared.items()) + tuple(variant)

@@ -135,6 +135,18 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
          _i32(groups), _i32(warps)))
 
 
+def _folds_quantized(w, x, xn):
+    """Whether a quantized product folds its input's RMSNorm (and SwiGLU or the rotary embedding) in: bf16
+    activations (quantized.matmul's tensor-core kernel) where nobody reads the normed input."""
+    return isinstance(w, quantized.QuantizedMatrix) and x.dtype == BF16 and xn is None
+
+
+def _copy_skip(skip, x):
+    """rmsnorm_matmul_forward's residual copy, where asked."""
+    if skip is not None:
+        skip[...] = x
+
+
 def _physical_warps(virtual, blocks, kern):
     """The warps a block of matmul_small (up to 8 rows, a block a tile of w), each running virtual / that many
     of the row's virtual warps in turn (the same bits whatever the count): the most that divide `virtual`, at
@@ -344,7 +356,11 @@ class Layers:
         a copy of x: the next buffer of the residual stream, which the sublayer's output is then added to; the copy
         rides on the norm's read of x. A few rows without xn (decoding) take one kernel that normalises its input
         on the way; else the norm into xn, then the product."""
-        packed = isinstance(w, quantized.QuantizedMatrix)  # quantized: the norm, then the product
+        packed = isinstance(w, quantized.QuantizedMatrix)
+        if _folds_quantized(w, x, xn):  # any number of rows: one kernel, the norm folded in
+            _copy_skip(skip, x)
+            quantized.matmul(out, x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps)
+            return
         if x.shape[0] > FEW_ROWS or xn is not None or packed:
             if xn is None:  # a step of more rows than a graph takes: a temporary (quantized: kept, graphs take it)
                 xn = quantized.scratch(x.shape, x.dtype) if packed else cupy.empty_like(x)
@@ -363,6 +379,11 @@ class Layers:
         take one kernel."""
         B, T, NH, D = qkv.shape
         assert pos.size in (1, B), (pos.shape, B)
+        if _folds_quantized(w, x, xn) and (B * T <= FEW_ROWS or pos.size == 1):
+            _copy_skip(skip, x)
+            quantized.matmul(qkv.reshape(B * T, -1), x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps,
+                             rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2), bias=bias)
+            return
         if B * T > FEW_ROWS or xn is not None or isinstance(w, quantized.QuantizedMatrix):
             self.rmsnorm_matmul_forward(qkv.reshape(B * T, -1), rstd, x, norm_w, w, eps, xn, skip)
             if bias is not None:
@@ -380,6 +401,10 @@ class Layers:
         """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
         silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows without xn (decoding) take one kernel for
         all of it."""
+        if _folds_quantized(w, x, xn):
+            _copy_skip(skip, x)
+            quantized.matmul(gate_up, x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps, glu_out=out)
+            return
         if x.shape[0] > FEW_ROWS or xn is not None or isinstance(w, quantized.QuantizedMatrix):
             self.rmsnorm_matmul_forward(gate_up, rstd, x, norm_w, w, eps, xn, skip)
             self.swiglu_forward(out, gate_up)

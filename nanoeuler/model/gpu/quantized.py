@@ -2,12 +2,13 @@
 kernels/quantized.cu.
 
 `QuantizedMatrix.of(qt)` repacks a host QuantizedTensor once, at load, into the layout the kernels read (that
-file's header: 64-byte records a row, four lanes' 16-byte loads; the scales group-major): still 4 or 8 bits a
+file's header: 64-byte records a row, four lanes' 16-byte loads; the scales row-major): still 4 or 8 bits a
 weight plus its group's float16 scale (and minimum), never a float copy. `matmul` is the product the GPU Layers
 take for such a w:
 
-- bf16 activations: quant_matmul_* on the tensor cores for any number of rows (1..64 rows a block: decoding's
-  few-row products, batch-invariant; more rows in blocks of 64, the weights read again for each);
+- bf16 activations: quant_matmul_* on the tensor cores for any number of rows (8 or 16 rows a block; more in
+  more blocks, which read the weights from L2), batch-invariant, with RMSNorm, SwiGLU, the rotary embedding
+  and a bias folded in where asked (as the bf16 few-row products);
 - float32 activations (fp32, tf32): the matrix dequantized into a float32 scratch of its size (exact), then
   cuBLAS, as for float weights.
 
@@ -16,12 +17,13 @@ bit for bit): the float32 path's first step, the checks', and a frozen base's ba
 dout W through a dequantized copy of one matrix at a time in `backward_scratch`, then cuBLAS).
 """
 import dataclasses
+import functools
 
 import cupy
 import numpy as np
 
 from nanoeuler.model.gpu import runtime
-from nanoeuler.model.gpu.constants import QUANT_WARPS
+from nanoeuler.model.gpu.constants import QUANT_LOADS, QUANT_SPLIT, QUANT_WAVE_WARPS
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch
 from nanoeuler.model.quantize import integers
 
@@ -31,14 +33,12 @@ CHUNK = 32  # elements a chunk: the scales' unit and the kernels' (a group is a 
 @dataclasses.dataclass
 class QuantizedMatrix:
     """A quantized (O, I) matrix on the GPU: w (O, I / 2 or I) uint8 in the kernels' layout, scales float16 bits
-    (uint16), group-major: int4 (I / group, 2 stride) (d, m) pairs, int8 (I / group, stride); `stride` the rows
-    of the matrix a row slice (rows) was taken from."""
+    (uint16), row-major: int4 (O, 2 I / group) (d, m) pairs, int8 (O, I / group)."""
     kind: str
     group: int
     shape: tuple
     w: object
     scales: object
-    stride: int
 
     @classmethod
     def of(cls, qt):
@@ -49,39 +49,55 @@ class QuantizedMatrix:
         chunks = qt.group // CHUNK
         if qt.group != I and chunks & (chunks - 1):
             raise ValueError(f"the GPU's products take groups of 32, 64, 128, ... elements or a whole row, not {qt.group}")
-        q = integers(qt)
-        if qt.kind == "int4":  # chunk bytes j = element j | element j + 16 << 4; record [lane t][chunk c][4 bytes]
-            chunks = q.reshape(O, I // CHUNK, 2, 16)
-            packed = (chunks[:, :, 0] | (chunks[:, :, 1] << np.uint8(4))).astype(np.uint8)
-            packed = packed.reshape(O, I // 128, 4, 4, 4).transpose(0, 1, 3, 2, 4)
-            scales = np.stack([qt.scales.astype(np.float16), qt.mins.astype(np.float16)], axis=-1)  # (O, G, 2)
-            scales = np.ascontiguousarray(scales.transpose(1, 0, 2))
-        else:  # record [lane t][chunk c][k-step s][4 bytes]
-            packed = q.view(np.uint8).reshape(O, I // 64, 2, 2, 4, 4).transpose(0, 1, 4, 2, 3, 5)
-            scales = np.ascontiguousarray(qt.scales.astype(np.float16).T)
-        return cls(qt.kind, qt.group, (O, I), cupy.asarray(np.ascontiguousarray(packed).reshape(O, -1)),
-                   cupy.asarray(scales.view(np.uint16).reshape(scales.shape[0], -1)), O)
+        return cls(qt.kind, qt.group, (O, I), cupy.asarray(pack(qt)), cupy.asarray(packed_scales(qt)))
 
     @property
     def nbytes(self):
         return self.w.nbytes + self.scales.nbytes
 
     def rows(self, start, stop):
-        """Rows start..stop-1 (no copy): the scales keep the whole matrix's stride, from row `start` on."""
+        """Rows start..stop-1 (no copy)."""
         assert 0 <= start <= stop <= self.shape[0]
-        scales = self.scales[:, start * (2 if self.kind == "int4" else 1):]
         return QuantizedMatrix(self.kind, self.group, (stop - start, self.shape[1]), self.w[start:stop],
-                               scales, self.stride)
+                               self.scales[start:stop])
 
     def _args(self):
-        """(w, scales, the shift from a chunk's index to its group's, the scales' stride): a row's groups of
-        2^k chunks, or one group (shift 31: every chunk's index shifts to 0)."""
-        shift = 31 if self.group == self.shape[1] else (self.group // CHUNK).bit_length() - 1
-        return self.w, self.scales, np.int32(shift), np.int32(self.stride)
+        """(w, scales, the groups a row, the shift from a chunk's index to its group's): a row's groups of 2^k
+        chunks, or one group (shift 31: every chunk's index shifts to 0)."""
+        I = self.shape[1]
+        shift = 31 if self.group == I else (self.group // CHUNK).bit_length() - 1
+        return self.w, self.scales, np.int32(I // self.group), np.int32(shift)
+
+
+def pack(qt):
+    """The integers of a host QuantizedTensor in the kernels' layout (kernels/quantized.cu's header), (O, I / 2)
+    (int4) or (O, I) (int8) uint8: a row's records of 64 bytes, lane t's 16 bytes the elements 8t .. 8t + 7 of
+    each of the record's chunks; an int4 chunk's 32-bit word holds element 2i in nibble i, 2i + 1 in nibble 4 + i,
+    an int8 chunk's two words q + 128 of elements 0, 2, 1, 3 and 4, 6, 5, 7."""
+    O, I = qt.shape
+    q = integers(qt)
+    if qt.kind == "int4":
+        e = q.reshape(O, I // CHUNK, 4, 8)  # (row, chunk, lane, element)
+        words = (e[..., [0, 4, 1, 5]] | (e[..., [2, 6, 3, 7]] << np.uint8(4))).astype(np.uint8)  # bytes of a word
+        packed = words.reshape(O, I // 128, 4, 4, 4).transpose(0, 1, 3, 2, 4)  # (row, record, lane, chunk, byte)
+    else:  # q + 128 as bytes, a word's bytes elements 0, 2, 1, 3
+        u = (q.view(np.uint8) ^ np.uint8(0x80)).reshape(O, I // CHUNK, 4, 8)[..., [0, 2, 1, 3, 4, 6, 5, 7]]
+        packed = u.reshape(O, I // 64, 2, 4, 8).transpose(0, 1, 3, 2, 4)
+    return np.ascontiguousarray(packed).reshape(O, -1)
+
+
+def packed_scales(qt):
+    """A QuantizedTensor's float16 parameters as the kernels read them, uint16 bits, row-major: int4 (O, 2 G)
+    (d, m) pairs, int8 (O, G)."""
+    if qt.kind == "int4":
+        scales = np.stack([qt.scales.astype(np.float16), qt.mins.astype(np.float16)], axis=-1)  # (O, G, 2)
+    else:
+        scales = qt.scales.astype(np.float16)
+    return np.ascontiguousarray(scales).view(np.uint16).reshape(qt.shape[0], -1)
 
 
 def _check_input(x, w):
-    assert x.flags.c_contiguous and x.shape[1] == w.shape[1] and x.data.ptr % 8 == 0, (x.shape, w.shape)
+    assert x.flags.c_contiguous and x.shape[1] == w.shape[1] and x.data.ptr % 16 == 0, (x.shape, w.shape, x.data.ptr)
 
 
 _scratch = {}
@@ -119,25 +135,71 @@ def dequantize(w, dtype=F32, out=None):
     assert out.shape == (O, I) and out.dtype == dtype and out.flags.c_contiguous
     defines = ("ACT_BF16=1",) if dtype == BF16 else ()
     threads = O * (I // (128 if w.kind == "int4" else 64)) * 4
-    q, scales, group_shift, stride = w._args()
+    q, scales, groups, group_shift = w._args()
     kernel("quantized", "quant_dequantize", defines)((-(-threads // 256),), (256,),
                                                       (out, q, scales, np.int32(O), np.int32(0), np.int32(I),
-                                                       group_shift, stride, np.int32(w.kind == "int4")))
+                                                       groups, group_shift, np.int32(w.kind == "int4")))
     return out
 
 
-def matmul(out, x, w, accumulate, tf32):
-    """out (N, O) (+)= x (N, I) @ W.T for a QuantizedMatrix W; out float32 or x's type."""
+WARP_SMEM = QUANT_LOADS * 2048 + 16 * 9 * 4  # a warp's stages (a lane's 4 x 16 bytes each) and its sums
+
+
+@functools.lru_cache(maxsize=None)
+def _most_warps(device):
+    """The warps a block's shared memory holds on this GPU (227 KB a block on an H100 / H200, 99 KB on an RTX
+    40x0)."""
+    return cupy.cuda.runtime.deviceGetAttribute(97, device) // WARP_SMEM  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+
+def split(w):
+    """The warps that split a row of w's records (a block's): from the matrix's shape (and the GPU's shared
+    memory) alone, never the rows of x, so a row's sums run in the same order whatever N is. The most (a power
+    of two, at most QUANT_SPLIT and the records a row) that keep the product's warps within QUANT_WAVE_WARPS:
+    small products split their rows to fill the GPU, large ones give each warp whole rows, which keep its
+    QUANT_LOADS records streaming."""
+    (O, I), records = w.shape, w.shape[1] // (128 if w.kind == "int4" else 64)
+    tiles = -(-O // 16)  # 16 rows of W (8 pairs) a warp
+    most = min(QUANT_SPLIT, records, _most_warps(cupy.cuda.Device().id))
+    ways = 1
+    while ways * 2 <= most and tiles * ways * 2 <= QUANT_WAVE_WARPS:
+        ways *= 2
+    return ways
+
+
+def matmul(out, x, w, accumulate, tf32, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, bias=None):
+    """out (N, O) (+)= x (N, I) @ W.T for a QuantizedMatrix W; out float32 or x's type. bf16 x may take
+    RMSNorm with the gain (N,) (rstd (N,) receives 1 / the rows' rms), then SwiGLU into glu_out (N, O / 2) or
+    the rotary embedding (rope = (cos, sin, pos, T, rotated rows, D / 2), as layers._matmul_small), after a
+    bias (O,) where given: one kernel."""
     _check_input(x, w)
     assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
     (N, I), O = x.shape, w.shape[0]
     if x.dtype != BF16:  # float32 activations: the exact float32 matrix, then cuBLAS
+        assert gain is None and glu_out is None and rope is None and bias is None
         deq = dequantize(w, F32, scratch((O, I), F32))
         runtime.gemm(True, False, O, N, I, deq, I, x, I, out, O, accumulate, tf32)
         return
-    tiles = min(4, -(-N // 16))
-    q, scales, group_shift, stride = w._args()
-    launch(kernel("quantized", f"quant_matmul_{w.kind}_t{tiles}", ("ACT_BF16=1",)),
-           (-(-O // 8), -(-N // 64)), (32 * QUANT_WARPS,),
-           (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), group_shift, stride,
-            np.int32(out.dtype == F32), np.int32(accumulate)))
+    if gain is not None and gain.data.ptr % 16:  # the kernel reads the gain 16 bytes at a time
+        aligned = scratch(gain.shape, gain.dtype)
+        aligned[...] = gain
+        gain = aligned
+    null = np.uint64(0)
+    cos, sin, pos, T, rot, half = rope if rope is not None else (null, null, null, 1, 0, 0)
+    pos_stride = int(rope is not None and pos.size > 1)  # a position a sequence, or one for all
+    if glu_out is not None:
+        half = O // 2
+    tiles_x = 1 if N <= 8 else 2  # tiles of 8 rows of x a block (more rows: more blocks)
+    row_blocks = -(-N // (8 * tiles_x))
+    ways = split(w)
+    tiles = -(-(O // 2) // 8) if half else -(-O // 16)
+    q, scales, groups, group_shift = w._args()
+    smem = ways * WARP_SMEM
+    name = f"quant_matmul_{w.kind}{'_norm' if gain is not None else ''}_t{tiles_x}"
+    launch(kernel("quantized", name, ("ACT_BF16=1",), smem),
+           (tiles * row_blocks,), (32 * ways,),
+           (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), groups, group_shift,
+            np.int32(out.dtype == F32), np.int32(accumulate), null if gain is None else gain,
+            null if rstd is None else rstd, np.float32(eps), np.int32(half), null if glu_out is None else glu_out,
+            null if bias is None else bias, cos, sin, pos, np.int32(T), np.int32(pos_stride), np.int32(rot),
+            np.int32(row_blocks)), shared_mem=smem)

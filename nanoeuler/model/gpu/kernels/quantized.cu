@@ -1,31 +1,38 @@
 // Products with quantized weights (model/quantize.py, docs/quantization.md): out (N, O) = x (N, I) @ W^T where W
 // (O, I) is int4 (w = d q + m) or int8 (w = d q) in groups of 32 * 2^k elements along a row (or one group a row),
-// read packed from memory
-// and dequantized in registers: never a float copy of the matrix.
+// read packed from memory and dequantized in registers: never a float copy of the matrix.
 //
 // The weights' GPU layout (model/gpu/quantized.py writes it once, at load): a row is cut into chunks of 32
-// elements and the chunks into records of 64 bytes that a warp's 4 lanes t = 0..3 of one row read as one 16-byte
-// load each. int4: a record is 4 chunks; lane t's word c holds bytes 4t..4t+3 of chunk c, whose byte j is element
-// j (low nibble) and j + 16 (high nibble). int8: a record is 2 chunks; lane t's word 2c + s holds elements
-// 16s + 4t .. 16s + 4t + 3 of chunk c. The float16 scales (and int4's minimums, interleaved: (d, m) pairs) are
-// group-major, (I / group, O): the 8 rows of a tile read one contiguous run of them.
+// elements and the chunks into records of 64 bytes (int4: 4 chunks, int8: 2), of which a warp's lane t = 0..3
+// of a row reads 16 bytes: elements 8t .. 8t + 7 of each of the record's chunks. int4: a 32-bit word a chunk,
+// its nibble i element 2i and nibble 4 + i element 2i + 1 (so that one mask of the word shifted by 4i gives
+// the pair (2i, 2i + 1) as two 16-bit lanes); int8: 8 bytes a chunk, q + 128 as unsigned bytes in the
+// order of elements 0, 2, 1, 3, 4, 6, 5, 7 (so that bytes 0 and 2 of a word are a pair). The float16 scales
+// (int4: (d, m) pairs, d in the low half) are row-major, (O, I / group): a row's groups of a record adjacent.
 //
-// quant_matmul_*: tensor cores (mma m16n8k16, bf16 x, float32 accumulators). A warp owns 8 rows of W (the mma's
-// n) and 1 to 4 tiles of 16 rows of x (the mma's m); the block's warps split a row's records among them, always
-// alike (warp w takes records w, w + WARPS, ...), and add their sums in warp order: every output is summed in
-// an order set by I alone, whatever N is (batch invariance, as the bf16 products of matmul.cu). The mma's k
-// order is permuted within a chunk alike for x and W (lane t's k = 2t, 2t+1 are elements 4t, 4t+1 and
-// k = 2t+8, 2t+9 are 4t+2, 4t+3), so that a lane's weights are 4 adjacent bytes. The integers q are exact in
-// bf16, and the scale is applied per group (or per record, where a group spans records): sum_k (d q_k + m) x_k
-// = d (sum_k q_k x_k) + m (sum_k x_k), the second sum an mma of x with ones. N over 64 (prefill): blocks of 64 rows (grid y), the weights read again
-// for each.
+// quant_matmul_*: tensor cores (mma m16n8k16, bf16, float32 accumulators) with W as the A operand: a warp takes
+// 16 rows of W (lane (g, t) loads rows g and g + 8: its own rows' weights and scales) and x's rows as the B
+// operand, 8 a tile (NT tiles: up to 8 or 16 rows a block; more rows in more blocks of 16, next to each other so
+// that they read the weights from L2). The mma's k order is permuted within a chunk alike for W and x: lane t's
+// k = 2t, 2t+1, 2t+8, 2t+9 of the chunk's first k-step are its elements 0..3, of the second 4..7, so x comes
+// as one 16-byte load a chunk. The integers q are exact in bf16; per chunk, with the chunk's scale,
+// acc = fma(d, sum q x, acc) and for int4 acc = fma(m, sum x, acc), the second sum an mma with a matrix of
+// ones. A row's records are split among the block's warps, contiguous runs set by the row length and the
+// matrix's rows alone (QUANT_SPLIT at most), and the warps' sums added in warp order: every output is summed in
+// an order that does not depend on N (batch invariance, as the bf16 products of matmul.cu). Each warp keeps
+// QUANT_LOADS records in flight, copied (cp.async) into its lanes' own slots of shared memory, the next one
+// issued as each is used: many bytes in flight without the registers to hold them.
+// Folded in as in matmul.cu: RMSNorm with a gain (x times the gain, rounded to bf16, is the B operand; the
+// squares of x on the tensor cores, the product scaled by rstd at the end), and with half > 0 W's rows taken in
+// pairs (i, i + half), rows g and g + 8 of a warp's 16, for SwiGLU (glu_out) or the rotary embedding, after a
+// bias where given.
 //
 // quant_dequantize: rows of W as act_t, d q + m in float32 (exact: d q is exact, one rounding of the sum), then
 // rounded to act_t: the float32 engine's products (cuBLAS on the dequantized matrix) and the checks.
 #include "common.cuh"
 
-#if !defined(QUANT_WARPS) || !defined(QUANT_LOADS)
-#error "QUANT_WARPS and QUANT_LOADS come from nanoeuler/model/gpu/constants.py"
+#if !defined(QUANT_SPLIT) || !defined(QUANT_LOADS) || !defined(QUANT_BLOCKS)
+#error "QUANT_SPLIT, QUANT_LOADS and QUANT_BLOCKS come from nanoeuler/model/gpu/constants.py"
 #endif
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
@@ -34,33 +41,30 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
     return f;
 }
 
-// The 4 int4 of bytes 0, 1 (kstep's low / high nibbles) of a lane's word as bf16x2 pairs of exact integers.
-// (0x4300 | q) is the bf16 128 + q; subtracting 128 leaves q.
+// (0x4300 | q) is the bf16 128 + q; subtracting 128 leaves q, two at a time
 __device__ __forceinline__ unsigned bf16x2_minus_128(unsigned v) {
     unsigned r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC300C300u));
     return r;
 }
 
-// int4 word -> B fragments of the chunk's two k-steps: b[s][0] = elements (4t, 4t+1) + 16 s, b[s][1] = (4t+2, 4t+3)
-__device__ __forceinline__ void int4_fragments(unsigned w, unsigned (&b)[2][2]) {
-    const unsigned p01 = __byte_perm(w, 0u, 0x4140), p23 = __byte_perm(w, 0u, 0x4342);  // bytes in 16-bit lanes
-    b[0][0] = bf16x2_minus_128((p01 & 0x000F000Fu) | 0x43004300u);
-    b[0][1] = bf16x2_minus_128((p23 & 0x000F000Fu) | 0x43004300u);
-    b[1][0] = bf16x2_minus_128(((p01 >> 4) & 0x000F000Fu) | 0x43004300u);
-    b[1][1] = bf16x2_minus_128(((p23 >> 4) & 0x000F000Fu) | 0x43004300u);
+// An int4 chunk word (nibble i element 2i, nibble 4 + i element 2i + 1) -> pairs (2i, 2i + 1) as exact bf16x2
+__device__ __forceinline__ void int4_pairs(unsigned w, unsigned (&a)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = bf16x2_minus_128(((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u);
 }
 
-// Signed byte i of w as an exact float: 0x4B0000uu is 2^23 + uu, uu the byte with its sign bit flipped.
-__device__ __forceinline__ float int8_at(unsigned flipped, int i) {
-    return __uint_as_float(__byte_perm(flipped, 0x4Bu, 0x4550 | i)) - 8388736.0f;  // 2^23 + 128
+// An int8 chunk's two words (bytes: elements 0, 2, 1, 3 and 4, 6, 5, 7, each stored as u = q + 128) -> pairs
+// (2i, 2i + 1) as exact bf16x2: with u = 128 b + v (v < 128), (0x4300 | v) is 128 + v, and q = v - 128 (1 - b)
+// is that minus 128 (b = 1: 0x4300) or 256 (b = 0: 0x4380), exact, bytes 0 and 2 of a word at once
+__device__ __forceinline__ unsigned int8_pair(unsigned w) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+        : "=r"(r) : "r"((w & 0x00800080u) ^ 0x43804380u), "r"(0xBF80BF80u), "r"((w & 0x007F007Fu) | 0x43004300u));
+    return r;
 }
-
-// int8 word (4 elements) -> one k-step's B fragment: (e0, e1), (e2, e3)
-__device__ __forceinline__ void int8_fragment(unsigned w, unsigned (&b)[2]) {
-    const unsigned f = w ^ 0x80808080u;
-    b[0] = pack_bf16x2(int8_at(f, 0), int8_at(f, 1));
-    b[1] = pack_bf16x2(int8_at(f, 2), int8_at(f, 3));
+__device__ __forceinline__ void int8_pairs(unsigned w0, unsigned w1, unsigned (&a)[4]) {
+    a[0] = int8_pair(w0), a[1] = int8_pair(w0 >> 8), a[2] = int8_pair(w1), a[3] = int8_pair(w1 >> 8);
 }
 
 __device__ __forceinline__ float load_out(const void* out, long long at, int out_f32) {
@@ -73,169 +77,309 @@ __device__ __forceinline__ void store_out(void* out, long long at, float v, int 
 }
 
 #if ACT_BF16
-// out (N, O) (+)= x (N, I) @ W^T; scales: int4 (d, m) float16 pairs, int8 d, at [group * scale_stride + row]
-// (scale_stride: the rows of the whole matrix, of which W may be a slice starting at row 0 of `scales`).
-template <int MT, bool INT4>
-__device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16* __restrict__ x,
-                                             const uint4* __restrict__ w, const unsigned short* __restrict__ scales,
-                                             int N, int O, int I, int group_shift, int scale_stride, int out_f32,
-                                             int accumulate) {
-    constexpr int CHUNKS = INT4 ? 4 : 2;  // chunks of 32 elements a 64-byte record
-    __shared__ float partial[QUANT_WARPS][MT * 4][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int o0 = blockIdx.x * 8, row0 = blockIdx.y * 64;
-    const int records = I / (32 * CHUNKS);
-    const uint4* wrow = w + (long long)min(o0 + g, O - 1) * records * 4 + t;  // B's column g: row o0 + g of W
-    const int oa = min(o0 + 2 * t, O - 1), ob = min(o0 + 2 * t + 1, O - 1);  // the accumulators' columns
-    const bf16* xr[MT][2];  // x's rows g and g + 8 of each tile, or null past N
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row0 + 16 * mt + 8 * h + g;
-            xr[mt][h] = r < N ? x + (long long)r * I + 4 * t : nullptr;
-        }
-    const unsigned ones[2] = {0x3F803F80u, 0x3F803F80u};
-    float acc[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
-
-    wait_for_inputs();
-    for (int first = warp; first < records; first += QUANT_WARPS * QUANT_LOADS) {
-        // several records in flight before any is used, with their chunks' scales (columns oa, ob): a scale
-        // loaded when its group ends would put a memory latency on every group's path
-        uint4 loaded[QUANT_LOADS];
-        unsigned sa[QUANT_LOADS][CHUNKS], sb[QUANT_LOADS][CHUNKS];
-#pragma unroll
-        for (int u = 0; u < QUANT_LOADS; ++u) {
-            const int rec = min(first + u * QUANT_WARPS, records - 1);  // past the end: a record never used
-            loaded[u] = __ldg(wrow + (long long)rec * 4);
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const long long at = (long long)((rec * CHUNKS + c) >> group_shift) * scale_stride;
-                if constexpr (INT4) {
-                    const unsigned* dm = reinterpret_cast<const unsigned*>(scales) + at;
-                    sa[u][c] = __ldg(dm + oa), sb[u][c] = __ldg(dm + ob);
-                } else {
-                    sa[u][c] = __ldg(scales + at + oa), sb[u][c] = __ldg(scales + at + ob);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < QUANT_LOADS; ++u) {
-            const int rec = first + u * QUANT_WARPS;
-            if (rec >= records) break;
-            const unsigned words[4] = {loaded[u].x, loaded[u].y, loaded[u].z, loaded[u].w};
-            // a group's sums: sum q x and sum x over its chunks in this record, scaled once the group ends
-            float qx[MT][4], sx[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) qx[mt][j] = sx[mt][j] = 0.f;
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int chunk = rec * CHUNKS + c, group = chunk >> group_shift;
-                unsigned b[2][2];
-                if constexpr (INT4) {
-                    int4_fragments(words[c], b);
-                } else {
-                    int8_fragment(words[2 * c], b[0]);
-                    int8_fragment(words[2 * c + 1], b[1]);
-                }
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int s = 0; s < 2; ++s) {
-                        const int at = 32 * chunk + 16 * s;
-                        const uint2 lo = xr[mt][0] ? *reinterpret_cast<const uint2*>(xr[mt][0] + at) : make_uint2(0u, 0u);
-                        const uint2 hi = xr[mt][1] ? *reinterpret_cast<const uint2*>(xr[mt][1] + at) : make_uint2(0u, 0u);
-                        const unsigned a[4] = {lo.x, hi.x, lo.y, hi.y};
-                        mma_bf16(qx[mt], a, b[s]);
-                        if constexpr (INT4) mma_bf16(sx[mt], a, ones);
-                    }
-                if (c != CHUNKS - 1 && ((chunk + 1) >> group_shift) == group) continue;  // the group goes on
-                const float da = half_to_float(sa[u][c] & 0xffff), db = half_to_float(sb[u][c] & 0xffff);
-                const float ma = INT4 ? half_to_float(sa[u][c] >> 16) : 0.f, mb = INT4 ? half_to_float(sb[u][c] >> 16) : 0.f;
-                // rounded as written, whatever the template (no contraction that could differ with MT)
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float d = (j & 1) ? db : da, m = (j & 1) ? mb : ma;
-                        const float part = INT4 ? __fmaf_rn(d, qx[mt][j], __fmul_rn(m, sx[mt][j])) : __fmul_rn(d, qx[mt][j]);
-                        acc[mt][j] = __fadd_rn(acc[mt][j], part);
-                        qx[mt][j] = sx[mt][j] = 0.f;
-                    }
-            }
-        }
-    }
-    // the warps' sums added in warp order
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) partial[warp][4 * mt + j][lane] = acc[mt][j];
-    __syncthreads();
-    let_next_launch();
-    if (warp != 0) return;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float v = partial[0][4 * mt + j][lane];
-#pragma unroll
-            for (int k = 1; k < QUANT_WARPS; ++k) v = __fadd_rn(v, partial[k][4 * mt + j][lane]);
-            const int r = row0 + 16 * mt + g + 8 * (j >> 1), o = o0 + 2 * t + (j & 1);
-            if (r >= N || o >= O) continue;
-            const long long at = (long long)r * O + o;
-            store_out(out, at, accumulate ? __fadd_rn(load_out(out, at, out_f32), v) : v, out_f32);
-        }
+// Two bf16 products in one instruction, rounded to nearest even (matmul.cu's mul_bf16x2)
+__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+    return r;
 }
 
-#define QUANT_MATMUL(MT, NAME, INT4)                                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * QUANT_WARPS)                                                \
-        NAME##_t##MT(void* out, const bf16* x, const uint4* w, const unsigned short* scales, int N, int O, int I, \
-                     int group_shift, int scale_stride, int out_f32, int accumulate) {                            \
-        quant_matmul<MT, INT4>(out, x, w, scales, N, O, I, group_shift, scale_stride, out_f32, accumulate);       \
+// The rotary embedding of paired rows (matmul.cu's Rope): cos_t, sin_t (S, half), row r's position
+// pos[r / T * stride] + r % T; output columns below rot are rotated.
+struct QuantRope {
+    const float* cos_t;
+    const float* sin_t;
+    const int* pos;
+    int T, stride, rot;
+};
+
+// cp.async of 16, 8 or 4 bytes into this thread's slot of shared memory (16: past L1; the smaller ones through it)
+__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+    else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
+
+// A lane's record `rec` of its rows r0, r1 into its slots of a stage (4 x 32 uint4 apart): the 16 bytes of each
+// row, and each row's scales of the record's chunks (int4: (d, m) 32 bits a group; int8: d, 16 bits)
+template <bool INT4>
+__device__ __forceinline__ void copy_record(uint4* slots, const uint4* const (&wrow)[2],
+                                            const unsigned short* const (&srow)[2], int rec, int group_shift) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        copy_async(slots + 32 * h, wrow[h] + 4 * rec, 16);
+        if constexpr (INT4) {
+            const unsigned* s = reinterpret_cast<const unsigned*>(srow[h]);
+            if (group_shift == 0) copy_async(slots + 32 * (2 + h), s + 4 * rec, 16);
+            else if (group_shift == 1) copy_async(slots + 32 * (2 + h), s + 2 * rec, 8);
+            else copy_async(slots + 32 * (2 + h), s + ((4 * rec) >> group_shift), 4);
+        } else if (group_shift == 0) {
+            copy_async(slots + 32 * (2 + h), srow[h] + 2 * rec, 4);
+        } else {  // the aligned 32 bits holding the group's d
+            const unsigned short* d = srow[h] + ((2 * rec) >> group_shift);
+            copy_async(slots + 32 * (2 + h), reinterpret_cast<const void*>(reinterpret_cast<size_t>(d) & ~size_t(3)), 4);
+        }
     }
-QUANT_MATMUL(1, quant_matmul_int4, true)
-QUANT_MATMUL(2, quant_matmul_int4, true)
-QUANT_MATMUL(3, quant_matmul_int4, true)
-QUANT_MATMUL(4, quant_matmul_int4, true)
-QUANT_MATMUL(1, quant_matmul_int8, false)
-QUANT_MATMUL(2, quant_matmul_int8, false)
-QUANT_MATMUL(3, quant_matmul_int8, false)
-QUANT_MATMUL(4, quant_matmul_int8, false)
+}
+
+// The scales of a record's chunks, as copy_record left them: (d | m << 16) or d in the low 16 bits
+template <bool INT4>
+__device__ __forceinline__ void record_scales(uint4 v, const unsigned short* srow, int rec, int group_shift,
+                                              unsigned (&s)[INT4 ? 4 : 2]) {
+    if constexpr (INT4) {
+        if (group_shift == 0) s[0] = v.x, s[1] = v.y, s[2] = v.z, s[3] = v.w;
+        else if (group_shift == 1) s[0] = s[1] = v.x, s[2] = s[3] = v.y;
+        else s[0] = s[1] = s[2] = s[3] = v.x;
+    } else if (group_shift == 0) {
+        s[0] = v.x & 0xffffu, s[1] = v.x >> 16;
+    } else {
+        const size_t at = reinterpret_cast<size_t>(srow + ((2 * rec) >> group_shift));
+        s[0] = s[1] = (at & 2) ? v.x >> 16 : v.x & 0xffffu;
+    }
+}
+
+// out (N, O) (+)= [rmsnorm] x (N, I) @ W^T; NT tiles of 8 rows of x a block. scales: rows of `groups` groups.
+template <int NT, bool INT4, bool GAIN>
+__device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16* __restrict__ x,
+                                             const unsigned char* __restrict__ w,
+                                             const unsigned short* __restrict__ scales, int N, int O, int I,
+                                             int groups, int group_shift, int out_f32, int accumulate,
+                                             const bf16* __restrict__ gain, float* __restrict__ rstd, float eps,
+                                             int half, bf16* __restrict__ glu_out, const bf16* __restrict__ bias,
+                                             QuantRope rope, int row_blocks) {
+    constexpr int CHUNKS = INT4 ? 4 : 2;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, split = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x / row_blocks, row0 = (blockIdx.x % row_blocks) * 8 * NT;
+    // this lane's rows of W (A's rows g, g + 8): 16 in a row, or 8 pairs (i, i + half); past the end, the last
+    const uint4* wrow[2];
+    const unsigned short* srow[2];
+    {
+        int r0, r1;
+        if (half) {
+            const int pair = min(tile * 8 + g, O / 2 - 1);
+            r0 = pair / half * 2 * half + pair % half, r1 = r0 + half;
+        } else {
+            r0 = min(tile * 16 + g, O - 1), r1 = min(tile * 16 + g + 8, O - 1);
+        }
+        const long long row_bytes = INT4 ? I / 2 : I, scale_units = INT4 ? 2 * groups : groups;
+        wrow[0] = reinterpret_cast<const uint4*>(w + r0 * row_bytes) + t;
+        wrow[1] = reinterpret_cast<const uint4*>(w + r1 * row_bytes) + t;
+        srow[0] = scales + r0 * scale_units, srow[1] = scales + r1 * scale_units;
+    }
+    const int records = I / (32 * CHUNKS);
+    const int first = warp * records / split, end = (warp + 1) * records / split;  // this warp's records
+    // QUANT_LOADS stages a warp, each 4 x 32 slots of 16 bytes (rows g and g + 8, their scales) a lane
+    // (dynamic shared memory: split x (QUANT_LOADS x 2,048 + 576) bytes; then the warps' sums, [W's row][x's
+    // row], the squares of x's row n at [n][8])
+    extern __shared__ uint4 ring[];
+    uint4* const mine = ring + warp * QUANT_LOADS * 128 + lane;
+    float(*partial)[16][9] = reinterpret_cast<float(*)[16][9]>(ring + split * QUANT_LOADS * 128);
+#pragma unroll
+    for (int u = 0; u < QUANT_LOADS - 1; ++u) {  // before the wait: the weights are no kernel's output
+        if (first + u < end) copy_record<INT4>(mine + u * 128, wrow, srow, first + u, group_shift);
+        commit_copies();
+    }
+    let_next_launch();
+    wait_for_inputs();
+    // x's row of this lane in each tile (past N: the last row, its values then taken as zeros: no branch that
+    // would keep the compiler from interleaving the chunks' chains)
+    const bf16* xrow[NT];
+    bool xlive[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int r = row0 + 8 * nt + g;
+        xlive[nt] = r < N;
+        xrow[nt] = x + (long long)min(r, N - 1) * I + 8 * t;
+    }
+    const unsigned ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+    float acc[NT][4], squares[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[nt][j] = squares[nt][j] = 0.f;
+    for (int rec = first, stage = 0; rec < end; ++rec, stage = stage == QUANT_LOADS - 1 ? 0 : stage + 1) {
+        // the record QUANT_LOADS - 1 ahead into the stage the last record left (its reads are done: used)
+        const int ahead = stage == 0 ? QUANT_LOADS - 1 : stage - 1;
+        if (rec + QUANT_LOADS - 1 < end) copy_record<INT4>(mine + ahead * 128, wrow, srow, rec + QUANT_LOADS - 1, group_shift);
+        commit_copies();
+        wait_copies<QUANT_LOADS - 1>();  // this record's copies are done (each lane reads its own slots)
+        const uint4* slots = mine + stage * 128;
+        const uint4 q[2] = {slots[0], slots[32]};
+        unsigned sc[2][CHUNKS];
+        record_scales<INT4>(slots[64], srow[0], rec, group_shift, sc[0]);
+        record_scales<INT4>(slots[96], srow[1], rec, group_shift, sc[1]);
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int at = 32 * (rec * CHUNKS + c);  // the chunk's first element
+            unsigned a[2][4];  // rows g, g + 8: pairs of elements (0, 1), (2, 3), (4, 5), (6, 7)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned words[4] = {q[h].x, q[h].y, q[h].z, q[h].w};
+                if constexpr (INT4) int4_pairs(words[c], a[h]);
+                else int8_pairs(words[2 * c], words[2 * c + 1], a[h]);
+            }
+            const uint4 gv = GAIN ? *reinterpret_cast<const uint4*>(gain + at + 8 * t) : make_uint4(0u, 0u, 0u, 0u);
+            const float d0 = half_to_float(sc[0][c] & 0xffffu), d1 = half_to_float(sc[1][c] & 0xffffu);
+            const float m0 = INT4 ? half_to_float(sc[0][c] >> 16) : 0.f;
+            const float m1 = INT4 ? half_to_float(sc[1][c] >> 16) : 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                uint4 xv = *reinterpret_cast<const uint4*>(xrow[nt] + at);
+                if (!xlive[nt]) xv = make_uint4(0u, 0u, 0u, 0u);
+                const uint4 bv = GAIN ? make_uint4(mul_bf16x2(xv.x, gv.x), mul_bf16x2(xv.y, gv.y),
+                                                   mul_bf16x2(xv.z, gv.z), mul_bf16x2(xv.w, gv.w))
+                                      : xv;
+                const unsigned b[2][2] = {{bv.x, bv.y}, {bv.z, bv.w}};
+                float qx[4] = {0.f, 0.f, 0.f, 0.f}, sx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    const unsigned as[4] = {a[0][2 * s], a[1][2 * s], a[0][2 * s + 1], a[1][2 * s + 1]};
+                    mma_bf16(qx, as, b[s]);
+                    if constexpr (INT4) mma_bf16(sx, ones, b[s]);
+                }
+                if constexpr (GAIN) {  // x's rows times themselves: the squares' sums on the diagonal
+                    const unsigned x0[4] = {xv.x, 0u, xv.y, 0u}, x1[4] = {xv.z, 0u, xv.w, 0u};
+                    const unsigned b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
+                    mma_bf16(squares[nt], x0, b0);
+                    mma_bf16(squares[nt], x1, b1);
+                }
+                // rounded as written, whatever the template (no contraction that could differ with NT)
+                acc[nt][0] = __fmaf_rn(d0, qx[0], acc[nt][0]);
+                acc[nt][1] = __fmaf_rn(d0, qx[1], acc[nt][1]);
+                acc[nt][2] = __fmaf_rn(d1, qx[2], acc[nt][2]);
+                acc[nt][3] = __fmaf_rn(d1, qx[3], acc[nt][3]);
+                if constexpr (INT4) {
+                    acc[nt][0] = __fmaf_rn(m0, sx[0], acc[nt][0]);
+                    acc[nt][1] = __fmaf_rn(m0, sx[1], acc[nt][1]);
+                    acc[nt][2] = __fmaf_rn(m1, sx[2], acc[nt][2]);
+                    acc[nt][3] = __fmaf_rn(m1, sx[3], acc[nt][3]);
+                }
+            }
+        }
+    }
+    wait_copies<0>();
+    // the warps' sums added in warp order, a tile of x's rows at a time; then the epilogue (matmul.cu's)
+    const int pairs = O / 2, rows_a_tile = half ? 8 : 16, items = rows_a_tile * 8;
+    const int fstep = half ? half : 1;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        if (row0 + 8 * nt >= N) break;  // the whole block alike
+        if (nt) __syncthreads();  // the last tile's sums are read
+        partial[warp][g][2 * t] = acc[nt][0];
+        partial[warp][g][2 * t + 1] = acc[nt][1];
+        partial[warp][g + 8][2 * t] = acc[nt][2];
+        partial[warp][g + 8][2 * t + 1] = acc[nt][3];
+        if (GAIN && t == g >> 1) partial[warp][g][8] = squares[nt][g & 1];  // x's row g: C[g][g]
+        __syncthreads();
+        for (int item = threadIdx.x; item < items; item += blockDim.x) {
+            const int m = item % rows_a_tile, n = item / rows_a_tile, row = row0 + 8 * nt + n;
+            if (row >= N) continue;
+            int frow;
+            if (half) {
+                const int pair = tile * 8 + m;
+                if (pair >= pairs) continue;
+                frow = pair / half * 2 * half + pair % half;
+            } else {
+                frow = tile * 16 + m;
+                if (frow >= O) continue;
+            }
+            float v[2] = {partial[0][m][n], half ? partial[0][m + 8][n] : 0.f};
+            float s = partial[0][n][8];
+            for (int k = 1; k < split; ++k) {
+                v[0] = __fadd_rn(v[0], partial[k][m][n]);
+                if (half) v[1] = __fadd_rn(v[1], partial[k][m + 8][n]);
+                s = __fadd_rn(s, partial[k][n][8]);
+            }
+            if constexpr (GAIN) {
+                const float rs = 1.f / sqrtf(s / I + eps);
+                v[0] = __fmul_rn(v[0], rs), v[1] = __fmul_rn(v[1], rs);
+                if (tile == 0 && m == 0) rstd[row] = rs;
+            }
+            if (bias) {
+                v[0] = __fadd_rn(v[0], to_float(bias[frow]));
+                if (half) v[1] = __fadd_rn(v[1], to_float(bias[frow + fstep]));
+            }
+            const long long at = (long long)row * O + frow;
+            if (accumulate) {
+                v[0] = __fadd_rn(v[0], load_out(out, at, out_f32));
+                if (half) v[1] = __fadd_rn(v[1], load_out(out, at + fstep, out_f32));
+            }
+            if (half) {
+                const bool rotates = rope.cos_t && frow < rope.rot;
+                if (glu_out || rotates) {  // from the values as stored
+                    v[0] = out_f32 ? v[0] : to_float(from_float<act_t>(v[0]));
+                    v[1] = out_f32 ? v[1] : to_float(from_float<act_t>(v[1]));
+                }
+                const int pair = tile * 8 + m;
+                if (glu_out) glu_out[(long long)row * pairs + pair] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
+                if (rotates) {
+                    const long long p = (long long)(rope.pos[row / rope.T * rope.stride] + row % rope.T) * half + pair % half;
+                    rotate_pair(v[0], v[1], rope.cos_t[p], rope.sin_t[p], v[0], v[1]);
+                }
+                store_out(out, at + fstep, v[1], out_f32);
+            }
+            store_out(out, at, v[0], out_f32);
+        }
+    }
+}
+
+// Grid: (ceil(N / (8 NT)) blocks of x's rows) x (tiles: ceil(O / 16), or ceil(O / 2 / 8) pairs), the row
+// blocks of a tile next to each other; blocks of 32 x split warps (split <= QUANT_SPLIT: a row's k-split).
+#define QUANT_PARAMS                                                                                              \
+    void *out, const bf16 *x, const unsigned char *w, const unsigned short *scales, int N, int O, int I,          \
+        int groups, int group_shift, int out_f32, int accumulate, const bf16 *gain, float *rstd, float eps,       \
+        int half, bf16 *glu_out, const bf16 *bias, const float *cos_t, const float *sin_t, const int *pos, int T, \
+        int pos_stride, int rot, int row_blocks
+#define QUANT_MATMUL(NT, NAME, INT4, GAIN)                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * QUANT_SPLIT, QUANT_BLOCKS) NAME##_t##NT(QUANT_PARAMS) {      \
+        quant_matmul<NT, INT4, GAIN>(out, x, w, scales, N, O, I, groups, group_shift, out_f32, accumulate, gain,  \
+                                     rstd, eps, half, glu_out, bias,                                              \
+                                     QuantRope{cos_t, sin_t, pos, T, pos_stride, rot}, row_blocks);               \
+    }
+// quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in
+QUANT_MATMUL(1, quant_matmul_int4, true, false)
+QUANT_MATMUL(2, quant_matmul_int4, true, false)
+QUANT_MATMUL(1, quant_matmul_int8, false, false)
+QUANT_MATMUL(2, quant_matmul_int8, false, false)
+QUANT_MATMUL(1, quant_matmul_int4_norm, true, true)
+QUANT_MATMUL(2, quant_matmul_int4_norm, true, true)
+QUANT_MATMUL(1, quant_matmul_int8_norm, false, true)
+QUANT_MATMUL(2, quant_matmul_int8_norm, false, true)
 #endif
 
-// out (R, I) act_t = rows first .. first + R - 1 of W, dequantized; a thread a 16-byte load of a record.
-extern "C" __global__ void quant_dequantize(act_t* __restrict__ out, const uint4* __restrict__ w,
+// out (R, I) act_t = rows first .. first + R - 1 of W, dequantized; a thread a lane's 16 bytes of a record.
+extern "C" __global__ void quant_dequantize(act_t* __restrict__ out, const unsigned char* __restrict__ w,
                                            const unsigned short* __restrict__ scales, int R, int first, int I,
-                                           int group_shift, int scale_stride, int int4) {
+                                           int groups, int group_shift, int int4) {
     const int chunks = int4 ? 4 : 2, records = I / (32 * chunks);
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)R * records * 4) return;
     const int r = (int)(i / (records * 4)), rec = (int)(i / 4 % records), t = (int)(i % 4);
-    const int o = first + r;
-    const uint4 v = w[((long long)o * records + rec) * 4 + t];
+    const long long o = first + r;
+    const uint4 v = reinterpret_cast<const uint4*>(w + o * (int4 ? I / 2 : I))[rec * 4 + t];
     const unsigned words[4] = {v.x, v.y, v.z, v.w};
     act_t* row = out + (long long)r * I;
     for (int c = 0; c < chunks; ++c) {
-        const int chunk = rec * chunks + c, group = chunk >> group_shift;
+        const int chunk = rec * chunks + c, group = chunk >> group_shift, at = 32 * chunk + 8 * t;
         if (int4) {
-            const unsigned dm = reinterpret_cast<const unsigned*>(scales)[(long long)group * scale_stride + o];
+            const unsigned dm = reinterpret_cast<const unsigned*>(scales)[o * groups + group];
             const float d = half_to_float(dm & 0xffff), m = half_to_float(dm >> 16);
-            for (int j = 0; j < 4; ++j) {
-                const unsigned byte = (words[c] >> (8 * j)) & 0xff;
-                row[32 * chunk + 4 * t + j] = from_float<act_t>(fmaf(d, (float)(byte & 15), m));
-                row[32 * chunk + 16 + 4 * t + j] = from_float<act_t>(fmaf(d, (float)(byte >> 4), m));
+            for (int e = 0; e < 8; ++e) {
+                const unsigned q = (words[c] >> (4 * (e >> 1) + 16 * (e & 1))) & 15u;
+                row[at + e] = from_float<act_t>(fmaf(d, (float)q, m));
             }
         } else {
-            const float d = half_to_float(scales[(long long)group * scale_stride + o]);
-            for (int s = 0; s < 2; ++s)
-                for (int j = 0; j < 4; ++j) {
-                    const int q = (int)(signed char)((words[2 * c + s] >> (8 * j)) & 0xff);
-                    row[32 * chunk + 16 * s + 4 * t + j] = from_float<act_t>(d * (float)q);
-                }
+            const float d = half_to_float(scales[o * groups + group]);
+            for (int e = 0; e < 8; ++e) {
+                const int byte = (e & 1) * 2 + ((e >> 1) & 1);  // elements 0, 2, 1, 3 in bytes 0..3
+                const int q = (int)((words[2 * c + (e >> 2)] >> (8 * byte)) & 0xff) - 128;
+                row[at + e] = from_float<act_t>(d * (float)q);
+            }
         }
     }
 }
