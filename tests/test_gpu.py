@@ -303,18 +303,21 @@ def test_gpu_decoding_graphs_and_speculation_agree(precision):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_gpu_batched_requests_are_each_request_alone(precision):
+def test_gpu_batched_requests_are_each_request_alone(precision, monkeypatch):
     """64 requests of prompts of 1 to 90 tokens (the longest prefilled in two chunks) and 1 to 60 new tokens,
     greedy and sampled with a seed (top-k, top-p), through 64 rows and through 24 (rows leave, are reused and
     joined while others decode): each request's tokens are those of generate() of its prompt alone, to the
-    token, on base's widths (a few layers)."""
+    token, on base's widths (a few layers), with both kernel families of 9 to 64 rows."""
     from nanoeuler.model.config import Config
     from nanoeuler.model.engine import make_engine
     from nanoeuler.infer.batch import BatchGenerator, Request
     from nanoeuler.infer.generate import generate
+    from nanoeuler.model.gpu import layers as gpu_layers
 
     cfg = Config(dim=768, n_layers=2, n_heads=12, n_kv_heads=4, hidden=2048, vocab_size=4096, context=160,
                  mtp_heads=1)  # 90 + 60 fit: no window slides alone
+    # gate|up's and the head's 512 tiles of w take matmul_rows at 9 to 64 rows, the others the tile kernels
+    monkeypatch.setattr(gpu_layers, "MATMUL_ROWS_MIN_TILES", 512)
     eng = make_engine(cfg, device="gpu", precision=precision)
     eng.load_params(sharp_params(cfg, seed=5, scale=0.05))
     rng = np.random.default_rng(8)
@@ -365,6 +368,68 @@ def test_gpu_few_row_products_do_not_depend_on_the_physical_warps(precision, mon
             results.append((plain.get(), normed.get()))
         for got in results[1:]:
             assert all(np.array_equal(a, b) for a, b in zip(results[0], got)), (N, I, O)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_products_of_many_rows_give_the_bits_of_few(precision, monkeypatch):
+    """matmul_rows (9 to 64 rows, x's rows in shared memory, many tiles of w a block) in blocks of 8, 4, 2 and 1
+    warps, and the tile kernels (matmul_small_t*), give every row the bits matmul_small gives it in steps of
+    at most 8 rows: plain with float32 output
+    accumulated onto, plain with a bias, the norm folded in with SwiGLU, and with the rotary embedding (a position
+    a row) and a bias; odd row counts, odd widths (loaded an element at a time) and rows of several rounds. Outputs
+    start poisoned (NaN) where not accumulated onto, so an element left unwritten fails too."""
+    import cupy
+    from nanoeuler.model.gpu import layers as gpu_layers
+
+    rng = np.random.default_rng(5)
+    act = np.uint16 if precision == "bf16" else np.float32
+
+    def dev(*shape, scale=1.0):
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return cupy.asarray((a.view(np.uint32) >> 16).astype(np.uint16) if precision == "bf16" else a)
+
+    def poisoned(shape, dtype):
+        return cupy.full(shape, 0x7FC0 if dtype == np.uint16 else np.nan, dtype=dtype)
+
+    S, D = 96, 64
+    cos, sin = (cupy.asarray(f(rng.uniform(0, 6, (S, D // 2))).astype(np.float32)) for f in (np.cos, np.sin))
+    # (what is folded in, O, I): plain f32 accumulate, plain + bias, norm + SwiGLU, norm + bias + rope
+    cases = (("accumulate", 263, 1001), ("bias", 520, 2048), ("glu", 406, 776), ("glu", 2 * 203, 1001),
+             ("rope", 6 * D, 4104), ("rope", 6 * D, 8192))
+    for kind, O, I in cases:
+        for N in (9, 17, 33, 64):
+            x, w = dev(N, I), dev(O, I, scale=0.05)
+            gain = dev(I) if kind in ("glu", "rope") else None
+            bias = dev(O) if kind in ("bias", "rope") else None
+            out_dtype = np.float32 if kind == "accumulate" else act
+            prior = cupy.asarray(rng.standard_normal((N, O)).astype(np.float32))
+            pos = cupy.asarray(rng.integers(0, S, N).astype(np.int32))
+
+            def run(rows):  # out, rstd, glu_out of the rows taken in steps of `rows`
+                out = prior.copy() if kind == "accumulate" else poisoned((N, O), out_dtype)
+                rstd, glu = cupy.full(N, np.nan, np.float32), poisoned((N, O // 2), act)
+                for r in range(0, N, rows):
+                    e = min(N, r + rows)
+                    rope = (cos, sin, pos[r:e], 1, 4 * D, D // 2) if kind == "rope" else None
+                    gpu_layers._matmul_small(out[r:e], x[r:e], w, kind == "accumulate", gain,
+                                             rstd[r:e] if gain is not None else None, 1e-5,
+                                             glu[r:e] if kind == "glu" else None, rope, None, bias)
+                return out.get(), rstd.get() if gain is not None else None, glu.get() if kind == "glu" else None
+
+            few = run(8)
+            as_float = few[0] if out_dtype == np.float32 else (few[0].astype(np.uint32) << 16).view(np.float32)
+            assert not np.isnan(as_float).any()
+            # matmul_rows in blocks of 8, 4, 2 and 1 warps, then the tile kernels (matmul_small_t*)
+            for min_tiles, warps in ((0, 8), (0, 4), (0, 2), (0, 1), (1 << 30, None)):
+                monkeypatch.setattr(gpu_layers, "MATMUL_ROWS_MIN_TILES", min_tiles)
+                monkeypatch.setattr(gpu_layers, "_rows_warps", lambda tiles_of_w, tiles: warps)
+                got = run(N)
+                for a, b, name in zip(few, got, ("out", "rstd", "glu_out")):
+                    assert a is None or np.array_equal(a.view(np.uint8), b.view(np.uint8)), (kind, O, I, N, warps,
+                                                                                             name)
+            monkeypatch.undo()
 
 
 @pytest.mark.gpu

@@ -15,6 +15,13 @@ MATMUL_SMALL_WARPS = 16  # the most warps a block; layers.py gives a short row f
 MATMUL_SMALL_LOADS = 4   # the 16-byte loads of w a thread has in flight at once
 MATMUL_PAIR = 2          # many rows: tiles of w a warp takes at once (x's fragments loaded once for all)
 MATMUL_PAIR_WARPS = 6    # ... in blocks of at most this many warps (rows up to 768), two of which an SM can hold
+# ... 9 to 64 rows of a product of at least MATMUL_ROWS_MIN_TILES tiles of 8 rows of w (matmul_rows_t*: x's rows
+# in shared memory, shared by a block's tiles): the most warps a block, the tiles of w a warp, and the stages of
+# x's rows and w's tiles in shared memory (a round of a virtual warp each), all but one in flight
+MATMUL_ROWS_MIN_TILES = 1024
+MATMUL_ROWS_WARPS = 8
+MATMUL_ROWS_NT = 2
+MATMUL_ROWS_STAGES = 3
 # ... up to 8 rows (matmul_small): the physical warps a block, at most, for a product whose blocks would not fill
 # the SMs at the second number, and for one whose blocks do (a row's k-split stays that of its virtual warps,
 # MATMUL_SMALL_WARPS at most, set by the row length; a physical warp runs several in turn): small blocks, many
@@ -56,7 +63,8 @@ SAMPLE_BITS = 4
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
 RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
 
-assert FEW_ROWS <= 64, "matmul_small_t<n>_* take x's rows as up to 4 tiles of the mma fragments' 16 rows"
+assert FEW_ROWS <= 64, "matmul_small_t<n>_*, matmul_rows_t<n> take x's rows as up to 4 tiles of the mma's 16 rows"
+assert MATMUL_ROWS_STAGES >= 2, "a stage in use while the next ones land"
 assert ATT_THREADS == 32 * ATT_TILE // 16, "a warp of the training attention kernels owns 16 rows of a tile"
 assert ATT_WARPS % ATT_CACHED_WARPS_MANY == 0 and ATT_CACHED_WARPS_MANY >= 2, "warp 1 appends k and v"
 assert ATT_WARPS % ATT_WARPS_D128 == 0 and ATT_WARPS_D128 >= 2, "virtual warps split evenly; warp 1 appends"
@@ -92,7 +100,9 @@ def module_defines(name, variant=()):
     shared = {
         "matmul": {"FEW_ROWS": FEW_ROWS, "MATMUL_SMALL_WARPS": MATMUL_SMALL_WARPS,
                    "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS,
-                   "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS},
+                   "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS,
+                   "MATMUL_ROWS_WARPS": MATMUL_ROWS_WARPS, "MATMUL_ROWS_NT": MATMUL_ROWS_NT,
+                   "MATMUL_ROWS_STAGES": MATMUL_ROWS_STAGES},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
         "embedding": {"EMB_SEGMENT": EMB_SEGMENT},
         "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,

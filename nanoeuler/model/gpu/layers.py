@@ -37,7 +37,8 @@ import numpy as np
 from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
                                            ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
-                                           MATMUL_FEW_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
+                                           MATMUL_FEW_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS, MATMUL_ROWS_MIN_TILES,
+                                           MATMUL_ROWS_NT, MATMUL_ROWS_STAGES, MATMUL_ROWS_WARPS,
                                            MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
                                            ROPE_HEADS, SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
                                            rmsnorm_backward_blocks, rmsnorm_chunks)
@@ -95,21 +96,23 @@ def _row_stride(a, dtype):
 # ---------------------------------------------------------------------------------------------- matmul
 def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, skip=None,
                   bias=None):
-    """The matrix-vector kernel on N <= FEW_ROWS rows of x (tensor-core products, kernels/matmul.cu; up to 8
-    rows, or 1 to 4 tiles of 16, one template whose row arithmetic is the same in each):
+    """The matrix-vector kernels on N <= FEW_ROWS rows of x (tensor-core products, kernels/matmul.cu), a row's
+    arithmetic the same in each: up to 8 rows matmul_small (a block a tile of 8 rows of w); 9 to 64 rows of a
+    product of at least MATMUL_ROWS_MIN_TILES tiles matmul_rows_t<tiles of 16> (x's rows in shared memory, shared
+    by a block's many tiles of w), of a smaller one matmul_small_t<tiles of 16>_n<tiles of w a warp> (x's rows
+    from L2 for each warp: more blocks and warps for a few tiles; _product_split).
     RMSNorm folded in when given its gain; SwiGLU of the gate|up product into glu_out, or the rotary embedding
     (rope = (cos, sin, pos, T, rotated rows, D/2); pos one position, or one a sequence of T rows) of the qkv
-    product, when given, after adding bias (O,) where given. A warp takes a tile of 8 rows of w (many rows: two at once, _product_split); a
-    block's warps (from the row length I alone, so a row's sums run in the same order whatever N is, and a
-    speculative step's rows get plain decoding's bits) as many as give each thread MATMUL_SMALL_LOADS 16-byte
-    loads of w, at most MATMUL_SMALL_WARPS. skip: where given, receives a copy of x first
-    (rmsnorm_matmul_forward's residual copy, for a full forward of a few rows; decoding updates its stream in
-    place)."""
+    product, when given, after adding bias (O,) where given. A row's k-split is that of its virtual warps (from
+    the row length I alone, so a row's sums run in the same order whatever N is, and a speculative step's rows
+    get plain decoding's bits): as many as give each thread MATMUL_SMALL_LOADS 16-byte loads of w, at most
+    MATMUL_SMALL_WARPS. skip: where given, receives a copy of x first (rmsnorm_matmul_forward's residual copy,
+    for a full forward of a few rows; decoding updates its stream in place)."""
     if skip is not None:
         skip[...] = x
     N, O, I = out.shape[0], w.shape[0], w.shape[1]
     assert N <= FEW_ROWS
-    tiles = 0 if N <= 8 else -(-N // 16)  # 0: matmul_small, rows up to 8; else matmul_small_t<tiles>_n*
+    tiles = 0 if N <= 8 else -(-N // 16)  # x's tiles of 16 rows (0: up to 8 rows, matmul_small)
     aligned = [a.data.ptr % 16 == 0 for a in (x, w) + ((gain,) if gain is not None else ())]
     pack = 16 // x.itemsize
     packed = I % pack == 0 and all(aligned)
@@ -121,18 +124,24 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     if glu_out is not None:
         half = O // 2
     tiles_of_w = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a tile: the mma's n
-    kernel_of = lambda row_tiles, per_warp: kernel(
-        "matmul", f"matmul_small_t{row_tiles}_n{per_warp}" if row_tiles else "matmul_small", _act_defines(x))
-    physical = _physical_warps(warps, tiles_of_w, kernel_of(0, 1)) if tiles == 0 else warps
-    row_tiles, groups, per_warp = _product_split(tiles, tiles_of_w, physical, kernel_of)
-    rows_a_block = 16 * row_tiles if row_tiles else 8
-    launch(kernel_of(row_tiles, per_warp),
-        (_blocks(tiles_of_w, groups * per_warp), _blocks(N, rows_a_block)), (32 * physical,),
+    smem, groups = 0, 1
+    physical = _rows_warps(tiles_of_w, tiles) if tiles and tiles_of_w >= MATMUL_ROWS_MIN_TILES else 0
+    if physical:
+        smem = _rows_smem(tiles, physical)
+        kern = kernel("matmul", f"matmul_rows_t{tiles}", _act_defines(x), dynamic_smem=smem)
+        grid = (_blocks(tiles_of_w, physical * MATMUL_ROWS_NT),)
+    else:
+        kernel_of = lambda row_tiles, per_warp: kernel(
+            "matmul", f"matmul_small_t{row_tiles}_n{per_warp}" if row_tiles else "matmul_small", _act_defines(x))
+        physical = _physical_warps(warps, tiles_of_w, kernel_of(0, 1)) if tiles == 0 else warps
+        row_tiles, groups, per_warp = _product_split(tiles, tiles_of_w, physical, kernel_of)
+        kern = kernel_of(row_tiles, per_warp)
+        grid = (_blocks(tiles_of_w, groups * per_warp), _blocks(N, 16 * row_tiles if row_tiles else 8))
+    launch(kern, grid, (32 * physical,),
         (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
          _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
          _i32(half), null if glu_out is None else glu_out, null if bias is None else bias, cos, sin, pos, _i32(T),
-         _i32(pos_stride), _i32(rot),
-         _i32(groups), _i32(warps)))
+         _i32(pos_stride), _i32(rot), _i32(groups), _i32(warps)), shared_mem=smem)
 
 
 def _folds_quantized(w, x, xn):
@@ -158,6 +167,26 @@ def _physical_warps(virtual, blocks, kern):
     small = most(MATMUL_FEW_WARPS[1])
     resident = sm_count() * (registers // (32 * small * kern.num_regs))
     return small if blocks >= resident else most(MATMUL_FEW_WARPS[0])
+
+
+def _rows_smem(tiles, warps):
+    """Bytes of dynamic shared memory of a matmul_rows block of `warps` warps on `tiles` tiles of 16 rows of x:
+    MATMUL_ROWS_STAGES stages of x's rows, the gain and the block's tiles of w, in 16-byte chunks."""
+    stage = (tiles * MATMUL_SMALL_LOADS * 64 + MATMUL_SMALL_LOADS * 4
+             + warps * MATMUL_ROWS_NT * MATMUL_SMALL_LOADS * 32)
+    return MATMUL_ROWS_STAGES * 16 * stage
+
+
+def _rows_warps(tiles_of_w, tiles):
+    """The warps a block of matmul_rows (each MATMUL_ROWS_NT tiles of w) for a product of tiles_of_w tiles of w
+    and `tiles` tiles of x: the most, up to MATMUL_ROWS_WARPS, whose stages fit a block's shared memory on this
+    GPU and that still give nearly every SM a block (each block reads all of x's rows from L2 once); 0 where
+    none fits (the tile kernels then). The same bits whichever."""
+    limit = cupy.cuda.runtime.deviceGetAttribute(97, cupy.cuda.Device().id)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    fits = [w for w in (MATMUL_ROWS_WARPS, MATMUL_ROWS_WARPS // 2, MATMUL_ROWS_WARPS // 4, 1)
+            if _rows_smem(tiles, w) + 64 * 4 <= limit]  # and the rows' sums of squares (static)
+    filling = [w for w in fits if _blocks(tiles_of_w, w * MATMUL_ROWS_NT) >= 0.9 * sm_count()]
+    return filling[0] if filling else (fits[-1] if fits else 0)
 
 
 def _product_split(tiles, tiles_of_w, warps, kernel_of):

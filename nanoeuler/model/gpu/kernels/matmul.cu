@@ -5,13 +5,15 @@
 // out is act_t or float32 (the logits); with accumulate the product is added to it. Folded in: RMSNorm with a
 // gain g, as rstd * (x @ act_t(w * g)^T) (bf16: x's sums of squares on the tensor cores too); and with half > 0,
 // w's rows paired (i, i + half) for SwiGLU (glu_out) or the rotary embedding (rope), with a bias (O,) added to
-// the product before the rotation where given (Qwen2's q|k|v biases). docs/gpu-engine.md and
-// docs/decoding.md have the design and its measurements.
+// the product before the rotation where given (Qwen2's q|k|v biases). 9 to 64 rows of a large product take
+// matmul_rows_t*, which stages x's rows in shared memory for many tiles of w, with the same sums and epilogue
+// (finish_item). docs/gpu-engine.md and docs/decoding.md have the design and its measurements.
 #include "common.cuh"
 
 #if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS) || !defined(MATMUL_PAIR) || \
-    !defined(MATMUL_PAIR_WARPS)
-#error "FEW_ROWS, MATMUL_SMALL_* and MATMUL_PAIR* come from nanoeuler/model/gpu/constants.py"
+    !defined(MATMUL_PAIR_WARPS) || !defined(MATMUL_ROWS_WARPS) || !defined(MATMUL_ROWS_NT) ||                   \
+    !defined(MATMUL_ROWS_STAGES)
+#error "FEW_ROWS, MATMUL_SMALL_*, MATMUL_PAIR* and MATMUL_ROWS_* come from nanoeuler/model/gpu/constants.py"
 #endif
 static_assert(FEW_ROWS <= 64, "x's rows are at most 4 tiles of the mma fragments' 16 rows");
 
@@ -53,6 +55,52 @@ __device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
 }
 #endif
 
+// 16 bytes of w times the gain's, rounded to act_t (the norm's gain folded into w)
+__device__ __forceinline__ uint4 gained(uint4 w, uint4 gain) {
+#if ACT_BF16
+    return make_uint4(mul_bf16x2(w.x, gain.x), mul_bf16x2(w.y, gain.y), mul_bf16x2(w.z, gain.z),
+                      mul_bf16x2(w.w, gain.w));
+#else
+    float wv[PACK], gv[PACK];
+    unpack16(wv, w);
+    unpack16(gv, gain);
+#pragma unroll
+    for (int e = 0; e < PACK; ++e) wv[e] *= gv[e];
+    return pack16(wv);
+#endif
+}
+
+// A round's squares of x's rows g (ss[0]) and g + 8 (ss[1], where UPPER) added to ss, from the thread's chunks
+// chunk(p, a, a8) (p < MATMUL_SMALL_LOADS, in order): bf16 on the tensor cores (bf16 squares are exact in
+// float32), x's rows times themselves, the round's sums on the diagonal, which thread t = g / 2 holds (the
+// other threads' are not used); float32 a thread's own elements, summed over a row's 4 threads later.
+template <bool UPPER, class Chunk>
+__device__ __forceinline__ void add_squares(float (&ss)[2], int g, const Chunk& chunk) {
+#if ACT_BF16
+    float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
+        uint4 a, a8;
+        chunk(p, a, a8);
+        mma_chunk(lo, a, a8, a);
+        if (UPPER) mma_chunk(hi, a, a8, a8);
+    }
+    ss[0] += g & 1 ? lo[1] : lo[0];
+    ss[1] += g & 1 ? hi[3] : hi[2];
+#else
+#pragma unroll
+    for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
+        uint4 a, a8;
+        chunk(p, a, a8);
+        float xv[PACK], xv8[PACK];
+        unpack16(xv, a);
+        unpack16(xv8, a8);
+#pragma unroll
+        for (int e = 0; e < PACK; ++e) ss[0] += xv[e] * xv[e], ss[1] += xv8[e] * xv8[e];
+    }
+#endif
+}
+
 // PACK elements of a row from element i on, as the 16 bytes one load brings: packed, one load (or zeros past
 // the row's end, whole chunks only); else an element at a time, zero past n.
 template <bool PACKED>
@@ -72,6 +120,69 @@ struct Rope {
     const int* pos;
     int T, stride, rot;
 };
+
+// The rotation (cs, sn) of the pair item (row, pair fcol).
+__device__ __forceinline__ void rope_angle(const Rope& rope, int half, int row, int fcol, float& cs, float& sn) {
+    const long long at = (long long)(rope.pos[row / rope.T * rope.stride] + row % rope.T) * half + fcol % half;
+    cs = rope.cos_t[at], sn = rope.sin_t[at];
+}
+
+// What a product's epilogue needs besides the sums: out (N, O), the row length I, and what is folded in.
+struct Finish {
+    void* out;
+    int O, I, out_f32, accumulate, half;
+    const act_t* gain;  // where given: the norm folded in (its rstd (N,) stored too)
+    float* rstd;
+    float eps;
+    act_t* glu_out;
+    const act_t* bias;
+    Rope rope;
+};
+
+// The end of one (row, column pair) item, from v, its two sums over the virtual warps (in their order), and s,
+// the row's sum of squares: scaled by rstd where the norm is folded in (stored where stores_rstd), the bias
+// added, added to out (prior: out's values, where `primed` loaded them early), then SwiGLU or the rotation
+// (cs, sn where primed), stored. W: 1 (columns fcol, fcol + 1) or 2 (the pair fcol). Every product of few rows
+// ends here, so a row's bits do not depend on the kernel that took it.
+template <int W>
+__device__ __forceinline__ void finish_item(const Finish& f, float (&v)[2], float s, int row, int fcol,
+                                            bool stores_rstd, bool primed, const float (&prior)[2], float cs,
+                                            float sn) {
+    const int cols = f.O / W, half = f.half, fstep = W == 1 ? 1 : half;  // the second column's distance
+    const int frow = W == 1 ? fcol : fcol / half * 2 * half + fcol % half;  // out's first column written
+    const bool second = W == 2 || fcol + 1 < cols;
+    if (f.gain) {
+        const float rs = 1.f / sqrtf(s / f.I + f.eps);
+        v[0] = __fmul_rn(v[0], rs), v[1] = __fmul_rn(v[1], rs);  // not contracted with what is added next
+        if (stores_rstd) f.rstd[row] = rs;
+    }
+    if (f.bias) {
+        v[0] += to_float(f.bias[frow]);
+        if (second) v[1] += to_float(f.bias[frow + fstep]);
+    }
+    if (f.accumulate) {
+        if (primed) v[0] += prior[0], v[1] += prior[1];
+        else {
+            v[0] += load_out(f.out, (long long)row * f.O + frow, f.out_f32);
+            if (second) v[1] += load_out(f.out, (long long)row * f.O + frow + fstep, f.out_f32);
+        }
+    }
+    if constexpr (W == 2) {
+        const bool rotates = f.rope.cos_t && frow < f.rope.rot;
+        if (f.glu_out || rotates) {  // from the values as stored
+            v[0] = f.out_f32 ? v[0] : to_float(from_float<act_t>(v[0]));
+            v[1] = f.out_f32 ? v[1] : to_float(from_float<act_t>(v[1]));
+        }
+        if (f.glu_out)
+            f.glu_out[(long long)row * cols + fcol] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
+        if (rotates) {
+            if (!primed) rope_angle(f.rope, half, row, fcol, cs, sn);
+            rotate_pair(v[0], v[1], cs, sn, v[0], v[1]);
+        }
+    }
+    store_out(f.out, (long long)row * f.O + frow, v[0], f.out_f32);
+    if (second) store_out(f.out, (long long)row * f.O + frow + fstep, v[1], f.out_f32);
+}
 
 // Rows of x a kernel takes: TILES tiles of 16, or with TILES 0 one tile's first 8 (rows g + 8 are zeros that
 // need no registers: the path of single-sequence decoding, whose latency counts most).
@@ -113,6 +224,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         wrow[n] = w + (long long)lrow * I;
         loads_w[n] = lcol < cols;
     }
+    const Finish fin{out, O, I, out_f32, accumulate, half, gain, rstd, eps, glu_out, bias, rope};
     let_next_launch();
     // a round: MATMUL_SMALL_LOADS consecutive k-blocks a warp (4 threads x PACK elements each), warps side by side
     const int step = 4 * PACK, stride = warps * MATMUL_SMALL_LOADS * step;
@@ -132,19 +244,7 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
             for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
                 const uint4 gr = load_chunk<PACKED>(gain, r0 + own + p * step, I);
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-#if ACT_BF16
-                    wr[n][p] = make_uint4(mul_bf16x2(wr[n][p].x, gr.x), mul_bf16x2(wr[n][p].y, gr.y),
-                                          mul_bf16x2(wr[n][p].z, gr.z), mul_bf16x2(wr[n][p].w, gr.w));
-#else
-                    float wv[PACK], gv[PACK];
-                    unpack16(wv, wr[n][p]);
-                    unpack16(gv, gr);
-#pragma unroll
-                    for (int e = 0; e < PACK; ++e) wv[e] *= gv[e];
-                    wr[n][p] = pack16(wv);
-#endif
-                }
+                for (int n = 0; n < NT; ++n) wr[n][p] = gained(wr[n][p], gr);
             }
         }
     };
@@ -158,15 +258,11 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
         fcol = W == 1 ? tile * 8 + 2 * tt : tile * 4 + tt;
         frow = W == 1 ? fcol : fcol / half * 2 * half + fcol % half;  // out's first column written
     };
-    const auto rotation = [&](int row, int fcol, float& cs, float& sn) {
-        const long long at = (long long)(rope.pos[row / rope.T * rope.stride] + row % rope.T) * half + fcol % half;
-        cs = rope.cos_t[at], sn = rope.sin_t[at];
-    };
     int row0, fcol0, frow0;
     item_at(tile0, threadIdx.x, row0, fcol0, frow0);
     const bool first_live = (int)threadIdx.x < items && fcol0 < cols;
     float cs0 = 1.f, sn0 = 0.f;
-    if (W == 2 && rope.cos_t && first_live && frow0 < rope.rot) rotation(row0, fcol0, cs0, sn0);
+    if (W == 2 && rope.cos_t && first_live && frow0 < rope.rot) rope_angle(rope, half, row0, fcol0, cs0, sn0);
     const int fstep = W == 1 ? 1 : half;  // the second column's distance from the first
     wait_for_inputs();
     float prior0[2] = {0.f, 0.f};  // what the first item is accumulated onto
@@ -214,29 +310,8 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
                 if (r0 + warp_own + p * step < I)  // the warp holds some of I
 #pragma unroll
                     for (int n = 0; n < NT; ++n) mma_chunk(acc[n][j], xr[p], xr8[p], wr[n][p]);
-            if (gain) {  // the squares of x, off the products' path
-#if ACT_BF16
-                // on the tensor cores (bf16 squares are exact in float32): x's rows times themselves, a round's
-                // sums on the diagonal, which thread t = g / 2 holds (the other threads' are not used)
-                float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
-                    mma_chunk(lo, xr[p], xr8[p], xr[p]);
-                    if (RT::upper) mma_chunk(hi, xr[p], xr8[p], xr8[p]);
-                }
-                ss[j][0] += g & 1 ? lo[1] : lo[0];
-                ss[j][1] += g & 1 ? hi[3] : hi[2];
-#else
-#pragma unroll
-                for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
-                    float xv[PACK], xv8[PACK];
-                    unpack16(xv, xr[p]);
-                    unpack16(xv8, xr8[p]);
-#pragma unroll
-                    for (int e = 0; e < PACK; ++e) ss[j][0] += xv[e] * xv[e], ss[j][1] += xv8[e] * xv8[e];
-                }
-#endif
-            }
+            if (gain)  // the squares of x, off the products' path
+                add_squares<RT::upper>(ss[j], g, [&](int p, uint4& a, uint4& a8) { a = xr[p], a8 = xr8[p]; });
         }
     }
 #if !ACT_BF16
@@ -294,40 +369,173 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
                 v[1] += partial[j][local][c2 + 1];
                 s += partial[j][local][8];
             }
-            if (gain) {
-                const float rs = 1.f / sqrtf(s / I + eps);
-                v[0] *= rs, v[1] *= rs;
-                if (tile == 0 && (item & 3) == 0) rstd[row] = rs;
-            }
-            const bool first = n == 0 && item == (int)threadIdx.x;
-            if (bias) {
-                v[0] += to_float(bias[frow]);
-                if (W == 2 || fcol + 1 < cols) v[1] += to_float(bias[frow + fstep]);
-            }
-            if (accumulate) {
-                if (first) v[0] += prior0[0], v[1] += prior0[1];
-                else {
-                    v[0] += load_out(out, (long long)row * O + frow, out_f32);
-                    if (W == 2 || fcol + 1 < cols) v[1] += load_out(out, (long long)row * O + frow + fstep, out_f32);
-                }
-            }
-            if constexpr (W == 2) {
-                const bool rotates = rope.cos_t && frow < rope.rot;
-                if (glu_out || rotates) {  // from the values as stored
-                    v[0] = out_f32 ? v[0] : to_float(from_float<act_t>(v[0]));
-                    v[1] = out_f32 ? v[1] : to_float(from_float<act_t>(v[1]));
-                }
-                if (glu_out)
-                    glu_out[(long long)row * cols + fcol] = from_float<act_t>(v[0] / (1.f + expf(-v[0])) * v[1]);
-                if (rotates) {
-                    float cs = cs0, sn = sn0;
-                    if (!first) rotation(row, fcol, cs, sn);
-                    rotate_pair(v[0], v[1], cs, sn, v[0], v[1]);
-                }
-            }
-            store_out(out, (long long)row * O + frow, v[0], out_f32);
-            if (W == 2 || fcol + 1 < cols) store_out(out, (long long)row * O + frow + fstep, v[1], out_f32);
+            finish_item<W>(fin, v, s, row, fcol, tile == 0 && (item & 3) == 0, n == 0 && item == (int)threadIdx.x,
+                           prior0, cs0, sn0);
         }
+    }
+}
+
+// Products of 9 to 64 rows with many tiles of w (matmul_rows_t<XT>): a row's bits are matmul_small's. A block
+// takes all of x's rows (XT tiles of 16) and warps x NT tiles of 8 rows of w (NT a warp, its B operands, x's
+// tiles its A operands: x's fragments read once for NT tiles), and walks the row's virtual warps in order, each one's
+// rounds in order: a stage is one round of one virtual warp, the same k-range and the same chunks a thread of
+// that virtual warp loads in matmul_small (thread (g, t): 16 bytes of x's rows g and g + 8 and of w's row g
+// at element r0 + own + p * step). A stage's x, w and gain chunks are copied into shared memory in the
+// fragments' order (cp.async, MATMUL_ROWS_STAGES stages in flight), so x's rows come from L2 once a block, not
+// once a tile of w. Each warp sums a virtual warp's products from 0 in registers through the same mma_chunk
+// calls, then adds them to its running total (from 0.f, as matmul_small's `v += partial[j]`); the squares of
+// x's tile j are summed the same way by warp j % warps. No reduction across warps: each thread finishes its own
+// (row, column pair) items (finish_item).
+template <bool PACKED>
+__device__ __forceinline__ void stage_chunk(uint4* to, const act_t* base, long long at, int i, int n, bool live) {
+    if constexpr (PACKED) {  // a whole chunk or none (zeros)
+        const bool in = live && i < n;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)__cvta_generic_to_shared(to)),
+                     "l"(in ? base + at + i : base), "r"(in ? 16 : 0)
+                     : "memory");
+    } else {
+        *to = live ? load_chunk<false>(base + at, i, n) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+template <int W, bool PACKED, int XT, int NT>
+__device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __restrict__ x, const act_t* __restrict__ w,
+                                            int N, int vwarps, uint4* __restrict__ stages,
+                                            float* __restrict__ squares) {
+    constexpr int LOADS = MATMUL_SMALL_LOADS, STAGES = MATMUL_ROWS_STAGES, step = 4 * PACK;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5, I = f.I, half = f.half, cols = f.O / W;
+    const int tiles = warps * NT, tile0 = blockIdx.x * tiles;
+    // a stage in uint4: x (XT tiles x LOADS x 2 halves x 32 lanes), the gain (LOADS x 4), w (tiles x LOADS x 32)
+    const int x_size = XT * LOADS * 64, gain_at = x_size, w_at = x_size + LOADS * 4;
+    const int stage_size = w_at + tiles * LOADS * 32;
+    const int stride = vwarps * LOADS * step, rounds = (I + stride - 1) / stride, S = vwarps * rounds;
+    const auto k_of = [&](int s) { return s % rounds * stride + s / rounds * LOADS * step; };  // r0 + warp_own
+    // the rows of w this thread copies: column g of the block's tiles warp, warp + warps, ... (NT of them)
+    long long w_row[NT];
+    bool w_live[NT];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+        const int tile = tile0 + warp + i * warps;
+        const int lcol = W == 1 ? tile * 8 + g : tile * 4 + g / 2;
+        const int lrow = W == 1 ? lcol : lcol / half * 2 * half + lcol % half + (g & 1) * half;
+        w_row[i] = (long long)lrow * I, w_live[i] = lcol < cols;
+    }
+    const auto copy_w = [&](int s) {  // and the gain's
+        uint4* st = stages + s % STAGES * stage_size;
+        const int k0 = k_of(s);
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int p = 0; p < LOADS; ++p)
+                stage_chunk<PACKED>(st + w_at + ((warp + i * warps) * LOADS + p) * 32 + lane, w, w_row[i],
+                                    k0 + p * step + t * PACK, I, w_live[i]);
+        if (f.gain && (int)threadIdx.x < LOADS * 4)
+            stage_chunk<PACKED>(st + gain_at + threadIdx.x, f.gain, 0,
+                                k0 + (threadIdx.x >> 2) * step + (threadIdx.x & 3) * PACK, I, true);
+    };
+    const auto copy_x = [&](int s) {
+        uint4* st = stages + s % STAGES * stage_size;
+        const int k0 = k_of(s);
+        for (int c = threadIdx.x; c < x_size; c += blockDim.x) {
+            const int l = c & 31, jp = c >> 6, row = 16 * (jp / LOADS) + 8 * ((c >> 5) & 1) + (l >> 2);
+            stage_chunk<PACKED>(st + c, x, (long long)row * I, k0 + jp % LOADS * step + (l & 3) * PACK, I,
+                                row < N);
+        }
+    };
+    const auto commit = [] { asm volatile("cp.async.commit_group;\n" ::: "memory"); };
+    let_next_launch();
+    for (int s = 0; s < STAGES - 1 && s < S; ++s) copy_w(s);  // before the wait: w and the gain are no one's output
+    wait_for_inputs();
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < S) copy_x(s);
+        commit();
+    }
+    float acc[NT][XT][4], total[NT][XT][4], ss[XT][2], ss_total[XT][2];
+#pragma unroll
+    for (int j = 0; j < XT; ++j) {
+        ss[j][0] = ss[j][1] = ss_total[j][0] = ss_total[j][1] = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[n][j][i] = total[n][j][i] = 0.f;
+    }
+    for (int s = 0; s < S; ++s) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");  // stage s has landed
+        __syncthreads();  // everyone's copies of it, and everyone is done with stage s - 1, whose buffer is next
+        if (s + STAGES - 1 < S) copy_w(s + STAGES - 1), copy_x(s + STAGES - 1);
+        commit();
+        const uint4* st = stages + s % STAGES * stage_size;
+        const int k0 = k_of(s);
+        const auto x_at = [&](int j, int p, int h) { return st[((j * LOADS + p) * 2 + h) * 32 + lane]; };
+#pragma unroll
+        for (int p = 0; p < LOADS; ++p) {
+            if (k0 + p * step >= I) break;  // the virtual warp holds no more of I
+            uint4 wf[NT];
+            const uint4 gr = f.gain ? st[gain_at + p * 4 + t] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                wf[n] = st[w_at + ((warp * NT + n) * LOADS + p) * 32 + lane];
+                if (f.gain) wf[n] = gained(wf[n], gr);
+            }
+#pragma unroll
+            for (int j = 0; j < XT; ++j) {
+                const uint4 a = x_at(j, p, 0), a8 = x_at(j, p, 1);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) mma_chunk(acc[n][j], a, a8, wf[n]);
+            }
+        }
+        if (f.gain)
+#pragma unroll
+            for (int j = 0; j < XT; ++j)
+                if (j % warps == warp)
+                    add_squares<true>(ss[j], g, [&](int p, uint4& a, uint4& a8) {
+                        a = x_at(j, p, 0), a8 = x_at(j, p, 1);
+                    });
+        if ((s + 1) % rounds == 0) {  // the virtual warp's last round: its sums onto the totals, in order
+#pragma unroll
+            for (int j = 0; j < XT; ++j) {
+#if !ACT_BF16
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 1);
+                    ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 2);
+                }
+#endif
+                ss_total[j][0] += ss[j][0], ss_total[j][1] += ss[j][1];
+                ss[j][0] = ss[j][1] = 0.f;
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) total[n][j][i] += acc[n][j][i], acc[n][j][i] = 0.f;
+            }
+        }
+    }
+#if ACT_BF16
+    const int ss_lane = g >> 1;  // the diagonal's
+#else
+    const int ss_lane = 0;
+#endif
+    if (f.gain && t == ss_lane)
+#pragma unroll
+        for (int j = 0; j < XT; ++j)
+            if (j % warps == warp) squares[16 * j + g] = ss_total[j][0], squares[16 * j + g + 8] = ss_total[j][1];
+    __syncthreads();
+    const float none[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int tile = tile0 + warp * NT + n, fcol = W == 1 ? tile * 8 + 2 * t : tile * 4 + t;
+        if (fcol >= cols) break;
+#pragma unroll
+        for (int j = 0; j < XT; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * j + 8 * h + g;
+                if (row >= N) continue;
+                float v[2] = {total[n][j][2 * h], total[n][j][2 * h + 1]};
+                finish_item<W>(f, v, f.gain ? squares[row] : 0.f, row, fcol, tile == 0 && t == 0, false, none,
+                               1.f, 0.f);
+            }
     }
 }
 
@@ -337,6 +545,8 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 // matmul_small (rows up to 8, registers held to 80 so that the largest product of `base` runs in one wave;
 // CUDA 12.4+, older compilers bound the block size only), and matmul_small_t{1..4}_n{1, MATMUL_PAIR} (1 to 4
 // tiles of 16 rows a block, NT tiles of w a warp). They run one template: a row's arithmetic is the same in each.
+// matmul_rows_t{1..4} (below) take the same arguments (groups unused), their grid ceil(tiles of w / (warps x
+// MATMUL_ROWS_NT)) blocks.
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204
 #define MATMUL_SMALL_BOUNDS __maxnreg__(80)
 #else
@@ -383,3 +593,23 @@ MATMUL_SMALL_TILES(1, MATMUL_PAIR)
 MATMUL_SMALL_TILES(2, MATMUL_PAIR)
 MATMUL_SMALL_TILES(3, MATMUL_PAIR)
 MATMUL_SMALL_TILES(4, MATMUL_PAIR)
+// matmul_rows_t<XT>: 9 to 64 rows (XT tiles of 16), MATMUL_ROWS_NT tiles of w a warp, 1 to MATMUL_ROWS_WARPS
+// warps a block; dynamic shared memory: MATMUL_ROWS_STAGES stages (layers._matmul_small)
+#define MATMUL_ROWS_CALL(W, PACKED, XT, NT) matmul_rows<W, PACKED, XT, NT>(f, x, w, N, vwarps, stages, squares)
+#define MATMUL_ROWS_KERNEL(XT, NT) MATMUL_ROWS_KERNEL_(XT, NT)
+#define MATMUL_ROWS_KERNEL_(XT, NT)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * MATMUL_ROWS_WARPS, 1)                                         \
+        matmul_rows_t##XT(MATMUL_SMALL_PARAMS) {                                                                    \
+        extern __shared__ uint4 stages[];                                                                           \
+        __shared__ float squares[16 * XT]; /* the rows' sums of squares */                                          \
+        const Finish f{out, O, I, out_f32, accumulate, half, gain, rstd, eps, glu_out, bias,                        \
+                       Rope{cos_t, sin_t, pos, T, pos_stride, rot}};                                                \
+        if (half && packed) MATMUL_ROWS_CALL(2, true, XT, NT);                                                      \
+        else if (half) MATMUL_ROWS_CALL(2, false, XT, NT);                                                          \
+        else if (packed) MATMUL_ROWS_CALL(1, true, XT, NT);                                                         \
+        else MATMUL_ROWS_CALL(1, false, XT, NT);                                                                    \
+    }
+MATMUL_ROWS_KERNEL(1, MATMUL_ROWS_NT)
+MATMUL_ROWS_KERNEL(2, MATMUL_ROWS_NT)
+MATMUL_ROWS_KERNEL(3, MATMUL_ROWS_NT)
+MATMUL_ROWS_KERNEL(4, MATMUL_ROWS_NT)
