@@ -66,8 +66,9 @@ def _tokenizer(tokenizer_json, cfg, path=None):
 
 
 def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, chat=False, quantized=None):
-    """Atomically write a checkpoint. params (and opt's m, v) are flat float32 host arrays; a quantized model's
-    (cfg.quant) params are its float tensors alone and quantized its {name: QuantizedTensor}."""
+    """Atomically write a checkpoint. params (and opt's m, v) are flat float32 host arrays, or buffers streamed
+    a tensor at a time (read(start, end), a collective: the other ranks call read_along meanwhile); a quantized
+    model's (cfg.quant) params are its float tensors alone and quantized its {name: QuantizedTensor}."""
     if cfg.quant is not None:
         assert opt is None and set(quantized) == set(quantized_names(cfg)), "a quantized model's tensors"
         tensors = dict(views(np.ascontiguousarray(params, dtype=np.float32), cfg, floats_only=True))
@@ -78,16 +79,49 @@ def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, ch
                     "step": str(int(step)), "chat": "1" if chat else "0"}
         atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
         return
-    tensors = dict(views(np.ascontiguousarray(params, dtype=np.float32), cfg))
-    if opt is not None:
-        for prefix, flat in zip(("opt.m.", "opt.v."), opt):
-            for name, view in views(np.ascontiguousarray(flat, dtype=np.float32), cfg).items():
-                tensors[prefix + name] = view
+    tensors = _tensors(cfg, params, opt)
     metadata = {"format": FORMAT, "config": cfg.to_json(), "tokenizer": tokenizer_json,
                 "step": str(int(step)), "chat": "1" if chat else "0"}
     if train_state is not None:
         metadata["train"] = json.dumps(train_state, sort_keys=True)
     atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+
+
+def _tensors(cfg, params, opt=None):
+    """{tensor name: array} of the weights (and the moments under opt.m., opt.v.); a streamed buffer's (one
+    with read(start, end) and no array: ZeRO-2/3's shards, train/sharded.py) are read a tensor at a time as
+    the writer reaches them."""
+    def named(flat):
+        if hasattr(flat, "read"):
+            return {name: _Streamed(flat, off, shape) for name, (off, shape) in param_layout(cfg)[0].items()}
+        return views(np.ascontiguousarray(flat, dtype=np.float32), cfg)
+    tensors = dict(named(params))
+    if opt is not None:
+        for prefix, flat in zip(("opt.m.", "opt.v."), opt):
+            for name, view in named(flat).items():
+                tensors[prefix + name] = view
+    return tensors
+
+
+class _Streamed:
+    """One tensor of a streamed flat buffer: its elements are read when the writer asks for its bytes."""
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, flat, offset, shape):
+        self.flat, self.offset, self.shape = flat, offset, tuple(shape)
+        self.nbytes = 4 * int(np.prod(shape))
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.flat.read(self.offset, self.offset + self.nbytes // 4).reshape(self.shape)
+        return np.asarray(values, dtype=dtype or np.float32)
+
+
+def read_along(cfg, params, opt=None):
+    """The other ranks' part of save() of streamed buffers: the same reads in the order rank 0's writer makes
+    them (the tensors' sorted names, safetensors' order), so that the collectives behind them meet."""
+    tensors = _tensors(cfg, params, opt)
+    for name in sorted(tensors):
+        np.asarray(tensors[name])
 
 
 SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
