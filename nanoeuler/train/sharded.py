@@ -128,7 +128,7 @@ class Sharded(DataParallel):
     from (host arrays), or None. log: a list that records ('gather'|'release'|'reduce', unit) as they happen."""
 
     def __init__(self, eng, comm, stage, beta1=0.9, beta2=0.95, moments=None, log=None):
-        assert stage in (2, 3) and comm.world_size > 1
+        assert stage in (2, 3)  # a world of one works too (the tests' single GPU); training takes it plain
         self.eng, self.comm, self.stage, self.zero = eng, comm, stage, True
         self.copies, self.log = None, log
         n, r, xp = comm.world_size, comm.rank, eng.xp
@@ -136,21 +136,22 @@ class Sharded(DataParallel):
         eng.sync_weights()
         self.plan = plan_of(eng, n)
         self.mine = self.plan.ranges(r)
-        self.master = self.plan.take(eng.params, r, xp)
-        self.grads = xp.zeros(self.plan.shard_size, dtype=eng.dtype)
-        self.compute = None if eng.weights is eng.params else self.plan.take(eng.weights, r, xp)
-        mask = self.plan.take(decay_mask(eng.cfg), r)
-        self.optimizer = AdamW(eng, beta1, beta2, mask=mask)
-        if moments is not None:
-            m, v, steps = moments
-            self.optimizer.load_state(self.plan.take(np.asarray(m), r), self.plan.take(np.asarray(v), r), steps)
-        # the whole buffers go: the gradients, in bf16 the master weights, in ZeRO-3 every weight
+        # the whole buffers go as soon as the shards are taken (the peak: the whole engine's, 10 bytes a
+        # parameter in bf16): first the gradients, then in bf16 the master weights, in ZeRO-3 every weight
         eng.grads, eng.g = None, {}
+        self.master = self.plan.take(eng.params, r, xp)
+        self.compute = None if eng.weights is eng.params else self.plan.take(eng.weights, r, xp)
         if stage == 3:
             eng.params = eng.weights = None
             eng.p = {}
         elif eng.weights is not eng.params:
             eng.params = None
+        self.grads = xp.zeros(self.plan.shard_size, dtype=eng.dtype)
+        mask = self.plan.take(decay_mask(eng.cfg), r)
+        self.optimizer = AdamW(eng, beta1, beta2, mask=mask)
+        if moments is not None:
+            m, v, steps = moments
+            self.optimizer.load_state(self.plan.take(np.asarray(m), r), self.plan.take(np.asarray(v), r), steps)
         self._held, self._open = {}, {}  # unit -> [its buffer, its names, users]; unit -> [buffer, names]
         eng.sharding = self
 

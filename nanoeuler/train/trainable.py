@@ -1,6 +1,6 @@
 """What a training step trains and in which state: the one thing train.loop.fit() asks about the weights.
 
-    trainable = Trainable(engine, hyper, comm, zero=False, resumed=ck)
+    trainable = Trainable(engine, hyper, comm, zero=1, resumed=ck)   # zero: the ZeRO stage, 0..3
     ...the objective's forward and backward passes on trainable.engine, into its gradients...
     numbers = trainable.step(lr, hyper, values)   # the ranks' sum, the clip, the AdamW step: queued
     params, (m, v), opt_step = trainable.state()  # what a checkpoint holds (a collective with ZeRO)
