@@ -263,10 +263,12 @@ class Sharded(DataParallel):
         eng.weights, eng.p, eng.sharding = weights, eng._fused_views(weights), None
         if self.compute is None:
             eng.params = weights  # fp32: the compute weights are the weights
+        # decoding's recorded steps (CUDA graphs) read the weights where they were: not kept across gathers
+        eng._decoder = None
         try:
             yield
         finally:
-            eng.weights = eng.params = None
+            eng.weights = eng.params = eng._decoder = None
             eng.p, eng.sharding = {}, self
 
     # ------------------------------------------------------------------------------------ checkpoints
