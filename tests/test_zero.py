@@ -159,22 +159,26 @@ def test_one_gpu_through_the_sharding_over_nccl_is_the_plain_update(precision, t
 @pytest.mark.parametrize("tied", [False, True], ids=["heads", "tied"])
 def test_zero3_gathers_each_unit_before_its_passes_and_frees_it_after(recompute, tied):
     """A step's forward gathers and frees each unit in order, the backward each again from the head down (the
-    recomputed forward inside the gather) and reduces its gradients as it frees it; the embedding's gradients
-    (a tied head's with them) are reduced last, and the embedding needs no gather for them. Between the passes
-    the engine holds no weight and no gradient."""
+    recomputed forward inside the gather) and reduces its gradients as it frees it; each gather starts the
+    next unit's within its pass (two units held at a time); the embedding's gradients (a tied head's with
+    them) are reduced last, and the embedding needs no gather for them. Between the passes the engine holds
+    no weight and no gradient."""
     cfg = dataclasses.replace(tiny_config(300), mtp_heads=1, tied=True) if tied else tiny_config(300)
     logs = [[], []]
     got = _run_ranks(2, lambda comm: _steps(4, comm, 3, recompute, cfg=cfg, log=logs[comm.rank]))
-    layers = range(cfg.n_layers)
-    forward = [("gather", "embedding"), ("release", "embedding")]
-    forward += [(what, i) for i in layers for what in ("gather", "release")]
-    forward += [("gather", "head"), ("release", "head")]
-    backward = [(what, i) for i in ["head", *reversed(layers)] for what in ("gather", "release", "reduce")]
+    order = ["embedding", *range(cfg.n_layers), "head"]
+    forward = []
+    for unit, after in zip(order, order[1:] + [None]):  # each gather starts the next unit's (prefetch)
+        forward += [("gather", unit)] + [("prefetch", after)] * (after is not None) + [("release", unit)]
+    backward, down = [], ["head", *reversed(range(cfg.n_layers))]
+    for unit, after in zip(down, down[1:] + [None]):  # none past the first layer: the step comes next
+        backward += [("gather", unit)] + [("prefetch", after)] * (after is not None) + [("release", unit),
+                                                                                        ("reduce", unit)]
     backward += [("reduce", "embedding")]
     assert logs[0] == logs[1] == (forward + backward) * STEPS
     for *_, parallel in got:
         assert parallel.eng.p == {} and parallel.eng.g == {} and parallel.eng.weights is None
-        assert parallel._held == {} and parallel._open == {}
+        assert parallel._held == {} and parallel._open == {} and parallel._prefetched == {}
 
 
 def _save(path, parallel, streamed):

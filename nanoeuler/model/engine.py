@@ -38,7 +38,8 @@ are bf16, parameter gradients float32. Elsewhere `weights` is `params` itself.
 Sharded weights and gradients (ZeRO-2/3, train/sharded.py): the passes go through the model a *unit* at a
 time (`units()`: the embedding, each layer, the head: the final norm and the output heads) and tell
 `sharding`, where it is set, before and after each: `gather(unit)` before a unit's weights are read (in the
-forward pass and again in the backward pass, the recomputed forward included) and `release(unit)` after;
+forward pass and again in the backward pass, `backward=True`, the recomputed forward included) and
+`release(unit)` after;
 `open_grads(unit)` before a unit's backward and `reduce(unit, accumulate)` once its gradients are final.
 The sharding object puts the unit's views into `p` and `g` (unit_views) and takes them out again, so the
 layers read the same names whether the engine holds every weight or one unit's. Without it (the default)
@@ -490,7 +491,7 @@ class Engine:
         # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf (tied: into tok_emb's gradient,
         # which the embedding's scatter-add below adds to)
         if sharded:
-            sharded.gather("head")
+            sharded.gather("head", backward=True)
             sharded.open_grads("head")
         layers.matmul_backward(acts["dhf"], gw("heads"), acts["logits"], acts["hf"], p["heads"])
         dresid.fill(0)
@@ -506,7 +507,7 @@ class Engine:
             j = 0 if self.recompute else i
             lr = None if low_rank is None else low_rank[j]
             if sharded:
-                sharded.gather(i)
+                sharded.gather(i, backward=True)
                 sharded.open_grads(i)
             if self.recompute:  # the layer's activations again, from its kept input: the same bits as before
                 self._layer_forward(i, j, acts, B, T, None, lr)

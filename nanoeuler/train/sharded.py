@@ -12,7 +12,10 @@ unit, one after another in its shard. Per rank, with Ψ parameters:
   compute copy (2 Ψ / N): the AdamW kernel updates the shard and rewrites that copy in the same pass;
 - ZeRO-2: the whole compute weights (2 Ψ in bf16, 4 Ψ in fp32), all-gathered a unit at a time after each
   update; ZeRO-3: none; each unit's are all-gathered into a buffer of the unit just before its forward and
-  again before its backward (the recomputed forward of --recompute included), and freed after;
+  again before its backward (the recomputed forward of --recompute included), and freed after. The gather of
+  the unit the pass reaches next is started as soon as a unit is gathered (prefetched: on the GPU it runs on
+  NCCL's stream beside the unit's products), so two units' weights are held at a time; none is prefetched
+  across the optimizer step (the forward pass ends at the head, the backward pass at the first layer);
 - the gradients of one unit at a time (two for a tied head, whose head 0 is the embedding): the backward
   pass writes a unit's gradients into a zeroed buffer of the unit, which is reduce-scattered into the
   shard's gradients (added to them on a gradient-accumulation pass after the first) and freed once the unit
@@ -29,8 +32,9 @@ gathers ZeRO-3's compute weights whole on every rank for its length. Checkpoints
 unit's pieces all-gathered when its first tensor is written, so no rank holds more than one unit of the
 weights or of a moment beyond its shard; the file is the unsharded run's, which any number of ranks resumes.
 
-Every collective is ordered on the compute stream (the caller waits on the device for it, not the host):
-the gathers and reduce-scatters do not overlap the passes' products yet.
+Every collective but the prefetched gathers is ordered on the compute stream (the caller waits on the device
+for it, not the host), so a unit's buffers can be freed as soon as the pass leaves it: the reduce-scatters do
+not overlap the passes' products yet.
 """
 import contextlib
 import dataclasses
@@ -153,6 +157,10 @@ class Sharded(DataParallel):
             m, v, steps = moments
             self.optimizer.load_state(self.plan.take(np.asarray(m), r), self.plan.take(np.asarray(v), r), steps)
         self._held, self._open = {}, {}  # unit -> [its buffer, its names, users]; unit -> [buffer, names]
+        self._prefetched = {}  # unit -> (its buffer, the handle of its started all-gather)
+        names = [u for u, _, _ in self.plan.units]
+        self._next = {False: dict(zip(names, names[1:])),  # the unit each pass reaches after a unit
+                      True: dict(zip(["head", *reversed(names[1:-1])], reversed(names[1:-1])))}
         eng.sharding = self
 
     # ------------------------------------------------------------------------------- the engine's hooks
@@ -172,22 +180,35 @@ class Sharded(DataParallel):
         self.comm.all_gather(shard[at:at + piece], out)
         return out
 
-    def gather(self, unit):
-        """ZeRO-3: the unit's compute weights all-gathered into a buffer of its own, their views into the
-        engine's `p` (ZeRO-2 holds them all: nothing to do)."""
+    def gather(self, unit, backward=False):
+        """ZeRO-3: the unit's compute weights all-gathered into a buffer of its own (or the prefetched one, once
+        its gather is done), their views into the engine's `p`; then the gather of the unit the pass reaches
+        next (backward: the pass from the head down) is started. ZeRO-2 holds them all: nothing to do."""
         if self.stage != 3:
             return
         self._record("gather", unit)
+        source = self.compute if self.compute is not None else self.master
         for u in self._needs(unit):
             if u in self._held:
                 self._held[u][2] += 1
                 continue
             k = self.plan.index(u)
             _, start, end = self.plan.units[k]
-            whole = self.gather_unit(self.compute if self.compute is not None else self.master, k)
+            if u in self._prefetched:
+                whole, handle = self._prefetched.pop(u)
+                self.comm.wait_for(handle)
+            else:
+                whole = self.gather_unit(source, k)
             views = self.eng.unit_views(whole[:end - start], start, end)
             self.eng.p.update(views)
             self._held[u] = [whole, list(views), 1]
+        after = self._next[backward].get(unit)
+        if after is not None and after not in self._held and after not in self._prefetched:
+            self._record("prefetch", after)
+            k = self.plan.index(after)
+            piece, at = self.plan.pieces[k], self.plan.at[k]
+            whole = self.eng.xp.empty(piece * self.comm.world_size, dtype=source.dtype)
+            self._prefetched[after] = (whole, self.comm.start_all_gather(source[at:at + piece], whole))
 
     def release(self, unit):
         """ZeRO-3: the unit's views out of `p`, its buffer freed once no pass still reads it."""
