@@ -245,3 +245,20 @@ def test_zero_1_is_the_default_of_full_training_and_lora_keeps_its_adapters_whol
     assert parser.parse_args(["train", "--zero", "3"]).zero == 3 and parser.parse_args(["train"]).zero is None
     with pytest.raises(SystemExit):
         parser.parse_args(["train", "--zero", "4"])
+
+
+def test_a_resumed_runs_moments_are_read_a_shard_at_a_time(tmp_path):
+    """stored_opt: the moments stay in the file and each rank reads its shard's elements alone (ranges that
+    cut rows and span tensors), equal to the eagerly read ones; whole, they are the eager arrays."""
+    cfg = tiny_config(300)
+    rng = np.random.default_rng(0)
+    total = make_engine(cfg).params.size
+    params, m, v = (rng.standard_normal(total).astype(np.float32) for _ in range(3))
+    checkpoint.save(tmp_path / "c.bin", cfg, params, "{}", 3, opt=(m, v), train_state={})
+    stored = checkpoint.load(tmp_path / "c.bin", with_opt=True, stored_opt=True).opt
+    np.testing.assert_array_equal(np.asarray(stored[0]), m)
+    for start, end in ((0, 1), (5, 4000), (total - 7, total), (1234, 1235)):
+        np.testing.assert_array_equal(stored[1].read(start, end), v[start:end])
+    plan = plan_of(make_engine(cfg), 3)
+    for rank in range(3):
+        np.testing.assert_array_equal(plan.take(stored[1], rank), plan.take(v, rank))

@@ -225,8 +225,9 @@ def _has_chat_template(tokenizer_json):
         return False  # a corrupt tokenizer is reported where it is read
 
 
-def load(path, with_opt=False):
-    """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent)."""
+def load(path, with_opt=False, stored_opt=False):
+    """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent); with
+    stored_opt as StoredFlat buffers, read from the file when asked (whole, or a rank's shard of them)."""
     path = os.fspath(path)
     meta, header = _header(path)
     if is_adapter(meta):  # an adapter checkpoint is read as its base with the adapters merged
@@ -237,8 +238,9 @@ def load(path, with_opt=False):
     quant = cfg.quant is not None
     if with_opt and quant:
         raise UserError(f"checkpoint {path} is quantized ({cfg.quant}): full training needs float weights")
-    prefixes = [""] + (["opt.m.", "opt.v."] if with_opt else [])
-    expected = {prefix + name: ("F32", tuple(shape)) for prefix in prefixes
+    checked = [""] + (["opt.m.", "opt.v."] if with_opt else [])
+    prefixes = [""] if stored_opt else checked
+    expected = {prefix + name: ("F32", tuple(shape)) for prefix in checked
                 for name, shape in param_shapes(cfg, floats_only=True)}
     layout = param_layout(cfg)[0]
     for name in quantized_names(cfg):
@@ -285,10 +287,42 @@ def load(path, with_opt=False):
         train_state = json.loads(meta["train"]) if "train" in meta else None
     except ValueError:
         raise UserError(f"checkpoint {path} is corrupt (unreadable training state)") from None
+    opt = None
+    if with_opt:
+        opt = tuple(StoredFlat(path, cfg, prefix) if stored_opt else flats[prefix] for prefix in ("opt.m.", "opt.v."))
     return Checkpoint(cfg=cfg, params=flats[""], tokenizer_json=meta["tokenizer"], step=step,
                       chat=meta.get("chat") == "1" or _has_chat_template(meta["tokenizer"]),
-                      opt=(flats["opt.m."], flats["opt.v."]) if with_opt else None,
+                      opt=opt,
                       train_state=train_state, quantized=quantized)
+
+
+class StoredFlat:
+    """A flat float32 buffer of a checkpoint's tensors under `prefix` (its AdamW moments), read from the file
+    when asked: whole (np.asarray) or elements [start, end) (read), so that a rank resuming with ZeRO-2/3
+    reads its shard alone (the tensors' names and shapes were checked by load)."""
+
+    def __init__(self, path, cfg, prefix):
+        self.path, self.prefix = path, prefix
+        self.layout, self.size = param_layout(cfg)
+
+    def read(self, start, end):
+        out = np.empty(end - start, dtype=np.float32)
+        try:
+            with safe_open(self.path, framework="numpy") as f:
+                for name, (off, shape) in self.layout.items():
+                    lo, hi = max(start, off), min(end, off + int(np.prod(shape)))
+                    if lo >= hi:
+                        continue
+                    row = int(np.prod(shape[1:]))  # elements a row: the rows holding [lo, hi) are read
+                    first, last = (lo - off) // row, -(-(hi - off) // row)
+                    rows = np.asarray(f.get_slice(self.prefix + name)[first:last], dtype=np.float32).reshape(-1)
+                    out[lo - start:hi - start] = rows[lo - off - first * row:hi - off - first * row]
+        except Exception as e:
+            raise UserError(f"checkpoint {self.path} is corrupt or gone ({type(e).__name__}: {e})") from None
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.read(0, self.size), dtype=dtype or np.float32)
 
 
 def load_model(ckpt, device, batch_invariant=True, adapter=None):

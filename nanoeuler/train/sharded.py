@@ -92,10 +92,12 @@ class ShardPlan:
         return [(min(start + q * piece, end), min(start + (q + 1) * piece, end)) for q in range(self.world_size)]
 
     def take(self, flat, rank, xp=np):
-        """Rank's shard of a whole flat buffer (zeros in the padding), as an array of xp."""
-        shard = xp.zeros(self.shard_size, dtype=flat.dtype)
+        """Rank's shard of a whole flat buffer (zeros in the padding), as an array of xp; from a buffer with
+        read(start, end) (checkpoint.StoredFlat: a resumed run's moments) only the shard's elements are read."""
+        shard = xp.zeros(self.shard_size, dtype=np.float32 if hasattr(flat, "read") else flat.dtype)
         for lo, hi, at in self.ranges(rank):
-            shard[at:at + hi - lo] = flat[lo:hi]
+            if hi > lo:
+                shard[at:at + hi - lo] = flat.read(lo, hi) if hasattr(flat, "read") else flat[lo:hi]
         return shard
 
 
@@ -155,7 +157,7 @@ class Sharded(DataParallel):
         self.optimizer = AdamW(eng, beta1, beta2, mask=mask)
         if moments is not None:
             m, v, steps = moments
-            self.optimizer.load_state(self.plan.take(np.asarray(m), r), self.plan.take(np.asarray(v), r), steps)
+            self.optimizer.load_state(self.plan.take(m, r), self.plan.take(v, r), steps)
         self._held, self._open = {}, {}  # unit -> [its buffer, its names, users]; unit -> [buffer, names]
         self._prefetched = {}  # unit -> (its buffer, the handle of its started all-gather)
         names = [u for u, _, _ in self.plan.units]
