@@ -39,8 +39,8 @@ Sharded weights and gradients (ZeRO-2/3, train/sharded.py): the passes go throug
 time (`units()`: the embedding, each layer, the head: the final norm and the output heads) and tell
 `sharding`, where it is set, before and after each: `gather(unit)` before a unit's weights are read (in the
 forward pass and again in the backward pass, `backward=True`, the recomputed forward included) and
-`release(unit)` after;
-`open_grads(unit)` before a unit's backward and `reduce(unit, accumulate)` once its gradients are final.
+`release(unit)` after; `open_grads(unit)` before a unit's backward and `reduce(unit, accumulate)` once its
+gradients are final.
 The sharding object puts the unit's views into `p` and `g` (unit_views) and takes them out again, so the
 layers read the same names whether the engine holds every weight or one unit's. Without it (the default)
 the engine holds all of them and nothing is called.
@@ -51,7 +51,7 @@ import numpy as np
 
 from nanoeuler.errors import UserError
 from nanoeuler.model import memory
-from nanoeuler.model.config import init_params, param_layout, quantized_names, rope_tables, views
+from nanoeuler.model.config import init_params, param_layout, quantized_names, rope_tables
 from nanoeuler.model.device import DEFAULT_PRECISION, precision as device_precision
 from nanoeuler.model.quantize import concat_rows, stored_arrays
 
