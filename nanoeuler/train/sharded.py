@@ -8,8 +8,9 @@ The plan (ShardPlan): the engine's units (Engine.units(): the embedding, each la
 with zeros to a multiple of the N ranks and cut into N equal pieces; rank r owns the r-th piece of every
 unit, one after another in its shard. Per rank, with Ψ parameters:
 
-- the shard's float32 master weights, gradients and AdamW moments (16 Ψ / N bytes), and in bf16 the shard's
-  compute copy (2 Ψ / N): the AdamW kernel updates the shard and rewrites that copy in the same pass;
+- the shard's float32 master weights, gradients and AdamW moments and its decay mask (17 Ψ / N bytes), and
+  in bf16 the shard's compute copy (2 Ψ / N): the AdamW kernel updates the shard and rewrites that copy in
+  the same pass;
 - ZeRO-2: the whole compute weights (2 Ψ in bf16, 4 Ψ in fp32), all-gathered a unit at a time after each
   update; ZeRO-3: none; each unit's are all-gathered into a buffer of the unit just before its forward and
   again before its backward (the recomputed forward of --recompute included), and freed after. The gather of
@@ -22,7 +23,8 @@ unit, one after another in its shard. Per rank, with Ψ parameters:
   is done.
 
 The engine is made whole and broadcast from rank 0 as DataParallel's; then its whole buffers are dropped
-(its gradients, and in bf16 the master weights; in ZeRO-3 the weights too). The step: the squares of the
+(its gradients, and in bf16 the master weights; in ZeRO-3 the weights too). A resumed run's moments are
+read a shard at a time from its checkpoint (checkpoint.StoredFlat). The step: the squares of the
 shard's gradients summed over the ranks with the step's numbers (one collective), one AdamW kernel over the
 shard, clipped on the device, then (ZeRO-2) the all-gather of the compute weights.
 
