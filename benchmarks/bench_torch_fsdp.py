@@ -28,15 +28,15 @@ import time
 
 import numpy as np
 
-# Llama 3 8B's shape (Meta's config.json): 8.03B parameters with the untied output head, one prediction head
-SHAPES = {"llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden=14336, vocab_size=128256,
-                            context=8192, mtp_heads=1, rope_theta=500000.0)}
+from shapes import SHAPES  # benchmarks/shapes.py: published models' shapes (llama3-8b: 8.03B parameters)
 
 
 def config(args):
     import dataclasses
-    from nanoeuler.model.config import PRESETS, Config
-    cfg = Config(**SHAPES[args.shape]) if args.shape else PRESETS[args.preset]
+    from nanoeuler.model.config import PRESETS
+    cfg = SHAPES[args.shape] if args.shape else PRESETS[args.preset]
+    if cfg.tied or cfg.qkv_bias:
+        sys.exit(f"{args.shape}: this peer's model has untied heads and no q/k/v biases (llama3-8b has neither)")
     return dataclasses.replace(cfg, context=args.context) if args.context else cfg
 
 
