@@ -1,6 +1,6 @@
 """Data-parallel training on N GPUs against one GPU, through the command line a user runs, in one run.
 
-Each configuration is a real `nanoeuler train PRESET` (one GPU, or `--gpus N`, with or without `--zero 1`) of
+Each configuration is a real `nanoeuler train PRESET` (one GPU, or `--gpus N` with each `--zero` stage asked) of
 a few hundred steps on the same corpus and tokenizer; its metrics log gives the median tokens/s over the
 steps after the warm-up (all ranks together) and the GPU memory of rank 0 (CuPy's pool at its high-water mark,
 plus the copy engines' allocation). Prints each configuration's tokens/s, its ratio to one GPU at the same per-rank
@@ -11,10 +11,12 @@ the spread of the rounds' ratios.
 
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --data shakespeare.txt --tokenizer tok.json
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --presets base large --batch-sizes 16 32 --gpus 2 4 --nccl
+    PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --presets large --batch-sizes 32 --zero 1 2 3
     PYTHONPATH=. python3 benchmarks/bench_multi_gpu.py --equivalence 100 --precision fp32   # losses, 2x16 vs 1x32
 
 --equivalence STEPS instead trains one GPU at batch 2B, one GPU at batch B in 2 accumulation passes, and
-N GPUs at batch B from one seed, and prints the three loss curves' largest relative differences.
+N GPUs at batch B (once per --zero stage) from one seed, and prints the loss curves' largest relative
+differences. ZeRO-2 and 3 reduce through NCCL whatever NANOEULER_REDUCE says.
 """
 import argparse
 import json
@@ -35,7 +37,7 @@ def train(args, preset, batch, gpus, zero, steps, extra=(), out_dir=None, name="
     if args.tokenizer:
         command += ["--tokenizer", args.tokenizer]
     if gpus > 1:
-        command += ["--gpus", str(gpus)] + (["--zero", "1"] if zero else [])
+        command += ["--gpus", str(gpus), "--zero", str(zero)]
     done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           env=dict(os.environ, NANOEULER_REDUCE=reduce))
     if done.returncode:  # said, and the other configurations still run
@@ -50,7 +52,7 @@ def speed(args, out_dir):
     reductions = list(dict.fromkeys(args.reductions + (["nccl"] if args.nccl else [])))
     for preset in args.presets:
         for batch in args.batch_sizes:
-            runs = [(1, False, "-")] + [(g, z, r) for g in args.gpus for z in (False, True) for r in reductions]
+            runs = [(1, 0, "-")] + [(g, z, r) for g in args.gpus for z in args.zero for r in reductions]
             measured = {run: {} for run in runs}  # round -> (tokens/s, MFU, GiB)
             for repeat in range(args.repeats):  # round after round, so that drift touches every configuration
                 for gpus, zero, reduce in runs:
@@ -63,7 +65,7 @@ def speed(args, out_dir):
                     mfu = statistics.median(r.get("mfu", 0) for r in steps)
                     mem = max(r.get("gpu_mem_gib", 0) for r in log)
                     measured[gpus, zero, reduce][repeat] = (tps, mfu, mem)
-                    print(f"{preset} batch {batch} x {gpus} GPU {'zero1' if zero else ''} {reduce} (round "
+                    print(f"{preset} batch {batch} x {gpus} GPU {zero_name(zero)} {reduce} (round "
                           f"{repeat + 1}): {tps:,.0f} tokens/s, MFU {mfu:.1%} a GPU, {mem:.2f} GiB", flush=True)
             one = {repeat: tps for repeat, (tps, _, _) in measured[runs[0]].items()}
             for (gpus, zero, reduce), results in measured.items():
@@ -73,7 +75,7 @@ def speed(args, out_dir):
                 ratio = tps / statistics.median(one.values())
                 # each round's ratio to that round's one GPU: the spread a single run would show
                 rounds = [t / one[repeat] for repeat, (t, _, _) in results.items() if repeat in one]
-                rows.append((preset, batch, gpus, "zero1" if zero else "-", reduce, tps, ratio, ratio / gpus,
+                rows.append((preset, batch, gpus, zero_name(zero), reduce, tps, ratio, ratio / gpus,
                              statistics.median(m for _, m, _ in results.values()),
                              max(g for _, _, g in results.values()),
                              f"{min(rounds):.3f}-{max(rounds):.3f}x" if len(rounds) > 1 else "-"))
@@ -87,16 +89,22 @@ def speed(args, out_dir):
               f"| {mfu:.1%} | {mem:.2f} | {spread} |")
 
 
+def zero_name(stage):
+    return f"zero{stage}" if stage else "-"
+
+
 def equivalence(args, out_dir):
     """Losses of N GPUs x B against one GPU x N*B and one GPU x (N passes of B) from one seed."""
     preset, batch, n, steps = args.presets[0], args.batch_sizes[0], args.gpus[0], args.equivalence
     extra = ["--eval-every", str(args.eval_every)] if args.eval_every else []
     runs = {
-        f"1 GPU x {n * batch}": train(args, preset, n * batch, 1, False, steps, extra, out_dir, "one"),
-        f"1 GPU x ({n} passes of {batch})": train(args, preset, batch, 1, False, steps,
+        f"1 GPU x {n * batch}": train(args, preset, n * batch, 1, 0, steps, extra, out_dir, "one"),
+        f"1 GPU x ({n} passes of {batch})": train(args, preset, batch, 1, 0, steps,
                                                   extra + ["--grad-accum", str(n)], out_dir, "accum"),
-        f"{n} GPUs x {batch}": train(args, preset, batch, n, False, steps, extra, out_dir, "ranks"),
     }
+    for stage in args.zero:
+        runs[f"{n} GPUs x {batch} {zero_name(stage)}"] = train(args, preset, batch, n, stage, steps, extra, out_dir,
+                                                              f"ranks{stage}")
     curves = {name: [r["loss"] for r in log if "loss" in r and "step" in r] for name, log in runs.items()}
     vals = {name: [(r["step"], r["val_loss"]) for r in log if "val_loss" in r] for name, log in runs.items()}
     names = list(curves)
@@ -107,9 +115,10 @@ def equivalence(args, out_dir):
         first = next((i + 1 for i, r in enumerate(rel) if r > 1e-6), None)
         print(f"{name}: loss at step 1 {curve[0]:.6f}, step {len(curve)} {curve[-1]:.6f}; largest relative "
               f"difference to {names[0]} {max(rel):.2e}, first above 1e-6 at step {first}; val {vals[name][-1:]}")
-    acc, ranks = curves[names[1]], curves[names[2]]
-    rel = max(abs(a - b) / abs(b) for a, b in zip(ranks, acc))
-    print(f"{names[2]} against {names[1]} (the same sums in the same order): largest relative difference {rel:.2e}")
+    acc = curves[names[1]]
+    for name in names[2:]:
+        rel = max(abs(a - b) / abs(b) for a, b in zip(curves[name], acc))
+        print(f"{name} against {names[1]}: largest relative difference {rel:.2e}")
 
 
 def main():
@@ -124,6 +133,8 @@ def main():
                              "(default copy)")
     parser.add_argument("--nccl", action="store_true",
                         help="each multi-GPU run also with NCCL reduce-scatter (NANOEULER_REDUCE=nccl)")
+    parser.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), default=[0, 1],
+                        help="the ZeRO stages of the multi-GPU runs (default 0 1)")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=30, help="steps left out of the median")
     parser.add_argument("--repeats", type=int, default=1,

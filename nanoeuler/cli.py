@@ -167,8 +167,10 @@ def _launch_flags(p):
 
 def _parallel_flags(p):
     _launch_flags(p)
-    p.add_argument("--zero", type=int, choices=(0, 1), default=0,
-                   help="1: shard the AdamW moments over the ranks (ZeRO stage 1: less memory per GPU)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3),
+                   help="how much of the training state the ranks shard (less memory per GPU): 1 the AdamW moments "
+                        "(the default of full training), 2 also the gradients, 3 also the weights (each layer "
+                        "gathered as the passes reach it); 0 none (docs/multi-gpu.md)")
 
 
 def _sampling_flags(p):

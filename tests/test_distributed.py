@@ -555,12 +555,12 @@ def test_nccl_world_of_one_trains_like_a_single_process():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("reduce", ["copy", "nccl"])
 def test_two_gpus_train_like_one_gpu_at_twice_the_batch(tiny_gpu_runs, tmp_path, monkeypatch, zero, reduce):
     """The tiny preset in fp32 on 2 GPUs at batch 2 against 1 GPU at batch 4, 6 steps: the gradients summed
     through the copy engines (the default on one host; without ZeRO an all-reduce, with it a reduce-scatter)
-    and through NCCL's kernels."""
+    and through NCCL's kernels (ZeRO-2/3 always reduce a unit at a time through NCCL)."""
     monkeypatch.setenv("NANOEULER_REDUCE", reduce)
     one, two = tiny_gpu_runs
     gpu = ["--device", "gpu", "--precision", "fp32"]

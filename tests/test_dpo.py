@@ -251,16 +251,18 @@ def test_dpo_resume_after_interrupt_is_bit_identical_without_recomputing_the_ref
     assert ckpt_full.chat and ckpt_resumed.chat and same(ckpt_full.train_state) == same(ckpt_resumed.train_state)
 
 
-def test_dpo_on_two_ranks_follows_one_process(pipeline, tmp_path):
+@pytest.mark.parametrize("zero", [[], ["--zero", 3]], ids=["zero1", "zero3"])
+def test_dpo_on_two_ranks_follows_one_process(pipeline, tmp_path, zero):
     """`nanoeuler dpo --gpus 2` (two CPU ranks over shared memory) at 4 pairs a rank against one process at 8:
     the reference log-probs split over the ranks, the pairs and chosen tokens normalised over both, the ranks'
-    shares summed: the same losses, reward accuracy and held-out numbers to float32 rounding; rank 0 prints."""
+    shares summed: the same losses, reward accuracy and held-out numbers to float32 rounding; rank 0 prints.
+    With ZeRO-1 (the default) and ZeRO-3 (whose evaluations and closing replies gather the weights)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     common = ["dpo", "--ckpt", pipeline["chat"], "--data", pipeline["prefs"], "--device", "cpu", "--val-pairs", 8,
               "--steps", 6, "--lr", 1e-3, "--eval-every", 3, "--sample-every", 6, "--ckpt-every", 6]
     one = run_cli(*common, "--batch-size", 8, "--out", tmp_path / "one.bin", env=env)
     assert one.returncode == 0, one.stderr
-    two = run_cli(*common, "--batch-size", 4, "--gpus", 2, "--out", tmp_path / "two.bin", env=env)
+    two = run_cli(*common, "--batch-size", 4, "--gpus", 2, *zero, "--out", tmp_path / "two.bin", env=env)
     assert two.returncode == 0, two.stderr
     ref, got = ([r for r in map(json.loads, open(tmp_path / f"{n}.jsonl")) if "step" in r] for n in ("one", "two"))
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 7))

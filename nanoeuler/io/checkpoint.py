@@ -66,8 +66,9 @@ def _tokenizer(tokenizer_json, cfg, path=None):
 
 
 def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, chat=False, quantized=None):
-    """Atomically write a checkpoint. params (and opt's m, v) are flat float32 host arrays; a quantized model's
-    (cfg.quant) params are its float tensors alone and quantized its {name: QuantizedTensor}."""
+    """Atomically write a checkpoint. params (and opt's m, v) are flat float32 host arrays, or buffers streamed
+    a tensor at a time (read(start, end), a collective: the other ranks call read_along meanwhile); a quantized
+    model's (cfg.quant) params are its float tensors alone and quantized its {name: QuantizedTensor}."""
     if cfg.quant is not None:
         assert opt is None and set(quantized) == set(quantized_names(cfg)), "a quantized model's tensors"
         tensors = dict(views(np.ascontiguousarray(params, dtype=np.float32), cfg, floats_only=True))
@@ -78,16 +79,49 @@ def save(path, cfg, params, tokenizer_json, step, opt=None, train_state=None, ch
                     "step": str(int(step)), "chat": "1" if chat else "0"}
         atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
         return
-    tensors = dict(views(np.ascontiguousarray(params, dtype=np.float32), cfg))
-    if opt is not None:
-        for prefix, flat in zip(("opt.m.", "opt.v."), opt):
-            for name, view in views(np.ascontiguousarray(flat, dtype=np.float32), cfg).items():
-                tensors[prefix + name] = view
+    tensors = _tensors(cfg, params, opt)
     metadata = {"format": FORMAT, "config": cfg.to_json(), "tokenizer": tokenizer_json,
                 "step": str(int(step)), "chat": "1" if chat else "0"}
     if train_state is not None:
         metadata["train"] = json.dumps(train_state, sort_keys=True)
     atomic_write(path, lambda f: write_safetensors(f, tensors, metadata))
+
+
+def _tensors(cfg, params, opt=None):
+    """{tensor name: array} of the weights (and the moments under opt.m., opt.v.); a streamed buffer's (one
+    with read(start, end) and no array: ZeRO-2/3's shards, train/sharded.py) are read a tensor at a time as
+    the writer reaches them."""
+    def named(flat):
+        if hasattr(flat, "read"):
+            return {name: _Streamed(flat, off, shape) for name, (off, shape) in param_layout(cfg)[0].items()}
+        return views(np.ascontiguousarray(flat, dtype=np.float32), cfg)
+    tensors = dict(named(params))
+    if opt is not None:
+        for prefix, flat in zip(("opt.m.", "opt.v."), opt):
+            for name, view in named(flat).items():
+                tensors[prefix + name] = view
+    return tensors
+
+
+class _Streamed:
+    """One tensor of a streamed flat buffer: its elements are read when the writer asks for its bytes."""
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, flat, offset, shape):
+        self.flat, self.offset, self.shape = flat, offset, tuple(shape)
+        self.nbytes = 4 * int(np.prod(shape))
+
+    def __array__(self, dtype=None, copy=None):
+        values = self.flat.read(self.offset, self.offset + self.nbytes // 4).reshape(self.shape)
+        return np.asarray(values, dtype=dtype or np.float32)
+
+
+def read_along(cfg, params, opt=None):
+    """The other ranks' part of save() of streamed buffers: the same reads in the order rank 0's writer makes
+    them (the tensors' sorted names, safetensors' order), so that the collectives behind them meet."""
+    tensors = _tensors(cfg, params, opt)
+    for name in sorted(tensors):
+        np.asarray(tensors[name])
 
 
 SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
@@ -191,8 +225,9 @@ def _has_chat_template(tokenizer_json):
         return False  # a corrupt tokenizer is reported where it is read
 
 
-def load(path, with_opt=False):
-    """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent)."""
+def load(path, with_opt=False, stored_opt=False):
+    """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent); with
+    stored_opt as StoredFlat buffers, read from the file when asked (whole, or a rank's shard of them)."""
     path = os.fspath(path)
     meta, header = _header(path)
     if is_adapter(meta):  # an adapter checkpoint is read as its base with the adapters merged
@@ -203,8 +238,9 @@ def load(path, with_opt=False):
     quant = cfg.quant is not None
     if with_opt and quant:
         raise UserError(f"checkpoint {path} is quantized ({cfg.quant}): full training needs float weights")
-    prefixes = [""] + (["opt.m.", "opt.v."] if with_opt else [])
-    expected = {prefix + name: ("F32", tuple(shape)) for prefix in prefixes
+    checked = [""] + (["opt.m.", "opt.v."] if with_opt else [])
+    prefixes = [""] if stored_opt else checked
+    expected = {prefix + name: ("F32", tuple(shape)) for prefix in checked
                 for name, shape in param_shapes(cfg, floats_only=True)}
     layout = param_layout(cfg)[0]
     for name in quantized_names(cfg):
@@ -251,10 +287,42 @@ def load(path, with_opt=False):
         train_state = json.loads(meta["train"]) if "train" in meta else None
     except ValueError:
         raise UserError(f"checkpoint {path} is corrupt (unreadable training state)") from None
+    opt = None
+    if with_opt:
+        opt = tuple(StoredFlat(path, cfg, prefix) if stored_opt else flats[prefix] for prefix in ("opt.m.", "opt.v."))
     return Checkpoint(cfg=cfg, params=flats[""], tokenizer_json=meta["tokenizer"], step=step,
                       chat=meta.get("chat") == "1" or _has_chat_template(meta["tokenizer"]),
-                      opt=(flats["opt.m."], flats["opt.v."]) if with_opt else None,
+                      opt=opt,
                       train_state=train_state, quantized=quantized)
+
+
+class StoredFlat:
+    """A flat float32 buffer of a checkpoint's tensors under `prefix` (its AdamW moments), read from the file
+    when asked: whole (np.asarray) or elements [start, end) (read), so that a rank resuming with ZeRO-2/3
+    reads its shard alone (the tensors' names and shapes were checked by load)."""
+
+    def __init__(self, path, cfg, prefix):
+        self.path, self.prefix = path, prefix
+        self.layout, self.size = param_layout(cfg)
+
+    def read(self, start, end):
+        out = np.empty(end - start, dtype=np.float32)
+        try:
+            with safe_open(self.path, framework="numpy") as f:
+                for name, (off, shape) in self.layout.items():
+                    lo, hi = max(start, off), min(end, off + int(np.prod(shape)))
+                    if lo >= hi:
+                        continue
+                    row = int(np.prod(shape[1:]))  # elements a row: the rows holding [lo, hi) are read
+                    first, last = (lo - off) // row, -(-(hi - off) // row)
+                    rows = np.asarray(f.get_slice(self.prefix + name)[first:last], dtype=np.float32).reshape(-1)
+                    out[lo - start:hi - start] = rows[lo - off - first * row:hi - off - first * row]
+        except Exception as e:
+            raise UserError(f"checkpoint {self.path} is corrupt or gone ({type(e).__name__}: {e})") from None
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.read(0, self.size), dtype=dtype or np.float32)
 
 
 def load_model(ckpt, device, batch_invariant=True, adapter=None):

@@ -34,6 +34,16 @@ their products read packed.
 Mixed precision (the GPU's "bf16"): the flat buffers above stay float32 (the master weights, what
 checkpoints hold), and the layers read `weights`, a bf16 copy that AdamW rewrites in its pass; activations
 are bf16, parameter gradients float32. Elsewhere `weights` is `params` itself.
+
+Sharded weights and gradients (ZeRO-2/3, train/sharded.py): the passes go through the model a *unit* at a
+time (`units()`: the embedding, each layer, the head: the final norm and the output heads) and tell
+`sharding`, where it is set, before and after each: `gather(unit)` before a unit's weights are read (in the
+forward pass and again in the backward pass, `backward=True`, the recomputed forward included) and
+`release(unit)` after; `open_grads(unit)` before a unit's backward and `reduce(unit, accumulate)` once its
+gradients are final.
+The sharding object puts the unit's views into `p` and `g` (unit_views) and takes them out again, so the
+layers read the same names whether the engine holds every weight or one unit's. Without it (the default)
+the engine holds all of them and nothing is called.
 """
 import math
 
@@ -41,7 +51,7 @@ import numpy as np
 
 from nanoeuler.errors import UserError
 from nanoeuler.model import memory
-from nanoeuler.model.config import init_params, param_layout, quantized_names, rope_tables, views
+from nanoeuler.model.config import init_params, param_layout, quantized_names, rope_tables
 from nanoeuler.model.device import DEFAULT_PRECISION, precision as device_precision
 from nanoeuler.model.quantize import concat_rows, stored_arrays
 
@@ -96,6 +106,8 @@ class Engine:
         # called during a step's final backward pass with the flat offset from which every gradient is final
         # (layers are done last to first): data parallelism reduces those while the pass goes on
         self.gradients_ready = None
+        # ZeRO-2/3's sharding (the module's docstring): told of each unit before and after the passes use it
+        self.sharding = None
 
     def sync_weights(self):
         """Rewrite the compute copy of the weights (bf16) from the master weights after they changed outside
@@ -138,18 +150,37 @@ class Engine:
 
     def _fused_views(self, flat):
         """Named views plus the fused groups: layers.{i}.wqkv (and bqkv), layers.{i}.w_gate_up and heads."""
-        cfg, v = self.cfg, views(flat, self.cfg, floats_only=True)
-        layout = self.layout
+        return self.unit_views(flat, 0, param_layout(self.cfg, floats_only=True)[1])
+
+    def units(self):
+        """The units the passes go through one at a time, in the flat buffer's order: [(unit, start, end)],
+        "embedding" (tok_emb), each layer i (an int), "head" (the final norm and the heads; a tied model's head
+        0 is the embedding's tensor, which its head unit reads too)."""
+        layout, total, n = self.layout, param_layout(self.cfg, floats_only=True)[1], self.cfg.n_layers
+        starts = [0] + [layout[f"layers.{i}.attn_norm"][0] for i in range(n)] + [layout["final_norm"][0]]
+        names = ["embedding", *range(n), "head"]
+        return list(zip(names, starts, starts[1:] + [total]))
+
+    def unit_views(self, flat, start, end):
+        """Named views plus the fused groups (layers.{i}.wqkv and bqkv, layers.{i}.w_gate_up, heads) of the
+        tensors that lie in [start, end) of the flat buffer, over `flat`, which holds those elements."""
+        cfg, layout = self.cfg, self.layout
+        inside = lambda name: name in layout and start <= layout[name][0] and \
+            layout[name][0] + math.prod(layout[name][1]) <= end
+        v = {name: flat[off - start:off - start + math.prod(shape)].reshape(shape)
+             for name, (off, shape) in layout.items() if inside(name)}
 
         def span(first, last, rows=None):
-            start = layout[first][0]
-            end = layout[last][0] + math.prod(layout[last][1])
-            return flat[start:end] if rows is None else flat[start:end].reshape(rows, cfg.dim)
+            a = layout[first][0] - start
+            b = layout[last][0] + math.prod(layout[last][1]) - start
+            return flat[a:b] if rows is None else flat[a:b].reshape(rows, cfg.dim)
 
         hd = cfg.head_dim
         quantized = cfg.quant is not None  # the matrices come in load_params
         for i in range(cfg.n_layers):
             p = f"layers.{i}."
+            if not inside(p + "attn_norm"):
+                continue
             if not quantized:
                 v[p + "wqkv"] = span(p + "wq", p + "wv", (cfg.n_heads + 2 * cfg.n_kv_heads) * hd)
             if cfg.qkv_bias:
@@ -157,8 +188,9 @@ class Engine:
             if not quantized:
                 v[p + "w_gate_up"] = span(p + "w_gate", p + "w_up", 2 * cfg.hidden)
         if cfg.tied:  # head 0 is the embedding (and the only head): the same memory under the heads' names
-            v["heads.0"] = v["heads"] = v["tok_emb"]
-        elif not quantized:
+            if "tok_emb" in v:
+                v["heads.0"] = v["heads"] = v["tok_emb"]
+        elif not quantized and inside("heads.0"):
             v["heads"] = span("heads.0", f"heads.{cfg.mtp_heads - 1}", cfg.mtp_heads * cfg.vocab_size)
         return v
 
@@ -273,14 +305,27 @@ class Engine:
         cfg, layers, p = self.cfg, self.layers, self.p
         N = B * T
         in_place = acts.get("in_place", False)
+        self._gather("embedding")
         layers.embedding_forward(acts["resid"][0], tokens.reshape(N), p["tok_emb"])
+        self._release("embedding")
         low_rank = self._low_rank(N, in_place)
         for i in range(cfg.n_layers):
             slot = 0 if in_place or self.recompute else i
+            self._gather(i)
             self._layer_forward(i, slot, acts, B, T, cache, None if low_rank is None else low_rank[slot])
+            self._release(i)
         if not in_place:  # decoding's head product folds the final norm in (decoding.py)
+            self._gather("head")  # released by the caller after the heads' product
             layers.rmsnorm_forward(acts["hf"], acts["rstdf"], acts["resid"][cfg.n_layers], p["final_norm"],
                                    cfg.norm_eps)
+
+    def _gather(self, unit):
+        if self.sharding is not None:
+            self.sharding.gather(unit)
+
+    def _release(self, unit):
+        if self.sharding is not None:
+            self.sharding.release(unit)
 
     def _low_rank(self, N, in_place=False):
         """The adapters' kept low-rank products (slots, targets, N, r), or None without adapters."""
@@ -365,6 +410,7 @@ class Engine:
         acts = self._activations(B, T)
         self.forward_layers(inputs, acts, B, T)
         self.layers.matmul_forward(acts["logits"], acts["hf"], self.p["heads"])
+        self._release("head")
         self._last = (inputs, self.xp.asarray(targets).reshape(self.cfg.mtp_heads, -1), B, T)
         return acts
 
@@ -409,6 +455,7 @@ class Engine:
         acts = self._activations(B, T)
         self.forward_layers(inputs, acts, B, T)
         self.layers.matmul_forward(acts["logits"], acts["hf"], self.p["heads"])
+        self._release("head")
         V = self.cfg.vocab_size
         return to_numpy(to_float32(acts["logits"][:, :V])).reshape(B, T, V)
 
@@ -418,7 +465,8 @@ class Engine:
         An engine without gradients (training=False) with adapters on has a frozen base: only the adapters'
         gradients are computed (into adapters.grads), and of the base's products only the input gradients."""
         ad = self.adapters if self.adapters is not None and self.adapters.enabled else None
-        frozen = self.grads is None
+        sharded = self.sharding
+        frozen = self.grads is None and sharded is None
         if frozen and ad is None:
             raise ValueError("an engine made with training=False has no gradients")
         cfg, layers, p = self.cfg, self.layers, self.p
@@ -434,7 +482,7 @@ class Engine:
         ready = self.gradients_ready if final and not frozen else None
         N, H, G, D, F = B * T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
         if not accumulate:
-            if not frozen:
+            if self.grads is not None:
                 self.grads.fill(0)
             if ad is not None:
                 ad.grads.fill(0)
@@ -442,16 +490,25 @@ class Engine:
         dresid, dxn = acts["dresid"], acts["dxn"]
         # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf (tied: into tok_emb's gradient,
         # which the embedding's scatter-add below adds to)
+        if sharded:
+            sharded.gather("head", backward=True)
+            sharded.open_grads("head")
         layers.matmul_backward(acts["dhf"], gw("heads"), acts["logits"], acts["hf"], p["heads"])
         dresid.fill(0)
         layers.rmsnorm_backward(dresid, gn("final_norm"), acts["dhf"], acts["resid"][cfg.n_layers],
                                 p["final_norm"], acts["rstdf"])
+        if sharded:
+            sharded.release("head")
+            sharded.reduce("head", accumulate)
         if ready:
             ready(layout["final_norm"][0])
         for i in reversed(range(cfg.n_layers)):
             w = f"layers.{i}."
             j = 0 if self.recompute else i
             lr = None if low_rank is None else low_rank[j]
+            if sharded:
+                sharded.gather(i, backward=True)
+                sharded.open_grads(i)
             if self.recompute:  # the layer's activations again, from its kept input: the same bits as before
                 self._layer_forward(i, j, acts, B, T, None, lr)
             # feed-forward block; dresid is d(resid[i+1]) and, through the skip, d(resid_mid)
@@ -482,6 +539,9 @@ class Engine:
                 break  # the frozen embedding wants no gradient: the stream's below the first layer is unused
             layers.rmsnorm_backward(dresid, gn(w + "attn_norm"), dxn, acts["resid"][i], p[w + "attn_norm"],
                                     acts["rstd1"][j])
+            if sharded:
+                sharded.release(i)
+                sharded.reduce(i, accumulate)
             if ready:
                 ready(layout[w + "attn_norm"][0])
         if ad is not None:
@@ -490,7 +550,11 @@ class Engine:
             if final and ad.gradients_ready:
                 ad.gradients_ready(0)
             return
+        if sharded:
+            sharded.open_grads("embedding")
         layers.embedding_backward(gw("tok_emb"), dresid, inputs.reshape(N))
+        if sharded:
+            sharded.reduce("embedding", accumulate)
         if ready:
             ready(0)
 

@@ -8,7 +8,8 @@ A communicator has exactly the collectives the callers use, called by every rank
 all_reduce_sum (in place: device arrays, or small float64 host arrays of counts, losses and scores),
 reduce_scatter_sum and all_gather (the two halves of an all-reduce), all_gather_ranges (pieces of different
 lengths), broadcast and barrier; and start_all_reduce / start_reduce_scatter / start_all_gather with join(),
-which let reductions run beside other work. On device arrays a collective is ordered on the GPU (what is
+which let reductions run beside other work (start_all_gather returns a handle that wait_for(handle) waits for
+alone: ZeRO-3's prefetched weights). On device arrays a collective is ordered on the GPU (what is
 queued after it sees its result), on host arrays it returns with the result. Three implementations:
 
 - SingleProcess: a world of one; every collective is the identity, so a one-process run computes bit for bit
@@ -79,6 +80,9 @@ class _Synchronous:
         self.all_gather(src, dst)
 
     def join(self):
+        pass
+
+    def wait_for(self, handle):
         pass
 
 
@@ -333,9 +337,15 @@ class NcclCommunicator:
         self._ordered(self._run("all-gather", gather))
 
     def start_all_gather(self, src, dst):
+        """all_gather, started: join() or wait_for(the returned handle) orders the caller's stream after it."""
         dtype = self._args(src)
         self._started = self._run("all-gather", lambda stream: self._comm.allGather(
             src.data.ptr, dst.data.ptr, src.size, dtype, stream))
+        return self._started
+
+    def wait_for(self, handle):
+        """The caller's stream waits for the started collective of `handle` (and those before it) alone."""
+        self._ordered(handle)
 
     def start_all_reduce(self, a):
         dtype = self._args(a)

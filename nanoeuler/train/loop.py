@@ -311,13 +311,16 @@ def fit(job, trainable):
     every = [hp.eval_every, hp.sample_every, hp.ckpt_every] + ([job.eval_task.every] if job.eval_task else [])
 
     def save(step):
-        params, (m, v), opt_step = trainable.state()  # every rank: with ZeRO the pieces are gathered from all
+        params, (m, v), opt_step = trainable.state()  # every rank: with ZeRO the pieces come from all
+        state = None
         if main:
             state = dict(job.train_state, hyper=dataclasses.asdict(hp), source=job.source.state(),
                          opt_step=opt_step, world_size=comm.world_size, **sample)
             if os.path.abspath(job.log_path) != os.path.abspath(os.path.splitext(job.out)[0] + ".jsonl"):
                 state.update(log=os.path.abspath(job.log_path))  # the report finds a log elsewhere than beside out
-            trainable.save(job.out, params, (m, v), job.tokenizer.to_json(), step, state, job.chat)
+        # every rank: rank 0 writes, with ZeRO-2/3 the others send their shards as it goes
+        trainable.save(job.out, params, (m, v), job.tokenizer.to_json() if main else None, step, state, job.chat)
+        if main:
             write_report(job.out)
 
     progress = Progress(job, trainable, log)
@@ -343,9 +346,10 @@ def fit(job, trainable):
                 if not boundary:
                     continue
                 last = step == hp.steps
-                if main:
-                    with trainable.evaluating():  # LoRA's dropout off
+                with trainable.evaluating():  # every rank: LoRA's dropout off, ZeRO-3's weights gathered whole
+                    if main:
                         _evaluate(job, eng, step, last, record, sample, say)
+                if main:
                     log.write(record)
                 if last or step % hp.ckpt_every == 0:
                     save(step)

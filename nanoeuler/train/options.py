@@ -31,7 +31,7 @@ class RunOptions:
     # ranks
     gpus: int = None
     nnodes: int = None
-    zero: int = 0                   # 1: ZeRO stage 1
+    zero: int = None                # the ZeRO stage 0..3; None: 1 for full training, 0 (whole) for LoRA
     recompute: bool = False         # recompute each layer's activations in the backward pass (less memory)
 
     HYPER_FLAGS = ("steps", "batch_size", "lr", "seed", "eval_every", "sample_every", "ckpt_every", "grad_accum")

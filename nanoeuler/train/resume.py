@@ -28,7 +28,7 @@ def load(options, kind, command):
         ck = dataclasses.replace(base, step=ack.step, chat=ack.chat, opt=ack.opt, train_state=ack.train_state,
                                  adapters=ack)
     else:
-        ck = checkpoint.load(out, with_opt=True)
+        ck = checkpoint.load(out, with_opt=True, stored_opt=True)  # the moments read as the run needs them
     if not ck.train_state or ck.train_state.get("kind") != kind:
         raise UserError(f"--resume: {out} was not written by `{command}`; nothing to resume")
     return ck

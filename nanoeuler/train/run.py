@@ -9,7 +9,7 @@ the flags on top); the device and precision (refused early, as are unwritable ou
 stage's `load(options, model, context) -> Data` (tokenizer, batch source, held-out batches, objective, the
 training state --resume needs); the engine with the weights; the stage's `ready(...) -> Data` where it has work
 that needs the engine (DPO's reference log-probabilities); what trains (train/trainable.py's Trainable: the
-weights, their optimizer, the ranks' reduction; with --lora R or --adapter DIR its LoraTrainable: adapters on
+weights, their optimizer, the ranks' reduction, sharded by --zero's stage; with --lora R or --adapter DIR its LoraTrainable: adapters on
 frozen weights, the engine made without gradients); the banners; train.loop.fit(Job, Trainable); the closing line
 (the stage's `finish`, where it has one).
 """
@@ -120,6 +120,7 @@ def run(stage, options):
                         "weights (train the float checkpoint, or adapters on this one with --lora R)")
     if adapters is not None and options.zero:
         raise UserError("--zero shards full training's optimizer state; LoRA's adapters keep theirs whole (it is small)")
+    zero = zero_stage(options, adapters is not None)
     fresh = model.hyper if adapters is None else dataclasses.replace(model.hyper, lr=model.hyper.lr * LORA_LR_FACTOR)
     hp = resume.hyperparameters(options, resumed, fresh, world.world_size)
     eval_task = training_eval(options, hp)  # its items read now: a bad file stops the run before any work
@@ -141,7 +142,7 @@ def run(stage, options):
     if resumed is not None:
         data.source.load_state(resumed.train_state["source"])
     if adapters is None:
-        trainable = Trainable(eng, hp, context.comm, zero=options.zero == 1, resumed=resumed)
+        trainable = Trainable(eng, hp, context.comm, zero=zero, resumed=resumed)
     else:  # after ready(): DPO's reference is the base without the adapters
         trainable = LoraTrainable(eng, adapters, hp, context.comm, resumed=resumed, seed=hp.seed)
 
@@ -157,6 +158,8 @@ def run(stage, options):
         say(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g} (scale {spec.scale:g}), dropout {spec.dropout:g}, on "
             f"{','.join(spec.targets)}: {n / 1e6:.2f}M trained parameters ({100 * n / param_count(cfg):.2f}% of the "
             f"model), from {adapters.origin}; the base frozen; checkpoints hold the adapters alone")
+    if world.world_size > 1 and adapters is None:
+        say(f"ZeRO stage {zero}: {ZERO_STAGES[zero]}")
     say(f"{data.doing}: steps {start_step + 1}..{hp.steps} of {batch_text(hp, world.world_size)}{data.unit}, "
         f"peak lr {hp.lr:g}, warmup {hp.warmup}, {schedule_text(hp)}; log {log_path}"
         + (f"; resuming {options.out}" if resumed is not None else ""))
@@ -168,13 +171,31 @@ def run(stage, options):
               start_step=start_step, train_state=train_state, chat=data.chat, sample_prompt=data.sample_prompt,
               title=data.title, log_first=data.log_first, eval_task=eval_task)
     status = fit(job, trainable)
-    if status == 0 and world.is_main:
-        done = stage.finish(model, data, eng, context) if stage.finish is not None else data.done
+    if status == 0 and stage.finish is not None:
+        with trainable.evaluating():  # every rank: ZeRO-3's weights whole for rank 0's closing work
+            done = stage.finish(model, data, eng, context) if world.is_main else None
+    else:
+        done = data.done
+    if status == 0:
         say(f"done in {time.perf_counter() - t0:.0f} s: {done}")
     return status
 
 
 # ------------------------------------------------------------------------------------------ the pieces
+ZERO_STAGES = {0: "every rank holds the weights, gradients and AdamW moments (replicated update)",
+               1: "the AdamW moments sharded over the ranks",
+               2: "the gradients and the AdamW moments sharded over the ranks",
+               3: "the weights, gradients and AdamW moments sharded over the ranks, a layer gathered at a time"}
+
+
+def zero_stage(options, lora):
+    """The ZeRO stage of the run: --zero, else 1 for full training (on one rank every stage is the plain
+    update) and 0 for LoRA's adapters, which keep their small state whole."""
+    if options.zero is not None:
+        return options.zero
+    return 0 if lora else 1
+
+
 def batch_text(hp, world_size):
     """The batch of a step in words: B, (N passes of B), and the ranks that each take one."""
     text = f"{hp.batch_size}" if hp.grad_accum == 1 else f"({hp.grad_accum} passes of {hp.batch_size})"

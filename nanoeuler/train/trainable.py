@@ -1,6 +1,6 @@
 """What a training step trains and in which state: the one thing train.loop.fit() asks about the weights.
 
-    trainable = Trainable(engine, hyper, comm, zero=False, resumed=ck)
+    trainable = Trainable(engine, hyper, comm, zero=1, resumed=ck)   # zero: the ZeRO stage, 0..3
     ...the objective's forward and backward passes on trainable.engine, into its gradients...
     numbers = trainable.step(lr, hyper, values)   # the ranks' sum, the clip, the AdamW step: queued
     params, (m, v), opt_step = trainable.state()  # what a checkpoint holds (a collective with ZeRO)
@@ -8,11 +8,11 @@
 Today that is every weight of the engine: one flat float32 buffer of parameters (engine.params; in bf16 a
 compute copy, engine.weights), one of gradients (engine.grads, which the objectives' backward passes fill),
 AdamW's moments over all of them (model/optimizer.py) and, over N ranks, DataParallel's reduction and with
-ZeRO-1 the moments' shards (train/distributed.py). What trains in another way plugs in here, behind the same
+ZeRO-1 the moments' shards (train/distributed.py), or with ZeRO-2/3 the gradients' and weights' shards too
+(train/sharded.py: Sharded, behind the same interface). What trains in another way plugs in here, behind the same
 members (engine, step, state, save, evaluating, device_memory): `LoraTrainable` trains LoRA's adapters
 (model/lora.py) beside the frozen weights of an engine that has no gradients, with their own flat parameters,
-gradients and moments, and saves those alone as an adapter checkpoint (io/checkpoint.py); ZeRO-2/3 would shard
-the gradients and the weights. The loop, the objectives' shares and the checkpoints' format of the
+gradients and moments, and saves those alone as an adapter checkpoint (io/checkpoint.py). The loop, the objectives' shares and the checkpoints' format of the
 training state stay as they are.
 """
 import contextlib
@@ -23,19 +23,26 @@ from nanoeuler.io import checkpoint
 from nanoeuler.model import lora
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.train.distributed import DataParallel
+from nanoeuler.train.sharded import Sharded
 
 
 class Trainable:
-    """Every weight of `engine`, trained by AdamW (hyper's betas) over the ranks of `comm` (zero: ZeRO stage 1).
-    resumed (a checkpoint read with its optimizer state): its moments and step count are taken; the engine
-    already holds the weights to start from (Engine.load_params)."""
+    """Every weight of `engine`, trained by AdamW (hyper's betas) over the ranks of `comm` (zero: the ZeRO stage,
+    0 to 3; a world of one is plain). resumed (a checkpoint read with its optimizer state): its moments and step
+    count are taken; the engine already holds the weights to start from (Engine.load_params)."""
 
-    def __init__(self, engine, hyper, comm, zero=False, resumed=None):
+    def __init__(self, engine, hyper, comm, zero=0, resumed=None):
+        self.engine = engine
+        if zero >= 2 and comm.world_size > 1:  # the shard's moments made straight from the resumed whole ones
+            moments = (*resumed.opt, resumed.train_state["opt_step"]) if resumed is not None else None
+            self.parallel = Sharded(engine, comm, zero, hyper.beta1, hyper.beta2, moments)
+            if engine.device_memory() is not None:
+                engine.xp.get_default_memory_pool().free_all_blocks()  # the engine's whole buffers handed back
+            return
         optimizer = AdamW(engine, hyper.beta1, hyper.beta2)
         if resumed is not None:
             optimizer.load_state(*resumed.opt, resumed.train_state["opt_step"])
-        self.engine = engine
-        self.parallel = DataParallel(engine, optimizer, comm, zero=zero)
+        self.parallel = DataParallel(engine, optimizer, comm, zero=zero == 1)
         del optimizer  # with ZeRO-1 the full moments it holds are dropped: that is the memory saved
         if self.parallel.zero and engine.device_memory() is not None:
             engine.xp.get_default_memory_pool().free_all_blocks()  # so that CuPy's pool hands them back
@@ -53,17 +60,28 @@ class Trainable:
 
     def state(self):
         """(the weights, the optimizer's moments (m, v), its step count) as host arrays and an int, what a
-        checkpoint holds for --resume; every rank must call it (with ZeRO the pieces are gathered)."""
-        params, moments = self.parallel.params_numpy(), self.parallel.opt_state_numpy()
+        checkpoint holds for --resume; every rank must call it (with ZeRO-1 the pieces are gathered; ZeRO-2/3's
+        are streamed buffers, read while save() writes)."""
+        if isinstance(self.parallel, Sharded):
+            params, moments = self.parallel.streamed()
+        else:
+            params, moments = self.parallel.params_numpy(), self.parallel.opt_state_numpy()
         return params, moments, self.parallel.optimizer.steps
 
     def save(self, path, params, moments, tokenizer_json, step, train_state, chat):
-        """A checkpoint of the weights and moments that state() returned (rank 0)."""
-        checkpoint.save(path, self.engine.cfg, params, tokenizer_json, step, opt=moments, train_state=train_state,
-                        chat=chat)
+        """A checkpoint of the weights and moments that state() returned: every rank calls it, rank 0 writes
+        (with ZeRO-2/3 the others send their shards a unit at a time meanwhile; train_state is rank 0's)."""
+        if self.comm.rank == 0:
+            checkpoint.save(path, self.engine.cfg, params, tokenizer_json, step, opt=moments, train_state=train_state,
+                            chat=chat)
+        elif isinstance(self.parallel, Sharded):
+            checkpoint.read_along(self.engine.cfg, params, moments)
 
     def evaluating(self):
-        """A context for the evaluations between steps: nothing to change for full training."""
+        """A context for the evaluations, samples and closing work between and after the steps (every rank
+        enters it; rank 0 works inside): ZeRO-3 gathers the whole weights for it; else nothing changes."""
+        if isinstance(self.parallel, Sharded):
+            return self.parallel.evaluating()
         return contextlib.nullcontext()
 
     def device_memory(self):
@@ -156,6 +174,8 @@ class LoraTrainable(Trainable):
         return numbers
 
     def save(self, path, params, moments, tokenizer_json, step, train_state, chat):
+        if self.comm.rank != 0:
+            return
         checkpoint.save_adapters(path, self.engine.cfg, self.plan.spec, params, self.plan.base, self.plan.fingerprint,
                       tokenizer_json, step, opt=moments, train_state=train_state, chat=chat)
 

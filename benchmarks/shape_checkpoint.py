@@ -1,0 +1,47 @@
+"""A checkpoint of random weights in a published model's shape (benchmarks/shapes.py), for training runs at that
+shape through the command line, e.g. Llama 3 8B's fully fine-tuned on 8 GPUs with ZeRO-3:
+
+    PYTHONPATH=. python3 benchmarks/shape_checkpoint.py --shape llama3-8b --context 2048 --tokenizer tok4096.json \
+        --out llama3_8b_random.bin
+    nanoeuler train --ckpt llama3_8b_random.bin --data shakespeare.txt --out run.bin --gpus 8 --zero 3 \
+        --batch-size 2 --recompute --steps 50 --eval-every 1000 --sample-every 1000 --ckpt-every 1000
+
+The weights are config.init_params's (normal 0.02, the residual projections scaled down), the tokenizer any of
+the model's vocabulary or smaller (the rows past it are never read); the checkpoint is the format of
+docs/design.md (float32: 4 bytes a parameter, 32 GB for llama3-8b), written without optimizer state, so
+`train --ckpt` starts a fresh AdamW on it as on an imported model.
+"""
+import argparse
+import dataclasses
+import sys
+import time
+
+from shapes import SHAPES
+
+from nanoeuler.io import checkpoint
+from nanoeuler.model.config import init_params, param_count
+from nanoeuler.tokenizer.bpe import Tokenizer
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--context", type=int, default=2048, help="the model's context (default 2048)")
+    ap.add_argument("--tokenizer", required=True, help="a tokenizer.json (e.g. one `nanoeuler train` learned)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cfg = dataclasses.replace(SHAPES[args.shape], context=args.context)
+    with open(args.tokenizer) as f:
+        tokenizer_json = f.read()
+    if Tokenizer.from_json(tokenizer_json).vocab_size > cfg.vocab_size:
+        sys.exit(f"the tokenizer has more tokens than {args.shape}'s {cfg.vocab_size}")
+    t0 = time.perf_counter()
+    params = init_params(cfg, args.seed)
+    checkpoint.save(args.out, cfg, params, tokenizer_json, 0)
+    print(f"{args.out}: {args.shape}, {param_count(cfg) / 1e9:.2f}B parameters, context {cfg.context}, random "
+          f"weights (seed {args.seed}), in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""ZeRO-2 and ZeRO-3 (train/sharded.py) on CPU ranks: the shard plan, the order in which ZeRO-3 gathers and
+frees each unit's weights and reduces its gradients, N ranks training like one rank at their global batch for
+ZeRO 1, 2 and 3, checkpoints written from the shards (the file an unsharded writer makes) and resumed on
+another number of ranks and stage, and the default stage of the command line."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from nanoeuler.data.corpus import RandomWindows
+from nanoeuler.io import checkpoint
+from nanoeuler.model.engine import make_engine
+from nanoeuler.model.optimizer import AdamW
+from nanoeuler.parallel.comm import SingleProcess
+from nanoeuler.train.distributed import DataParallel
+from nanoeuler.train.loop import Hyperparameters
+from nanoeuler.train.objectives import CrossEntropy
+from nanoeuler.train.sharded import ShardPlan, Sharded, plan_of
+from test_distributed import _run_ranks, tiny_runs  # noqa: F401  (a fixture)
+from test_train import _log
+
+STEPS, LR = 4, 3e-3
+
+
+def test_the_shard_plan_pads_each_unit_and_tiles_the_buffer():
+    """Every unit padded to a multiple of the ranks and cut into equal pieces; each rank's pieces sit one after
+    another in its shard, all shards one size; together they hold every element exactly once."""
+    eng = make_engine(tiny_config(300), seed=1)
+    units = eng.units()
+    assert [u for u, _, _ in units] == ["embedding", 0, 1, "head"]
+    assert units[0][1] == 0 and units[-1][2] == eng.params.size
+    assert all(a[2] == b[1] for a, b in zip(units, units[1:]))
+    odd = ShardPlan((("a", 0, 1), ("b", 1, 6), ("c", 6, 13)), 3)  # sizes 1, 5, 7 over 3 ranks
+    assert odd.pieces == (1, 2, 3) and odd.at == (0, 1, 3) and odd.shard_size == 6
+    assert odd.ranges(0) == [(0, 1, 0), (1, 3, 1), (6, 9, 3)]
+    assert odd.ranges(2) == [(1, 1, 0), (5, 6, 1), (12, 13, 3)]  # unit a's padding is all rank 2 gets of it
+    assert odd.unit_ranges(1) == [(1, 3), (3, 5), (5, 6)]
+    for plan in [odd] + [plan_of(eng, n) for n in (1, 2, 3, 8)]:
+        n, total = plan.world_size, plan.total
+        flat = np.arange(1, total + 1, dtype=np.float32)
+        seen = np.zeros(total, int)
+        for rank in range(n):
+            shard = plan.take(flat, rank)
+            assert shard.size == plan.shard_size
+            for lo, hi, at in plan.ranges(rank):
+                seen[lo:hi] += 1
+                np.testing.assert_array_equal(shard[at:at + hi - lo], flat[lo:hi])
+            assert (shard == 0).sum() == plan.shard_size - sum(hi - lo for lo, hi, _ in plan.ranges(rank))
+        assert (seen == 1).all()
+        assert n * plan.shard_size - total == sum(n * p - (end - start)
+                                                  for p, (_, start, end) in zip(plan.pieces, plan.units))
+        for k, (_, start, end) in enumerate(plan.units):
+            assert plan.unit_ranges(k)[0][0] == start and plan.unit_ranges(k)[-1][1] == end
+
+
+def _steps(batch, comm=None, stage=0, recompute=False, cfg=None, grad_accum=None, log=None, device="cpu",
+           precision="fp32"):
+    """STEPS optimizer steps of the tiny model (fp32 unless asked); (losses and norms, final weights, moments,
+    the DataParallel or Sharded)."""
+    cfg = cfg or tiny_config(300, gpu=device == "gpu")
+    eng = make_engine(cfg, device=device, seed=1, precision=precision)
+    eng.recompute = recompute
+    rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
+    source = RandomWindows(np.random.default_rng(0).integers(0, 300, 20000), batch, cfg.context, cfg.mtp_heads,
+                           seed=7, rank=rank, world_size=world)
+    hp = Hyperparameters(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
+                         grad_accum=grad_accum or (2 if world == 1 else 1))  # one rank in 2 passes
+    if stage >= 2:
+        parallel = Sharded(eng, comm or SingleProcess(), stage, hp.beta1, hp.beta2, log=log)
+    else:
+        parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=stage == 1)
+    objective = CrossEntropy(parallel.comm)
+    numbers = []
+    for _ in range(STEPS):
+        shares, tokens = objective.train_step(eng, source.next(), hp)
+        norm, (loss, total) = parallel.step(LR, hp.weight_decay, hp.grad_clip, [shares["loss"], tokens])
+        assert total == batch * world * cfg.context
+        numbers.append((loss, norm))
+    return numbers, parallel.params_numpy(), parallel.opt_state_numpy(), parallel
+
+
+@pytest.mark.parametrize("stage, recompute", [(1, False), (2, False), (3, False), (3, True)],
+                         ids=["zero1", "zero2", "zero3", "zero3-recompute"])
+@pytest.mark.parametrize("ranks", [2, 3])  # 3: every unit is padded (the tiny model's sizes are odd)
+def test_ranks_train_like_one_rank_at_their_global_batch(stage, recompute, ranks):
+    """N ranks at batch 4 follow 1 rank at batch 4N in fp32, step after step: losses and norms to rounding, the
+    weights and moments gathered from the shards to a few ulps of AdamW's first steps."""
+    ref = _steps(4 * ranks)
+    got = _run_ranks(ranks, lambda comm: _steps(4, comm, stage, recompute))
+    for numbers, params, (m, v), _ in got:
+        np.testing.assert_allclose(numbers, ref[0], rtol=1e-5)
+        np.testing.assert_allclose(params, ref[1], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(m, ref[2][0], rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(v, ref[2][1], rtol=1e-3, atol=1e-10)
+    np.testing.assert_array_equal(got[0][1], got[-1][1])  # the ranks hold one model
+
+
+def test_gradient_accumulation_and_a_tied_head_shard_like_the_replicated_update():
+    """Two passes a step on each rank (ZeRO-2/3 reduce-scatter each pass's gradients and add them), and a tied
+    model (its head reads and trains the embedding, gathered and reduced with it): ZeRO-2 and ZeRO-3 follow the
+    replicated update on the same ranks."""
+    tied = dataclasses.replace(tiny_config(300), mtp_heads=1, tied=True)
+    for cfg in (tiny_config(300), tied):
+        ref = _run_ranks(2, lambda comm: _steps(4, comm, 0, cfg=cfg, grad_accum=2))[0]
+        for stage in (2, 3):
+            numbers, params, (m, _), _ = _run_ranks(2, lambda comm: _steps(4, comm, stage, cfg=cfg, grad_accum=2))[1]
+            np.testing.assert_allclose(numbers, ref[0], rtol=1e-5)
+            np.testing.assert_allclose(params, ref[1], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(m, ref[2][0], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_world_of_one_through_the_sharding_is_the_plain_update(stage):
+    """One rank through ZeRO-2/3's units (each unit's gradients in a buffer of its own, ZeRO-3's weights
+    gathered and freed a unit at a time) computes the plain update's losses, norms and weights."""
+    ref = _steps(4, grad_accum=2)
+    got = _steps(4, stage=stage, grad_accum=2, recompute=stage == 3)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], ref[1], rtol=0, atol=1e-6)
+
+
+def _gpus():
+    import nanoeuler.model.gpu
+    return nanoeuler.model.gpu.available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_gpu_through_the_sharding_over_nccl_is_the_plain_update(precision, tmp_path):
+    """What one GPU shows of ZeRO-2/3's GPU path: the GPU engine's passes a unit at a time, NCCL's all-gather and
+    reduce-scatter of a world of one, the AdamW kernel over the shard (in bf16 rewriting the shard's bf16
+    copy), ZeRO-3's whole weights gathered for an evaluation, and a checkpoint streamed from the shard."""
+    from nanoeuler.parallel.comm import NcclCommunicator, World
+    from nanoeuler.parallel.launch import free_port
+    comm = NcclCommunicator(World(0, 1, 0, "127.0.0.1", free_port()), wait=60)
+    try:
+        ref = _steps(8, device="gpu", precision=precision)
+        for stage in (2, 3):
+            numbers, params, _, parallel = _steps(8, comm, stage, recompute=stage == 3, device="gpu",
+                                                  precision=precision)
+            # in bf16 a clip factor rounded otherwise (the norm's squares summed a unit at a time) may move a
+            # weight's bf16 copy by an ulp
+            loose = precision == "bf16"
+            np.testing.assert_allclose(numbers, ref[0], rtol=1e-3 if loose else 1e-5)
+            np.testing.assert_allclose(params, ref[1], rtol=0, atol=1e-4 if loose else 1e-5)
+            with parallel.evaluating():
+                assert parallel.eng.sharding is None and parallel.eng.weights is not None
+            assert parallel.eng.sharding is parallel and (stage == 2 or parallel.eng.p == {})
+            _save(tmp_path / "streamed.bin", parallel, True)
+            _save(tmp_path / "whole.bin", parallel, False)
+            assert (tmp_path / "streamed.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recompute"])
+@pytest.mark.parametrize("tied", [False, True], ids=["heads", "tied"])
+def test_zero3_gathers_each_unit_before_its_passes_and_frees_it_after(recompute, tied):
+    """A step's forward gathers and frees each unit in order, the backward each again from the head down (the
+    recomputed forward inside the gather) and reduces its gradients as it frees it; each gather starts the
+    next unit's within its pass (two units held at a time); the embedding's gradients (a tied head's with
+    them) are reduced last, and the embedding needs no gather for them. Between the passes the engine holds
+    no weight and no gradient."""
+    cfg = dataclasses.replace(tiny_config(300), mtp_heads=1, tied=True) if tied else tiny_config(300)
+    logs = [[], []]
+    got = _run_ranks(2, lambda comm: _steps(4, comm, 3, recompute, cfg=cfg, log=logs[comm.rank]))
+    order = ["embedding", *range(cfg.n_layers), "head"]
+    forward = []
+    for unit, after in zip(order, order[1:] + [None]):  # each gather starts the next unit's (prefetch)
+        forward += [("gather", unit)] + [("prefetch", after)] * (after is not None) + [("release", unit)]
+    backward, down = [], ["head", *reversed(range(cfg.n_layers))]
+    for unit, after in zip(down, down[1:] + [None]):  # none past the first layer: the step comes next
+        backward += [("gather", unit)] + [("prefetch", after)] * (after is not None) + [("release", unit),
+                                                                                        ("reduce", unit)]
+    backward += [("reduce", "embedding")]
+    assert logs[0] == logs[1] == (forward + backward) * STEPS
+    for *_, parallel in got:
+        assert parallel.eng.p == {} and parallel.eng.g == {} and parallel.eng.weights is None
+        assert parallel._held == {} and parallel._open == {} and parallel._prefetched == {}
+
+
+def _save(path, parallel, streamed):
+    """A checkpoint of the run's weights and moments: from the shards (streamed), or gathered whole first."""
+    cfg, rank = parallel.eng.cfg, parallel.comm.rank
+    if streamed:
+        params, moments = parallel.streamed()
+    else:
+        params, moments = parallel.params_numpy(), parallel.opt_state_numpy()
+    if rank == 0:
+        checkpoint.save(path, cfg, params, "{}", 4, opt=moments, train_state={"kind": "test"})
+    elif streamed:
+        checkpoint.read_along(cfg, params, moments)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_from_shards_is_the_whole_models(tmp_path, stage):
+    """Written from the shards a unit at a time through rank 0, the checkpoint is byte for byte the one
+    written from the gathered whole buffers, and holds the one-rank run's weights and moments (to rounding)."""
+    ref = _steps(12)
+
+    def work(comm):
+        *_, parallel = _steps(4, comm, stage)
+        _save(tmp_path / "streamed.bin", parallel, True)
+        _save(tmp_path / "whole.bin", parallel, False)
+    _run_ranks(3, work)
+    assert (tmp_path / "streamed.bin").read_bytes() == (tmp_path / "whole.bin").read_bytes()
+    ck = checkpoint.load(tmp_path / "streamed.bin", with_opt=True)
+    np.testing.assert_allclose(ck.params, ref[1], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(ck.opt[0], ref[2][0], rtol=1e-4, atol=1e-7)
+
+
+def test_checkpoints_resume_across_ranks_and_stages(tiny_runs, tmp_path):
+    """The command line: 2 ranks with ZeRO-3 (and --recompute) for 4 steps resumed on 1 rank, and 1 rank's
+    4 steps resumed on 2 ranks with ZeRO-2, both continue the uninterrupted 1-rank run's losses."""
+    one, two = tiny_runs
+    assert one("--out", tmp_path / "ref.bin") == 0
+    ref = _log(tmp_path / "ref.jsonl")
+    assert two("--batch-size", 2, "--steps", 4, "--zero", 3, "--recompute", "--out", tmp_path / "a.bin") == 0
+    assert one("--resume", "--steps", 6, "--out", tmp_path / "a.bin") == 0
+    assert one("--steps", 4, "--out", tmp_path / "b.bin") == 0
+    assert two("--resume", "--steps", 6, "--zero", 2, "--out", tmp_path / "b.bin") == 0
+    for name in "ab":
+        log = _log(tmp_path / f"{name}.jsonl")
+        assert [r["step"] for r in log] == list(range(1, 7))
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose([r[key] for r in log], [r[key] for r in ref], rtol=1e-5, err_msg=name)
+        for r, want in zip(log, ref):  # ZeRO-3's evaluations read the gathered weights
+            if "val_loss" in want:
+                assert r["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), (name, r["step"])
+    ck = checkpoint.load(tmp_path / "b.bin", with_opt=True)
+    np.testing.assert_allclose(ck.params, checkpoint.load(tmp_path / "ref.bin").params, atol=1e-5)
+
+
+def test_zero_1_is_the_default_of_full_training_and_lora_keeps_its_adapters_whole():
+    from nanoeuler.train.run import zero_stage
+    from nanoeuler.train.options import FineTuneOptions
+    assert zero_stage(FineTuneOptions(), lora=False) == 1
+    assert zero_stage(FineTuneOptions(), lora=True) == 0
+    assert zero_stage(FineTuneOptions(zero=0), lora=False) == 0
+    assert zero_stage(FineTuneOptions(zero=3), lora=False) == 3
+    from nanoeuler.cli import build_parser
+    parser, _ = build_parser()
+    assert parser.parse_args(["train", "--zero", "3"]).zero == 3 and parser.parse_args(["train"]).zero is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--zero", "4"])
+
+
+def test_a_resumed_runs_moments_are_read_a_shard_at_a_time(tmp_path):
+    """stored_opt: the moments stay in the file and each rank reads its shard's elements alone (ranges that
+    cut rows and span tensors), equal to the eagerly read ones; whole, they are the eager arrays."""
+    cfg = tiny_config(300)
+    rng = np.random.default_rng(0)
+    total = make_engine(cfg).params.size
+    params, m, v = (rng.standard_normal(total).astype(np.float32) for _ in range(3))
+    checkpoint.save(tmp_path / "c.bin", cfg, params, "{}", 3, opt=(m, v), train_state={})
+    stored = checkpoint.load(tmp_path / "c.bin", with_opt=True, stored_opt=True).opt
+    np.testing.assert_array_equal(np.asarray(stored[0]), m)
+    for start, end in ((0, 1), (5, 4000), (total - 7, total), (1234, 1235)):
+        np.testing.assert_array_equal(stored[1].read(start, end), v[start:end])
+    plan = plan_of(make_engine(cfg), 3)
+    for rank in range(3):
+        np.testing.assert_array_equal(plan.take(stored[1], rank), plan.take(v, rank))
