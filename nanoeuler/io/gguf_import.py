@@ -467,7 +467,7 @@ def tokenizer_of(f):
                                              ("eos_token", _token_id(f, "eos", len(tokens))),
                                              ("unk_token", _token_id(f, "unknown", len(tokens))),
                                              ("pad_token", _token_id(f, "padding", len(tokens)))) if i is not None}
-    return tok.set_chat(template, ends, named)
+    return tok.set_chat(template, ends, named if template is not None else None)  # the names a template reads
 
 
 def load_gguf(path, context=None, quant=None, group=None):
