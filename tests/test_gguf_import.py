@@ -193,6 +193,24 @@ def test_exact_types_are_llama_cpps_values_bit_for_bit(model, tokenizer, tmp_pat
         assert np.array_equal(view, want[name]), name
 
 
+@pytest.mark.parametrize("kind, quant", [("Q5_0", None), ("Q5_1", "int4"), ("F16", "int4"), ("BF16", "int8")])
+def test_other_types_are_their_values_quantized(model, tokenizer, tmp_path, kind, quant):
+    """Q5_0 and Q5_1 (as Q5_K and Q6_K) become int8 in groups of 32 (or --quantize's type): exactly what quantizing
+    llama.cpp's float32 values gives; F16 and BF16 matrices with --quantize are quantized as `import --hf
+    --quantize` does."""
+    cfg, flat = model
+    path = tmp_path / "m.gguf"
+    write_typed(path, cfg, flat, tokenizer, lambda name: kind)
+    got_cfg, (floats, quantized), _, _, _ = load_gguf(path, quant=quant)
+    assert got_cfg.quant == (quant or "int8") and got_cfg.quant_group == 32
+    want = gguf_values(path, cfg)
+    for name, qt in quantized.items():
+        expect = quantize(want[name], got_cfg.quant, 32)
+        for a, b in zip(qt.arrays().values(), expect.arrays().values()):
+            assert np.array_equal(a, b), name
+    assert np.array_equal(views(floats, got_cfg, floats_only=True)["tok_emb"], want["tok_emb"])
+
+
 def test_q4_k_keeps_its_q_and_rounds_its_scales(model, tokenizer, tmp_path):
     """Q4_K -> int4 in groups of 32: the q are Q4_K's, each sub-block's scale and minimum llama.cpp's float32 ones
     rounded to float16, so a weight moves by at most 15 half-steps of its scale's float16 plus one of its

@@ -50,7 +50,7 @@ import numpy as np
 from nanoeuler.errors import UserError, require
 from nanoeuler.io.gguf import ROPE_FREQS, gguf_names, rope_freq_factors, rope_heads, rope_pairs_split
 from nanoeuler.model.config import Config, param_layout, param_shapes, quantized_names, views
-from nanoeuler.model.quantize import DEFAULT_GROUP, QuantizedTensor, group_of, pack_int4, quantize
+from nanoeuler.model.quantize import DEFAULT_GROUP, QuantizedTensor, concat_rows, pack_int4, quantize
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # llama.cpp's -> transformers'
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -95,6 +95,25 @@ class GGUFFile:
             return field.contents()
         except Exception:
             raise UserError(f"{self.path}: metadata {key} is unreadable") from None
+
+    def rows(self, name, lo=0, hi=None):
+        """Rows lo..hi-1 of a tensor as the file stores them ((rows, values) float32 / float16 for F32 / F16, else
+        (rows, bytes) uint8), read from the file rather than through the reader's map, so that the pages of
+        tensors already converted do not stay in this process's memory."""
+        t = self.tensors[name]
+        O = self.shape(name)[0] if len(t.shape) > 1 else 1
+        hi = O if hi is None else min(hi, O)
+        row_bytes = int(t.n_bytes) // O
+        buffer = np.empty((hi - lo) * row_bytes, np.uint8)
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(int(t.data_offset) + lo * row_bytes)
+                if fh.readinto(memoryview(buffer)) != buffer.size:
+                    raise UserError(f"{self.path} ends inside tensor {name} (a truncated download?)")
+        except OSError as e:
+            raise UserError(f"cannot read {self.path}: {e.strerror or e}") from None
+        dtype = {"F32": np.float32, "F16": np.float16}.get(t.tensor_type.name, np.uint8)
+        return buffer.view(dtype).reshape(hi - lo, -1)
 
     def type_name(self, name):
         return self.tensors[name].tensor_type.name
@@ -160,8 +179,8 @@ def rope_scaling_of(f, cfg):
     """cfg with the llama3 RoPE scaling whose factors the file's rope_freqs.weight holds (None: none)."""
     if ROPE_FREQS not in f.tensors:
         return cfg
-    factors = np.asarray(f.gguf.quants.dequantize(f.tensors[ROPE_FREQS].data, f.tensors[ROPE_FREQS].tensor_type),
-                         np.float32).reshape(-1)
+    factors = np.empty(int(f.tensors[ROPE_FREQS].n_elements), np.float32)
+    dequantized(f, ROPE_FREQS, factors)
     if factors.shape != (cfg.head_dim // 2,):
         raise UserError(f"{f.path}: {ROPE_FREQS} has {factors.size} values, not {cfg.head_dim // 2}")
     if np.all(factors == 1):
@@ -200,48 +219,45 @@ def target_type(f, cfg, quant=None, group=None):
                                    "(--quantize int4 keeps Q4_K's q and quantizes the others to int4)")
 
 
-def dequantized(f, name, out):
-    """Fill the float32 array out (our shape of the tensor) with the tensor's values, ROWS rows at a time:
-    llama.cpp's float32 values of a quantized type (gguf.quants.dequantize, numpy)."""
+def dequantized(f, name, out, lo=0, hi=None):
+    """Fill the float32 array out with rows lo..hi-1 of the tensor (all of it by default; out of their shape),
+    ROWS rows at a time: llama.cpp's float32 values of a quantized type (gguf.quants.dequantize, numpy)."""
     t = f.tensors[name]
-    data = t.data
-    flat_out = out.reshape(out.shape[0], -1) if out.ndim > 1 else out.reshape(1, -1)
-    rows = data.reshape(flat_out.shape[0], -1) if data.ndim > 1 or flat_out.shape[0] > 1 else data.reshape(1, -1)
-    for lo in range(0, rows.shape[0], ROWS):
-        flat_out[lo:lo + ROWS] = f.gguf.quants.dequantize(np.asarray(rows[lo:lo + ROWS]), t.tensor_type).reshape(
-            flat_out[lo:lo + ROWS].shape)
+    rows = out.reshape(-1, out.shape[-1]) if out.ndim > 1 else out.reshape(1, -1)
+    for start in range(0, rows.shape[0], ROWS):
+        part = rows[start:start + ROWS]
+        raw = f.rows(name, lo + start, lo + start + part.shape[0])
+        part[...] = f.gguf.quants.dequantize(raw, t.tensor_type).reshape(part.shape)
 
 
-def _blocks(f, name, size):
-    """The tensor's raw blocks, (rows, blocks a row, block size) uint8."""
-    data = np.asarray(f.tensors[name].data).view(np.uint8)
-    O = f.shape(name)[0]
-    return data.reshape(O, -1, size)
+def _blocks(raw, size):
+    """Raw rows (rows, bytes) as (rows, blocks a row, block size) uint8."""
+    return raw.view(np.uint8).reshape(raw.shape[0], -1, size)
 
 
 def _f16(a):
     return np.ascontiguousarray(a).view(np.float16)[..., 0]
 
 
-def q8_0(f, name):
+def q8_0(raw, stats):
     """Q8_0 blocks (d, 32 int8 q) as our int8 in groups of 32: the same bits."""
-    b = _blocks(f, name, 34)
+    b = _blocks(raw, 34)
     O = b.shape[0]
     return QuantizedTensor("int8", 32, np.ascontiguousarray(b[:, :, 2:]).view(np.int8).reshape(O, -1),
                            _f16(b[:, :, :2]))
 
 
-def q4_0(f, name):
+def q4_0(raw, stats):
     """Q4_0 blocks (d, 16 bytes of q: byte j = element j | element j + 16 << 4, our order) as int4: m = -8 d."""
-    b = _blocks(f, name, 18)
+    b = _blocks(raw, 18)
     d = _f16(b[:, :, :2])
     return QuantizedTensor("int4", 32, np.ascontiguousarray(b[:, :, 2:]).reshape(b.shape[0], -1), d,
                            (d * np.float16(-8)).astype(np.float16))
 
 
-def q4_1(f, name):
+def q4_1(raw, stats):
     """Q4_1 blocks (d, m, 16 bytes of q) as int4: the same bits."""
-    b = _blocks(f, name, 20)
+    b = _blocks(raw, 20)
     return QuantizedTensor("int4", 32, np.ascontiguousarray(b[:, :, 4:]).reshape(b.shape[0], -1),
                            _f16(b[:, :, :2]), _f16(b[:, :, 2:4]))
 
@@ -262,10 +278,10 @@ def q4_k_parts(b):
     return q.reshape(O, n * 256), scales, mins
 
 
-def q4_k(f, name, stats):
+def q4_k(raw, stats):
     """Q4_K blocks as int4 in groups of 32: the q kept, each sub-block's scale and minimum rounded to float16
     (stats counts those that were not exact and the largest change of a weight, in units of its scale)."""
-    q, scales, mins = q4_k_parts(_blocks(f, name, 144))
+    q, scales, mins = q4_k_parts(_blocks(raw, 144))
     s16, m16 = scales.astype(np.float16), mins.astype(np.float16)
     inexact = (s16.astype(np.float32) != scales) | (m16.astype(np.float32) != mins)
     stats["groups"] += scales.size
@@ -276,7 +292,7 @@ def q4_k(f, name, stats):
     return QuantizedTensor("int4", 32, pack_int4(q, 32), s16, m16)
 
 
-EXACT = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1}
+CONVERT = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q4_K": q4_k}  # blocks -> our blocks, without floats
 
 
 def _rows_ours(cfg, ours, a):
@@ -331,23 +347,22 @@ def read_params(f, cfg, progress=True):
             bar.update(1)
         for ours in to_quantize:
             theirs = theirs_of[ours]
-            kind = f.type_name(theirs)
-            if kind in EXACT and QUANT_TYPES[kind][0] == cfg.quant and cfg.quant_group == 32:
-                qt = EXACT[kind](f, theirs)
-            elif kind == "Q4_K" and cfg.quant == "int4" and cfg.quant_group == 32:
-                qt = q4_k(f, theirs, stats)
-            else:  # float or another type: its exact float32 values quantized to the checkpoint's type
-                scratch = np.empty(shapes[ours], np.float32)
-                dequantized(f, theirs, scratch)
-                if not np.isfinite(scratch).all():
-                    raise UserError(f"{f.path}: tensor {theirs} holds non-finite values")
-                qt = quantize(scratch, cfg.quant, cfg.quant_group)
-                quantized[ours] = _rows_ours(cfg, ours, qt)
-                bar.update(1)
-                continue
-            if not (np.isfinite(qt.scales).all() and (qt.mins is None or np.isfinite(qt.mins).all())):
-                raise UserError(f"{f.path}: tensor {theirs} holds non-finite scales")
-            quantized[ours] = _rows_ours(cfg, ours, qt)
+            kind, (O, I) = f.type_name(theirs), shapes[ours]
+            direct = kind in CONVERT and QUANT_TYPES[kind][0] == cfg.quant and cfg.quant_group == 32
+            parts = []
+            for lo in range(0, O, ROWS):  # a block of rows at a time: groups never cross rows
+                if direct:
+                    part = CONVERT[kind](f.rows(theirs, lo, lo + ROWS), stats)
+                else:  # float or another type: its exact float32 values quantized to the checkpoint's type
+                    values = np.empty((min(ROWS, O - lo), I), np.float32)
+                    dequantized(f, theirs, values, lo, lo + ROWS)
+                    if not np.isfinite(values).all():
+                        raise UserError(f"{f.path}: tensor {theirs} holds non-finite values")
+                    part = quantize(values, cfg.quant, cfg.quant_group)
+                if not (np.isfinite(part.scales).all() and (part.mins is None or np.isfinite(part.mins).all())):
+                    raise UserError(f"{f.path}: tensor {theirs} holds non-finite scales")
+                parts.append(part)
+            quantized[ours] = _rows_ours(cfg, ours, concat_rows(parts))
             bar.update(1)
     return (flat if cfg.quant is None else (flat, quantized)), stats
 
