@@ -302,7 +302,10 @@ def test_bad_files_one_line_nothing_written(model, tokenizer, tmp_path):
     with mock.patch.object(export, "_stored", lambda g, a, k: (
             (np.zeros((a.shape[0], a.shape[1] // size[0] * size[1]), np.uint8), T.IQ2_XS) if a.ndim == 2 else (a, None))):
         export.write_gguf(iq, cfg, flat, tokenizer, "f32")
-    cases = {truncated: "truncated or corrupt", header_only: "truncated or corrupt",
+    tekken = tmp_path / "tekken.gguf"  # a pre-tokenizer whose split nanoeuler does not have (Mistral Nemo's)
+    with mock.patch.dict(export.GGUF_PRE, {tokenizer.rule: "tekken"}):
+        export.write_gguf(tekken, cfg, flat, tokenizer, "f16")
+    cases = {truncated: "truncated or corrupt", header_only: "truncated or corrupt", tekken: "pre-tokenizer 'tekken'",
              gemma: "architecture 'gemma'", iq: "tensor type IQ2_XS", tmp_path / "none.gguf": "not found"}
     for path, message in cases.items():
         out = tmp_path / "out.bin"

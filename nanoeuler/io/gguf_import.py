@@ -69,8 +69,9 @@ LLAMA3_SCALINGS = [dict(factor=f, low_freq_factor=1.0, high_freq_factor=4.0, ori
 
 
 class GGUFFile:
-    """A GGUF file's metadata fields and tensors, memory-mapped by gguf.GGUFReader; every way the file can be
-    unreadable is a one-line UserError."""
+    """A GGUF file's metadata fields and tensor entries (name, type, shape, place), parsed by gguf.GGUFReader;
+    the tensors' bytes are read when asked for (rows). Every way the file can be unreadable is a one-line
+    UserError."""
 
     def __init__(self, path):
         self.path = str(path)
@@ -199,8 +200,8 @@ def rope_scaling_of(f, cfg):
 def target_type(f, cfg, quant=None, group=None):
     """(quant, group) of the checkpoint: --quantize's, else the one type the file's matrices map to, int8 for a
     mixed file, None (float) for a file of float matrices; and what the import says about it or None."""
-    names = [n for n, ours in gguf_names(cfg).items() if ours in set(quantized_names(
-        dataclasses.replace(cfg, quant="int8", quant_group=0)))]
+    matrices = set(quantized_names(dataclasses.replace(cfg, quant="int8", quant_group=0)))  # the ones we quantize
+    names = [n for n, ours in gguf_names(cfg).items() if ours in matrices]
     types = {f.type_name(n) for n in names if n in f.tensors}
     refused = sorted(t for t in types | {f.type_name(n) for n in f.tensors} if t not in FLOAT_TYPES and t not in QUANT_TYPES)
     if refused:
@@ -486,8 +487,9 @@ def tokenizer_of(f):
 
 
 def load_gguf(path, context=None, quant=None, group=None):
-    """(Config, parameters, Tokenizer, note or None) of a GGUF file: the parameters flat float32 for a float
-    checkpoint, else (flat float32 of the float tensors, {name: QuantizedTensor})."""
+    """(Config, parameters, Tokenizer, note or None, the file's tensor types counted) of a GGUF file: the
+    parameters flat float32 for a float checkpoint, else (flat float32 of the float tensors, {name:
+    QuantizedTensor}); quant and group: --quantize's and --group's (None: the file's own, target_type)."""
     f = GGUFFile(path)
     cfg = rope_scaling_of(f, config_of(f, context))
     tok = tokenizer_of(f)
