@@ -316,3 +316,18 @@ def test_bad_files_one_line_nothing_written(model, tokenizer, tmp_path):
     assert r.returncode == 2 and "not allowed with" in r.stderr
     with pytest.raises(UserError, match="--group goes with --quantize"):
         load_gguf(good, group=64)
+
+
+def test_q8_0_file_comes_back_byte_for_byte(model, tokenizer, tmp_path):
+    """A Q8_0 file imported and exported again (--type q8_0) has the same tensors, byte for byte: the matrices'
+    blocks are copied both ways, and the embedding, dequantized to float32 on import, quantizes back to its
+    own blocks (its scale is its largest value / 127, which that value's q of 127 gives back)."""
+    cfg, flat = model
+    first, ckpt, second = tmp_path / "a.gguf", tmp_path / "a.bin", tmp_path / "b.gguf"
+    export.write_gguf(first, cfg, flat, tokenizer, "q8_0")
+    r = run_cli("import", "--gguf", first, "--out", ckpt)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("export", "--gguf", second, "--ckpt", ckpt, "--type", "q8_0")
+    assert r.returncode == 0, r.stderr
+    a, b = ({t.name: (t.tensor_type, bytes(t.data)) for t in gguf.GGUFReader(p).tensors} for p in (first, second))
+    assert a == b
