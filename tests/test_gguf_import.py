@@ -61,7 +61,14 @@ def pack_q6_k(x):
     return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8)], axis=-1)
 
 
-PACKERS = {"Q4_K": pack_q4_k, "Q6_K": pack_q6_k}
+def random_q5_k(x):
+    """Q5_K blocks (n, 176) of random bytes (any bytes are a block), d and dmin set to 2^-10: not x's values."""
+    b = np.random.default_rng(x.shape[0]).integers(0, 256, (x.shape[0], 176), dtype=np.uint8)
+    b[:, 0:4] = np.array([2.0 ** -10] * 2, np.float16).view(np.uint8)
+    return b
+
+
+PACKERS = {"Q4_K": pack_q4_k, "Q6_K": pack_q6_k, "Q5_K": random_q5_k}
 
 
 def blocks(array, kind):
@@ -193,9 +200,10 @@ def test_exact_types_are_llama_cpps_values_bit_for_bit(model, tokenizer, tmp_pat
         assert np.array_equal(view, want[name]), name
 
 
-@pytest.mark.parametrize("kind, quant", [("Q5_0", None), ("Q5_1", "int4"), ("F16", "int4"), ("BF16", "int8")])
+@pytest.mark.parametrize("kind, quant", [("Q5_0", None), ("Q5_1", "int4"), ("Q5_K", None), ("F16", "int4"),
+                                         ("BF16", "int8")])
 def test_other_types_are_their_values_quantized(model, tokenizer, tmp_path, kind, quant):
-    """Q5_0 and Q5_1 (as Q5_K and Q6_K) become int8 in groups of 32 (or --quantize's type): exactly what quantizing
+    """Q5_0, Q5_1 and Q5_K (as Q6_K) become int8 in groups of 32 (or --quantize's type): exactly what quantizing
     llama.cpp's float32 values gives; F16 and BF16 matrices with --quantize are quantized as `import --hf
     --quantize` does."""
     cfg, flat = model
