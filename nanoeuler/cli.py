@@ -325,7 +325,8 @@ def build_parser():
     source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (llama or qwen2; F32/F16/BF16, Q8_0, "
                         "Q4_0/Q4_1, Q4_K, Q5_0/Q5_1/Q5_K, Q6_K tensors; pip install 'nanoeuler[gguf]')")
     p.add_argument("--out", required=True, help="checkpoint to write")
-    p.add_argument("--context", type=_positive_int, help="context length (default: max_position_embeddings)")
+    p.add_argument("--context", type=_positive_int, help="context length (default: max_position_embeddings; GGUF: "
+                   "context_length)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     _quantize_flags(p, "--quantize", required=False)
 
