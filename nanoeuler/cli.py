@@ -10,6 +10,7 @@
     nanoeuler tokenizer train|encode|decode
     nanoeuler export --hf DIR | --gguf F    a Hugging Face LlamaForCausalLM folder, a GGUF file (llama.cpp)
     nanoeuler import --hf DIR|ID --out F    a Hugging Face Llama (a folder or a Hub id) into a checkpoint
+    nanoeuler import --gguf FILE --out F    a GGUF file (llama.cpp's format) into a checkpoint
     nanoeuler quantize --out F --type T     a checkpoint's matrices to int8 or int4
     nanoeuler eval --task hellaswag|mc|bpb  scores: HellaSwag, multiple-choice items, bits per byte
     nanoeuler report [--ckpt F]             a checkpoint's run report
@@ -318,11 +319,16 @@ def build_parser():
                    help="GGUF weight type of the matrices (default f16; norms stay f32)")
     p.add_argument("--ckpt", default="nanoeuler.bin", help="checkpoint (default nanoeuler.bin)")
 
-    p = sub.add_parser("import", help="turn a Hugging Face LlamaForCausalLM (a folder or a Hub id) into a checkpoint")
-    p.add_argument("--hf", required=True, metavar="DIR|ID", help="the folder (config.json, safetensors, tokenizer.json) "
-                   "or a Hub id owner/name[@revision] (pip install 'nanoeuler[hub]'; HF_HUB_CACHE, HF_HUB_OFFLINE)")
+    p = sub.add_parser("import", help="turn a Hugging Face LlamaForCausalLM (a folder or a Hub id) or a GGUF file into "
+                       "a checkpoint")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", metavar="DIR|ID", help="the folder (config.json, safetensors, tokenizer.json) "
+                        "or a Hub id owner/name[@revision] (pip install 'nanoeuler[hub]'; HF_HUB_CACHE, HF_HUB_OFFLINE)")
+    source.add_argument("--gguf", metavar="FILE", help="a llama.cpp GGUF file (llama or qwen2; F32/F16/BF16, Q8_0, "
+                        "Q4_0/Q4_1, Q4_K, Q5_0/Q5_1/Q5_K, Q6_K tensors; pip install 'nanoeuler[gguf]')")
     p.add_argument("--out", required=True, help="checkpoint to write")
-    p.add_argument("--context", type=_positive_int, help="context length (default: max_position_embeddings)")
+    p.add_argument("--context", type=_positive_int, help="context length (default: max_position_embeddings; GGUF: "
+                   "context_length)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     _quantize_flags(p, "--quantize", required=False)
 

@@ -26,7 +26,7 @@ FLOW = {
     "eval": "a checkpoint + data/hellaswag_val.jsonl or --data -> accuracy, or bits per byte",
     "report": "a checkpoint -> its run report",
     "export": "a checkpoint -> a Hugging Face folder (--hf) or a GGUF file (--gguf)",
-    "import": "a Hugging Face Llama (folder or Hub id) -> a checkpoint",
+    "import": "a Hugging Face Llama (folder or Hub id) or a GGUF file -> a checkpoint",
     "quantize": "a checkpoint -> a checkpoint of int8 or int4 matrices",
     "check": "no files: every hand-written backward pass against finite differences",
 }
@@ -109,9 +109,11 @@ GUIDE = {
         "Turn a Hugging Face LlamaForCausalLM folder (config.json, safetensors, tokenizer.json), or a Hub id "
         "owner/name[@revision] (fetched into the Hugging Face cache; needs pip install 'nanoeuler[hub]'), into a "
         "checkpoint that every command here takes; an -Instruct model's chat template and end ids come with it "
-        "(chat, serve, sft and dpo then use its template).",
+        "(chat, serve, sft and dpo then use its template). --gguf FILE reads a llama.cpp GGUF file of the same "
+        "families instead, its tokenizer and chat template from the metadata (pip install 'nanoeuler[gguf]').",
         ["nanoeuler import --hf hf_model --out imported.bin",
          "nanoeuler import --hf HuggingFaceTB/SmolLM2-135M-Instruct --out smol_chat.bin",
+         "nanoeuler import --gguf Llama-3.2-1B-Instruct-Q4_K_M.gguf --out llama.bin   # a llama.cpp file",
          "nanoeuler infer 'Hello' --ckpt imported.bin"]),
     "quantize": (
         "Quantize a checkpoint's matrices (every layer's and the output heads') to int8 or int4 in groups along "

@@ -336,3 +336,29 @@ def test_llama_cpp_greedy_text_is_ours(llama_cpp, models, name):
           f"({NEW_TOKENS} tokens; smallest top-2 logit gap {smallest:.3g})")
     assert equal == len(PROMPTS)
     llm.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_gguf_gives_back_the_import(models, name, tmp_path, transformers):
+    """`import --gguf` of each family's GGUF: the imported checkpoint's tensors and config again (Mistral's
+    sliding window aside: GGUF's `llama` has none, and llama.cpp attends to the whole context), its tokenizer
+    rebuilt from the metadata giving the tokenizer.json's ids on every text (the SentencePiece merges derived
+    from the scores), its BOS, end and chat template. transformers' own GGUF tokenizer gives them for Llama 3's;
+    for the others its converter departs from the tokenizer.json (docs/import.md)."""
+    ckpt, path, texts = models[name]
+    out = tmp_path / "back.bin"
+    r = run_cli("import", "--gguf", path, "--out", out)
+    assert r.returncode == 0, r.stderr
+    a, b = checkpoint.load(ckpt), checkpoint.load(out)
+    assert np.array_equal(a.params, b.params)
+    changed = {k for k in a.cfg.__dataclass_fields__ if getattr(a.cfg, k) != getattr(b.cfg, k)}
+    assert changed == ({"sliding_window", "architecture"} if name == "mistral" else set()), changed
+    ta, tb = a.tokenizer(), b.tokenizer()
+    assert type(ta) is type(tb) and (ta.eos_id, ta.bos_id, ta.chat_template) == (tb.eos_id, tb.bos_id, tb.chat_template)
+    for text in texts:
+        for allow in (False, True):
+            assert list(tb.encode(text, allow_special=allow)) == list(ta.encode(text, allow_special=allow)), text
+    if name == "llama3.2":
+        theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        for text in texts[:60]:
+            assert theirs(text)["input_ids"] == list(tb.encode(text)), text

@@ -453,18 +453,27 @@ def load_hf(folder, context=None, quant=None, group=None):
 
 
 def main(args):
-    if getattr(args, "group", None) is not None and getattr(args, "quantize", None) is None:
+    if getattr(args, "group", None) is not None and getattr(args, "quantize", None) is None:  # both sources
         raise UserError("--group goes with --quantize int8|int4")
     if os.path.isfile(args.out) and not args.overwrite:
         raise UserError(f"{args.out} exists: --overwrite replaces it, --out FILE writes elsewhere")
     check_writable(args.out)
-    cfg, params, tok = load_hf(args.hf, args.context, getattr(args, "quantize", None), getattr(args, "group", None))
+    kinds = None
+    if getattr(args, "gguf", None):  # a llama.cpp file (io/gguf_import.py)
+        from nanoeuler.io.gguf_import import load_gguf
+        cfg, params, tok, note, kinds = load_gguf(args.gguf, args.context, getattr(args, "quantize", None),
+                                                  getattr(args, "group", None))
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    else:
+        cfg, params, tok = load_hf(args.hf, args.context, getattr(args, "quantize", None), getattr(args, "group", None))
     quantized = None
     if cfg.quant is not None:
         params, quantized = params
     checkpoint.save(args.out, cfg, params, tok.to_json(), step=0, chat=tok.chat_template is not None,
                     quantized=quantized)
-    print(f"imported {args.hf} into {args.out}: {cfg.architecture}, dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
+    print(f"imported {getattr(args, 'gguf', None) or args.hf} into {args.out}: "
+          f"{'' if kinds is None else f'GGUF tensors {kinds}; '}{cfg.architecture}, dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads}/"
           f"{cfg.n_kv_heads} heads, hidden {cfg.hidden}, context {cfg.context}, vocab {cfg.vocab_size}, "
           f"rope theta {cfg.rope_theta:g}{_scaling_note(cfg)}, norm eps {cfg.norm_eps:g}, "
           f"{param_count(cfg) / 1e6:.2f}M parameters{' (embedding tied to the output head)' if cfg.tied else ''}"
