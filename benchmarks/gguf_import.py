@@ -39,7 +39,8 @@ atexit.register(lambda: print("peak", {HWM}))
 from nanoeuler.cli import main
 main(["import", "--gguf", sys.argv[1], "--out", sys.argv[2], "--overwrite"] + sys.argv[3:])
 """
-BARE = f"import numpy, numba, gguf, nanoeuler.io.hf_import, nanoeuler.io.gguf_import, nanoeuler.io.checkpoint\nprint({HWM})"
+BARE = (f"import numpy, numba, gguf, nanoeuler.io.hf_import, nanoeuler.io.gguf_import, nanoeuler.io.checkpoint\n"
+        f"print({HWM})")
 
 
 def run_import(path, out, *flags):
@@ -91,7 +92,8 @@ def main():
     reference = engine_logits(CFG, flat, None, tokens)
     file_logits = engine_logits(CFG, exact_flat, None, tokens)
     print(f"Q4_K_M file: logits RMS against the float model {rms(file_logits - reference):.4g}")
-    print("| GGUF type | ours | RMS (file - float) | RMS (ours - file) | ratio | logits RMS (ours - file) / (file - float) |")
+    print("| GGUF type | ours | RMS (file - float) | RMS (ours - file) | ratio | "
+          "logits RMS (ours - file) / (file - float) |")
     for quant in ("int8", "int4"):
         cfg, (floats, quantized), _, note, _ = load_gguf(files["Q4_K_M"], quant=quant)
         ours = engine_logits(cfg, floats, quantized, tokens)

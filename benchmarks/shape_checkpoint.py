@@ -7,7 +7,7 @@ shape through the command line, e.g. Llama 3 8B's fully fine-tuned on 8 GPUs wit
         --batch-size 2 --recompute --steps 50 --eval-every 1000 --sample-every 1000 --ckpt-every 1000
 
 The weights are config.init_params's (normal 0.02, the residual projections scaled down), the tokenizer any of
-the model's vocabulary or smaller (the rows past it are never read); the checkpoint is the format of
+the model's vocabulary or smaller (the rows past it are padding, never generated: config.tokenizer_vocab); the checkpoint is the format of
 docs/design.md (float32: 4 bytes a parameter, 32 GB for llama3-8b), written without optimizer state, so
 `train --ckpt` starts a fresh AdamW on it as on an imported model.
 """
@@ -34,8 +34,11 @@ def main():
     cfg = dataclasses.replace(SHAPES[args.shape], context=args.context)
     with open(args.tokenizer) as f:
         tokenizer_json = f.read()
-    if Tokenizer.from_json(tokenizer_json).vocab_size > cfg.vocab_size:
+    tokens = Tokenizer.from_json(tokenizer_json).vocab_size
+    if tokens > cfg.vocab_size:
         sys.exit(f"the tokenizer has more tokens than {args.shape}'s {cfg.vocab_size}")
+    # the rows past the tokenizer's ids are padding, never generated (the samples of a training run)
+    cfg = dataclasses.replace(cfg, tokenizer_vocab=min(tokens, cfg.tokenizer_vocab or tokens))
     t0 = time.perf_counter()
     params = init_params(cfg, args.seed)
     checkpoint.save(args.out, cfg, params, tokenizer_json, 0)

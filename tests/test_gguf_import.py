@@ -15,7 +15,7 @@ from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
 from nanoeuler.io import gguf as export
 from nanoeuler.io.gguf_import import load_gguf, q4_k_parts
-from nanoeuler.model.config import Config, float_params, param_layout, quantized_names, views
+from nanoeuler.model.config import Config, param_layout, quantized_names, views
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.quantize import dequantize, quantize
 
@@ -169,7 +169,8 @@ def test_quantized_checkpoint_round_trip(model, tokenizer, tmp_path, kind, group
         got_cfg, (got_floats, got), _, _, _ = load_gguf(path, quant="int4")
         assert got_cfg == dataclasses.replace(qcfg, quant_group=32)
         for name, qt in got.items():
-            assert np.abs(dequantize(qt) - dequantize(quantized[name])).max() <= 0.6 * qt.scales.astype(np.float32).max()
+            error = np.abs(dequantize(qt) - dequantize(quantized[name])).max()
+            assert error <= 0.6 * qt.scales.astype(np.float32).max()
         return
     out = tmp_path / "back.bin"
     r = run_cli("import", "--gguf", path, "--out", out)
@@ -307,8 +308,8 @@ def test_bad_files_one_line_nothing_written(model, tokenizer, tmp_path):
     _write_raw(gemma, "gemma", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)})
     size = gguf.GGML_QUANT_SIZES[T.IQ2_XS]
     write_typed(iq, cfg, flat, tokenizer, lambda name: "Q8_0")
-    with mock.patch.object(export, "_stored", lambda g, a, k: (
-            (np.zeros((a.shape[0], a.shape[1] // size[0] * size[1]), np.uint8), T.IQ2_XS) if a.ndim == 2 else (a, None))):
+    zeros = lambda a: np.zeros((a.shape[0], a.shape[1] // size[0] * size[1]), np.uint8)
+    with mock.patch.object(export, "_stored", lambda g, a, k: (zeros(a), T.IQ2_XS) if a.ndim == 2 else (a, None)):
         export.write_gguf(iq, cfg, flat, tokenizer, "f32")
     tekken = tmp_path / "tekken.gguf"  # a pre-tokenizer whose split nanoeuler does not have (Mistral Nemo's)
     with mock.patch.dict(export.GGUF_PRE, {tokenizer.rule: "tekken"}):

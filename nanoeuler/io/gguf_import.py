@@ -128,8 +128,8 @@ def config_of(f, context=None):
     """Our Config of a GGUF file's metadata (architecture llama or qwen2), or a one-line UserError."""
     arch = f.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise UserError(f"{f.path}: architecture {arch!r}; nanoeuler imports llama.cpp's llama (Llama 2 and 3, Mistral, "
-                        "TinyLlama, SmolLM2) and qwen2")
+        raise UserError(f"{f.path}: architecture {arch!r}; nanoeuler imports llama.cpp's llama (Llama 2 and 3, "
+                        "Mistral, TinyLlama, SmolLM2) and qwen2")
 
     def key(name, default=KeyError):
         value = f.get(f"{arch}.{name}", None)
@@ -148,8 +148,8 @@ def config_of(f, context=None):
     head_dim = dim // n_heads
     for name in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         if int(key(name, head_dim)) != head_dim:
-            raise UserError(f"{f.path}: {arch}.{name} is {key(name)}, not the head size {head_dim} (embedding / heads), "
-                            "the only one nanoeuler's model has")
+            raise UserError(f"{f.path}: {arch}.{name} is {key(name)}, not the head size {head_dim} (embedding / "
+                            "heads), the only one nanoeuler's model has")
     scaling = key("rope.scaling.type", "none")
     if scaling not in ("none", "linear") or (scaling == "linear" and float(key("rope.scaling.factor", 1.0)) != 1.0):
         raise UserError(f"{f.path}: rope scaling {scaling!r} (nanoeuler computes llama3 scaling, which llama.cpp "
@@ -189,7 +189,9 @@ def rope_scaling_of(f, cfg):
     arch = "qwen2" if cfg.qkv_bias else "llama"
     old = f.get(f"{arch}.rope.scaling.original_context_length")
     for scaling in LLAMA3_SCALINGS:
-        scaling = dict(scaling, rope_type="llama3", **({} if old is None else {"original_max_position_embeddings": old}))
+        if old is not None:
+            scaling = dict(scaling, original_max_position_embeddings=old)
+        scaling = dict(scaling, rope_type="llama3")
         candidate = dataclasses.replace(cfg, rope_scaling=scaling)
         if np.allclose(rope_freq_factors(candidate), factors, rtol=1e-6, atol=0):
             return candidate
@@ -203,7 +205,7 @@ def target_type(f, cfg, quant=None, group=None):
     matrices = set(quantized_names(dataclasses.replace(cfg, quant="int8", quant_group=0)))  # the ones we quantize
     names = [n for n, ours in gguf_names(cfg).items() if ours in matrices]
     types = {f.type_name(n) for n in names if n in f.tensors}
-    refused = sorted(t for t in types | {f.type_name(n) for n in f.tensors} if t not in FLOAT_TYPES and t not in QUANT_TYPES)
+    refused = sorted(t for t in {f.type_name(n) for n in f.tensors} if t not in FLOAT_TYPES and t not in QUANT_TYPES)
     if refused:
         raise UserError(f"{f.path}: tensor type {refused[0]}; nanoeuler imports F32, F16, BF16, "
                         f"{', '.join(QUANT_TYPES)}")
@@ -437,11 +439,14 @@ def tokenizer_dict(f):
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)
         d = {"version": "1.0", "added_tokens": added, "post_processor": None,
-             "model": {"type": "BPE", "vocab": vocab, "merges": sentencepiece_merges(tokens, types, scores, special | user),
-                       "unk_token": None if unk_id is None else tokens[unk_id], "fuse_unk": True, "byte_fallback": True}}
+             "model": {"type": "BPE", "vocab": vocab,
+                       "merges": sentencepiece_merges(tokens, types, scores, special | user),
+                       "unk_token": None if unk_id is None else tokens[unk_id], "fuse_unk": True,
+                       "byte_fallback": True}}
         if f.get("tokenizer.ggml.add_space_prefix", True):
-            d["normalizer"] = {"type": "Sequence", "normalizers": [
-                {"type": "Prepend", "prepend": SPACE}, {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}
+            d["normalizer"] = {"type": "Sequence", "normalizers": [  # Llama 2's
+                {"type": "Prepend", "prepend": SPACE},
+                {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}
             d["pre_tokenizer"] = None
         else:
             d["normalizer"] = None
