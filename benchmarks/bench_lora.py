@@ -182,10 +182,10 @@ def main():
         inputs, targets = next(batches(cfg, B, seed=1))
         run = lambda mode, cfg=cfg, inputs=inputs, targets=targets: bench_ours(cfg, inputs, targets, args, mode)
         peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
+        if args.quant:  # first: what --quant asks for
+            tiers[0].append((name, B, f"ours QLoRA {args.quant} --recompute", lambda run=run: run("qlora-recompute")))
         tiers[0].extend([(name, B, "ours LoRA --recompute", lambda run=run: run("lora-recompute")),
                          (name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False))])
-        if args.quant:
-            tiers[0].append((name, B, f"ours QLoRA {args.quant} --recompute", lambda run=run: run("qlora-recompute")))
         tiers[1].append((name, B, "ours LoRA", lambda run=run: run("lora")))
         if not args.no_full and name == "llama3.2-1b":
             tiers[1].append((name, B, "ours full SFT", lambda run=run: run("full")))
