@@ -6,6 +6,7 @@ greedy `chat` answers of the three to the same prompts side by side.
 
     python benchmarks/lora_learns.py --base trained.bin          # e.g. quant_accuracy.py's float.bin
     python benchmarks/lora_learns.py                             # trains `small` on shakespeare.txt first
+    python benchmarks/lora_learns.py --size base --base-steps 1000 --device gpu --steps 300 --batch-size 32
     python benchmarks/lora_learns.py --quick                     # 40 steps a run: the whole path, quickly
     python benchmarks/lora_learns.py --base base.bin --device gpu --steps 600 --batch-size 32
 
@@ -15,7 +16,9 @@ pipeline's data/alpaca.json); otherwise examples cut from the first nine tenths 
 speaker, name a line's speaker, each answered by the text) with the 40 greetings of
 tests/data/sft_greetings.json, whose prompts the pipeline's example asks (docs/pipeline.md). The prompts
 answered side by side: the pipeline's three and one of each kind cut from the held-out last tenth.
-Each run's learning rate is its command's default (full: 1e-4, LoRA: 10x) unless --lr-full / --lr-lora.
+Each run's learning rate is its command's default (full: 1e-4, LoRA: 10x) unless --lr-full / --lr-lora. A
+run finished already in --work is reused (the plot and the answers made again); other settings want another
+--work. A run that fails is left out of the plot and the tables, and the script then exits with status 1.
 """
 import argparse
 import json
@@ -34,21 +37,26 @@ from nanoeuler.data.text_tasks import play_instructions  # noqa: E402
 
 PIPELINE_PROMPTS = ["Greet Juliet.", "Greet the king.", "Write a poem."]  # docs/pipeline.md's chat
 RUNS = ["full", "lora", "qlora"]
-LABELS = {"full": "full SFT", "lora": "LoRA r {r}", "qlora": "QLoRA r {r} (int4 base)"}
+LABELS = {"full": "full SFT", "lora": "LoRA r {r}", "qlora": "QLoRA r {r} (int4 base)",
+          "lora_lr": "LoRA r {r}, lr {lr:g}"}
 
 
 def log(message, t0=[time.perf_counter()]):
     print(f"[{time.perf_counter() - t0[0]:7.1f} s] {message}", flush=True)
 
 
-def nanoeuler(args, env, stdin=None):
-    """Run a nanoeuler command (its output passing through, or returned when stdin is given)."""
+def nanoeuler(args, env, stdin=None, check=True):
+    """Run a nanoeuler command (its output passing through, or returned when stdin is given); a failure stops
+    the script, or with check=False returns None."""
     log("nanoeuler " + " ".join(args))
     done = subprocess.run([sys.executable, "-m", "nanoeuler", *args], cwd=REPO, env=env, input=stdin,
                           stdout=subprocess.PIPE if stdin is not None else None, text=True)
     if done.returncode != 0:
+        if not check:
+            log(f"nanoeuler {args[0]} failed (exit status {done.returncode}): left out")
+            return None
         sys.exit(f"nanoeuler {args[0]} failed (exit status {done.returncode})")
-    return done.stdout
+    return done.stdout if stdin is not None else ""
 
 
 def nine_tenths(path):
@@ -84,18 +92,19 @@ def base_checkpoint(opts, env):
     from nanoeuler.io import checkpoint
     from nanoeuler.train.pretrain import PRESET_HYPER
     out = opts.work / "base.bin"
-    steps = 150 if opts.quick else PRESET_HYPER["small"].steps
+    steps = opts.base_steps or (150 if opts.quick else PRESET_HYPER[opts.size].steps)
     if out.exists() and int(checkpoint.read_metadata(out)["step"]) >= steps:
         return str(out)
-    nanoeuler(["train", "small", "--data", "shakespeare.txt", "--out", str(out), "--device", opts.device,
+    nanoeuler(["train", opts.size, "--data", "shakespeare.txt", "--out", str(out), "--device", opts.device,
                "--steps", str(steps)] + (["--resume"] if out.exists() else []), env)
     return str(out)
 
 
-def val_curve(path):
-    """[(step, validation loss)] of a metrics log."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+def finished(ckpt, steps):
+    """Whether ckpt is a run finished at `steps`, its metrics log beside it."""
+    from nanoeuler.io import checkpoint
+    return (ckpt.exists() and ckpt.with_suffix(".jsonl").exists()
+            and int(checkpoint.read_metadata(ckpt)["step"]) == steps)
 
 
 def chat_answers(ckpt, prompts, opts, env):
@@ -128,6 +137,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", help="pretrained float checkpoint (default: train small on shakespeare.txt)")
+    ap.add_argument("--size", default="small", choices=["small", "big", "base", "large"],
+                    help="without --base: the preset trained on shakespeare.txt first (default small)")
+    ap.add_argument("--base-steps", type=int, help="without --base: its training steps (default the preset's)")
     ap.add_argument("--data", help="Alpaca JSON instead of the shakespeare-derived examples")
     ap.add_argument("--examples", type=int, default=6000, help="shakespeare-derived examples (default 6000)")
     ap.add_argument("--steps", type=int, help="steps of each run (default 400; --quick 40)")
@@ -136,6 +148,7 @@ def main():
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
     ap.add_argument("--lr-full", type=float, help="full SFT's learning rate (default sft's)")
     ap.add_argument("--lr-lora", type=float, help="the adapters' learning rate (default sft --lora's)")
+    ap.add_argument("--lr-lora-also", type=float, help="one more LoRA run at this learning rate")
     ap.add_argument("--max-new-tokens", type=int, default=40)
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--threads", type=int, default=2, help="threads of the commands (numba and BLAS; default 2)")
@@ -163,32 +176,42 @@ def main():
     common = ["--data", str(data), "--steps", str(steps), "--batch-size", str(opts.batch_size), "--eval-every",
               str(eval_every), "--sample-every", str(10 * steps), "--ckpt-every", str(steps), "--device",
               opts.device, "--overwrite"]
+    runs = RUNS + (["lora_lr"] if opts.lr_lora_also else [])
+    lora = ["--lora", str(opts.rank)]
+    lora_lr = [] if opts.lr_lora is None else ["--lr", str(opts.lr_lora)]
     setups = {"full": (base, [] if opts.lr_full is None else ["--lr", str(opts.lr_full)]),
-              "lora": (base, ["--lora", str(opts.rank)] + ([] if opts.lr_lora is None else ["--lr", str(opts.lr_lora)])),
-              "qlora": (str(int4), ["--lora", str(opts.rank)] + ([] if opts.lr_lora is None else
-                                                                  ["--lr", str(opts.lr_lora)]))}
-    curves, seconds = {}, {}
-    for run in RUNS:
+              "lora": (base, lora + lora_lr), "qlora": (str(int4), lora + lora_lr),
+              "lora_lr": (base, lora + ["--lr", str(opts.lr_lora_also)])}
+    curves, seconds, paths = {}, {}, {}
+    for run in runs:  # a run that fails (e.g. a path not yet run on this device) is left out of the rest
         ckpt, extra = setups[run]
-        out = opts.work / f"{run}.bin"
-        t0 = time.perf_counter()
-        nanoeuler(["sft", "--ckpt", ckpt, "--out", str(out), *common, *extra], env)
-        seconds[run] = time.perf_counter() - t0
-        curves[run] = val_curve(out.with_suffix(".jsonl"))
-    labels = {run: LABELS[run].format(r=opts.rank) for run in RUNS}
-    cfg_line = (f"{Path(base).name}, {steps} steps of {opts.batch_size} examples, {data.name} "
-                f"({opts.device})")
+        out = opts.work / (f"lora_lr{opts.lr_lora_also:g}.bin" if run == "lora_lr" else f"{run}.bin")
+        if finished(out, steps):  # a finished run of --work is reused (another setting: another --work)
+            log(f"{out}: done already ({steps} steps)")
+        elif nanoeuler(["sft", "--ckpt", ckpt, "--out", str(out), *common, *extra], env, check=False) is None:
+            continue
+        paths[run] = out
+        records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines() if line]
+        seconds[run] = records[-1]["time_s"]
+        curves[run] = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    done = list(curves)  # the runs that finished
+    labels = {run: LABELS[run].format(r=opts.rank, lr=opts.lr_lora_also) for run in runs}
+    from nanoeuler.io import checkpoint
+    from nanoeuler.model.config import param_shapes
+    params = sum(int(np.prod(shape)) for _, shape in param_shapes(checkpoint.read_config(base)))
+    cfg_line = (f"a {params / 1e6:.2f}M-parameter model pretrained {checkpoint.read_metadata(base)['step']} steps, "
+                f"{steps} steps of {opts.batch_size} examples ({opts.device})")
     opts.plot.parent.mkdir(parents=True, exist_ok=True)
-    plot(curves, labels, opts.plot, f"sft on {cfg_line}")
+    plot(curves, labels, opts.plot, f"sft of {cfg_line}")
     log(f"plot -> {opts.plot}")
 
-    answers = {run: chat_answers(str(opts.work / f"{run}.bin"), prompts, opts, env) for run in RUNS}
-    lines = ["| prompt | the text's answer | " + " | ".join(labels[r] for r in RUNS) + " |",
-             "|---|---|" + "---|" * len(RUNS)]
+    answers = {run: chat_answers(str(paths[run]), prompts, opts, env) for run in done}
+    lines = ["| prompt | the text's answer | " + " | ".join(labels[r] for r in done) + " |",
+             "|---|---|" + "---|" * len(done)]
     cell = lambda s: s.replace("|", "\\|").replace("\n", " / ")  # noqa: E731
     for i, (prompt, expected) in enumerate(prompts):
         lines.append(f"| {cell(prompt)} | {cell(expected)} | "
-                     + " | ".join(cell(answers[r][i]) if i < len(answers[r]) else "" for r in RUNS) + " |")
+                     + " | ".join(cell(answers[r][i]) if i < len(answers[r]) else "" for r in done) + " |")
     table = "\n".join(lines)
     (opts.work / "answers.md").write_text(table + "\n")
     summary = {"base": base, "steps": steps, "batch_size": opts.batch_size, "data": str(data), "rank": opts.rank,
@@ -196,19 +219,21 @@ def main():
     (opts.work / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
     print("\nanswers (greedy chat, --max-new-tokens %d):\n%s\n" % (opts.max_new_tokens, table))
-    print(f"sft on {cfg_line}")
-    final = {run: curves[run][-1][1] for run in RUNS}
-    best = {run: min(v for _, v in curves[run]) for run in RUNS}
+    print(f"sft of {cfg_line}")
+    final = {run: curves[run][-1][1] for run in done}
     rows = [("run", "final val loss", "/ full SFT's", "best val loss", "time")]
-    for run in RUNS:
-        rows.append((labels[run], f"{final[run]:.4f}", f"{final[run] / final['full']:.3f}", f"{best[run]:.4f}",
-                     f"{seconds[run]:.0f} s"))
+    for run in done:
+        rows.append((labels[run], f"{final[run]:.4f}", f"{final[run] / final['full']:.3f}" if "full" in final else "",
+                     f"{min(v for _, v in curves[run]):.4f}", f"{seconds[run]:.0f} s"))  # time: the run's log's
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    ratio = final["lora"] / final["full"]
-    print(f"LoRA within 5% of full SFT's final validation loss: {'yes' if ratio <= 1.05 else 'no'} ({ratio:.3f})")
-
+    if "full" in final and "lora" in final:
+        ratio = final["lora"] / final["full"]
+        print(f"LoRA within 5% of full SFT's final validation loss: {'yes' if ratio <= 1.05 else 'no'} ({ratio:.3f})")
+    missing = [run for run in runs if run not in done]
+    if missing:
+        sys.exit(f"failed: {', '.join(missing)}")
 
 if __name__ == "__main__":
     main()

@@ -14,8 +14,9 @@ Instructions: a play in Project Gutenberg's layout (a speaker's name in capitals
 its own, the speech below it, a blank line after) gives three kinds of one-line instruction, each answered
 by the text itself: "Continue Name's speech: <a line>" -> the speech's next line; "Answer as Name: <a line>"
 -> the first line of Name's answering speech; "Who speaks: <a line>" -> the speaker's name. The lines are
-short (at most max_chars characters), so that an example in the Alpaca template fits a small model's context. The instruction holds its text (no separate input), so `nanoeuler chat`, which takes one line
-a turn, can ask it.
+short (at most max_chars characters), so that an example in the Alpaca template fits a small model's context.
+The instruction holds its text (no separate input), so `nanoeuler chat`, which takes one line a turn, can ask
+it.
 """
 import re
 
