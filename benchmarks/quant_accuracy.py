@@ -9,7 +9,8 @@ float model's item by item.
     python benchmarks/quant_accuracy.py --size base --steps 1500 --device gpu
     python benchmarks/quant_accuracy.py --ckpt trained.bin       # a model trained already
 
-Checkpoints and scores go under --work (a finished training run there is reused, an unfinished one resumed).
+Checkpoints and scores go under --work (a finished training run there is reused, an unfinished one resumed; the
+quantized checkpoints and the scores are kept per float checkpoint and step, and per item set).
 The quantized checkpoints are `nanoeuler quantize`'s, scored by the engines' quantized products. Two more rows
 measure the other choices of which tensors stay float, by arithmetic equal to quantizing them: a float
 checkpoint holding the exact dequantized values (model/quantize.dequantize) of the layers' matrices with the
@@ -101,9 +102,9 @@ def dequantized_variant(ckpt, out, kind, group, names):
     checkpoint.save(out, ck.cfg, params, ck.tokenizer_json, ck.step)
 
 
-def score(ckpt, name, opts, env, heldout, items):
-    """{bpb, acc, acc_norm, pred (N,), pred_norm (N,)} of a checkpoint (cached in WORK/scores/)."""
-    folder = opts.work / f"scores_{opts.key}"  # scores of these very items and this held-out text
+def score(ckpt, name, opts, env, heldout, items, derived):
+    """{bpb, acc, acc_norm, pred (N,), pred_norm (N,)} of a checkpoint (cached beside the quantized ones)."""
+    folder = derived / f"scores_{opts.key}"  # scores of these very items and this held-out text
     folder.mkdir(exist_ok=True)
     stem = folder / slug(name)
     if not (stem.with_suffix(".bpb.json")).exists():
@@ -154,11 +155,13 @@ def main():
     made = mc_items_from_text(text, n_items, seed=0)
     items.write_text("".join(json.dumps(item) + "\n" for item in made), encoding="utf-8")
     opts.key = hashlib.sha256(heldout.read_bytes() + items.read_bytes()).hexdigest()[:12]
+    derived = opts.work / f"from_{Path(ckpt).stem}_step{step}"  # a retrained float model gets its own
+    derived.mkdir(exist_ok=True)
     log(f"held-out text: {len(text.encode()):,} bytes of {opts.data}; {n_items} four-way items -> {items}")
 
     checkpoints = {"float": ckpt}
     for name, kind, group in QUANTIZED:
-        out = opts.work / f"{kind}_g{group}.bin"
+        out = derived / f"{kind}_g{group}.bin"
         if not out.exists():
             nanoeuler(["quantize", "--ckpt", ckpt, "--out", str(out), "--type", kind, "--group", str(group)], env)
         checkpoints[name] = str(out)
@@ -170,13 +173,13 @@ def main():
     if not heads:  # a tied model's head is its embedding: no separate head to keep float
         del stand_ins["int4 /32, heads float"]
     for name, names in stand_ins.items():
-        out = opts.work / (slug(name) + ".bin")
+        out = derived / (slug(name) + ".bin")
         if not out.exists():
             log(f"writing {out} ({len(names)} tensors quantized and dequantized)")
             dequantized_variant(ckpt, str(out), "int4", 32, names)
         checkpoints[name] = str(out)
 
-    scores = {name: score(path, name, opts, env, heldout, items) for name, path in checkpoints.items()}
+    scores = {name: score(path, name, opts, env, heldout, items, derived) for name, path in checkpoints.items()}
     base = scores["float"]
     check = scores.get("int4 /32 dequantized (check)")
     params = sum(int(np.prod(shape)) for _, shape in param_shapes(cfg))
