@@ -66,18 +66,17 @@ def batched(eng, prompts, n, temperature):
     return out, time.perf_counter() - t0
 
 
-def hugging_face(cfg, params, prompt, n, device, compiled, bf16):
+def hf_model(cfg, params, device, bf16):
     """transformers' model of cfg's architecture (export --hf's config.json: Llama, Qwen2, tied or not, RoPE
-    scaling) built on the device in the precision, holding our tensors; (its greedy tokens, seconds)."""
+    scaling) built on the device in the precision, holding our tensors, in eval mode."""
     import types
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = hf_config(cfg, types.SimpleNamespace(eos_id=0))
     hf_cfg = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    dev = "cuda" if device == "gpu" else "cpu"
     dtype = torch.bfloat16 if bf16 else torch.float32
-    with torch.device(dev):  # made where it runs, in its precision: no float32 copy of a large model on the host
+    with torch.device("cuda" if device == "gpu" else "cpu"):  # made where it runs, in its precision
         try:
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
         except TypeError:  # transformers before 4.56 names it torch_dtype
@@ -87,7 +86,15 @@ def hugging_face(cfg, params, prompt, n, device, compiled, bf16):
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tied else set()), (missing, unexpected)
     if cfg.tied:
         model.tie_weights()
-    model = model.eval()
+    return model.eval()
+
+
+def hugging_face(cfg, params, prompt, n, device, compiled, bf16):
+    """hf_model's greedy decoding of the prompt(s): (its tokens, seconds)."""
+    import torch
+
+    model = hf_model(cfg, params, device, bf16)
+    dev = "cuda" if device == "gpu" else "cpu"
     x = torch.tensor(prompt if isinstance(prompt[0], list) else [prompt], device=dev)
     kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     if compiled:
@@ -233,19 +240,10 @@ def prefill_rows(args, cfg, params, eng, precision, repeats=5):
     print(f"{'nanoeuler generate(), 1 token':<44} {1e3 * ours_s:9.2f} ms  {N / ours_s:>10,.0f} prompt tokens/s")
     if args.no_hf:
         return
-    import types
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = hf_config(cfg, types.SimpleNamespace(eos_id=0))
-    hf_cfg = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    model = hf_model(cfg, params, args.device, precision == "bf16")  # SDPA: transformers' default attention
     dev = "cuda" if args.device == "gpu" else "cpu"
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa").eval()
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_tensors(cfg, params).items()}, strict=False)
-    if cfg.tied:
-        model.tie_weights()
     x = torch.tensor([prompt], device=dev)
 
     def hf_first_token():

@@ -41,21 +41,20 @@ LEVELS = [1, 4, 16, 64, 256]
 
 
 def random_checkpoint(preset, folder, shape=None):
-    """A checkpoint of random weights: a preset, or a published model's shape (the BPE's 4,096 tokens, the ids
-    past them padding)."""
-    import dataclasses
+    """A checkpoint of random weights: a preset, or a published model's shape (shape_checkpoint.py's, with a
+    BPE of 4,096 tokens: the ids past them padding)."""
     from nanoeuler.io import checkpoint
     from nanoeuler.model.config import PRESETS, init_params
     from nanoeuler.tokenizer.bpe import Tokenizer
 
-    if shape is None:
-        cfg = PRESETS[preset]
-        tok = Tokenizer.train(os.path.join(ROOT, "shakespeare.txt"), cfg.vocab_size, progress=False)
-    else:
-        from shapes import SHAPES
-        tok = Tokenizer.train(os.path.join(ROOT, "shakespeare.txt"), 4096, progress=False)
-        cfg = dataclasses.replace(SHAPES[shape], tokenizer_vocab=tok.vocab_size)
     path = os.path.join(folder, f"{shape or preset}.bin")
+    text = os.path.join(ROOT, "shakespeare.txt")
+    if shape is not None:
+        from shape_checkpoint import save_shape_checkpoint
+        save_shape_checkpoint(path, shape, Tokenizer.train(text, 4096, progress=False).to_json())
+        return path
+    cfg = PRESETS[preset]
+    tok = Tokenizer.train(text, cfg.vocab_size, progress=False)
     checkpoint.save(path, cfg, init_params(cfg, seed=0), tok.to_json(), step=0)
     return path
 

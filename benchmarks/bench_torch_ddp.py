@@ -14,7 +14,6 @@ Run without torchrun: it launches `torchrun --nproc-per-node G` itself for G = 1
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -69,14 +68,8 @@ def main():
     args = ap.parse_args()
     if "RANK" in os.environ:
         return rank_main(args)
-    rows = []
-    for gpus in (1, args.gpus):
-        done = subprocess.run(["torchrun", "--standalone", f"--nproc-per-node={gpus}", __file__, *sys.argv[1:]],
-                              capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            sys.exit(f"torchrun with {gpus} GPUs failed:\n{done.stderr[-2000:]}")
-        rows.append(json.loads(lines[-1]))
+    from reference import torchrun_rows
+    rows = torchrun_rows(__file__, (1, args.gpus), sys.argv[1:])
     print(f"PyTorch DDP + torch.compile, {args.preset}, bf16 autocast, per-rank batch {args.batch_size}")
     print(f"{'GPUs':>4} {'ms/step':>8} {'tokens/s':>10} {'vs 1':>6} {'peak GiB':>9}")
     for row in rows:

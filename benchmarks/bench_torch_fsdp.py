@@ -19,10 +19,10 @@ Run without torchrun: it launches `torchrun --nproc-per-node G` itself for each 
 measurement.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -109,6 +109,7 @@ def rank_main(args):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from nanoeuler.model.config import flops_per_token, param_count
+    from reference import training_step
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     gpu = args.device == "gpu"
@@ -152,14 +153,7 @@ def rank_main(args):
     y = torch.tensor(generator.integers(0, cfg.vocab_size, (cfg.mtp_heads, args.batch_size, cfg.context)),
                      device=device)
 
-    def step():
-        loss = model(x, y)[0]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
+    step = training_step(model, model, opt, x, y, contextlib.nullcontext())  # FSDP's policy casts, no autocast
     losses = [step() for _ in range(args.warmup)]  # torch.compile compiles in the first
     times = []
     for _ in range(args.steps):
@@ -199,14 +193,8 @@ def main():
     args = ap.parse_args()
     if "RANK" in os.environ:
         return rank_main(args)
-    rows = []
-    for gpus in args.gpus:
-        done = subprocess.run(["torchrun", "--standalone", f"--nproc-per-node={gpus}", __file__, *sys.argv[1:]],
-                              capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            sys.exit(f"torchrun with {gpus} ranks failed:\n{done.stderr[-3000:]}")
-        rows.append(json.loads(lines[-1]))
+    from reference import torchrun_rows
+    rows = torchrun_rows(__file__, args.gpus, sys.argv[1:])
     cfg = config(args)
     print(f"PyTorch FSDP2{'' if args.no_compile else ' + torch.compile'}, {args.shape or args.preset} "
           f"({rows[0]['params'] / 1e6:,.1f}M parameters), {'bf16' if args.device == 'gpu' else 'fp32 on the CPU'}, "

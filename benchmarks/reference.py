@@ -30,6 +30,9 @@ them over each query group first, as Hugging Face's Llama does.
         loss, loss0 = model(torch.from_numpy(inputs).long().cuda(), torch.from_numpy(targets).long().cuda())
 """
 import itertools
+import json
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -195,3 +198,17 @@ def training_step(loss_fn, model, opt, x, y, autocast):
         opt.zero_grad(set_to_none=True)
         return loss.item()
     return step
+
+
+def torchrun_rows(script, rank_counts, argv):
+    """Run `script argv` under torchrun once for each count of ranks (one machine); each run's last JSON line
+    from rank 0, in order. A failed run ends the benchmark with its stderr's tail."""
+    rows = []
+    for ranks in rank_counts:
+        done = subprocess.run(["torchrun", "--standalone", f"--nproc-per-node={ranks}", script, *argv],
+                              capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            sys.exit(f"torchrun with {ranks} ranks failed:\n{done.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1]))
+    return rows

@@ -23,6 +23,18 @@ from nanoeuler.model.config import init_params, param_count
 from nanoeuler.tokenizer.bpe import Tokenizer
 
 
+def save_shape_checkpoint(path, shape, tokenizer_json, context=None, seed=0):
+    """Write a checkpoint of random weights of `shape` (its context, or `context`) with the tokenizer; its cfg.
+    The rows past the tokenizer's ids are padding, never generated (a run's samples, a server's replies)."""
+    cfg = SHAPES[shape] if context is None else dataclasses.replace(SHAPES[shape], context=context)
+    tokens = Tokenizer.from_json(tokenizer_json).vocab_size
+    if tokens > cfg.vocab_size:
+        sys.exit(f"the tokenizer has more tokens than {shape}'s {cfg.vocab_size}")
+    cfg = dataclasses.replace(cfg, tokenizer_vocab=min(tokens, cfg.tokenizer_vocab or tokens))
+    checkpoint.save(path, cfg, init_params(cfg, seed), tokenizer_json, 0)
+    return cfg
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -31,17 +43,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    cfg = dataclasses.replace(SHAPES[args.shape], context=args.context)
     with open(args.tokenizer) as f:
         tokenizer_json = f.read()
-    tokens = Tokenizer.from_json(tokenizer_json).vocab_size
-    if tokens > cfg.vocab_size:
-        sys.exit(f"the tokenizer has more tokens than {args.shape}'s {cfg.vocab_size}")
-    # the rows past the tokenizer's ids are padding, never generated (the samples of a training run)
-    cfg = dataclasses.replace(cfg, tokenizer_vocab=min(tokens, cfg.tokenizer_vocab or tokens))
     t0 = time.perf_counter()
-    params = init_params(cfg, args.seed)
-    checkpoint.save(args.out, cfg, params, tokenizer_json, 0)
+    cfg = save_shape_checkpoint(args.out, args.shape, tokenizer_json, args.context, args.seed)
     print(f"{args.out}: {args.shape}, {param_count(cfg) / 1e9:.2f}B parameters, context {cfg.context}, random "
           f"weights (seed {args.seed}), in {time.perf_counter() - t0:.0f} s")
 

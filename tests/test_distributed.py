@@ -369,23 +369,25 @@ def tiny_gpu_runs(monkeypatch, tokenizer, corpus, tokenizer_file):
     return _tiny_runs(monkeypatch, tokenizer, corpus, tokenizer_file, gpu=True)
 
 
-def test_checkpoints_move_between_world_sizes(tiny_runs, tmp_path):
-    """2 ranks at batch 2 train like 1 rank at batch 4; a 2-rank checkpoint resumes on 1 rank and a 1-rank
-    checkpoint on 2 ranks with ZeRO-1 (the global batch kept), continuing the uninterrupted run's losses."""
+@pytest.mark.parametrize("sharded, resumed_zero", [((), 1), (("--zero", 3, "--recompute"), 2)])
+def test_checkpoints_move_between_world_sizes(tiny_runs, tmp_path, sharded, resumed_zero):
+    """2 ranks at batch 2 train like 1 rank at batch 4; a 2-rank checkpoint (ZeRO-1, the default, or ZeRO-3
+    with --recompute, written from its shards) resumes on 1 rank and a 1-rank checkpoint on 2 ranks with
+    ZeRO-1 or ZeRO-2 (the global batch kept), continuing the uninterrupted run's losses."""
     one, two = tiny_runs
     assert one("--out", tmp_path / "ref.bin") == 0
     ref = _log(tmp_path / "ref.jsonl")
 
-    assert two("--batch-size", 2, "--steps", 4, "--out", tmp_path / "a.bin") == 0
+    assert two("--batch-size", 2, "--steps", 4, *sharded, "--out", tmp_path / "a.bin") == 0
     assert one("--resume", "--steps", 6, "--out", tmp_path / "a.bin") == 0
     assert one("--steps", 4, "--out", tmp_path / "b.bin") == 0
-    assert two("--resume", "--steps", 6, "--zero", 1, "--out", tmp_path / "b.bin") == 0
+    assert two("--resume", "--steps", 6, "--zero", resumed_zero, "--out", tmp_path / "b.bin") == 0
     for name in "ab":
         log = _log(tmp_path / f"{name}.jsonl")
         assert [r["step"] for r in log] == list(range(1, 7))
         for key in ("loss", "loss_all_heads", "grad_norm"):
             np.testing.assert_allclose([r[key] for r in log], [r[key] for r in ref], rtol=1e-5, err_msg=name)
-        for r, want in zip(log, ref):  # the same validation windows, batched per rank (Run.eval_limits)
+        for r, want in zip(log, ref):  # the same validation windows, batched per rank; ZeRO-3's on gathered weights
             if "val_loss" in want:
                 assert r["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5), (name, r["step"])
     from nanoeuler.io import checkpoint
