@@ -28,6 +28,7 @@ from nanoeuler.io.gguf_import import load_gguf  # noqa: E402
 from nanoeuler.model.config import Config, param_count, param_layout, views  # noqa: E402
 from nanoeuler.model.quantize import dequantize, quantize  # noqa: E402
 from nanoeuler.tokenizer.bpe import Tokenizer  # noqa: E402
+from repo_env import repo_env  # noqa: E402
 from test_gguf_import import engine_logits, gguf_values, q4_k_m, write_typed  # noqa: E402
 
 CFG = Config(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, hidden=2048, vocab_size=32000, context=2048,
@@ -46,7 +47,7 @@ BARE = (f"import numpy, numba, gguf, nanoeuler.io.hf_import, nanoeuler.io.gguf_i
 def run_import(path, out, *flags):
     start = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", PEAK, str(path), str(out), *flags], capture_output=True, text=True,
-                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       cwd=ROOT, env=repo_env())
     assert r.returncode == 0, r.stderr
     return time.perf_counter() - start, int(r.stdout.split()[-1])
 
@@ -71,7 +72,7 @@ def main():
     export.write_gguf(files["Q8_0"], CFG, flat, tok, "q8_0")
     write_typed(files["Q4_K_M"], CFG, flat, tok, q4_k_m)
     bare = int(subprocess.run([sys.executable, "-c", BARE], capture_output=True, text=True, check=True, cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout)
+                              env=repo_env()).stdout)
     fp32 = 4 * param_count(CFG)
     print(f"{param_count(CFG) / 1e6:.1f}M parameters ({fp32 / 2**20:.0f} MiB in float32); a bare interpreter with "
           f"the import's modules: {bare / 2**20:.0f} MiB")

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from nanoeuler.data.text_tasks import play_instructions  # noqa: E402
+from repo_env import repo_env  # noqa: E402
 
 PIPELINE_PROMPTS = ["Greet Juliet.", "Greet the king.", "Write a poem."]  # docs/pipeline.md's chat
 RUNS = ["full", "lora", "qlora"]
@@ -166,7 +167,7 @@ def main():
     # BLAS's own threads too: numpy's products (the LoRA adapters, the quantized products of many rows) with
     # OpenBLAS's default threads on a loaded machine run several times slower
     threads = {name: str(opts.threads) for name in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-    env = dict(os.environ, **threads, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = repo_env(**threads, PYTHONUNBUFFERED="1")
 
     base = base_checkpoint(opts, env)
     data, prompts = instruction_data(opts)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from nanoeuler.data.text_tasks import mc_items_from_text  # noqa: E402
 from nanoeuler.model.config import param_shapes  # noqa: E402
 from nanoeuler.train.pretrain import PRESET_HYPER  # noqa: E402
+from repo_env import repo_env  # noqa: E402
 
 AIMS = {"int8": (0.3, 97.0), "int4": (3.0, 93.0)}  # bits per byte: at most +% over float; picks: agreement %
 QUANTIZED = [  # (name, type, group)
@@ -142,7 +143,7 @@ def main():
     # BLAS's own threads too: numpy's products (the LoRA adapters, the quantized products of many rows) with
     # OpenBLAS's default threads on a loaded machine run several times slower
     threads = {name: str(opts.threads) for name in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-    env = dict(os.environ, **threads, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = repo_env(**threads, PYTHONUNBUFFERED="1")
 
     ckpt = train(opts, env)
     from nanoeuler.io import checkpoint

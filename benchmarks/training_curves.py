@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+from repo_env import repo_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {"tokens_per_s", "time_s", "tokens_per_s_per_gpu", "mfu", "gpu_mem_gib"}
 NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", "Banquo", "Othello", "Iago",
@@ -24,7 +26,7 @@ NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", 
 
 def nanoeuler(*argv, cwd):
     subprocess.run([sys.executable, "-m", "nanoeuler", *map(str, argv)], cwd=cwd, check=True,
-                   env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL)
+                   env=repo_env(), stdout=subprocess.DEVNULL)
 
 
 def run(out):
