@@ -12,7 +12,6 @@ matrix of one type of (the file's values - the float weights), what the file's o
 (our checkpoint's values - the file's), what the import adds; and the head-0 logits of 64 tokens likewise.
 """
 import argparse
-import os
 import pathlib
 import subprocess
 import sys

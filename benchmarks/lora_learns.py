@@ -22,7 +22,6 @@ run finished already in --work is reused (the plot and the answers made again); 
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time

@@ -22,7 +22,6 @@ The table printed last says whether the aims are met: int8 within +0.3% of float
 import argparse
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
