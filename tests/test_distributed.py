@@ -19,7 +19,7 @@ from nanoeuler.train import pretrain as train
 from nanoeuler.train.loop import Hyperparameters
 from nanoeuler.train.objectives import CrossEntropy
 from nanoeuler.data.corpus import RandomWindows
-from nanoeuler.parallel.comm import SharedMemoryCommunicator, World
+from nanoeuler.parallel.comm import SharedMemoryCommunicator, World, heartbeat
 from nanoeuler.train.distributed import DataParallel
 from nanoeuler.errors import UserError
 from nanoeuler.model.engine import make_engine, to_numpy
@@ -480,10 +480,12 @@ def test_a_stopped_rank_is_named_before_the_ranks_that_wait_for_it():
     assert time.monotonic() - t0 < 10
 
 
-def test_ctrl_c_reaches_every_rank_once():
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_reaches_every_rank_once(sig):
     """The terminal's Ctrl-C goes to the launcher (the ranks have sessions of their own); it forwards it, the
-    ranks save and exit 130, and so does the run."""
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    ranks save and exit 130, and so does the run. A SIGTERM to the launcher (a scheduler's, `timeout`'s) the
+    same: never ranks left running without it."""
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), sig))
     timer.start()
     try:
         assert _fake_ranks("""
@@ -497,6 +499,18 @@ sys.exit(130 if len(got) == 1 else 5)
 """) == 130
     finally:
         timer.cancel()
+
+
+def test_a_rank_whose_launcher_was_killed_stops(monkeypatch):
+    """SIGKILL leaves the launcher no time to stop its ranks: their next heartbeat finds the pipe unread."""
+    read, write = os.pipe()
+    os.close(read)
+    monkeypatch.setenv("NANOEULER_HEARTBEAT_FD", str(write))
+    try:
+        with pytest.raises(UserError, match="launcher of this run is gone"):
+            heartbeat()
+    finally:
+        os.close(write)
 
 
 def test_the_command_line_starts_the_launcher(tmp_path):

@@ -57,13 +57,14 @@ def timeout():
 
 def heartbeat():
     """Tell the launcher (nanoeuler/parallel/launch.py) that this rank finished a step: one byte down the pipe it
-    passed in NANOEULER_HEARTBEAT_FD. Nothing without a launcher."""
+    passed in NANOEULER_HEARTBEAT_FD. Nothing without a launcher. A pipe nobody reads any more means the launcher
+    was killed (SIGKILL: it could not stop the ranks): the rank stops rather than train on, unwatched."""
     fd = env_int("NANOEULER_HEARTBEAT_FD", -1)
     if fd >= 0:
         try:
             os.write(fd, b".")
-        except OSError:
-            pass  # the launcher is gone; it stops the ranks itself when it can
+        except BrokenPipeError:
+            raise UserError("the launcher of this run is gone (killed?): this rank stops") from None
 
 
 # ------------------------------------------------------------------------------------------ communicators

@@ -14,7 +14,9 @@ the write end of a pipe down which it sends a byte after every training step (co
 
 Workers run in sessions of their own, so a Ctrl-C at the terminal reaches the launcher alone, which forwards
 it to every rank: they agree on the step to stop after, rank 0 saves, all exit 130. A second Ctrl-C is
-forwarded too, and aborts them. When a rank exits with an error or is killed, or a rank that has begun
+forwarded too, and aborts them. A SIGTERM to the launcher (a scheduler's time limit, `kill`, `timeout`) acts as
+a Ctrl-C; a launcher killed outright (SIGKILL) leaves each rank to stop at its next heartbeat, which finds the
+pipe unread. When a rank exits with an error or is killed, or a rank that has begun
 training takes no step for NANOEULER_STEP_TIMEOUT seconds, the launcher stops the others (SIGTERM, then
 SIGKILL) and the run ends with a one-line error naming the rank; the last checkpoint (written atomically)
 is kept. On several nodes each launcher watches its own ranks; a rank lost on another node ends this node's
@@ -118,7 +120,9 @@ def _supervise(ranks, step_timeout):
             if r.proc.poll() is None:
                 r.proc.send_signal(signal.SIGINT)
 
-    previous = signal.signal(signal.SIGINT, forward)
+    # SIGTERM (a scheduler's time limit, `kill`, `timeout`) as Ctrl-C: the ranks, in sessions of their own, would
+    # otherwise outlive a launcher that the default action ends at once
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
             fds = [r.fd for r in ranks if r.fd is not None]
@@ -145,7 +149,8 @@ def _supervise(ranks, step_timeout):
             if all(code is not None for code in codes):
                 return 130 if 130 in codes else 0
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _stopped(pid):
