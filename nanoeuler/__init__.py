@@ -15,19 +15,28 @@ def configure_cpu_runtime():
       from OpenBLAS's next product); OpenBLAS's spin up to 2^28 cycles by default, a short timeout makes
       them sleep. numba's workqueue layer, whose workers sleep at once, costs about 0.5 ms a loop to wake
       them: the CPU engine decoded 4-5x slower on it (docs/experiments.md).
+    - NUMBA_NUM_THREADS, where the user sets it (the CPU engine's threads), caps OpenBLAS's threads too
+      (OPENBLAS_NUM_THREADS, unless set): numpy's products otherwise take every core, and on a loaded machine
+      each one waits for its threads to be scheduled (LoRA's thin products of a 2,064-row batch on a 2-core
+      VM under load: 11 ms each on 2 threads against 0.2-0.6 ms on 1; a LoRA step 1.1-1.9 s against 0.3 s).
     - On CPUs with AVX-512, LLVM still vectorises with 256-bit registers unless told otherwise (a tuning
       for older chips that slowed down in 512-bit code); the CPU engine's loops are arithmetic-bound (exp,
       softmax, attention's products), so they get 512-bit registers. docs/benchmarks.md has what each gave.
 
-    When it takes effect: OPENBLAS_THREAD_TIMEOUT is read once, when NumPy loads OpenBLAS, so it only counts
-    if NumPy was not imported yet; nothing can change it later. GOMP_SPINCOUNT likewise, when GNU OpenMP
-    loads: with numba's thread pool, unless another library (PyTorch) loaded it first. numba's settings
-    count as long as numba has neither started its thread pool nor compiled or loaded a kernel: if numba is
-    already imported, its configuration is reloaded here from the environment. All are speed settings only;
-    results do not depend on them (the CPU engine's parallel loops fix their chunks, not the threads).
+    When it takes effect: OPENBLAS_THREAD_TIMEOUT and OPENBLAS_NUM_THREADS are read once, when NumPy loads
+    OpenBLAS, so they only count if NumPy was not imported yet; nothing can change them later. GOMP_SPINCOUNT
+    likewise, when GNU OpenMP loads: with numba's thread pool, unless another library (PyTorch) loaded it
+    first. numba's settings count as long as numba has neither started its thread pool nor compiled or loaded
+    a kernel: if numba is already imported, its configuration is reloaded here from the environment. All are
+    speed settings, and but for OpenBLAS's thread count results do not depend on them (the CPU engine's
+    parallel loops fix their chunks, not the threads); OpenBLAS splits the sums of a product of few outputs
+    and many terms (a weight's gradient over a batch) among its threads, so those round differently on
+    another count, as on a machine of another number of cores by default.
     """
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    if os.environ.get("NUMBA_NUM_THREADS", "").strip():
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", os.environ["NUMBA_NUM_THREADS"].strip())
     if "NUMBA_CPU_FEATURES" not in os.environ:
         import llvmlite.binding as llvm
         llvm.initialize_native_target()

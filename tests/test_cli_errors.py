@@ -240,7 +240,7 @@ def test_a_fresh_run_never_replaces_a_checkpoint_unasked(command, tiny_ckpt, cor
 
 SPY = textwrap.dedent("""
     import atexit, json, os, sys
-    KEYS = ("OPENBLAS_THREAD_TIMEOUT", "GOMP_SPINCOUNT")
+    KEYS = ("OPENBLAS_THREAD_TIMEOUT", "GOMP_SPINCOUNT", "OPENBLAS_NUM_THREADS")
     seen = {}
 
     class Spy:  # notes the environment at the moment numpy and numba are first imported
@@ -263,21 +263,26 @@ SPY = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("user_timeout", [None, "7"])
-def test_cli_sets_the_thread_settings_before_numpy_loads(tiny_ckpt, tmp_path, user_timeout):
+@pytest.mark.parametrize("user_timeout, threads", [(None, None), ("7", "1")])
+def test_cli_sets_the_thread_settings_before_numpy_loads(tiny_ckpt, tmp_path, user_timeout, threads):
     """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT only when NumPy loads it, and GNU OpenMP GOMP_SPINCOUNT when
-    numba's pool starts: the command line sets both before either is imported (a user's own setting wins);
-    numba's pool is one whose loops start without waking sleeping threads (not workqueue)."""
+    numba's pool starts: the command line sets both before either is imported (a user's own setting wins), and
+    NUMBA_NUM_THREADS, where given, as OpenBLAS's threads; numba's pool is one whose loops start without waking
+    sleeping threads (not workqueue)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")}
+           if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS",
+                        "OPENBLAS_NUM_THREADS")}
     if user_timeout:
         env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
+    if threads:
+        env["NUMBA_NUM_THREADS"] = threads
     report = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-c", SPY, str(report), "infer", "x", "--ckpt", str(tiny_ckpt),
                         "--device", "cpu", "--max-new-tokens", "2", "--seed", "1"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     got = json.loads(report.read_text())
-    expected = {"OPENBLAS_THREAD_TIMEOUT": user_timeout or "4", "GOMP_SPINCOUNT": "1000"}
+    expected = {"OPENBLAS_THREAD_TIMEOUT": user_timeout or "4", "GOMP_SPINCOUNT": "1000",
+                "OPENBLAS_NUM_THREADS": threads}
     assert got["seen"] == {"numpy": expected, "numba": expected}
     assert got["layer"] in ("omp", "tbb")  # the pool the CPU engine's kernels ran on

@@ -13,8 +13,8 @@ import pytest
 import nanoeuler.model
 import nanoeuler.model.gpu
 from nanoeuler.model.gpu.constants import KERNELS, module_defines, module_variants
-from nanoeuler.check.gpu import (BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, TF32_TOL, _Case, lora_model_check,
-                                 model_check)
+from nanoeuler.check.gpu import (BF16_MODEL_TOL, FP32_TOL, KERNEL_CHECKS, QUANT_CONFIG, TF32_TOL, _Case,
+                                 lora_model_check, model_check)
 from conftest import sharp_params
 from test_train import HYPER, _interrupt_at, _log, _train
 from nanoeuler.model.decoding import decoder_of
@@ -116,6 +116,20 @@ def test_lora_gradients_match_cpu_engine(precision, bound, dropout):
     """LoRA on a frozen base, all seven targets, dropout off and on (the same mask on both engines): the
     adapters' gradients and the loss against the CPU engine's; --recompute's gradients the stored path's bits."""
     errors = lora_model_check(seed=5, precision=precision, report=lambda line: None, dropout=dropout)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < bound, (worst, errors[worst])
+    assert errors["recompute"] == 0.0
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision,bound", [("fp32", FP32_TOL), ("bf16", BF16_MODEL_TOL)])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_qlora_gradients_match_cpu_engine(precision, bound, quant):
+    """QLoRA (check --gpu's rows): the base's matrices quantized in groups of 32, dropout 0.25; the products of
+    3 x 100 rows on their dequantized copies (bf16: rounded to bf16) and cuBLAS, forward and backward."""
+    errors = lora_model_check(seed=5, precision=precision, report=lambda line: None, cfg=QUANT_CONFIG,
+                              dropout=0.25, quant=quant)
     worst = max(errors, key=errors.get)
     assert errors[worst] < bound, (worst, errors[worst])
     assert errors["recompute"] == 0.0

@@ -146,8 +146,23 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
 
 def _folds_quantized(w, x, xn):
     """Whether a quantized product folds its input's RMSNorm (and SwiGLU or the rotary embedding) in: bf16
-    activations (quantized.matmul's tensor-core kernel) where nobody reads the normed input."""
+    activations (quantized.matmul's tensor-core kernel) where nobody reads the normed input (w still quantized
+    after _dequantized: at most FEW_ROWS rows)."""
     return isinstance(w, quantized.QuantizedMatrix) and x.dtype == BF16 and xn is None
+
+
+def _dequantized(w, x):
+    """w as the products of x's rows take it: a QuantizedMatrix in a product of more than FEW_ROWS rows (training,
+    a full forward) dequantized into quantized.backward_scratch, in x's type (bf16 rounds each weight once;
+    float32 is exact), so the product is cuBLAS's, as for a float w of those values: the quantized kernels
+    read the packed weights again from L2 for every 16 rows, 5-7x slower than cuBLAS at thousands of rows.
+    The scratch holds one matrix at a time, shared with the backward pass, and grows: never inside a CUDA
+    graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks), whose products keep
+    the quantized kernels (batch-invariant; nothing dequantized). w itself otherwise."""
+    if not isinstance(w, quantized.QuantizedMatrix) or x.shape[0] <= FEW_ROWS:
+        return w
+    assert not cupy.cuda.get_current_stream().is_capturing(), "a growing scratch in a CUDA graph"
+    return quantized.dequantize(w, x.dtype, quantized.backward_scratch(w.shape, x.dtype))
 
 
 def _copy_skip(skip, x):
@@ -339,7 +354,8 @@ class Layers:
         """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
         cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most FEW_ROWS
         rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the precision. A quantized w
-        (quantized_matrix) takes gpu/quantized.py's products."""
+        (quantized_matrix) takes gpu/quantized.py's products, or of more rows its dequantized copy (_dequantized)."""
+        w = _dequantized(w, x)
         if isinstance(w, quantized.QuantizedMatrix):
             quantized.matmul(out, x, w, accumulate, self.tf32)
             return
@@ -384,9 +400,11 @@ class Layers:
         (what the backward multiplies with), or is None where nobody reads it. skip (N, C), where given, receives
         a copy of x: the next buffer of the residual stream, which the sublayer's output is then added to; the copy
         rides on the norm's read of x. A few rows without xn (decoding) take one kernel that normalises its input
-        on the way; else the norm into xn, then the product."""
+        on the way; else the norm into xn, then the product (a quantized w of more than FEW_ROWS rows: its
+        dequantized copy's, _dequantized)."""
+        w = _dequantized(w, x)
         packed = isinstance(w, quantized.QuantizedMatrix)
-        if _folds_quantized(w, x, xn):  # any number of rows: one kernel, the norm folded in
+        if _folds_quantized(w, x, xn):  # one kernel, the norm folded in
             _copy_skip(skip, x)
             quantized.matmul(out, x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps)
             return
@@ -408,7 +426,8 @@ class Layers:
         take one kernel."""
         B, T, NH, D = qkv.shape
         assert pos.size in (1, B), (pos.shape, B)
-        if _folds_quantized(w, x, xn) and (B * T <= FEW_ROWS or pos.size == 1):
+        w = _dequantized(w, x)
+        if _folds_quantized(w, x, xn):
             _copy_skip(skip, x)
             quantized.matmul(qkv.reshape(B * T, -1), x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps,
                              rope=(cos, sin, _position(pos), T, n_rot_heads * D, D // 2), bias=bias)
@@ -430,6 +449,7 @@ class Layers:
         """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
         silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows without xn (decoding) take one kernel for
         all of it."""
+        w = _dequantized(w, x)
         if _folds_quantized(w, x, xn):
             _copy_skip(skip, x)
             quantized.matmul(gate_up, x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps, glu_out=out)

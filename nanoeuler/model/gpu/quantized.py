@@ -3,18 +3,19 @@ kernels/quantized.cu.
 
 `QuantizedMatrix.of(qt)` repacks a host QuantizedTensor once, at load, into the layout the kernels read (that
 file's header: 64-byte records a row, four lanes' 16-byte loads; the scales row-major): still 4 or 8 bits a
-weight plus its group's float16 scale (and minimum), never a float copy. `matmul` is the product the GPU Layers
-take for such a w:
+weight plus its group's float16 scale (and minimum), never a kept float copy. `matmul` is the product the GPU
+Layers take for such a w in products of at most FEW_ROWS rows (decoding, prefill's chunks):
 
-- bf16 activations: quant_matmul_* on the tensor cores for any number of rows (8 or 16 rows a block; more in
-  more blocks, which read the weights from L2), batch-invariant, with RMSNorm, SwiGLU, the rotary embedding
-  and a bias folded in where asked (as the bf16 few-row products);
+- bf16 activations: quant_matmul_* on the tensor cores (8 or 16 rows a block; more in more blocks, which read
+  the weights from L2), batch-invariant, with RMSNorm, SwiGLU, the rotary embedding and a bias folded in where
+  asked (as the bf16 few-row products);
 - float32 activations (fp32, tf32): the matrix dequantized into a float32 scratch of its size (exact), then
   cuBLAS, as for float weights.
 
 `dequantize(w)` gives the dequantized matrix as a CuPy array (float32 by default: model/quantize.py's values
-bit for bit): the float32 path's first step, the checks', and a frozen base's backward product (QLoRA: dx =
-dout W through a dequantized copy of one matrix at a time in `backward_scratch`, then cuBLAS).
+bit for bit): the float32 path's first step, the checks', and, into `backward_scratch` (one matrix at a time),
+every product of more rows (layers._dequantized: training's forward, a full forward) and a frozen base's
+backward product (QLoRA: dx = dout W), both then cuBLAS's.
 """
 import dataclasses
 import functools
@@ -117,9 +118,9 @@ _backward = {}
 
 
 def backward_scratch(shape, dtype):
-    """An (O, I) buffer for a frozen matrix's dequantized copy in the backward pass (QLoRA: dx = dout W): one
-    buffer per type and device, grown to the largest matrix asked and shared by all (a transient copy of one
-    matrix at a time; the backward pass runs outside CUDA graphs)."""
+    """An (O, I) buffer for a matrix's dequantized copy in a product of many rows (the forward's, layers._dequantized,
+    and the backward's dx = dout W of a frozen base): one buffer per type and device, grown to the largest matrix
+    asked and shared by all (a transient copy of one matrix at a time; such products run outside CUDA graphs)."""
     key = (np.dtype(dtype).str, cupy.cuda.Device().id)
     size = shape[0] * shape[1]
     if key not in _backward or _backward[key].size < size:
