@@ -5,7 +5,8 @@ clamped to its sliding window): the GGUF carries their tokenizers
 as llama.cpp's converter would (pre-tokenizer `smollm` / `llama-bpe`, the BOS Llama 3 adds, control and
 user-defined tokens, the chat template, `rope_freqs` for llama3 RoPE scaling), and, where llama-cpp-python is
 installed (mark llamacpp: an allowed skip without it, tests/conftest.py), llama.cpp gives our token ids on a
-fuzzed corpus and our greedy continuations (`nanoeuler infer --temperature 0`).
+fuzzed corpus and our greedy continuations (`nanoeuler infer --temperature 0`); and a quantized checkpoint's
+export (its Q8_0 / Q4_1 blocks) gives in llama.cpp our quantized engine's logits.
 
 The models are random, narrower and shallower than the published ones (2 layers; heads of 64 as theirs), with
 their config's other values (theta, epsilon, tied embeddings, Llama 3.2's rope_scaling) and their tokenizers'
