@@ -140,7 +140,7 @@ def main():
     opts = ap.parse_args()
     opts.data = str(Path(opts.data).resolve())
     name = Path(opts.ckpt).parent.name if opts.ckpt else f"d{opts.dim}_l{opts.layers}_h{opts.hidden}"
-    opts.work = opts.work or Path(f"/tmp/quant_llamacpp_{name}")
+    opts.work = (opts.work or Path(f"/tmp/quant_llamacpp_{name}")).resolve()  # the commands run in the checkout
     opts.work.mkdir(parents=True, exist_ok=True)
     env = repo_env(NUMBA_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2", OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
     sys.path.append(opts.llama_cpp_site)
