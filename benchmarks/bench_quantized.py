@@ -50,15 +50,13 @@ def fill_floats(eng, seed):
 def random_quantized(kind, group, O, I, rng):
     """A QuantizedMatrix of random bytes on the device whose values spread about as normal(0, 0.02)."""
     import cupy
-    from nanoeuler.model.gpu.quantized import QuantizedMatrix
-    w = (rng.random((O, I // 2 if kind == "int4" else I), dtype=np.float32) * 256).astype(np.uint8)
-    G = I // group
-    d = cupy.full((O, G), 0.02 / (4 if kind == "int4" else 64), np.float16)
-    if kind == "int4":
-        scales = cupy.stack([d, (-7.5 * d).astype(np.float16)], axis=-1).reshape(O, 2 * G)
-    else:
-        scales = d
-    return QuantizedMatrix(kind, group, (O, I), w, scales.view(np.uint16))
+    from nanoeuler.model.gpu.quantized import QuantizedMatrix, layout
+    w_shape, scale_shape, _ = layout(kind, group, O, I)
+    w = (rng.random(w_shape, dtype=np.float32) * 256).astype(np.uint8)
+    d = cupy.full(scale_shape, 0.02 / (4 if kind == "int4" else 64), np.float16)
+    if kind == "int4":  # every (d, m) pair alike, wherever the layout puts a row's
+        d[:, 1::2] = -7.5 * d[:, 1::2]
+    return QuantizedMatrix(kind, group, (O, I), w, d.view(np.uint16))
 
 
 def engine(cfg, kind, group, seed=0):

@@ -78,6 +78,60 @@ def test_int4_packing_round_trips():
     assert pack_int4(np.arange(32, dtype=np.uint8)[None] % 16, 32)[0, 1] == 0x11
 
 
+def gpu_layout_values(w_tiles, scale_tiles, kind, group, I, first, rows):
+    """The float32 values of rows first .. first + rows - 1 read from the GPU layout's arrays by the addresses
+    kernels/quantized.cu computes (tiled_row, copy_record's piece, record_scales, quant_dequantize), in NumPy."""
+    from nanoeuler.model.gpu.quantized_layout import group_shift, layout, scale_piece
+    shift, pieces = group_shift(group, I), layout(kind, group, rows, I)[2]
+    piece, int4 = scale_piece(kind, shift), kind == "int4"
+    chunks, row_bytes = (4, I // 2) if int4 else (2, I)
+    records = I // (32 * chunks)
+    wb, sb = w_tiles.reshape(-1).view(np.uint8), scale_tiles.reshape(-1).view(np.uint8)
+    r = np.arange(first, first + rows)[:, None, None, None]
+    rec, t, byte = (np.arange(records)[None, :, None, None], np.arange(4)[None, None, :, None],
+                    np.arange(16)[None, None, None, :])
+    lanes = wb[(r >> 3) * 8 * row_bytes + (r & 7) * 64 + 512 * rec + 16 * t + byte]  # (rows, records, 4, 16)
+    words = lanes.copy().view(np.uint32).astype(np.int64)  # (rows, records, 4 lanes, 4 words)
+    srow = (r[..., 0] >> 3) * 8 * pieces * piece + (r[..., 0] & 7) * piece  # (rows, 1, 1)
+    out = np.empty((rows, I), np.float32)
+    for c in range(chunks):
+        chunk = np.arange(records)[None, :, None] * chunks + c
+        g = chunk >> shift
+        b = (4 if int4 else 2) * g
+        at = srow + (b // piece) * 8 * piece + b % piece  # the group's scale
+        rec_ = np.arange(records)[None, :, None]  # the piece copy_record loads for the record holds it
+        loaded = srow + (32 * (((2 * rec_) >> shift) >> 1) if not int4 else
+                         128 * rec_ if shift == 0 else 64 * rec_ if shift == 1 else 32 * ((4 * rec_) >> shift))
+        assert ((loaded <= at) & (at < loaded + piece)).all()
+        d = (sb[at] | sb[at + 1].astype(np.uint16) << 8).view(np.float16).astype(np.float32)
+        for e in range(8):
+            cols = 32 * chunk + 8 * np.arange(4)[None, None, :] + e
+            if int4:
+                q = (words[..., c] >> (4 * (e >> 1) + 16 * (e & 1))) & 15
+                m = (sb[at + 2] | sb[at + 3].astype(np.uint16) << 8).view(np.float16).astype(np.float32)
+                v = (d * q.astype(np.float32)).astype(np.float32) + m  # d q exact: one rounding, as the fma
+            else:
+                byte_of = (e & 1) * 2 + ((e >> 1) & 1)  # elements 0, 2, 1, 3 in a word's bytes
+                q = ((words[..., 2 * c + (e >> 2)] >> (8 * byte_of)) & 0xFF) - 128
+                v = d * q.astype(np.float32)
+            np.put_along_axis(out, np.broadcast_to(cols, v.shape).reshape(rows, -1), v.reshape(rows, -1), axis=1)
+    return out
+
+
+@pytest.mark.parametrize("kind, group", FORMATS + [("int4", 128)])
+def test_gpu_layout_gives_every_value(kind, group):
+    """The GPU's tiled layout (gpu/quantized_layout.py) read by the kernels' addresses gives the dequantized
+    values bit for bit, of the whole matrix and of row slices that start inside a tile."""
+    from nanoeuler.model.gpu.quantized_layout import pack, packed_scales
+    w = matrix(rows=37, cols=256)
+    qt = quantize(w, kind, group)
+    tiles, scales = pack(qt), packed_scales(qt)
+    assert tiles.shape[0] == scales.shape[0] == 5 and not tiles.reshape(5, -1, 8, 64)[4, :, 5:].any()  # 3 padded
+    for first, rows in ((0, 37), (3, 17), (13, 24), (8, 1)):
+        assert np.array_equal(gpu_layout_values(tiles, scales, kind, qt.group, 256, first, rows),
+                              dequantize(qt)[first:first + rows]), (first, rows)
+
+
 @pytest.mark.parametrize("kind, group", FORMATS)
 def test_cpu_products_are_those_of_the_dequantized_matrix(kind, group):
     """A few rows: bit for bit the float kernel on the dequantized matrix, whatever the other rows; many rows

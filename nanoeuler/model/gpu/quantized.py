@@ -2,9 +2,9 @@
 kernels/quantized.cu.
 
 `QuantizedMatrix.of(qt)` repacks a host QuantizedTensor once, at load, into the layout the kernels read (that
-file's header: 64-byte records a row, four lanes' 16-byte loads; the scales row-major): still 4 or 8 bits a
-weight plus its group's float16 scale (and minimum), never a kept float copy. `matmul` is the product the GPU
-Layers take for such a w in products of at most FEW_ROWS rows (decoding, prefill's chunks):
+file's header: 64-byte records a row, four lanes' 16-byte loads; tiles of 8 rows, the scales too): still 4 or 8
+bits a weight plus its group's float16 scale (and minimum), never a kept float copy. `matmul` is the product the
+GPU Layers take for such a w in products of at most FEW_ROWS rows (decoding, prefill's chunks):
 
 - bf16 activations: quant_matmul_* on the tensor cores (8 or 16 rows a block; more in more blocks, which read
   the weights from L2), batch-invariant, with RMSNorm, SwiGLU, the rotary embedding and a bias folded in where
@@ -25,21 +25,21 @@ import numpy as np
 
 from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import QUANT_LOADS, QUANT_SPLIT, QUANT_WAVE_WARPS
+from nanoeuler.model.gpu.quantized_layout import CHUNK, TILE, group_shift, layout, pack, packed_scales
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch
-from nanoeuler.model.quantize import integers
-
-CHUNK = 32  # elements a chunk: the scales' unit and the kernels' (a group is a whole number of chunks)
 
 
 @dataclasses.dataclass
 class QuantizedMatrix:
-    """A quantized (O, I) matrix on the GPU: w (O, I / 2 or I) uint8 in the kernels' layout, scales float16 bits
-    (uint16), row-major: int4 (O, 2 I / group) (d, m) pairs, int8 (O, I / group)."""
+    """A quantized (O, I) matrix on the GPU in the kernels' layout (kernels/quantized.cu's header, `layout`):
+    w uint8 and scales float16 bits (uint16, int4's (d, m) pairs) in tiles of 8 rows; this matrix is their rows
+    row0 .. row0 + O - 1 (a slice of rows shares its matrix's arrays)."""
     kind: str
     group: int
     shape: tuple
     w: object
     scales: object
+    row0: int = 0
 
     @classmethod
     def of(cls, qt):
@@ -54,47 +54,23 @@ class QuantizedMatrix:
 
     @property
     def nbytes(self):
-        return self.w.nbytes + self.scales.nbytes
+        """The bytes of its rows' weights and scales."""
+        (_, w_cols), (_, s_cols), _ = layout(self.kind, self.group, *self.shape)
+        return self.shape[0] * (w_cols + 2 * s_cols) // TILE
 
     def rows(self, start, stop):
         """Rows start..stop-1 (no copy)."""
         assert 0 <= start <= stop <= self.shape[0]
-        return QuantizedMatrix(self.kind, self.group, (stop - start, self.shape[1]), self.w[start:stop],
-                               self.scales[start:stop])
+        return QuantizedMatrix(self.kind, self.group, (stop - start, self.shape[1]), self.w, self.scales,
+                               self.row0 + start)
 
     def _args(self):
-        """(w, scales, the groups a row, the shift from a chunk's index to its group's): a row's groups of 2^k
-        chunks, or one group (shift 31: every chunk's index shifts to 0)."""
-        I = self.shape[1]
-        shift = 31 if self.group == I else (self.group // CHUNK).bit_length() - 1
-        return self.w, self.scales, np.int32(I // self.group), np.int32(shift)
-
-
-def pack(qt):
-    """The integers of a host QuantizedTensor in the kernels' layout (kernels/quantized.cu's header), (O, I / 2)
-    (int4) or (O, I) (int8) uint8: a row's records of 64 bytes, lane t's 16 bytes the elements 8t .. 8t + 7 of
-    each of the record's chunks; an int4 chunk's 32-bit word holds element 2i in nibble i, 2i + 1 in nibble 4 + i,
-    an int8 chunk's two words q + 128 of elements 0, 2, 1, 3 and 4, 6, 5, 7."""
-    O, I = qt.shape
-    q = integers(qt)
-    if qt.kind == "int4":
-        e = q.reshape(O, I // CHUNK, 4, 8)  # (row, chunk, lane, element)
-        words = (e[..., [0, 4, 1, 5]] | (e[..., [2, 6, 3, 7]] << np.uint8(4))).astype(np.uint8)  # bytes of a word
-        packed = words.reshape(O, I // 128, 4, 4, 4).transpose(0, 1, 3, 2, 4)  # (row, record, lane, chunk, byte)
-    else:  # q + 128 as bytes, a word's bytes elements 0, 2, 1, 3
-        u = (q.view(np.uint8) ^ np.uint8(0x80)).reshape(O, I // CHUNK, 4, 8)[..., [0, 2, 1, 3, 4, 6, 5, 7]]
-        packed = u.reshape(O, I // 64, 2, 4, 8).transpose(0, 1, 3, 2, 4)
-    return np.ascontiguousarray(packed).reshape(O, -1)
-
-
-def packed_scales(qt):
-    """A QuantizedTensor's float16 parameters as the kernels read them, uint16 bits, row-major: int4 (O, 2 G)
-    (d, m) pairs, int8 (O, G)."""
-    if qt.kind == "int4":
-        scales = np.stack([qt.scales.astype(np.float16), qt.mins.astype(np.float16)], axis=-1)  # (O, G, 2)
-    else:
-        scales = qt.scales.astype(np.float16)
-    return np.ascontiguousarray(scales).view(np.uint16).reshape(qt.shape[0], -1)
+        """(w and scales from row0's tile on, the pieces of a row's scales, the group shift, row0's place in its
+        tile)."""
+        tile = self.row0 // TILE
+        shift = group_shift(self.group, self.shape[1])
+        pieces = layout(self.kind, self.group, *self.shape)[2]
+        return self.w[tile:], self.scales[tile:], np.int32(pieces), np.int32(shift), np.int32(self.row0 % TILE)
 
 
 def _check_input(x, w):
@@ -136,10 +112,10 @@ def dequantize(w, dtype=F32, out=None):
     assert out.shape == (O, I) and out.dtype == dtype and out.flags.c_contiguous
     defines = ("ACT_BF16=1",) if dtype == BF16 else ()
     threads = O * (I // (128 if w.kind == "int4" else 64)) * 4
-    q, scales, groups, group_shift = w._args()
+    q, scales, pieces, shift, phase = w._args()
     kernel("quantized", "quant_dequantize", defines)((-(-threads // 256),), (256,),
-                                                      (out, q, scales, np.int32(O), np.int32(0), np.int32(I),
-                                                       groups, group_shift, np.int32(w.kind == "int4")))
+                                                      (out, q, scales, np.int32(O), phase, np.int32(I),
+                                                       pieces, shift, np.int32(w.kind == "int4")))
     return out
 
 
@@ -194,12 +170,12 @@ def matmul(out, x, w, accumulate, tf32, gain=None, rstd=None, eps=0.0, glu_out=N
     row_blocks = -(-N // (8 * tiles_x))
     ways = split(w)
     tiles = -(-(O // 2) // 8) if half else -(-O // 16)
-    q, scales, groups, group_shift = w._args()
+    q, scales, pieces, shift, phase = w._args()
     smem = ways * WARP_SMEM
     name = f"quant_matmul_{w.kind}{'_norm' if gain is not None else ''}_t{tiles_x}"
     launch(kernel("quantized", name, ("ACT_BF16=1",), smem),
            (tiles * row_blocks,), (32 * ways,),
-           (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), groups, group_shift,
+           (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), pieces, shift, phase,
             np.int32(out.dtype == F32), np.int32(accumulate), null if gain is None else gain,
             null if rstd is None else rstd, np.float32(eps), np.int32(half), null if glu_out is None else glu_out,
             null if bias is None else bias, cos, sin, pos, np.int32(T), np.int32(pos_stride), np.int32(rot),

@@ -7,8 +7,12 @@
 // of a row reads 16 bytes: elements 8t .. 8t + 7 of each of the record's chunks. int4: a 32-bit word a chunk,
 // its nibble i element 2i and nibble 4 + i element 2i + 1 (so that one mask of the word shifted by 4i gives
 // the pair (2i, 2i + 1) as two 16-bit lanes); int8: 8 bytes a chunk, q + 128 as unsigned bytes in the
-// order of elements 0, 2, 1, 3, 4, 6, 5, 7 (so that bytes 0 and 2 of a word are a pair). The float16 scales
-// (int4: (d, m) pairs, d in the low half) are row-major, (O, I / group): a row's groups of a record adjacent.
+// order of elements 0, 2, 1, 3, 4, 6, 5, 7 (so that bytes 0 and 2 of a word are a pair). The rows lie in tiles
+// of 8: record r of a tile's 8 rows next to each other (512 bytes), after their record r - 1, so that a warp
+// reads a tile as one contiguous run (DRAM streams it; rows apart, 64 bytes at a time, it would not). A row's
+// float16 scales (int4: (d, m) pairs, d in the low half; in group order) are cut into pieces of the bytes a
+// lane loads for a record (int4: 16, 8 or 4, the groups of the record's chunks; int8: 4, two groups' d), the
+// pieces tiled as the records: piece p of a tile's 8 rows next to each other, after their piece p - 1.
 //
 // quant_matmul_*: tensor cores (mma m16n8k16, bf16, float32 accumulators) with W as the A operand: a warp takes
 // 16 rows of W (lane (g, t) loads rows g and g + 8: its own rows' weights and scales) and x's rows as the B
@@ -39,6 +43,16 @@ __device__ __forceinline__ float half_to_float(unsigned short h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+// Row r's first unit (a record, 64 bytes, or a piece of scales) in tiles of 8 rows of tile_bytes each
+__device__ __forceinline__ const unsigned char* tiled_row(const void* base, long long tile_bytes, int unit, int r) {
+    return static_cast<const unsigned char*>(base) + (long long)(r >> 3) * tile_bytes + (r & 7) * unit;
+}
+
+// The bytes of a piece of a row's scales (model/gpu/quantized.py's scale_piece)
+__device__ __forceinline__ int piece_bytes(bool int4, int group_shift) {
+    return int4 ? (group_shift == 0 ? 16 : group_shift == 1 ? 8 : 4) : 4;
 }
 
 // (0x4300 | q) is the bf16 128 + q; subtracting 128 leaves q, two at a time
@@ -104,41 +118,35 @@ __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 
-// A lane's record `rec` of its rows r0, r1 into its slots of a stage (4 x 32 uint4 apart): the 16 bytes of each
-// row, and each row's scales of the record's chunks (int4: (d, m) 32 bits a group; int8: d, 16 bits)
+// A lane's record `rec` of its rows into its slots of a stage (4 x 32 uint4 apart): the 16 bytes of each row
+// (wrow: its record 0), and each row's piece of scales holding the record's chunks' (srow: its piece 0)
 template <bool INT4>
 __device__ __forceinline__ void copy_record(uint4* slots, const uint4* const (&wrow)[2],
-                                            const unsigned short* const (&srow)[2], int rec, int group_shift) {
+                                            const unsigned char* const (&srow)[2], int rec, int group_shift) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        copy_async(slots + 32 * h, wrow[h] + 4 * rec, 16);
-        if constexpr (INT4) {
-            const unsigned* s = reinterpret_cast<const unsigned*>(srow[h]);
-            if (group_shift == 0) copy_async(slots + 32 * (2 + h), s + 4 * rec, 16);
-            else if (group_shift == 1) copy_async(slots + 32 * (2 + h), s + 2 * rec, 8);
-            else copy_async(slots + 32 * (2 + h), s + ((4 * rec) >> group_shift), 4);
-        } else if (group_shift == 0) {
-            copy_async(slots + 32 * (2 + h), srow[h] + 2 * rec, 4);
-        } else {  // the aligned 32 bits holding the group's d
-            const unsigned short* d = srow[h] + ((2 * rec) >> group_shift);
-            copy_async(slots + 32 * (2 + h), reinterpret_cast<const void*>(reinterpret_cast<size_t>(d) & ~size_t(3)), 4);
+        copy_async(slots + 32 * h, wrow[h] + 32 * rec, 16);  // a tile's record: 8 rows x 4 lanes x 16 bytes
+        if constexpr (INT4) {  // pieces of 16, 8 or 4 bytes, a tile's 8 rows' next to each other
+            if (group_shift == 0) copy_async(slots + 32 * (2 + h), srow[h] + 128 * rec, 16);
+            else if (group_shift == 1) copy_async(slots + 32 * (2 + h), srow[h] + 64 * rec, 8);
+            else copy_async(slots + 32 * (2 + h), srow[h] + 32 * ((4 * rec) >> group_shift), 4);
+        } else {  // pieces of 4 bytes: groups 2p, 2p + 1
+            copy_async(slots + 32 * (2 + h), srow[h] + 32 * (((2 * rec) >> group_shift) >> 1), 4);
         }
     }
 }
 
 // The scales of a record's chunks, as copy_record left them: (d | m << 16) or d in the low 16 bits
 template <bool INT4>
-__device__ __forceinline__ void record_scales(uint4 v, const unsigned short* srow, int rec, int group_shift,
-                                              unsigned (&s)[INT4 ? 4 : 2]) {
+__device__ __forceinline__ void record_scales(uint4 v, int rec, int group_shift, unsigned (&s)[INT4 ? 4 : 2]) {
     if constexpr (INT4) {
         if (group_shift == 0) s[0] = v.x, s[1] = v.y, s[2] = v.z, s[3] = v.w;
         else if (group_shift == 1) s[0] = s[1] = v.x, s[2] = s[3] = v.y;
         else s[0] = s[1] = s[2] = s[3] = v.x;
     } else if (group_shift == 0) {
         s[0] = v.x & 0xffffu, s[1] = v.x >> 16;
-    } else {
-        const size_t at = reinterpret_cast<size_t>(srow + ((2 * rec) >> group_shift));
-        s[0] = s[1] = (at & 2) ? v.x >> 16 : v.x & 0xffffu;
+    } else {  // the record's one group, the low or high half of its piece
+        s[0] = s[1] = (((2 * rec) >> group_shift) & 1) ? v.x >> 16 : v.x & 0xffffu;
     }
 }
 
@@ -147,7 +155,7 @@ template <int NT, bool INT4, bool GAIN>
 __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16* __restrict__ x,
                                              const unsigned char* __restrict__ w,
                                              const unsigned short* __restrict__ scales, int N, int O, int I,
-                                             int groups, int group_shift, int out_f32, int accumulate,
+                                             int pieces, int group_shift, int row_phase, int out_f32, int accumulate,
                                              const bf16* __restrict__ gain, float* __restrict__ rstd, float eps,
                                              int half, bf16* __restrict__ glu_out, const bf16* __restrict__ bias,
                                              QuantRope rope, int row_blocks) {
@@ -157,19 +165,22 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     const int tile = blockIdx.x / row_blocks, row0 = (blockIdx.x % row_blocks) * 8 * NT;
     // this lane's rows of W (A's rows g, g + 8): 16 in a row, or 8 pairs (i, i + half); past the end, the last
     const uint4* wrow[2];
-    const unsigned short* srow[2];
+    const unsigned char* srow[2];
     {
-        int r0, r1;
+        int r[2];
         if (half) {
             const int pair = min(tile * 8 + g, O / 2 - 1);
-            r0 = pair / half * 2 * half + pair % half, r1 = r0 + half;
+            r[0] = pair / half * 2 * half + pair % half, r[1] = r[0] + half;
         } else {
-            r0 = min(tile * 16 + g, O - 1), r1 = min(tile * 16 + g + 8, O - 1);
+            r[0] = min(tile * 16 + g, O - 1), r[1] = min(tile * 16 + g + 8, O - 1);
         }
-        const long long row_bytes = INT4 ? I / 2 : I, scale_units = INT4 ? 2 * groups : groups;
-        wrow[0] = reinterpret_cast<const uint4*>(w + r0 * row_bytes) + t;
-        wrow[1] = reinterpret_cast<const uint4*>(w + r1 * row_bytes) + t;
-        srow[0] = scales + r0 * scale_units, srow[1] = scales + r1 * scale_units;
+        const long long row_bytes = INT4 ? I / 2 : I;
+        const int piece = piece_bytes(INT4, group_shift);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            wrow[h] = reinterpret_cast<const uint4*>(tiled_row(w, 8 * row_bytes, 64, r[h] + row_phase)) + t;
+            srow[h] = tiled_row(scales, 8LL * pieces * piece, piece, r[h] + row_phase);
+        }
     }
     const int records = I / (32 * CHUNKS);
     const int first = warp * records / split, end = (warp + 1) * records / split;  // this warp's records
@@ -211,8 +222,8 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
         const uint4* slots = mine + stage * 128;
         const uint4 q[2] = {slots[0], slots[32]};
         unsigned sc[2][CHUNKS];
-        record_scales<INT4>(slots[64], srow[0], rec, group_shift, sc[0]);
-        record_scales<INT4>(slots[96], srow[1], rec, group_shift, sc[1]);
+        record_scales<INT4>(slots[64], rec, group_shift, sc[0]);
+        record_scales<INT4>(slots[96], rec, group_shift, sc[1]);
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
             const int at = 32 * (rec * CHUNKS + c);  // the chunk's first element
@@ -332,13 +343,13 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
 // blocks of a tile next to each other; blocks of 32 x split warps (split <= QUANT_SPLIT: a row's k-split).
 #define QUANT_PARAMS                                                                                              \
     void *out, const bf16 *x, const unsigned char *w, const unsigned short *scales, int N, int O, int I,          \
-        int groups, int group_shift, int out_f32, int accumulate, const bf16 *gain, float *rstd, float eps,       \
-        int half, bf16 *glu_out, const bf16 *bias, const float *cos_t, const float *sin_t, const int *pos, int T, \
-        int pos_stride, int rot, int row_blocks
+        int pieces, int group_shift, int row_phase, int out_f32, int accumulate, const bf16 *gain, float *rstd,  \
+        float eps, int half, bf16 *glu_out, const bf16 *bias, const float *cos_t, const float *sin_t,            \
+        const int *pos, int T, int pos_stride, int rot, int row_blocks
 #define QUANT_MATMUL(NT, NAME, INT4, GAIN)                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * QUANT_SPLIT, QUANT_BLOCKS) NAME##_t##NT(QUANT_PARAMS) {      \
-        quant_matmul<NT, INT4, GAIN>(out, x, w, scales, N, O, I, groups, group_shift, out_f32, accumulate, gain,  \
-                                     rstd, eps, half, glu_out, bias,                                              \
+        quant_matmul<NT, INT4, GAIN>(out, x, w, scales, N, O, I, pieces, group_shift, row_phase, out_f32,        \
+                                     accumulate, gain, rstd, eps, half, glu_out, bias,                            \
                                      QuantRope{cos_t, sin_t, pos, T, pos_stride, rot}, row_blocks);               \
     }
 // quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in
@@ -352,29 +363,34 @@ QUANT_MATMUL(1, quant_matmul_int8_norm, false, true)
 QUANT_MATMUL(2, quant_matmul_int8_norm, false, true)
 #endif
 
-// out (R, I) act_t = rows first .. first + R - 1 of W, dequantized; a thread a lane's 16 bytes of a record.
+// out (R, I) act_t = rows 0 .. R - 1 of W (row 0 at row_phase of its tile), dequantized; a thread a lane's 16
+// bytes of a record.
 extern "C" __global__ void quant_dequantize(act_t* __restrict__ out, const unsigned char* __restrict__ w,
-                                           const unsigned short* __restrict__ scales, int R, int first, int I,
-                                           int groups, int group_shift, int int4) {
+                                           const unsigned short* __restrict__ scales, int R, int row_phase, int I,
+                                           int pieces, int group_shift, int int4) {
     const int chunks = int4 ? 4 : 2, records = I / (32 * chunks);
     const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (i >= (long long)R * records * 4) return;
     const int r = (int)(i / (records * 4)), rec = (int)(i / 4 % records), t = (int)(i % 4);
-    const long long o = first + r;
-    const uint4 v = reinterpret_cast<const uint4*>(w + o * (int4 ? I / 2 : I))[rec * 4 + t];
+    const long long row_bytes = int4 ? I / 2 : I;
+    const int piece = piece_bytes(int4, group_shift);
+    const uint4 v = reinterpret_cast<const uint4*>(tiled_row(w, 8 * row_bytes, 64, r + row_phase))[32 * rec + t];
+    const unsigned char* srow = tiled_row(scales, 8LL * pieces * piece, piece, r + row_phase);
     const unsigned words[4] = {v.x, v.y, v.z, v.w};
     act_t* row = out + (long long)r * I;
     for (int c = 0; c < chunks; ++c) {
         const int chunk = rec * chunks + c, group = chunk >> group_shift, at = 32 * chunk + 8 * t;
+        const int b = (int4 ? 4 : 2) * group;  // the group's byte in the row's scales: piece b / piece
+        const unsigned char* sc = srow + (long long)(b / piece) * 8 * piece + b % piece;
         if (int4) {
-            const unsigned dm = reinterpret_cast<const unsigned*>(scales)[o * groups + group];
+            const unsigned dm = *reinterpret_cast<const unsigned*>(sc);
             const float d = half_to_float(dm & 0xffff), m = half_to_float(dm >> 16);
             for (int e = 0; e < 8; ++e) {
                 const unsigned q = (words[c] >> (4 * (e >> 1) + 16 * (e & 1))) & 15u;
                 row[at + e] = from_float<act_t>(fmaf(d, (float)q, m));
             }
         } else {
-            const float d = half_to_float(scales[o * groups + group]);
+            const float d = half_to_float(*reinterpret_cast<const unsigned short*>(sc));
             for (int e = 0; e < 8; ++e) {
                 const int byte = (e & 1) * 2 + ((e >> 1) & 1);  // elements 0, 2, 1, 3 in bytes 0..3
                 const int q = (int)((words[2 * c + (e >> 2)] >> (8 * byte)) & 0xff) - 128;
