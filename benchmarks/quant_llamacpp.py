@@ -20,7 +20,8 @@ CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkp
 stays the one imported) default to the folders above. llama.cpp's KV cache is float32, so the weights are the only
 difference. Files and scores go under --work. llama.cpp's K-quants need rows of a multiple of 256 elements:
 llama-quantize writes a narrower matrix in another type (Q4_K -> Q5_0, Q6_K -> Q8_0), so the table lists each
-file's tensor types.
+file's tensor types. llama.cpp's Q4_1 is our int4 /32 bit for bit in the layers, with its head in Q6_K and its
+embedding in Q4_1: the row that tells the head's share.
 """
 import argparse
 import json
@@ -44,7 +45,7 @@ from repo_env import repo_env  # noqa: E402
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed"]
 GGML_TYPE_F32 = 0
 OURS = [("int8 /32", "int8"), ("int4 /32", "int4")]  # `nanoeuler quantize --type T --group 32`: Q8_0 / Q4_1
-THEIRS = ["Q8_0", "Q4_K_M"]  # llama-quantize of our f32 export
+THEIRS = ["Q8_0", "Q4_K_M", "Q4_1"]  # llama-quantize of our f32 export (its Q4_1: our int4 /32, the head Q6_K)
 
 
 def train_model(opts, env):
@@ -81,8 +82,10 @@ def tensor_types(path):
 
 
 def llama_model(Llama, path, context):
+    # one thread: the windows are small, and llama.cpp's barriers between operations stall on shared cores (its
+    # logits do not depend on the count: a row's dot products are one thread's)
     return Llama(model_path=str(path), n_ctx=context, n_batch=context, logits_all=True, verbose=False,
-                 n_threads=2, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+                 n_threads=1, n_threads_batch=1, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
 
 
 def llama_bits_per_byte(llm, batches, vocab):
