@@ -12,7 +12,8 @@ CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkp
     mkdir -p /tmp/llamacpp/site && cp -r llama_cpp_python-0.3.16/llama_cpp /tmp/llamacpp/site/ && \\
         mkdir -p /tmp/llamacpp/site/llama_cpp/lib && cp /tmp/llamacpp/build/bin/*.so /tmp/llamacpp/site/llama_cpp/lib/
     pip install --no-deps --target /tmp/llamacpp/site diskcache
-    # a model whose rows Q4_K takes (a multiple of 256 elements): dim 256, 2 layers, small's hyperparameters, 1,000 steps
+    # a model whose rows Q4_K takes (a multiple of 256 elements): dim 256, 2 layers, small's hyperparameters and
+    # tokenizer, 1,000 steps
     python benchmarks/quant_llamacpp.py --dim 256 --layers 2 --hidden 512
     python benchmarks/quant_llamacpp.py --ckpt /tmp/quant_accuracy_small/float.bin    # small (dim 128)
 
@@ -204,7 +205,8 @@ def main():
           f"{__version__}; bits per byte on the held-out tenth, each against its own engine's float")
     rows = [("weights", "engine", "bits/weight", "embedding", "tensor types", "bits/byte", "vs float")]
     for label, s in results["ours"].items():
-        rows.append((label, "nanoeuler (CPU)", "", "", "", f"{s['bpb']:.5f}", f"{100 * (s['bpb'] / base_ours - 1):+.3f}%"))
+        rows.append((label, "nanoeuler (CPU)", "", "", "", f"{s['bpb']:.5f}",
+                     f"{100 * (s['bpb'] / base_ours - 1):+.3f}%"))
     for label, s in results["llama.cpp"].items():
         rows.append((label, "llama.cpp", f"{s['bits_per_weight']:.2f}", s["embedding"],
                      " ".join(f"{k}:{v}" for k, v in s["types"].items()), f"{s['bpb']:.5f}",
