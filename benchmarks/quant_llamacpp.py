@@ -1,7 +1,8 @@
-"""llama.cpp's own Q8_0 and Q4_K_M beside our int8 and int4, on a model trained on shakespeare.txt: bits per byte
-on the held-out last tenth, every model scored on the same token windows (those of `eval --task bpb`), ours by the
-CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkpoints exported by `export --gguf`
-(their Q8_0 / Q4_1 blocks copied), scored by llama.cpp and decoded greedily beside `nanoeuler infer --temperature 0`.
+"""llama.cpp's own Q8_0, Q4_K_M and Q4_1 beside our int8 and int4, on a model trained on shakespeare.txt: bits per
+byte on the held-out last tenth, every model scored on the same token windows (those of `eval --task bpb`), ours
+by the CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkpoints exported by `export
+--gguf` (their Q8_0 / Q4_1 blocks copied), scored by llama.cpp and decoded greedily beside `nanoeuler infer
+--temperature 0`.
 
     # llama.cpp: llama-quantize and the shared libraries, and llama-cpp-python's Python package beside them (its
     # source distribution vendors the llama.cpp that it binds; about 10 minutes on 2 cores)
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quant_accuracy import REPO, held_out_text, log, nanoeuler  # noqa: E402 (puts the checkout on sys.path)
+from quant_accuracy import held_out_text, log, nanoeuler  # noqa: E402 (puts the checkout on sys.path)
 from gguf_llamacpp import llama_greedy  # noqa: E402
 from nanoeuler.data.corpus import eval_batches, open_corpus  # noqa: E402
 from nanoeuler.infer.generate import generate  # noqa: E402
