@@ -1,7 +1,8 @@
-"""llama.cpp's own Q8_0 and Q4_K_M beside our int8 and int4, on a model trained on shakespeare.txt: bits per byte
-on the held-out last tenth, every model scored on the same token windows (those of `eval --task bpb`), ours by the
-CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkpoints exported by `export --gguf`
-(their Q8_0 / Q4_1 blocks copied), scored by llama.cpp and decoded greedily beside `nanoeuler infer --temperature 0`.
+"""llama.cpp's own Q8_0, Q4_K_M and Q4_1 beside our int8 and int4, on a model trained on shakespeare.txt: bits per
+byte on the held-out last tenth, every model scored on the same token windows (those of `eval --task bpb`), ours
+by the CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkpoints exported by `export
+--gguf` (their Q8_0 / Q4_1 blocks copied), scored by llama.cpp and decoded greedily beside `nanoeuler infer
+--temperature 0`.
 
     # llama.cpp: llama-quantize and the shared libraries, and llama-cpp-python's Python package beside them (its
     # source distribution vendors the llama.cpp that it binds; about 10 minutes on 2 cores)
@@ -12,7 +13,8 @@ CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkp
     mkdir -p /tmp/llamacpp/site && cp -r llama_cpp_python-0.3.16/llama_cpp /tmp/llamacpp/site/ && \\
         mkdir -p /tmp/llamacpp/site/llama_cpp/lib && cp /tmp/llamacpp/build/bin/*.so /tmp/llamacpp/site/llama_cpp/lib/
     pip install --no-deps --target /tmp/llamacpp/site diskcache
-    # a model whose rows Q4_K takes (a multiple of 256 elements): dim 256, 2 layers, small's hyperparameters, 1,000 steps
+    # a model whose rows Q4_K takes (a multiple of 256 elements): dim 256, 2 layers, small's hyperparameters and
+    # tokenizer, 1,000 steps
     python benchmarks/quant_llamacpp.py --dim 256 --layers 2 --hidden 512
     python benchmarks/quant_llamacpp.py --ckpt /tmp/quant_accuracy_small/float.bin    # small (dim 128)
 
@@ -20,7 +22,8 @@ CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkp
 stays the one imported) default to the folders above. llama.cpp's KV cache is float32, so the weights are the only
 difference. Files and scores go under --work. llama.cpp's K-quants need rows of a multiple of 256 elements:
 llama-quantize writes a narrower matrix in another type (Q4_K -> Q5_0, Q6_K -> Q8_0), so the table lists each
-file's tensor types.
+file's tensor types. llama.cpp's Q4_1 is our int4 /32 bit for bit in the layers, with its head in Q6_K and its
+embedding in Q4_1: the row that tells the head's share.
 """
 import argparse
 import json
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quant_accuracy import REPO, held_out_text, log, nanoeuler  # noqa: E402 (puts the checkout on sys.path)
+from quant_accuracy import held_out_text, log, nanoeuler  # noqa: E402 (puts the checkout on sys.path)
 from gguf_llamacpp import llama_greedy  # noqa: E402
 from nanoeuler.data.corpus import eval_batches, open_corpus  # noqa: E402
 from nanoeuler.infer.generate import generate  # noqa: E402
@@ -44,7 +47,7 @@ from repo_env import repo_env  # noqa: E402
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed"]
 GGML_TYPE_F32 = 0
 OURS = [("int8 /32", "int8"), ("int4 /32", "int4")]  # `nanoeuler quantize --type T --group 32`: Q8_0 / Q4_1
-THEIRS = ["Q8_0", "Q4_K_M"]  # llama-quantize of our f32 export
+THEIRS = ["Q8_0", "Q4_K_M", "Q4_1"]  # llama-quantize of our f32 export (its Q4_1: our int4 /32, the head Q6_K)
 
 
 def train_model(opts, env):
@@ -81,8 +84,10 @@ def tensor_types(path):
 
 
 def llama_model(Llama, path, context):
+    # one thread: the windows are small, and llama.cpp's barriers between operations stall on shared cores (its
+    # logits do not depend on the count: a row's dot products are one thread's)
     return Llama(model_path=str(path), n_ctx=context, n_batch=context, logits_all=True, verbose=False,
-                 n_threads=2, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+                 n_threads=1, n_threads_batch=1, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
 
 
 def llama_bits_per_byte(llm, batches, vocab):
@@ -201,7 +206,8 @@ def main():
           f"{__version__}; bits per byte on the held-out tenth, each against its own engine's float")
     rows = [("weights", "engine", "bits/weight", "embedding", "tensor types", "bits/byte", "vs float")]
     for label, s in results["ours"].items():
-        rows.append((label, "nanoeuler (CPU)", "", "", "", f"{s['bpb']:.5f}", f"{100 * (s['bpb'] / base_ours - 1):+.3f}%"))
+        rows.append((label, "nanoeuler (CPU)", "", "", "", f"{s['bpb']:.5f}",
+                     f"{100 * (s['bpb'] / base_ours - 1):+.3f}%"))
     for label, s in results["llama.cpp"].items():
         rows.append((label, "llama.cpp", f"{s['bits_per_weight']:.2f}", s["embedding"],
                      " ".join(f"{k}:{v}" for k, v in s["types"].items()), f"{s['bpb']:.5f}",
