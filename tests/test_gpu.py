@@ -438,7 +438,7 @@ def test_gpu_products_of_many_rows_give_the_bits_of_few(precision, monkeypatch):
             # matmul_rows in blocks of 8, 4, 2 and 1 warps, then the tile kernels (matmul_small_t*)
             for min_tiles, warps in ((0, 8), (0, 4), (0, 2), (0, 1), (1 << 30, None)):
                 monkeypatch.setattr(gpu_layers, "MATMUL_ROWS_MIN_TILES", min_tiles)
-                monkeypatch.setattr(gpu_layers, "_rows_warps", lambda tiles_of_w: warps)
+                monkeypatch.setattr(gpu_layers, "_rows_warps", lambda tiles_of_w, tiles: warps)
                 got = run(N)
                 for a, b, name in zip(few, got, ("out", "rstd", "glu_out")):
                     assert a is None or np.array_equal(a.view(np.uint8), b.view(np.uint8)), (kind, O, I, N, warps,

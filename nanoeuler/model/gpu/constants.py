@@ -16,13 +16,12 @@ MATMUL_SMALL_LOADS = 4   # the 16-byte loads of w a thread has in flight at once
 MATMUL_PAIR = 2          # many rows: tiles of w a warp takes at once (x's fragments loaded once for all)
 MATMUL_PAIR_WARPS = 6    # ... in blocks of at most this many warps (rows up to 768), two of which an SM can hold
 # ... 9 to 64 rows of a product of at least MATMUL_ROWS_MIN_TILES tiles of 8 rows of w (matmul_rows_t*: x's rows
-# in shared memory, shared by a block's tiles; w straight to registers): the most warps a block, the tiles of w a
-# warp (each fragment of x read from shared memory once for them all; their sums held in registers), and the
-# stages of x's rows in shared memory (a round of a virtual warp each), all but one in flight
+# in shared memory, shared by a block's tiles): the most warps a block, the tiles of w a warp, and the stages of
+# x's rows and w's tiles in shared memory (a round of a virtual warp each), all but one in flight
 MATMUL_ROWS_MIN_TILES = 1024
 MATMUL_ROWS_WARPS = 8
 MATMUL_ROWS_NT = 2
-MATMUL_ROWS_STAGES = 4
+MATMUL_ROWS_STAGES = 3
 # ... up to 8 rows (matmul_small): the physical warps a block, at most, for a product whose blocks would not fill
 # the SMs at the second number, and for one whose blocks do (a row's k-split stays that of its virtual warps,
 # MATMUL_SMALL_WARPS at most, set by the row length; a physical warp runs several in turn): small blocks, many

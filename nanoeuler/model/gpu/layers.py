@@ -125,9 +125,9 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
         half = O // 2
     tiles_of_w = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a tile: the mma's n
     smem, groups = 0, 1
-    physical = _rows_warps(tiles_of_w) if tiles and tiles_of_w >= MATMUL_ROWS_MIN_TILES else 0
+    physical = _rows_warps(tiles_of_w, tiles) if tiles and tiles_of_w >= MATMUL_ROWS_MIN_TILES else 0
     if physical:
-        smem = _rows_smem(tiles)
+        smem = _rows_smem(tiles, physical)
         kern = kernel("matmul", f"matmul_rows_t{tiles}", _act_defines(x), dynamic_smem=smem)
         grid = (_blocks(tiles_of_w, physical * MATMUL_ROWS_NT),)
     else:
@@ -184,18 +184,24 @@ def _physical_warps(virtual, blocks, kern):
     return small if blocks >= resident else most(MATMUL_FEW_WARPS[0])
 
 
-def _rows_smem(tiles):
-    """Bytes of dynamic shared memory of a matmul_rows block on `tiles` tiles of 16 rows of x: MATMUL_ROWS_STAGES
-    stages of x's rows and the gain, in 16-byte chunks (w goes to registers)."""
-    return MATMUL_ROWS_STAGES * 16 * (tiles * MATMUL_SMALL_LOADS * 64 + MATMUL_SMALL_LOADS * 4)
+def _rows_smem(tiles, warps):
+    """Bytes of dynamic shared memory of a matmul_rows block of `warps` warps on `tiles` tiles of 16 rows of x:
+    MATMUL_ROWS_STAGES stages of x's rows, the gain and the block's tiles of w, in 16-byte chunks."""
+    stage = (tiles * MATMUL_SMALL_LOADS * 64 + MATMUL_SMALL_LOADS * 4
+             + warps * MATMUL_ROWS_NT * MATMUL_SMALL_LOADS * 32)
+    return MATMUL_ROWS_STAGES * 16 * stage
 
 
-def _rows_warps(tiles_of_w):
-    """The warps a block of matmul_rows (each MATMUL_ROWS_NT tiles of w) for a product of tiles_of_w tiles of w:
-    the most, up to MATMUL_ROWS_WARPS, that still give nearly every SM a block (each block reads all of x's rows
-    from L2 once), else 1. The same bits whichever."""
-    return next((w for w in (MATMUL_ROWS_WARPS, MATMUL_ROWS_WARPS // 2, MATMUL_ROWS_WARPS // 4)
-                 if _blocks(tiles_of_w, w * MATMUL_ROWS_NT) >= 0.9 * sm_count()), 1)
+def _rows_warps(tiles_of_w, tiles):
+    """The warps a block of matmul_rows (each MATMUL_ROWS_NT tiles of w) for a product of tiles_of_w tiles of w
+    and `tiles` tiles of x: the most, up to MATMUL_ROWS_WARPS, whose stages fit a block's shared memory on this
+    GPU and that still give nearly every SM a block (each block reads all of x's rows from L2 once); 0 where
+    none fits (the tile kernels then). The same bits whichever."""
+    limit = cupy.cuda.runtime.deviceGetAttribute(97, cupy.cuda.Device().id)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    fits = [w for w in (MATMUL_ROWS_WARPS, MATMUL_ROWS_WARPS // 2, MATMUL_ROWS_WARPS // 4, 1)
+            if _rows_smem(tiles, w) + 64 * 4 <= limit]  # and the rows' sums of squares (static)
+    filling = [w for w in fits if _blocks(tiles_of_w, w * MATMUL_ROWS_NT) >= 0.9 * sm_count()]
+    return filling[0] if filling else (fits[-1] if fits else 0)
 
 
 def _product_split(tiles, tiles_of_w, warps, kernel_of):

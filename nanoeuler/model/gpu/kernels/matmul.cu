@@ -376,20 +376,16 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 }
 
 // Products of 9 to 64 rows with many tiles of w (matmul_rows_t<XT>): a row's bits are matmul_small's. A block
-// takes all of x's rows (XT tiles of 16, the A operands) and warps x NT tiles of 8 rows of w (NT a warp, its B
-// operands: each fragment of x read once for NT tiles), and walks the row's virtual warps in order, each one's
+// takes all of x's rows (XT tiles of 16) and warps x NT tiles of 8 rows of w (NT a warp, its B operands, x's
+// tiles its A operands: x's fragments read once for NT tiles), and walks the row's virtual warps in order, each one's
 // rounds in order: a stage is one round of one virtual warp, the same k-range and the same chunks a thread of
 // that virtual warp loads in matmul_small (thread (g, t): 16 bytes of x's rows g and g + 8 and of w's row g
-// at element r0 + own + p * step). x's rows and the gain, which all the block's warps read, are copied into
-// shared memory in the fragments' order (cp.async, MATMUL_ROWS_STAGES stages, all but one in flight), so they
-// come from L2 once a block, not once a tile of w. w, read once, goes straight to the registers of the thread
-// whose fragment it is, two stages of it held: chunk p of stage s + 2 is loaded as soon as stage s has used
-// its own (two stages in flight; staged in shared memory, w's write and read back there took the bandwidth
-// that x's reads, one a warp, already nearly use up).
-// Each warp sums a virtual warp's products from 0 in registers through the same mma_chunk calls, then adds
-// them to its running total (from 0.f, as matmul_small's `v += partial[j]`); the squares of x's tile j are
-// summed the same way by warp j % warps. No reduction across warps: each thread finishes its own (row, column
-// pair) items (finish_item).
+// at element r0 + own + p * step). A stage's x, w and gain chunks are copied into shared memory in the
+// fragments' order (cp.async, MATMUL_ROWS_STAGES stages in flight), so x's rows come from L2 once a block, not
+// once a tile of w. Each warp sums a virtual warp's products from 0 in registers through the same mma_chunk
+// calls, then adds them to its running total (from 0.f, as matmul_small's `v += partial[j]`); the squares of
+// x's tile j are summed the same way by warp j % warps. No reduction across warps: each thread finishes its own
+// (row, column pair) items (finish_item).
 template <bool PACKED>
 __device__ __forceinline__ void stage_chunk(uint4* to, const act_t* base, long long at, int i, int n, bool live) {
     if constexpr (PACKED) {  // a whole chunk or none (zeros)
@@ -409,29 +405,36 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
     constexpr int LOADS = MATMUL_SMALL_LOADS, STAGES = MATMUL_ROWS_STAGES, step = 4 * PACK;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5, I = f.I, half = f.half, cols = f.O / W;
-    const int tile0 = (blockIdx.x * warps + warp) * NT;  // the warp's first tile of w
-    // a stage in uint4: x (XT tiles x LOADS x 2 halves x 32 lanes), then the gain (LOADS x 4)
-    const int x_size = XT * LOADS * 64, stage_size = x_size + LOADS * 4;
+    const int tiles = warps * NT, tile0 = blockIdx.x * tiles;
+    // a stage in uint4: x (XT tiles x LOADS x 2 halves x 32 lanes), the gain (LOADS x 4), w (tiles x LOADS x 32)
+    const int x_size = XT * LOADS * 64, gain_at = x_size, w_at = x_size + LOADS * 4;
+    const int stage_size = w_at + tiles * LOADS * 32;
     const int stride = vwarps * LOADS * step, rounds = (I + stride - 1) / stride, S = vwarps * rounds;
     const auto k_of = [&](int s) { return s % rounds * stride + s / rounds * LOADS * step; };  // r0 + warp_own
-    // the rows of w this thread loads: column g of the warp's tiles
-    const act_t* w_row[NT];
+    // the rows of w this thread copies: column g of the block's tiles warp, warp + warps, ... (NT of them)
+    long long w_row[NT];
     bool w_live[NT];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int lcol = W == 1 ? (tile0 + n) * 8 + g : (tile0 + n) * 4 + g / 2;
+    for (int i = 0; i < NT; ++i) {
+        const int tile = tile0 + warp + i * warps;
+        const int lcol = W == 1 ? tile * 8 + g : tile * 4 + g / 2;
         const int lrow = W == 1 ? lcol : lcol / half * 2 * half + lcol % half + (g & 1) * half;
-        w_row[n] = w + (long long)lrow * I, w_live[n] = lcol < cols;
+        w_row[i] = (long long)lrow * I, w_live[i] = lcol < cols;
     }
-    const bool works = (W == 1 ? tile0 * 8 : tile0 * 4) < cols;  // else the warp only copies x and meets barriers
-    uint4 wr[2][NT][LOADS];  // w's chunks of stage s in wr[s % 2] (indexed by constants only: registers)
-    const auto load_w = [&](uint4 (&to)[NT][LOADS], int s, int p) {
-        const int k = k_of(s) + p * step + t * PACK;
+    const auto copy_w = [&](int s) {  // and the gain's
+        uint4* st = stages + s % STAGES * stage_size;
+        const int k0 = k_of(s);
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
-            to[n][p] = w_live[n] ? load_chunk<PACKED>(w_row[n], k, I) : make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int p = 0; p < LOADS; ++p)
+                stage_chunk<PACKED>(st + w_at + ((warp + i * warps) * LOADS + p) * 32 + lane, w, w_row[i],
+                                    k0 + p * step + t * PACK, I, w_live[i]);
+        if (f.gain && (int)threadIdx.x < LOADS * 4)
+            stage_chunk<PACKED>(st + gain_at + threadIdx.x, f.gain, 0,
+                                k0 + (threadIdx.x >> 2) * step + (threadIdx.x & 3) * PACK, I, true);
     };
-    const auto copy_x = [&](int s) {  // and the gain's
+    const auto copy_x = [&](int s) {
         uint4* st = stages + s % STAGES * stage_size;
         const int k0 = k_of(s);
         for (int c = threadIdx.x; c < x_size; c += blockDim.x) {
@@ -439,17 +442,10 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
             stage_chunk<PACKED>(st + c, x, (long long)row * I, k0 + jp % LOADS * step + (l & 3) * PACK, I,
                                 row < N);
         }
-        if (f.gain && (int)threadIdx.x < LOADS * 4)
-            stage_chunk<PACKED>(st + x_size + threadIdx.x, f.gain, 0,
-                                k0 + (threadIdx.x >> 2) * step + (threadIdx.x & 3) * PACK, I, true);
     };
     const auto commit = [] { asm volatile("cp.async.commit_group;\n" ::: "memory"); };
     let_next_launch();
-#pragma unroll
-    for (int p = 0; p < LOADS; ++p) {  // before the wait: w is no kernel's output
-        load_w(wr[0], 0, p);
-        if (S > 1) load_w(wr[1], 1, p);
-    }
+    for (int s = 0; s < STAGES - 1 && s < S; ++s) copy_w(s);  // before the wait: w and the gain are no one's output
     wait_for_inputs();
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < S) copy_x(s);
@@ -464,29 +460,30 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[n][j][i] = total[n][j][i] = 0.f;
     }
-    const auto run_stage = [&](int s, uint4 (&ws)[NT][LOADS]) {  // ws: wr[s % 2]
+    for (int s = 0; s < S; ++s) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");  // stage s has landed
         __syncthreads();  // everyone's copies of it, and everyone is done with stage s - 1, whose buffer is next
-        if (s + STAGES - 1 < S) copy_x(s + STAGES - 1);
+        if (s + STAGES - 1 < S) copy_w(s + STAGES - 1), copy_x(s + STAGES - 1);
         commit();
         const uint4* st = stages + s % STAGES * stage_size;
         const int k0 = k_of(s);
         const auto x_at = [&](int j, int p, int h) { return st[((j * LOADS + p) * 2 + h) * 32 + lane]; };
 #pragma unroll
         for (int p = 0; p < LOADS; ++p) {
-            if (works && k0 + p * step < I) {  // the virtual warp holds some of I
-                uint4 wf[NT];
-                const uint4 gr = f.gain ? st[x_size + p * 4 + t] : make_uint4(0u, 0u, 0u, 0u);
+            if (k0 + p * step >= I) break;  // the virtual warp holds no more of I
+            uint4 wf[NT];
+            const uint4 gr = f.gain ? st[gain_at + p * 4 + t] : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-                for (int n = 0; n < NT; ++n) wf[n] = f.gain ? gained(ws[n][p], gr) : ws[n][p];
-#pragma unroll
-                for (int j = 0; j < XT; ++j) {
-                    const uint4 a = x_at(j, p, 0), a8 = x_at(j, p, 1);
-#pragma unroll
-                    for (int n = 0; n < NT; ++n) mma_chunk(acc[n][j], a, a8, wf[n]);
-                }
+            for (int n = 0; n < NT; ++n) {
+                wf[n] = st[w_at + ((warp * NT + n) * LOADS + p) * 32 + lane];
+                if (f.gain) wf[n] = gained(wf[n], gr);
             }
-            if (s + 2 < S) load_w(ws, s + 2, p);
+#pragma unroll
+            for (int j = 0; j < XT; ++j) {
+                const uint4 a = x_at(j, p, 0), a8 = x_at(j, p, 1);
+#pragma unroll
+                for (int n = 0; n < NT; ++n) mma_chunk(acc[n][j], a, a8, wf[n]);
+            }
         }
         if (f.gain)
 #pragma unroll
@@ -513,10 +510,6 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
                     for (int i = 0; i < 4; ++i) total[n][j][i] += acc[n][j][i], acc[n][j][i] = 0.f;
             }
         }
-    };
-    for (int s = 0; s < S; s += 2) {  // two stages a turn, each on its own registers of w
-        run_stage(s, wr[0]);
-        if (s + 1 < S) run_stage(s + 1, wr[1]);
     }
 #if ACT_BF16
     const int ss_lane = g >> 1;  // the diagonal's
@@ -531,7 +524,7 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
     const float none[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
-        const int tile = tile0 + n, fcol = W == 1 ? tile * 8 + 2 * t : tile * 4 + t;
+        const int tile = tile0 + warp * NT + n, fcol = W == 1 ? tile * 8 + 2 * t : tile * 4 + t;
         if (fcol >= cols) break;
 #pragma unroll
         for (int j = 0; j < XT; ++j)
