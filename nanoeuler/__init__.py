@@ -17,8 +17,7 @@ def configure_cpu_runtime():
       them: the CPU engine decoded 4-5x slower on it (docs/experiments.md).
     - NUMBA_NUM_THREADS, where the user sets it (the CPU engine's threads), caps OpenBLAS's threads too
       (OPENBLAS_NUM_THREADS, unless set): numpy's products otherwise take every core, and on a loaded machine
-      each one waits for its threads to be scheduled (LoRA's thin products of a 2,064-row batch on a 2-core
-      VM under load: 11 ms each on 2 threads against 0.2-0.6 ms on 1; a LoRA step 1.1-1.9 s against 0.3 s).
+      each one waits for its threads to be scheduled (LoRA's thin products: docs/lora.md's Measurements).
     - On CPUs with AVX-512, LLVM still vectorises with 256-bit registers unless told otherwise (a tuning
       for older chips that slowed down in 512-bit code); the CPU engine's loops are arithmetic-bound (exp,
       softmax, attention's products), so they get 512-bit registers. docs/benchmarks.md has what each gave.

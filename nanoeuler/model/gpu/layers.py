@@ -153,16 +153,16 @@ def _folds_quantized(w, x, xn):
 
 def _dequantized(w, x):
     """w as the products of x's rows take it: a QuantizedMatrix in a product of more than FEW_ROWS rows (training,
-    a full forward) dequantized into quantized.backward_scratch, in x's type (bf16 rounds each weight once;
+    a full forward) dequantized into quantized.dequantized_scratch, in x's type (bf16 rounds each weight once;
     float32 is exact), so the product is cuBLAS's, as for a float w of those values: the quantized kernels
-    read the packed weights again from L2 for every 16 rows, 5-7x slower than cuBLAS at thousands of rows.
+    read the packed weights again from L2 for every 16 rows, far slower than cuBLAS at thousands of rows.
     The scratch holds one matrix at a time, shared with the backward pass, and grows: never inside a CUDA
     graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks), whose products keep
     the quantized kernels (batch-invariant; nothing dequantized). w itself otherwise."""
     if not isinstance(w, quantized.QuantizedMatrix) or x.shape[0] <= FEW_ROWS:
         return w
     assert not cupy.cuda.get_current_stream().is_capturing(), "a growing scratch in a CUDA graph"
-    return quantized.dequantize(w, x.dtype, quantized.backward_scratch(w.shape, x.dtype))
+    return quantized.dequantize(w, x.dtype, quantized.dequantized_scratch(w.shape, x.dtype))
 
 
 def _copy_skip(skip, x):
@@ -374,7 +374,7 @@ class Layers:
         dbias (O,) float32 += the column sums of dout, as the product of dout.T with a column of ones."""
         if isinstance(w, quantized.QuantizedMatrix):  # a frozen quantized base (QLoRA): its input gradient alone
             assert dw is None, "a quantized matrix is frozen"
-            w = quantized.dequantize(w, dout.dtype, quantized.backward_scratch(w.shape, dout.dtype))
+            w = quantized.dequantize(w, dout.dtype, quantized.dequantized_scratch(w.shape, dout.dtype))
         _check(dx, dout, x, w, act=x)
         if dw is not None:
             _check(dw)

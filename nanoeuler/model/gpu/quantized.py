@@ -13,7 +13,7 @@ GPU Layers take for such a w in products of at most FEW_ROWS rows (decoding, pre
   cuBLAS, as for float weights.
 
 `dequantize(w)` gives the dequantized matrix as a CuPy array (float32 by default: model/quantize.py's values
-bit for bit): the float32 path's first step, the checks', and, into `backward_scratch` (one matrix at a time),
+bit for bit): the float32 path's first step, the checks', and, into `dequantized_scratch` (one matrix at a time),
 every product of more rows (layers._dequantized: training's forward, a full forward) and a frozen base's
 backward product (QLoRA: dx = dout W), both then cuBLAS's.
 """
@@ -90,19 +90,19 @@ def scratch(shape, dtype):
     return _scratch[key]
 
 
-_backward = {}
+_dequantized = {}
 
 
-def backward_scratch(shape, dtype):
+def dequantized_scratch(shape, dtype):
     """An (O, I) buffer for a matrix's dequantized copy in a product of many rows (the forward's, layers._dequantized,
     and the backward's dx = dout W of a frozen base): one buffer per type and device, grown to the largest matrix
     asked and shared by all (a transient copy of one matrix at a time; such products run outside CUDA graphs)."""
     key = (np.dtype(dtype).str, cupy.cuda.Device().id)
     size = shape[0] * shape[1]
-    if key not in _backward or _backward[key].size < size:
-        _backward.pop(key, None)  # the smaller one freed before the larger is made
-        _backward[key] = cupy.empty(size, dtype)
-    return _backward[key][:size].reshape(shape)
+    if key not in _dequantized or _dequantized[key].size < size:
+        _dequantized.pop(key, None)  # the smaller one freed before the larger is made
+        _dequantized[key] = cupy.empty(size, dtype)
+    return _dequantized[key][:size].reshape(shape)
 
 
 def dequantize(w, dtype=F32, out=None):
