@@ -1,5 +1,5 @@
 """Import a GGUF file (llama.cpp's format): `nanoeuler import --gguf FILE --out F [--context N] [--quantize
-int8|int4 [--group N]] [--overwrite]`.
+int8|int4 [--group N] [--head-type int8|int4]] [--overwrite]`.
 
     nanoeuler import --gguf SmolLM2-135M-Instruct-Q8_0.gguf --out smol_q8.bin      # int8 blocks, copied
     nanoeuler import --gguf Llama-3.2-1B-Instruct-Q4_K_M.gguf --out llama_int4.bin --quantize int4
