@@ -1,6 +1,8 @@
 """Decoding with quantized weights on the GPU: the device's time of one decoding step (graph replays, CUDA events)
 of bf16, int8 and int4 weights of a published model's shape, at 1, 16 and 64 rows, in one run; and the peak GPU
-memory of a quantized model decoding with an 8,192-token KV cache.
+memory of a quantized model decoding with an 8,192-token KV cache. A type is bf16 or a quantized type with its
+group after a colon and the heads' own type after a plus (groups of 32): int4 (the head int4 too), int4+int8
+(the head int8: what `quantize --type int4` writes), int4:64+int8.
 
 Random weights made on the device (no host copy of an 8B model): bf16 matrices normal(0, 0.02); quantized ones
 random bytes with scales that give the same spread (docs/quantization.md has the formats); the embedding and
@@ -15,6 +17,7 @@ CuPy's pool's high-water mark.
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b llama3.2-1b
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --memory-only
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --products   # each product alone
+    PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --types bf16 int4 int4+int8
 
 --products: each of a layer's products (and the head) alone, int8 / int4 / int4:64 and bf16 (matmul_forward on
 random weights), at each --rows, as CUDA graphs of 20 calls: microseconds and the bytes of weights read a
@@ -59,11 +62,22 @@ def random_quantized(kind, group, O, I, rng):
     return QuantizedMatrix(kind, group, (O, I), w, d.view(np.uint16))
 
 
-def engine(cfg, kind, group, seed=0):
-    """A decoding engine of cfg with random weights: bf16 (kind None) or its matrices quantized."""
+def parse_type(spec):
+    """(type or None for bf16, group, the heads' type or None) of a --types entry: int4:64+int8 is int4 in
+    groups of 64 with the heads int8 (in groups of 32)."""
+    spec, _, head = spec.partition("+")
+    kind, _, group = spec.partition(":")
+    return (None if kind == "bf16" else kind), int(group or 32), head or None
+
+
+def engine(cfg, kind, group, seed=0, head=None):
+    """A decoding engine of cfg with random weights: bf16 (kind None) or its matrices quantized (the untied heads
+    as `head` in groups of 32 where given)."""
     import cupy
     if kind is not None:
-        cfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
+        own = head is not None and not cfg.tied
+        cfg = dataclasses.replace(cfg, quant=kind, quant_group=group, quant_head=head if own else None,
+                                  quant_head_group=32 if own else None)
     eng = make_engine(cfg, device="gpu", training=False)
     fill_floats(eng, seed)
     if kind is not None:
@@ -76,7 +90,8 @@ def engine(cfg, kind, group, seed=0):
             eng.p[w + "w_gate_up"] = random_quantized(kind, group, 2 * F, C, rng)
             eng.p[w + "w_down"] = random_quantized(kind, group, C, F, rng)
         if not cfg.tied:
-            heads = random_quantized(kind, group, cfg.mtp_heads * cfg.vocab_size, C, rng)
+            heads = random_quantized(cfg.quant_head or kind, cfg.quant_head_group or group,
+                                     cfg.mtp_heads * cfg.vocab_size, C, rng)
             eng.p["heads"] = heads
             for k in range(cfg.mtp_heads):
                 eng.p[f"heads.{k}"] = heads.rows(k * cfg.vocab_size, (k + 1) * cfg.vocab_size)
@@ -96,12 +111,12 @@ def used():
     return total - free
 
 
-def memory_run(cfg, kind, group, prompt_tokens=512, new_tokens=32):
+def memory_run(cfg, kind, group, prompt_tokens=512, new_tokens=32, head=None):
     """(peak total - free, CuPy pool's bytes, engine bytes) of a fresh engine decoding one sequence with a KV cache
     of cfg.context (8,192) positions."""
     import cupy
     base = used()
-    eng = engine(cfg, kind, group)
+    eng = engine(cfg, kind, group, head=head)
     peak = used()
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_tokens).tolist()
     tokens = []
@@ -124,14 +139,15 @@ def products(cfg, types, rows_list):
               "w_gate_up": (2 * F, C), "w_down": (C, F), "head": (cfg.vocab_size, C)}
     rng = cupy.random.default_rng(0)
     for kind in types:
-        name_, _, group = kind.partition(":")
+        name_, group, head = parse_type(kind)
         for name, (O, I) in shapes.items():
-            if kind == "bf16":
+            if name_ is None:
                 w = (rng.standard_normal((O, I), dtype=np.float32) * 0.02).view(np.uint32) >> 16
                 w = w.astype(np.uint16)
                 nbytes = w.nbytes
             else:
-                w = random_quantized(name_, int(group or 32), O, I, rng)
+                w = random_quantized(head, 32, O, I, rng) if head and name == "head" else \
+                    random_quantized(name_, group, O, I, rng)
                 nbytes = w.nbytes
             for rows in rows_list:
                 x = (rng.standard_normal((rows, I), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
@@ -154,8 +170,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", nargs="+", default=["llama3-8b", "llama3.2-1b"], choices=sorted(SHAPES))
     ap.add_argument("--types", nargs="+", default=["bf16", "int8", "int4", "int4:64"],
-                    help="bf16, or a quantized type with its group after a colon (default 32): int8, int4:64, ...")
+                    help="bf16, or a quantized type with its group after a colon (default 32) and the heads' type "
+                    "after a plus: int8, int4:64, int4+int8, ...")
     ap.add_argument("--group", type=int, default=32, help="the memory run's int4 group (default 32)")
+    ap.add_argument("--head", default="int8", choices=("int8", "int4"),
+                    help="the memory run's head type (default int8, as `quantize --type int4` writes)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=1024, help="the KV cache's positions in the speed runs")
     ap.add_argument("--memory-only", action="store_true")
@@ -175,8 +194,8 @@ def main():
             base = {}
             for kind in args.types:
                 t0 = time.time()
-                name, _, group = kind.partition(":")
-                eng = engine(cfg, None if kind == "bf16" else name, int(group or 32))
+                name, group, head = parse_type(kind)
+                eng = engine(cfg, name, group, head=head)
                 ms = {}
                 for rows in args.rows:
                     ms[rows] = step_time(eng, rows)
@@ -202,8 +221,9 @@ def main():
                 cupy.get_default_memory_pool().free_all_blocks()
     cfg = dataclasses.replace(SHAPES["llama3-8b"], context=8192)
     cupy.get_default_memory_pool().free_all_blocks()
-    peak, base, pool, n = memory_run(cfg, "int4", args.group)
-    print(f"memory: llama3-8b int4 (groups of {args.group}), one sequence, 8,192-token KV cache, {n} tokens decoded: "
+    peak, base, pool, n = memory_run(cfg, "int4", args.group, head=args.head)
+    print(f"memory: llama3-8b int4 (groups of {args.group}, the head {args.head}), one sequence, 8,192-token KV "
+          f"cache, {n} tokens decoded: "
           f"peak GPU memory in use {peak / 2**30:.2f} GiB (total - free; {base / 2**30:.2f} GiB before the engine: "
           f"the CUDA context), CuPy's pool {pool / 2**30:.2f} GiB", flush=True)
     print("\nshape        type   " + "  ".join(f"{r:>3} rows ms (tok/s)" for r in args.rows))

@@ -11,7 +11,8 @@ float model's item by item.
 
 Checkpoints and scores go under --work (a finished training run there is reused, an unfinished one resumed; the
 quantized checkpoints and the scores are kept per float checkpoint and step, and per item set).
-The quantized checkpoints are `nanoeuler quantize`'s, scored by the engines' quantized products. Two more rows
+The quantized checkpoints are `nanoeuler quantize`'s, scored by the engines' quantized products; int4 both with
+its heads int8 in groups of 32 (`--head-type int8`, the default) and int4 (`--head-type int4`). Two more rows
 measure the other choices of which tensors stay float, by arithmetic equal to quantizing them: a float
 checkpoint holding the exact dequantized values (model/quantize.dequantize) of the layers' matrices with the
 output heads kept float, and one with the embedding quantized too. A third such checkpoint, every quantized
@@ -38,12 +39,15 @@ from nanoeuler.train.pretrain import PRESET_HYPER  # noqa: E402
 from repo_env import repo_env  # noqa: E402
 
 AIMS = {"int8": (0.3, 97.0), "int4": (3.0, 93.0)}  # bits per byte: at most +% over float; picks: agreement %
-QUANTIZED = [  # (name, type, group)
-    ("int8 /32 (Q8_0)", "int8", 32),
-    ("int8, a scale a row", "int8", 0),
-    ("int4 /32 (Q4_1)", "int4", 32),
-    ("int4 /64", "int4", 64),
+QUANTIZED = [  # (name, type, group, the heads' type: `quantize --head-type`; int8 is the default)
+    ("int8 /32 (Q8_0)", "int8", 32, "int8"),
+    ("int8, a scale a row", "int8", 0, "int8"),
+    ("int4 /32 (Q4_1), head int8 (Q8_0)", "int4", 32, "int8"),
+    ("int4 /32 (Q4_1), head int4", "int4", 32, "int4"),
+    ("int4 /64, head int8", "int4", 64, "int8"),
+    ("int4 /64, head int4", "int4", 64, "int4"),
 ]
+INT4_HEAD = "int4 /32 (Q4_1), head int4"  # the quantized checkpoint the dequantized stand-in is checked against
 
 
 def log(message, t0=[time.perf_counter()]):
@@ -160,10 +164,11 @@ def main():
     log(f"held-out text: {len(text.encode()):,} bytes of {opts.data}; {n_items} four-way items -> {items}")
 
     checkpoints = {"float": ckpt}
-    for name, kind, group in QUANTIZED:
-        out = derived / f"{kind}_g{group}.bin"
+    for name, kind, group, head in QUANTIZED:
+        out = derived / f"{kind}_g{group}{'_h8' if head != kind else ''}.bin"
         if not out.exists():
-            nanoeuler(["quantize", "--ckpt", ckpt, "--out", str(out), "--type", kind, "--group", str(group)], env)
+            nanoeuler(["quantize", "--ckpt", ckpt, "--out", str(out), "--type", kind, "--group", str(group),
+                       "--head-type", head], env)
         checkpoints[name] = str(out)
     layers = [f"layers.{i}.{m}" for i in range(cfg.n_layers)
               for m in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
@@ -187,8 +192,8 @@ def main():
           f"held-out {len(text.encode()):,} bytes; {n_items} items; device {opts.device}")
     if check is not None:
         print(f"stand-in check: int4 /32 dequantized into a float checkpoint vs the int4 checkpoint: bits per byte "
-              f"{check['bpb']:.5f} vs {scores['int4 /32 (Q4_1)']['bpb']:.5f}, picks the same on "
-              f"{100 * np.mean(check['pred'] == scores['int4 /32 (Q4_1)']['pred']):.1f}% of the items")
+              f"{check['bpb']:.5f} vs {scores[INT4_HEAD]['bpb']:.5f}, picks the same on "
+              f"{100 * np.mean(check['pred'] == scores[INT4_HEAD]['pred']):.1f}% of the items")
     rows = [("weights", "bits/byte", "vs float", "acc", "acc_norm", "picks = float's", "norm picks = float's",
              "aim")]
     for name, s in scores.items():

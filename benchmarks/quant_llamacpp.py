@@ -2,7 +2,7 @@
 byte on the held-out last tenth, every model scored on the same token windows (those of `eval --task bpb`), ours
 by the CPU engine, llama.cpp's from llama-cpp-python's logits; and our quantized checkpoints exported by `export
 --gguf` (their Q8_0 / Q4_1 blocks copied), scored by llama.cpp and decoded greedily beside `nanoeuler infer
---temperature 0`.
+--temperature 0`. Our int4 both ways: its head int8 (Q8_0, `quantize --type int4`'s default) and int4.
 
     # llama.cpp: llama-quantize and the shared libraries, and llama-cpp-python's Python package beside them (its
     # source distribution vendors the llama.cpp that it binds; about 10 minutes on 2 cores)
@@ -46,7 +46,9 @@ from repo_env import repo_env  # noqa: E402
 
 PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed"]
 GGML_TYPE_F32 = 0
-OURS = [("int8 /32", "int8"), ("int4 /32", "int4")]  # `nanoeuler quantize --type T --group 32`: Q8_0 / Q4_1
+# `nanoeuler quantize --type T --group 32 --head-type H` (Q8_0 / Q4_1 blocks; the head's own): (label, T, H, file)
+OURS = [("int8 /32", "int8", "int8", "int8_g32"), ("int4 /32, int8 head", "int4", "int8", "int4_g32_h8"),
+        ("int4 /32, int4 head", "int4", "int4", "int4_g32")]
 THEIRS = ["Q8_0", "Q4_K_M", "Q4_1"]  # llama-quantize of our f32 export (its Q4_1: our int4 /32, the head Q6_K)
 
 
@@ -158,11 +160,12 @@ def main():
     gguf = {"float (f32)": opts.work / "float.f32.gguf"}
     if not gguf["float (f32)"].exists():
         nanoeuler(["export", "--gguf", str(gguf["float (f32)"]), "--ckpt", ckpt, "--type", "f32"], env)
-    for label, kind in OURS:
-        ours[label] = str(opts.work / f"{kind}_g32.bin")
-        gguf[f"ours {label}"] = opts.work / f"{kind}_g32.gguf"
+    for label, kind, head, stem in OURS:
+        ours[label] = str(opts.work / f"{stem}.bin")
+        gguf[f"ours {label}"] = opts.work / f"{stem}.gguf"
         if not Path(ours[label]).exists():
-            nanoeuler(["quantize", "--ckpt", ckpt, "--out", ours[label], "--type", kind, "--group", "32"], env)
+            nanoeuler(["quantize", "--ckpt", ckpt, "--out", ours[label], "--type", kind, "--group", "32",
+                       "--head-type", head], env)
         if not gguf[f"ours {label}"].exists():  # the rest of the model (embedding, norms) in f32
             nanoeuler(["export", "--gguf", str(gguf[f"ours {label}"]), "--ckpt", ours[label], "--type", "f32"], env)
     for qtype in THEIRS:

@@ -373,11 +373,14 @@ def _size(text):
 
 
 def _quantize_flags(p, flag, required):
-    """--type / --quantize int8|int4 and --group (docs/quantization.md)."""
+    """--type / --quantize int8|int4, --group and --head-type (docs/quantization.md)."""
     p.add_argument(flag, choices=("int8", "int4"), required=required, dest="quantize" if flag == "--quantize" else "type",
                    help="quantized weights: int8 (GGUF Q8_0 in groups of 32) or int4 (GGUF Q4_1 in groups of 32)")
     p.add_argument("--group", type=int, help="elements a scale along a row: a multiple of 32 (default 32; int8: 0 "
                    "for a scale per output channel)")
+    p.add_argument("--head-type", choices=("int8", "int4"), help="the untied prediction heads' type (default int8: "
+                   "the head carries most of int4's loss); of the layers' type it takes --group, else groups of 32 "
+                   "(int8: GGUF Q8_0); a tied head stays float")
 
 
 def _tokenizer_for(args):

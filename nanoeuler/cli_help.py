@@ -118,11 +118,14 @@ GUIDE = {
     "quantize": (
         "Quantize a checkpoint's matrices (every layer's and the output heads') to int8 or int4 in groups along "
         "their rows, with a float16 scale (and for int4 a minimum) a group: GGUF's Q8_0 and Q4_1 for groups of "
-        "32. The embedding and norms stay float. infer, chat, serve, eval and export take the result, and sft|dpo "
+        "32. The output heads default to int8 in groups of 32 (Q8_0) for either type: in int4 the head carries most "
+        "of the loss (--head-type int4 quantizes it with the layers). The embedding and norms stay float. infer, "
+        "chat, serve, eval and export take the result, and sft|dpo "
         "--lora R train adapters on it (QLoRA); full training needs the float checkpoint. docs/quantization.md has "
         "the formats and their measurements.",
         ["nanoeuler quantize --ckpt imported.bin --out imported_int4.bin --type int4",
          "nanoeuler quantize --ckpt nanoeuler.bin --out int8.bin --type int8 --group 0   # a scale a row",
+         "nanoeuler quantize --ckpt nanoeuler.bin --out int4.bin --type int4 --head-type int4   # the head int4 too",
          "nanoeuler import --hf meta-llama/Meta-Llama-3-8B-Instruct --out llama3_int4.bin --quantize int4"]),
     "check": (
         "Verify every hand-written backward pass against finite differences in float64 (the CPU engine), or "

@@ -15,7 +15,7 @@ from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
 from nanoeuler.io import gguf as export
 from nanoeuler.io.gguf_import import load_gguf, q4_k_parts
-from nanoeuler.model.config import Config, param_layout, quantized_names, views
+from nanoeuler.model.config import Config, param_layout, quant_format, quantized_names, views
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.quantize import dequantize, quantize
 
@@ -167,7 +167,7 @@ def test_quantized_checkpoint_round_trip(model, tokenizer, tmp_path, kind, group
     assert r.returncode == 0, r.stderr
     if group != 32:
         got_cfg, (got_floats, got), _, _, _ = load_gguf(path, quant="int4")
-        assert got_cfg == dataclasses.replace(qcfg, quant_group=32)
+        assert got_cfg == dataclasses.replace(qcfg, quant_group=32, quant_head="int8", quant_head_group=32)
         for name, qt in got.items():
             error = np.abs(dequantize(qt) - dequantize(quantized[name])).max()
             assert error <= 0.6 * qt.scales.astype(np.float32).max()
@@ -214,7 +214,7 @@ def test_other_types_are_their_values_quantized(model, tokenizer, tmp_path, kind
     assert got_cfg.quant == (quant or "int8") and got_cfg.quant_group == 32
     want = gguf_values(path, cfg)
     for name, qt in quantized.items():
-        expect = quantize(want[name], got_cfg.quant, 32)
+        expect = quantize(want[name], *quant_format(got_cfg, name))  # --quantize int4: the head int8
         for a, b in zip(qt.arrays().values(), expect.arrays().values()):
             assert np.array_equal(a, b), name
     assert np.array_equal(views(floats, got_cfg, floats_only=True)["tok_emb"], want["tok_emb"])

@@ -341,9 +341,10 @@ def test_llama_cpp_greedy_text_is_ours(llama_cpp, models, name):
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_llama_cpp_runs_a_quantized_export(llama_cpp, tokenizer, tmp_path, kind):
-    """`quantize --type int8|int4` then `export --gguf` (the Q8_0 / Q4_1 blocks copied): llama.cpp loads the
+@pytest.mark.parametrize("kind, head", [("int8", "int8"), ("int4", "int8"), ("int4", "int4")])
+def test_llama_cpp_runs_a_quantized_export(llama_cpp, tokenizer, tmp_path, kind, head):
+    """`quantize --type int8|int4 --head-type int8|int4` then `export --gguf` (the Q8_0 / Q4_1 blocks copied,
+    each tensor in its type: int4 layers with a Q8_0 output, the default, or a Q4_1 one): llama.cpp loads the
     file, and its logits at every position of a prompt and our greedy continuation of it are those of our CPU
     engine on the quantized checkpoint but for its rounding of the activations to 8 bits in its quantized dot
     products (median 0.03, largest 0.07 of the logits' norm on these random weights, the same argmax at 95% of
@@ -356,13 +357,14 @@ def test_llama_cpp_runs_a_quantized_export(llama_cpp, tokenizer, tmp_path, kind)
                  vocab_size=tokenizer.vocab_size)
     ckpt, q, deq = tmp_path / "f.bin", tmp_path / "q.bin", tmp_path / "deq.bin"
     checkpoint.save(ckpt, cfg, sharp_params(cfg, 1, 0.2), tokenizer.to_json(), step=1)
-    assert run_cli("quantize", "--ckpt", ckpt, "--out", q, "--type", kind).returncode == 0
+    assert run_cli("quantize", "--ckpt", ckpt, "--out", q, "--type", kind, "--head-type", head).returncode == 0
     ck = checkpoint.load(q)
     checkpoint.save(deq, *float_params(ck.cfg, ck.params, ck.quantized), ck.tokenizer_json, step=1)
     for c in (q, deq):
         assert run_cli("export", "--gguf", c.with_suffix(".gguf"), "--ckpt", c, "--type", "f32").returncode == 0
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(q.with_suffix(".gguf")).tensors}
-    assert types["blk.0.ffn_down.weight"] == types["output.weight"] == {"int8": "Q8_0", "int4": "Q4_1"}[kind]
+    gguf_type = {"int8": "Q8_0", "int4": "Q4_1"}
+    assert types["blk.0.ffn_down.weight"] == gguf_type[kind] and types["output.weight"] == gguf_type[head]
     eng, tok, _ = load_model(str(q), "cpu")
     runs = {}
     for c in (q, deq):
@@ -381,7 +383,7 @@ def test_llama_cpp_runs_a_quantized_export(llama_cpp, tokenizer, tmp_path, kind)
         llm.close()
         runs[c.stem] = float(max(errors)), float(np.median(errors)), same, len(errors)
     said = {k: "within {:.2g} (median {:.2g}), the same argmax at {}/{} positions".format(*v) for k, v in runs.items()}
-    print(f"{kind}: llama.cpp's logits against ours (relative, L2): the quantized file {said['q']}; the f32 file of "
+    print(f"{kind}, head {head}: llama.cpp's logits against ours (relative, L2): the quantized file {said['q']}; the f32 file of "
           f"its dequantized values {said['deq']}")
     worst, _, same, n = runs["q"]
     assert worst < QUANT_TOLERANCE and same >= 0.9 * n

@@ -195,8 +195,8 @@ def test_qlora_sft_learns_resumes_and_reads_merged(pipeline, int4_base, tmp_path
     # W + (alpha / r) B A
     merged = checkpoint.load(tmp_path / "a.bin")
     assert merged.cfg.quant == "int4" and np.array_equal(merged.params, base.params)
-    floats = views(lora.merge(*float_params(base.cfg, base.params, base.quantized), a.spec, a.params),
-                   dataclasses.replace(base.cfg, quant=None, quant_group=None))
+    fcfg, fparams = float_params(base.cfg, base.params, base.quantized)
+    floats = views(lora.merge(fcfg, fparams, a.spec, a.params), fcfg)
     for name, qt in merged.quantized.items():
         if name.startswith("heads"):
             assert np.array_equal(qt.q, base.quantized[name].q)

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import run_cli, sharp_params
 from nanoeuler.io import checkpoint
-from nanoeuler.model.config import Config, float_params, param_layout, quantized_names, views
+from nanoeuler.model.config import Config, float_params, param_layout, quant_format, quantized_names, views
 from nanoeuler.model.cpu.layers import Layers, dequantize_rows
+from nanoeuler.model.decoding import decoder_of
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.quantize import concat_rows, dequantize, integers, pack_int4, quantize, unpack_int4
 
@@ -161,22 +162,27 @@ def test_fused_rows_are_exact():
     assert np.array_equal(integers(both.rows(48, 64)), integers(b))
 
 
-def quantized_model(tokenizer, kind, group, tied=False):
-    """(float cfg, its flat parameters, quantized cfg, its float tensors, its quantized tensors)."""
+def quantized_model(tokenizer, kind, group, tied=False, head=None):
+    """(float cfg, its flat parameters, quantized cfg, its float tensors, its quantized tensors); head: the heads'
+    own type (groups of 32)."""
     cfg = Config(**dict(CFG, hidden=128, mtp_heads=1 if tied else 2), vocab_size=tokenizer.vocab_size, tied=tied)
     flat = sharp_params(cfg, 1, 0.3)
-    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
+    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group, quant_head=head,
+                               quant_head_group=None if head is None else 32)
     v = views(flat, cfg)
-    quantized = {name: quantize(v[name], kind, group) for name in quantized_names(qcfg)}
+    quantized = {name: quantize(v[name], *quant_format(qcfg, name)) for name in quantized_names(qcfg)}
     floats = np.concatenate([v[name].reshape(-1) for name in param_layout(qcfg, floats_only=True)[0]])
     return cfg, flat, qcfg, floats, quantized
 
 
-@pytest.mark.parametrize("kind, group, tied", [("int8", 32, False), ("int4", 64, False), ("int4", 32, True)])
-def test_checkpoint_round_trip_and_engine_logits(tokenizer, tmp_path, kind, group, tied):
-    """The quantized tensors read back bit for bit; the CPU engine on them gives the logits of the float model
-    of the dequantized weights, exactly (full forward and decoding)."""
-    cfg, flat, qcfg, floats, quantized = quantized_model(tokenizer, kind, group, tied)
+@pytest.mark.parametrize("kind, group, tied, head", [("int8", 32, False, None), ("int4", 64, False, None),
+                                                     ("int4", 32, True, None), ("int4", 32, False, "int8"),
+                                                     ("int4", 64, False, "int8"), ("int8", 0, False, "int4")])
+def test_checkpoint_round_trip_and_engine_logits(tokenizer, tmp_path, kind, group, tied, head):
+    """The quantized tensors read back bit for bit, each in its own type (the heads' where they have one); the
+    CPU engine on them gives the logits of the float model of the dequantized weights, exactly (full forward and
+    decoding)."""
+    cfg, flat, qcfg, floats, quantized = quantized_model(tokenizer, kind, group, tied, head)
     path = tmp_path / "q.bin"
     checkpoint.save(path, qcfg, floats, tokenizer.to_json(), step=4, quantized=quantized)
     ck = checkpoint.load(path)
@@ -184,7 +190,8 @@ def test_checkpoint_round_trip_and_engine_logits(tokenizer, tmp_path, kind, grou
     assert set(ck.quantized) == set(quantized) and ("heads.0" in quantized) != tied
     for name, qt in quantized.items():
         back = ck.quantized[name]
-        assert back.group == qt.group
+        assert (back.kind, back.group) == (qt.kind, qt.group)
+        assert back.kind == (head or kind if name.startswith("heads.") else kind)
         for a, b in zip(qt.arrays().values(), back.arrays().values()):
             assert a.dtype == b.dtype and np.array_equal(a, b)
     fcfg, deq = float_params(ck.cfg, ck.params, ck.quantized)
@@ -194,6 +201,14 @@ def test_checkpoint_round_trip_and_engine_logits(tokenizer, tmp_path, kind, grou
     ref.load_params(deq)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 20))
     assert np.array_equal(eng.logits(tokens), ref.logits(tokens))
+    steps = []
+    for e in (eng, ref):  # KV-cache decoding: a prompt, then a token at a time (the few-row products)
+        dec = decoder_of(e)
+        cache = dec.new_cache(2)
+        steps.append([dec.logits(cache, tokens[:, :12])] + [dec.logits(cache, tokens[:, 12 + i:13 + i])
+                                                              for i in range(3)])
+    for got, want in zip(*steps):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_old_checkpoints_and_their_json_are_unchanged(tokenizer, tiny_ckpt):
@@ -216,8 +231,8 @@ def test_quantize_command_and_what_takes_its_output(float_ckpt, tmp_path):
     ck, ref = checkpoint.load(out), checkpoint.load(float_ckpt)
     v = views(ref.params, ref.cfg)
     assert ck.cfg.quant == "int4" and ck.cfg.quant_group == 32 and ck.step == 3
-    for name, qt in ck.quantized.items():
-        assert np.array_equal(qt.q, quantize(v[name], "int4", 32).q)
+    for name, qt in ck.quantized.items():  # the heads int8 (the default: test_int4_keeps_its_heads_int8...)
+        assert np.array_equal(qt.q, quantize(v[name], *quant_format(ck.cfg, name)).q)
     for command in (["infer", "ROMEO:", "--max-new-tokens", "8", "--temperature", "0"],
                     ["eval", "--task", "bpb", "--data", "shakespeare.txt", "--limit", "1"]):
         r = run_cli(*command, "--ckpt", out)
@@ -226,8 +241,56 @@ def test_quantize_command_and_what_takes_its_output(float_ckpt, tmp_path):
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
 
 
+def test_int4_keeps_its_heads_int8_unless_asked(float_ckpt, tmp_path):
+    """quantize --type int4: the layers int4 in groups of 32 (or --group), the heads int8 in groups of 32 (Q8_0),
+    recorded in the config; --head-type int4 writes what every int4 checkpoint was before (no quant_head in the
+    JSON); the engine's memory estimate counts each tensor in its own type."""
+    from nanoeuler.model.engine import quantized_bytes
+    ref = checkpoint.load(float_ckpt)
+    v = views(ref.params, ref.cfg)
+    sizes = {}
+    for label, extra in (("h8", []), ("h4", ["--head-type", "int4"]), ("g64", ["--group", "32", "--head-type",
+                                                                                "int8"])):
+        out = tmp_path / f"{label}.bin"
+        r = run_cli("quantize", "--ckpt", float_ckpt, "--out", out, "--type", "int4", *extra)
+        assert r.returncode == 0, r.stderr
+        ck = checkpoint.load(out)
+        head = "int4" if label == "h4" else "int8"
+        assert (ck.cfg.quant, ck.cfg.quant_group) == ("int4", 32)
+        assert (ck.cfg.quant_head, ck.cfg.quant_head_group) == ((None, None) if label == "h4" else ("int8", 32))
+        assert ("quant_head" in ck.cfg.to_json()) == (label != "h4")
+        assert (f"the heads int8 in groups of 32" in r.stdout) == (label != "h4"), r.stdout
+        for name, qt in ck.quantized.items():
+            kind = head if name.startswith("heads.") else "int4"
+            assert qt.kind == kind and qt.group == 32
+            assert np.array_equal(qt.q, quantize(v[name], kind, 32).q) and np.array_equal(qt.scales, quantize(
+                v[name], kind, 32).scales)
+        sizes[label] = quantized_bytes(ck.cfg)
+        assert sizes[label] == sum(qt.nbytes for qt in ck.quantized.values())
+    heads = ref.cfg.mtp_heads * ref.cfg.vocab_size * ref.cfg.dim  # int8 /32: 34 bytes a 32; int4 /32: 20
+    assert sizes["h8"] - sizes["h4"] == heads // 32 * (34 - 20) and sizes["g64"] == sizes["h8"]
+
+
+def test_old_int4_checkpoints_read_with_int4_heads(tokenizer, tmp_path):
+    """A checkpoint written before the heads had a type of their own (config without quant_head) reads as before:
+    its heads int4 in its group, and a head type given in JSON is read back."""
+    import json
+    cfg, flat, qcfg, floats, quantized = quantized_model(tokenizer, "int4", 64)
+    path = tmp_path / "old.bin"
+    checkpoint.save(path, qcfg, floats, tokenizer.to_json(), step=2, quantized=quantized)
+    assert "quant_head" not in json.loads(checkpoint.read_metadata(path)["config"])
+    ck = checkpoint.load(path)
+    assert ck.cfg.quant_head is None and quant_format(ck.cfg, "heads.1") == ("int4", 64)
+    assert ck.quantized["heads.0"].kind == "int4" and ck.quantized["heads.0"].group == 64
+    assert np.array_equal(ck.quantized["heads.1"].mins, quantized["heads.1"].mins)
+    with pytest.raises(ValueError, match="untied heads"):
+        dataclasses.replace(cfg, quant_head="int8", quant_head_group=32)  # no quantized model
+
+
 @pytest.mark.parametrize("args, message", [
     (["--type", "int4", "--group", "64"], "not a whole number of int4 groups of 64"),  # hidden 96
+    (["--type", "int4", "--head-type", "int5"], "invalid choice: 'int5'"),
+    (["--type", "int4", "--head-type"], "expected one argument"),
     (["--type", "int4", "--group", "0"], "multiple of 32"),
     (["--type", "int8", "--group", "48"], "multiple of 32"),
     (["--type", "int5"], "invalid choice"),
@@ -236,7 +299,7 @@ def test_quantize_bad_input_is_one_line(float_ckpt, tmp_path, args, message):
     out = tmp_path / "q.bin"
     r = run_cli("quantize", "--ckpt", float_ckpt, "--out", out, *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
-    assert not out.exists()
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_quantized_checkpoints_refuse_training_and_requantizing(float_ckpt, tmp_path):
@@ -250,32 +313,50 @@ def test_quantized_checkpoints_refuse_training_and_requantizing(float_ckpt, tmp_
         assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "t.bin").exists()
 
 
-@pytest.mark.parametrize("kind, qtype", [("int8", gguf.GGMLQuantizationType.Q8_0),
-                                         ("int4", gguf.GGMLQuantizationType.Q4_1)])
-def test_export_gguf_copies_the_blocks(float_ckpt, tmp_path, kind, qtype):
+Q8_0, Q4_1 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
+
+
+@pytest.mark.parametrize("kind, head, qtype, head_qtype", [("int8", None, Q8_0, Q8_0), ("int4", None, Q4_1, Q8_0),
+                                                           ("int4", "int4", Q4_1, Q4_1)])
+def test_export_gguf_copies_the_blocks(float_ckpt, tmp_path, kind, head, qtype, head_qtype):
     """The GGUF file's matrices are Q8_0 / Q4_1 whose fields are our stored arrays (rows in llama.cpp's RoPE
-    order for q and k), and read back through gguf's own reader as our dequantized values."""
+    order for q and k), and read back through gguf's own reader as our dequantized values; an int4 model's int8
+    head (the default) is a Q8_0 output beside Q4_1 layers, the file type the layers' (MOSTLY_Q4_1); import
+    --gguf gives the checkpoint back, every block copied."""
     from nanoeuler.io.gguf import rope_pairs_adjacent
     q = tmp_path / "q.bin"
-    assert run_cli("quantize", "--ckpt", float_ckpt, "--out", q, "--type", kind).returncode == 0
+    assert run_cli("quantize", "--ckpt", float_ckpt, "--out", q, "--type", kind,
+                   *(["--head-type", head] if head else [])).returncode == 0
     r = run_cli("export", "--gguf", tmp_path / "q.gguf", "--ckpt", q)
     assert r.returncode == 0, r.stderr
+    assert ("int8 head as q8_0 blocks (copied)" in r.stdout) == (kind == "int4" and head is None), r.stdout
     ck = checkpoint.load(q)
-    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors}
+    reader = gguf.GGUFReader(tmp_path / "q.gguf")
+    file_type = reader.fields["general.file_type"]
+    assert int(file_type.parts[file_type.data[0]][0]) == (gguf.LlamaFileType.MOSTLY_Q8_0 if kind == "int8" else
+                                                          gguf.LlamaFileType.MOSTLY_Q4_1)
+    tensors = {t.name: t for t in reader.tensors}
     for ours, theirs, heads in (("layers.1.w_down", "blk.1.ffn_down.weight", None),
                                 ("layers.0.wq", "blk.0.attn_q.weight", ck.cfg.n_heads),
                                 ("heads.0", "output.weight", None)):
         t = tensors[theirs]
-        assert t.tensor_type == qtype
+        assert t.tensor_type == (head_qtype if ours.startswith("heads.") else qtype)
         qt = ck.quantized[ours]
         order = (lambda a: a) if heads is None else (lambda a: rope_pairs_adjacent(a, heads))
-        raw = np.asarray(t.data).reshape(qt.q.shape[0], -1, 34 if kind == "int8" else 20)
+        raw = np.asarray(t.data).reshape(qt.q.shape[0], -1, 34 if qt.kind == "int8" else 20)
         assert np.array_equal(raw[..., :2].copy().view(np.float16)[..., 0], order(qt.scales))
-        assert np.array_equal(raw[..., -32 if kind == "int8" else -16:].reshape(qt.q.shape[0], -1),
+        assert np.array_equal(raw[..., -32 if qt.kind == "int8" else -16:].reshape(qt.q.shape[0], -1),
                               order(qt.q).view(np.uint8))
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(qt.shape)
         assert np.array_equal(values, order(dequantize(qt)))
     assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    r = run_cli("import", "--gguf", tmp_path / "q.gguf", "--out", tmp_path / "back.bin")
+    assert r.returncode == 0, r.stderr
+    back = checkpoint.load(tmp_path / "back.bin")
+    one_head = dataclasses.replace(ck.cfg, mtp_heads=1, architecture=back.cfg.architecture)  # export writes head 0
+    assert back.cfg == one_head, (back.cfg, one_head)
+    for name, qt in back.quantized.items():
+        assert qt.kind == ck.quantized[name].kind and np.array_equal(qt.q, ck.quantized[name].q)
 
 
 def test_import_quantizes_while_streaming(tmp_path):
@@ -295,6 +376,16 @@ def test_import_quantizes_while_streaming(tmp_path):
     assert np.array_equal(ck.quantized["heads.0"].scales, quantize(theirs["lm_head.weight"], "int8").scales)
     r = run_cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "x.bin", "--quantize", "int4", "--group", "128")
     assert r.returncode == 2 and "not a whole number" in r.stderr and not (tmp_path / "x.bin").exists()
+    r = run_cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "m4.bin", "--quantize", "int4")
+    assert r.returncode == 0 and "int4 in groups of 32, the heads int8 in groups of 32" in r.stdout, r.stderr
+    ck = checkpoint.load(tmp_path / "m4.bin")
+    assert ck.quantized["layers.0.wq"].kind == "int4" and ck.quantized["heads.0"].kind == "int8"
+    assert np.array_equal(ck.quantized["heads.0"].q, quantize(theirs["lm_head.weight"], "int8").q)
+    for args, message in ((["--head-type", "int8"], "--head-type goes with --quantize"),
+                          (["--quantize", "int4", "--head-type", "fp8"], "invalid choice: 'fp8'")):
+        r = run_cli("import", "--hf", tmp_path / "hf", "--out", tmp_path / "x.bin", *args)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (tmp_path / "x.bin").exists()
 
 
 needs_gpu = pytest.mark.skipif(not __import__("nanoeuler.model.gpu").model.gpu.available(),
@@ -316,10 +407,10 @@ def test_gpu_quantized_products_match_the_cpu(precision):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("kind, group", [("int8", 32), ("int4", 64)])
-def test_gpu_quantized_model_matches_the_cpu_engine(kind, group):
+@pytest.mark.parametrize("kind, group, head", [("int8", 32, None), ("int4", 64, None), ("int4", 32, "int8")])
+def test_gpu_quantized_model_matches_the_cpu_engine(kind, group, head):
     from nanoeuler.check.gpu import BF16_MODEL_TOL, quantized_model_check
-    errors = quantized_model_check(0, kind, group, "bf16", report=lambda line: None)
+    errors = quantized_model_check(0, kind, group, "bf16", report=lambda line: None, head=head)
     assert max(errors.values()) < BF16_MODEL_TOL, errors
 
 

@@ -778,14 +778,15 @@ KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check
 QUANT_CONFIG = dataclasses.replace(MODEL_CONFIG, hidden=384)
 
 
-def quantized_model_check(seed, kind, group, precision, report=print):
+def quantized_model_check(seed, kind, group, precision, report=print, head=None):
     """A quantized model on the GPU in `precision` vs the CPU engine (float64) on the same quantized weights:
-    full-forward logits and KV-cache decode logits (a prompt, then single tokens: a CUDA graph)."""
+    full-forward logits and KV-cache decode logits (a prompt, then single tokens: a CUDA graph); head: the heads'
+    own type (groups of 32: an int4 model's int8 head), else the layers'."""
     from nanoeuler.check.problems import quantized_problem, random_problem
     from nanoeuler.model.engine import make_engine
     cfg = QUANT_CONFIG
     flat, inputs, _ = random_problem(cfg, np.random.default_rng(seed), batch=3, scale=0.05)
-    qcfg, floats, quantized = quantized_problem(cfg, flat, kind, group)
+    qcfg, floats, quantized = quantized_problem(cfg, flat, kind, group, head)
     cpu = make_engine(qcfg, device="cpu", dtype=np.float64, training=False)
     gpu = make_engine(qcfg, device="gpu", precision=precision, training=False)
     cpu.load_params(_f32(floats), quantized)
@@ -799,8 +800,9 @@ def quantized_model_check(seed, kind, group, precision, report=print):
         steps += [dec.logits(cache, inputs[:2, 37 + i:38 + i]) for i in range(3)]
         logits.append(np.stack(steps))
     errors["decode logits"] = logits_err(logits[1], logits[0], cfg)
+    what = f"{kind}/{group}" + (f", head {qcfg.quant_head}" if qcfg.quant_head else "")
     for name, err in errors.items():
-        report(f"{name + ' (' + kind + '/' + str(group) + ')':<24} : rel err {err:.2e}")
+        report(f"{name + ' (' + what + ')':<24} : rel err {err:.2e}")
     return errors
 
 
@@ -865,8 +867,9 @@ def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, drop
     """LoRA on a frozen base (model/lora.py), GPU engine in `precision` vs CPU engine (float64), the same base,
     adapters (rank 8 on all seven targets, alpha 16) and dropout key: {adapter tensor: error}, plus the loss,
     and whether the GPU's gradients with --recompute equal its stored path's bit for bit (error 0 or inf).
-    quant "int8" / "int4": QLoRA, the base's matrices quantized in groups of 32 on both engines (the input
-    gradient through them: the CPU's exact dequantization, the GPU's dequantized scratch and cuBLAS)."""
+    quant "int8" / "int4": QLoRA, the base's matrices quantized in groups of 32 on both engines, its heads int8
+    (`quantize`'s default; the input gradient through them: the CPU's exact dequantization, the GPU's dequantized
+    scratch and cuBLAS)."""
     from nanoeuler.check.problems import quantized_problem, random_problem
     from nanoeuler.model import lora
     from nanoeuler.model.engine import make_engine
@@ -877,7 +880,7 @@ def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, drop
     values = _f32(rng.normal(0.0, 0.05, lora.adapter_layout(cfg, spec)[1]))
     quantized = None
     if quant is not None:
-        cfg, flat, quantized = quantized_problem(cfg, flat, quant, 32)
+        cfg, flat, quantized = quantized_problem(cfg, flat, quant, 32, head="int8")
     engines = []
     for device, dtype in (("cpu", np.float64), ("gpu", np.float32)):
         eng = make_engine(cfg, device=device, dtype=dtype, precision=None if device == "cpu" else precision,
@@ -940,10 +943,10 @@ def run_gpu_check(seed=0):
             if precision == "tf32":
                 print(f"{'all tensors':<24} : max rel err {worst_here:.2e}")
             ok &= worst_here < bounds[precision]
-        for kind, group in (("int8", 32), ("int4", 32), ("int4", 64)):
-            print(f"quantized model ({kind}, groups of {group}) in {precision} vs CPU engine (float64) on the same "
-                  f"quantized weights")
-            worst_here = max(quantized_model_check(seed, kind, group, precision).values())
+        for kind, group, head in (("int8", 32, None), ("int4", 32, None), ("int4", 64, None), ("int4", 32, "int8")):
+            print(f"quantized model ({kind}, groups of {group}{f', heads {head} in groups of 32' if head else ''}) in "
+                  f"{precision} vs CPU engine (float64) on the same quantized weights")
+            worst_here = max(quantized_model_check(seed, kind, group, precision, head=head).values())
             model_worst[precision] = max(model_worst.get(precision, 0.0), worst_here)
             ok &= worst_here < bounds[precision]
     for precision in ("fp32", "bf16"):

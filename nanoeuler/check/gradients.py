@@ -122,15 +122,15 @@ def lora_problem(cfg, rng, dropout, quant=None, dtype=np.float64):
     """(frozen base engine in float64, adapters, their flat values, inputs, targets) for the LoRA check: the
     random problem's base frozen, adapters of rank 4 (alpha 8: a scale of 2) on all seven targets with entries
     normal(0, 0.1) (B too, so both factors have gradients), dropout p on the adapters' inputs (a fixed key).
-    quant "int8" / "int4": the base's matrices quantized in groups of 32 (QLoRA: the differences are those of
-    the same quantized model); dtype: the engine's (float64 for the check)."""
+    quant "int8" / "int4": the base's matrices quantized in groups of 32, its heads int8 (QLoRA on what `quantize`
+    writes: the differences are those of the same quantized model); dtype: the engine's (float64 for the check)."""
     from nanoeuler.model import lora
     from nanoeuler.model.engine import make_engine
 
     flat, inputs, targets = random_problem(cfg, rng)
     quantized = None
     if quant is not None:
-        cfg, flat, quantized = quantized_problem(cfg, flat, quant, 32)
+        cfg, flat, quantized = quantized_problem(cfg, flat, quant, 32, head="int8")
     eng = make_engine(cfg, device="cpu", dtype=dtype, training=False)
     eng.load_params(flat, quantized)
     ad = lora.attach(eng, lora.make_spec(cfg, LORA_RANK, 2.0 * LORA_RANK, dropout))
@@ -229,8 +229,8 @@ def main(args):
                 errors[f"LoRA {label(cfg)}, dropout {p:g}, {name}"] = err
     for quant in QLORA_TYPES:
         cfg = LORA_CONFIGS[0]
-        print(f"QLoRA adapters, {label(cfg)}: the base's matrices {quant} in groups of 32, rank {LORA_RANK} on "
-              f"q,k,v,o,gate,up,down, dropout {LORA_DROPOUT:g} (seeded):")
+        print(f"QLoRA adapters, {label(cfg)}: the base's matrices {quant} in groups of 32 (heads int8), rank "
+              f"{LORA_RANK} on q,k,v,o,gate,up,down, dropout {LORA_DROPOUT:g} (seeded):")
         for name, err in lora_gradient_check(cfg, samples=args.samples, seed=args.seed, dropout=LORA_DROPOUT,
                                              quant=quant).items():
             errors[f"QLoRA {quant} {label(cfg)}, {name}"] = err

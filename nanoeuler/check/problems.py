@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from nanoeuler.model.config import param_layout, quantized_names, views
+from nanoeuler.model.config import param_layout, quant_format, quantized_names, views
 from nanoeuler.model.quantize import quantize
 
 
@@ -33,12 +33,15 @@ def random_problem(cfg, rng, batch=2, scale=0.15):
     return flat, inputs, targets
 
 
-def quantized_problem(cfg, flat, kind, group):
-    """The problem's model with its matrices quantized (`kind` int8/int4 in groups of `group`): (its config, its
-    float tensors flat, {name: QuantizedTensor}), what Engine.load_params takes."""
+def quantized_problem(cfg, flat, kind, group, head=None):
+    """The problem's model with its matrices quantized (`kind` int8/int4 in groups of `group`; the untied heads
+    `head` in groups of 32 where given and not the layers' format: the mixed checkpoint `quantize --type int4`
+    writes): (its config, its float tensors flat, {name: QuantizedTensor}), what Engine.load_params takes."""
     full = views(flat, cfg)
-    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group)
-    quantized = {name: quantize(full[name], kind, group) for name in quantized_names(qcfg)}
+    own = head is not None and not cfg.tied and (head, 32) != (kind, group)
+    qcfg = dataclasses.replace(cfg, quant=kind, quant_group=group, quant_head=head if own else None,
+                               quant_head_group=32 if own else None)
+    quantized = {name: quantize(full[name], *quant_format(qcfg, name)) for name in quantized_names(qcfg)}
     floats = np.concatenate([full[name].reshape(-1) for name in param_layout(qcfg, floats_only=True)[0]])
     return qcfg, floats, quantized
 

@@ -12,7 +12,9 @@ A quantized model (config `quant` "int8" or "int4" and `quant_group`: model/quan
 holds each of its quantized tensors as `<name>.q` (int8, or uint8 two int4 a byte), `<name>.scales` and, for
 int4, `<name>.mins` (float16); the other tensors stay float32 under their names. Its params are then those
 float tensors alone (config.param_layout(cfg, floats_only=True)) and `quantized` maps each quantized name to
-its QuantizedTensor. A checkpoint without `quant` in its config reads as it always has.
+its QuantizedTensor. The heads may have a type of their own (config `quant_head` and `quant_head_group`, e.g. an
+int4 model's heads in int8: config.quant_format); without them the heads are of the layers' type, as every
+quantized checkpoint written before. A checkpoint without `quant` in its config reads as it always has.
 
 Writes are atomic (nanoeuler/files.py): a crash or Ctrl-C at any moment leaves either the old checkpoint
 or the new one, never a mixture. Reads go through safetensors' own reader (safe_open), which validates the
@@ -27,7 +29,8 @@ import numpy as np
 from safetensors import safe_open
 
 from nanoeuler.model import lora
-from nanoeuler.model.config import Config, float_params, param_layout, param_shapes, quantized_names, views
+from nanoeuler.model.config import (Config, float_params, param_layout, param_shapes, quant_format, quantized_names,
+                                    views)
 from nanoeuler.model.quantize import QuantizedTensor, stored_arrays
 from nanoeuler.errors import UserError
 from nanoeuler.files import atomic_write
@@ -244,7 +247,7 @@ def load(path, with_opt=False, stored_opt=False):
                 for name, shape in param_shapes(cfg, floats_only=True)}
     layout = param_layout(cfg)[0]
     for name in quantized_names(cfg):
-        for suffix, (dtype, shape) in stored_arrays(layout[name][1], cfg.quant, cfg.quant_group).items():
+        for suffix, (dtype, shape) in stored_arrays(layout[name][1], *quant_format(cfg, name)).items():
             expected[f"{name}.{suffix}"] = (SAFETENSORS_DTYPES[dtype], tuple(shape))
     for name, (dtype, shape) in expected.items():
         if name not in header:
@@ -274,8 +277,8 @@ def load(path, with_opt=False, stored_opt=False):
                     view[...] = f.get_tensor(prefix + name)
             for name in quantized_names(cfg):
                 parts = {s: f.get_tensor(f"{name}.{s}") for s in ("q", "scales", "mins") if f"{name}.{s}" in header}
-                I = layout[name][1][1]
-                quantized[name] = QuantizedTensor(cfg.quant, cfg.quant_group or I, parts["q"], parts["scales"],
+                kind, group = quant_format(cfg, name)
+                quantized[name] = QuantizedTensor(kind, group or layout[name][1][1], parts["q"], parts["scales"],
                                                   parts.get("mins"))
     except Exception as e:  # the header was fine, so this is damage inside the file
         raise UserError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e})") from None

@@ -23,7 +23,10 @@ attention, are unchanged; V and the output projection are untouched.
 A quantized checkpoint (model/quantize.py) writes its matrices as GGUF's own blocks wherever the format is
 one: int8 in groups of 32 as Q8_0, int4 in groups of 32 as Q4_1, their bytes copied (d, then the int8 q; d, m,
 then the 16 bytes of packed q, which are already GGUF's nibble order), never dequantized; the other groups are
-dequantized (exactly) and written as --type. Its embedding and norms are float, written as --type and f32.
+dequantized (exactly) and written as --type. Its embedding and norms are float, written as --type and f32. A
+head of its own type (an int4 model's int8 head, the default) is written in its own blocks (Q8_0) beside the
+layers' Q4_1: llama.cpp reads each tensor's type, and the file type names the layers' (MOSTLY_Q4_1, as
+llama-quantize names its Q4_1 file whose output is Q6_K).
 
 A model with q/k/v biases (a Qwen2 import) is llama.cpp's `qwen2` architecture instead (gguf_arch): the same
 keys under `qwen2.`, the biases as f32 `blk.{i}.attn_q|attn_k|attn_v.bias`, and no Q/K permutation, since
@@ -193,7 +196,7 @@ def write_gguf(path, cfg, params, tok, kind="f16", chat=False, name="nanoeuler",
     gguf, = require("gguf", what="export --gguf")
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
-    if cfg.quant is not None and cfg.quant_group == 32:  # the matrices' own type
+    if cfg.quant is not None and cfg.quant_group == 32:  # the layers' own type (most of the weights; a head's differs)
         file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if cfg.quant == "int8" else gguf.LlamaFileType.MOSTLY_Q4_1
     sentencepiece = isinstance(tok, SentencePieceBPE)
     if sentencepiece:
@@ -270,9 +273,12 @@ def main(args):
     name = os.path.splitext(os.path.basename(args.ckpt))[0]
     write_gguf(args.gguf, ck.cfg, ck.params, tok, args.type, chat=ck.chat, name=name, quantized=ck.quantized)
     cfg = ck.cfg
-    own = {"int8": "q8_0", "int4": "q4_1"}.get(cfg.quant) if cfg.quant_group == 32 else None
-    matrices = f"{args.type} matrices" if cfg.quant is None else (
-        f"{cfg.quant} matrices as {own} blocks (copied)" if own else f"{cfg.quant} matrices dequantized to {args.type}")
+    def written(kind, group, what):
+        own = {"int8": "q8_0", "int4": "q4_1"}.get(kind) if group == 32 else None
+        return f"{kind} {what} as {own} blocks (copied)" if own else f"{kind} {what} dequantized to {args.type}"
+    matrices = f"{args.type} matrices" if cfg.quant is None else written(cfg.quant, cfg.quant_group, "matrices")
+    if cfg.quant_head is not None:
+        matrices += ", " + written(cfg.quant_head, cfg.quant_head_group, "head")
     print(f"exported {args.ckpt} (step {ck.step}) to {args.gguf}: llama.cpp GGUF, architecture "
           f"{gguf_arch(ck.cfg)}, "
           f"{matrices}, {'output tied to token_embd' if ck.cfg.tied else 'head 0 as output'}, "

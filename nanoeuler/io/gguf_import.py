@@ -1,5 +1,5 @@
 """Import a GGUF file (llama.cpp's format): `nanoeuler import --gguf FILE --out F [--context N] [--quantize
-int8|int4 [--group N]] [--overwrite]`.
+int8|int4 [--group N] [--head-type int8|int4]] [--overwrite]`.
 
     nanoeuler import --gguf SmolLM2-135M-Instruct-Q8_0.gguf --out smol_q8.bin      # int8 blocks, copied
     nanoeuler import --gguf Llama-3.2-1B-Instruct-Q4_K_M.gguf --out llama_int4.bin --quantize int4
@@ -27,11 +27,14 @@ Tensor types (docs/import.md has the table with the errors measured). The embedd
 - Q5_0, Q5_1, Q5_K, Q6_K: dequantized exactly (llama.cpp's float32 values) and quantized again to int8 in
   groups of 32, as `quantize --type int8` would: no format of ours holds their 5- and 6-bit q and 16-element
   (Q6_K) or minimum-carrying scales.
-A checkpoint has one quantized type: a file whose matrices all map to int8 (int4) becomes an int8 (int4)
-checkpoint; a mixed file (Q4_K_M: Q4_K with Q6_K for the output and some attn_v and ffn_down) becomes int8 in
-groups of 32 (each type within a small fraction of its own quantization step; `--quantize int4` keeps
-Q4_K's q and takes the Q6_K tensors down to int4 instead); float matrices in a quantized file are quantized to
-its type. Any other type (Q2_K, Q3_K, the IQ types, ...) is refused in one line.
+A checkpoint has one quantized type for the layers and one for the output head (config.quant_format): a file
+whose layer matrices all map to int8 (int4) becomes an int8 (int4) checkpoint, its head of the type the output's
+maps to (a Q4_1 file with a Q8_0 output, as `export --gguf` writes an int4 checkpoint, comes back int4 with an
+int8 head, every block copied); a mixed file (Q4_K_M: Q4_K with Q6_K for the output and some attn_v and
+ffn_down) becomes int8 in groups of 32 (each type within a small fraction of its own quantization step;
+`--quantize int4` keeps Q4_K's q and takes the Q6_K layer tensors down to int4 and the head to int8 instead);
+float matrices in a quantized file are quantized to its type (a float output as `quantize` would: int8). Any
+other type (Q2_K, Q3_K, the IQ types, ...) is refused in one line.
 
 Tokenizer from the metadata: tokenizer.ggml.model `gpt2` (the byte-level tokens, merges and token types; the
 pre-tokenizer by tokenizer.ggml.pre: gpt-2 (or none), smollm, llama-bpe, qwen2) or `llama` (SentencePiece's
@@ -49,7 +52,7 @@ import numpy as np
 
 from nanoeuler.errors import UserError, require
 from nanoeuler.io.gguf import ROPE_FREQS, gguf_names, rope_freq_factors, rope_heads, rope_pairs_split
-from nanoeuler.model.config import Config, param_layout, param_shapes, quantized_names, views
+from nanoeuler.model.config import Config, param_layout, param_shapes, quant_format, quantized_names, views
 from nanoeuler.model.quantize import DEFAULT_GROUP, QuantizedTensor, concat_rows, pack_int4, quantize
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # llama.cpp's -> transformers'
@@ -199,27 +202,35 @@ def rope_scaling_of(f, cfg):
                     "nanoeuler knows")
 
 
-def target_type(f, cfg, quant=None, group=None):
-    """(quant, group) of the checkpoint: --quantize's, else the one type the file's matrices map to, int8 for a
-    mixed file, None (float) for a file of float matrices; and what the import says about it or None."""
+def target_type(f, cfg, quant=None, group=None, head=None):
+    """(quant, group, the heads' type or None for quantized_config's default) of the checkpoint: --quantize's
+    (and --head-type's), else the one type the file's layer matrices map to (int8 for a mixed file) with the
+    output's own (Q8_0's and Q6_K's int8, Q4_*'s int4), None (float) for a file of float matrices; and what the
+    import says about it or None."""
     matrices = set(quantized_names(dataclasses.replace(cfg, quant="int8", quant_group=0)))  # the ones we quantize
-    names = [n for n, ours in gguf_names(cfg).items() if ours in matrices]
-    types = {f.type_name(n) for n in names if n in f.tensors}
+    ours_of = {n: ours for n, ours in gguf_names(cfg).items() if ours in matrices and n in f.tensors}
+    types = {f.type_name(n) for n in ours_of}
     refused = sorted(t for t in {f.type_name(n) for n in f.tensors} if t not in FLOAT_TYPES and t not in QUANT_TYPES)
     if refused:
         raise UserError(f"{f.path}: tensor type {refused[0]}; nanoeuler imports F32, F16, BF16, "
                         f"{', '.join(QUANT_TYPES)}")
-    if group is not None and quant is None:
-        raise UserError("--group goes with --quantize int8|int4")
-    kinds = {QUANT_TYPES[t][0] for t in types if t in QUANT_TYPES}
+    for flag, value in (("--group", group), ("--head-type", head)):
+        if value is not None and quant is None:
+            raise UserError(f"{flag} goes with --quantize int8|int4")
     if quant is not None:
-        return quant, DEFAULT_GROUP if group is None else group, None
+        return quant, DEFAULT_GROUP if group is None else group, head, None
+    kinds, head_kinds = set(), set()  # the layers' and the output's
+    for n, ours in ours_of.items():
+        if f.type_name(n) in QUANT_TYPES:
+            (head_kinds if ours.startswith("heads.") else kinds).add(QUANT_TYPES[f.type_name(n)][0])
+    head = head_kinds.pop() if head_kinds else None  # a float output in a quantized file: quantize's default
     if not kinds:
-        return None, None, None
+        return (None, None, None, None) if head is None else (head, DEFAULT_GROUP, head, None)
     if len(kinds) == 1:
-        return kinds.pop(), DEFAULT_GROUP, None
-    return "int8", DEFAULT_GROUP, (f"the matrices mix {', '.join(sorted(types))}: imported as int8 in groups of 32 "
-                                   "(--quantize int4 keeps Q4_K's q and quantizes the others to int4)")
+        return kinds.pop(), DEFAULT_GROUP, head, None
+    return "int8", DEFAULT_GROUP, head, (f"the matrices mix {', '.join(sorted(types))}: imported as int8 in groups "
+                                         "of 32 (--quantize int4 keeps Q4_K's q and quantizes the others to int4, "
+                                         "the head to int8)")
 
 
 def dequantized(f, name, out, lo=0, hi=None):
@@ -351,7 +362,8 @@ def read_params(f, cfg, progress=True):
         for ours in to_quantize:
             theirs = theirs_of[ours]
             kind, (O, I) = f.type_name(theirs), shapes[ours]
-            direct = kind in CONVERT and QUANT_TYPES[kind][0] == cfg.quant and cfg.quant_group == 32
+            ours_kind, ours_group = quant_format(cfg, ours)
+            direct = kind in CONVERT and QUANT_TYPES[kind][0] == ours_kind and ours_group == 32
             parts = []
             for lo in range(0, O, ROWS):  # a block of rows at a time: groups never cross rows
                 if direct:
@@ -361,7 +373,7 @@ def read_params(f, cfg, progress=True):
                     dequantized(f, theirs, values, lo, lo + ROWS)
                     if not np.isfinite(values).all():
                         raise UserError(f"{f.path}: tensor {theirs} holds non-finite values")
-                    part = quantize(values, cfg.quant, cfg.quant_group)
+                    part = quantize(values, ours_kind, ours_group)
                 if not (np.isfinite(part.scales).all() and (part.mins is None or np.isfinite(part.mins).all())):
                     raise UserError(f"{f.path}: tensor {theirs} holds non-finite scales")
                 parts.append(part)
@@ -491,10 +503,11 @@ def tokenizer_of(f):
     return tok.set_chat(template, ends, named if template is not None else None)  # the names a template reads
 
 
-def load_gguf(path, context=None, quant=None, group=None):
+def load_gguf(path, context=None, quant=None, group=None, head=None):
     """(Config, parameters, Tokenizer, note or None, the file's tensor types counted) of a GGUF file: the
     parameters flat float32 for a float checkpoint, else (flat float32 of the float tensors, {name:
-    QuantizedTensor}); quant and group: --quantize's and --group's (None: the file's own, target_type)."""
+    QuantizedTensor}); quant, group and head: --quantize's, --group's and --head-type's (None: the file's own,
+    target_type)."""
     f = GGUFFile(path)
     cfg = rope_scaling_of(f, config_of(f, context))
     tok = tokenizer_of(f)
@@ -502,10 +515,10 @@ def load_gguf(path, context=None, quant=None, group=None):
         raise UserError(f"{f.path}: the tokenizer has {tok.vocab_size} tokens but the model only {cfg.vocab_size}")
     if tok.vocab_size < cfg.vocab_size:
         cfg = dataclasses.replace(cfg, tokenizer_vocab=tok.vocab_size)
-    quant, group, note = target_type(f, cfg, quant, group)
+    quant, group, head, note = target_type(f, cfg, quant, group, head)
     if quant is not None:
         from nanoeuler.io.quantize import quantized_config
-        cfg = quantized_config(cfg, quant, group)
+        cfg = quantized_config(cfg, quant, group, head)
     params, stats = read_params(f, cfg)
     if stats["groups"]:
         share = stats["inexact"] / stats["groups"]

@@ -59,6 +59,7 @@ from nanoeuler.files import check_writable
 from nanoeuler.io import checkpoint
 from nanoeuler.io.safetensors_header import safetensors_header
 from nanoeuler.io.export import BIAS_NAMES, LAYER_NAMES
+from nanoeuler.io.quantize import describe
 from nanoeuler.model.config import ROPE_TYPES, Config, param_count, views
 from nanoeuler.tokenizer.bpe import Tokenizer
 
@@ -428,10 +429,11 @@ def chat_settings(folder, hf, tok):
     return template, [i for i in ends if 0 <= i < tok.vocab_size], named
 
 
-def load_hf(folder, context=None, quant=None, group=None):
+def load_hf(folder, context=None, quant=None, group=None, head=None):
     """(Config, flat float32 parameters, Tokenizer) of a Hugging Face Llama, Mistral or Qwen2 folder or Hub id;
-    quant "int8" or "int4": its matrices quantized in groups of `group` as they are read (the parameters are
-    then (flat float32 of the float tensors, {name: QuantizedTensor}): io/quantize.py)."""
+    quant "int8" or "int4": its matrices quantized in groups of `group` (the untied heads as `head`:
+    io/quantize.py's quantized_config) as they are read (the parameters are then (flat float32 of the float
+    tensors, {name: QuantizedTensor}): io/quantize.py)."""
     folder = hub_folder(folder)
     hf = _read_json(os.path.join(folder, "config.json"))
     cfg = config_from_hf(hf, context, os.path.join(folder, "config.json"))
@@ -448,13 +450,14 @@ def load_hf(folder, context=None, quant=None, group=None):
         cfg = dataclasses.replace(cfg, tokenizer_vocab=tok.vocab_size)
     if quant is not None:
         from nanoeuler.io.quantize import quantized_config
-        cfg = quantized_config(cfg, quant, group)
+        cfg = quantized_config(cfg, quant, group, head)
     return cfg, params_from_hf(cfg, tensors), tok
 
 
 def main(args):
-    if getattr(args, "group", None) is not None and getattr(args, "quantize", None) is None:  # both sources
-        raise UserError("--group goes with --quantize int8|int4")
+    for flag in ("group", "head_type"):  # both sources
+        if getattr(args, flag, None) is not None and getattr(args, "quantize", None) is None:
+            raise UserError(f"--{flag.replace('_', '-')} goes with --quantize int8|int4")
     if os.path.isfile(args.out) and not args.overwrite:
         raise UserError(f"{args.out} exists: --overwrite replaces it, --out FILE writes elsewhere")
     check_writable(args.out)
@@ -462,11 +465,12 @@ def main(args):
     if getattr(args, "gguf", None):  # a llama.cpp file (io/gguf_import.py)
         from nanoeuler.io.gguf_import import load_gguf
         cfg, params, tok, note, kinds = load_gguf(args.gguf, args.context, getattr(args, "quantize", None),
-                                                  getattr(args, "group", None))
+                                                  getattr(args, "group", None), getattr(args, "head_type", None))
         if note:
             print(f"note: {note}", file=sys.stderr)
     else:
-        cfg, params, tok = load_hf(args.hf, args.context, getattr(args, "quantize", None), getattr(args, "group", None))
+        cfg, params, tok = load_hf(args.hf, args.context, getattr(args, "quantize", None), getattr(args, "group", None),
+                                   getattr(args, "head_type", None))
     quantized = None
     if cfg.quant is not None:
         params, quantized = params
@@ -477,7 +481,7 @@ def main(args):
           f"{cfg.n_kv_heads} heads, hidden {cfg.hidden}, context {cfg.context}, vocab {cfg.vocab_size}, "
           f"rope theta {cfg.rope_theta:g}{_scaling_note(cfg)}, norm eps {cfg.norm_eps:g}, "
           f"{param_count(cfg) / 1e6:.2f}M parameters{' (embedding tied to the output head)' if cfg.tied else ''}"
-          f"{'' if cfg.quant is None else f', matrices quantized to {cfg.quant} (groups of {cfg.quant_group})'}"
+          f"{'' if cfg.quant is None else f', matrices quantized to {describe(cfg)}'}"
           f"{', q/k/v biases' if cfg.qkv_bias else ''}; tokenizer: {tok.vocab_size} tokens"
           f"{'' if cfg.tokenizer_vocab is None else f' (ids {tok.vocab_size}..{cfg.vocab_size - 1} are padding, never generated)'}"
           f", end of text {tok.eos!r} = {tok.eos_id}")

@@ -46,6 +46,10 @@ class Config:
     # a row (0: one group a row); None (and absent from the checkpoint's JSON) for float weights
     quant: str = None
     quant_group: int = None
+    # the untied prediction heads' own type and group where they differ from the layers' (an int4 model's heads
+    # int8 in groups of 32, as llama.cpp's Q4_K_M keeps its output in Q6_K); None (and absent): as the layers
+    quant_head: str = None
+    quant_head_group: int = None
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -67,6 +71,11 @@ class Config:
         if self.quant is not None:
             from nanoeuler.model.quantize import check_type
             check_type(self.quant, self.quant_group)
+        if self.quant_head is not None:
+            if self.quant is None or self.tied:
+                raise ValueError("a head type of its own (quant_head) takes a quantized model with untied heads")
+            from nanoeuler.model.quantize import check_type
+            check_type(self.quant_head, self.quant_head_group)
         if self.rope_scaling is not None:
             rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # raises on what we do not compute
 
@@ -78,7 +87,7 @@ class Config:
         # optional keys are left out when unset: our own models' JSON is unchanged
         unset = {"rope_scaling": None, "tied": False, "qkv_bias": False, "sliding_window": None,
                  "tokenizer_vocab": None, "architecture": "LlamaForCausalLM",
-                 "quant": None, "quant_group": None}
+                 "quant": None, "quant_group": None, "quant_head": None, "quant_head_group": None}
         return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if k not in unset or v != unset[k]},
                           sort_keys=True)
 
@@ -151,6 +160,15 @@ def quantized_names(cfg):
         return ()
     names = [f"layers.{i}.{m}" for i in range(cfg.n_layers) for m in QUANTIZED_MATRICES]
     return tuple(names + [f"heads.{k}" for k in range(1 if cfg.tied else 0, cfg.mtp_heads)])
+
+
+def quant_format(cfg, name):
+    """(type, group) of the quantized tensor `name` of cfg (group as the config holds it: 0 is a row): the
+    heads' own (quant_head, quant_head_group) where the config sets them, else the layers' (quant,
+    quant_group)."""
+    if cfg.quant_head is not None and name.startswith("heads."):
+        return cfg.quant_head, cfg.quant_head_group
+    return cfg.quant, cfg.quant_group
 
 
 def param_layout(cfg, floats_only=False):
@@ -251,7 +269,7 @@ def float_params(cfg, params, quantized):
     """(the float config, its flat float32 parameters) of a quantized model: params (its float tensors) and
     each quantized tensor dequantized in its place (export --hf writes these)."""
     from nanoeuler.model.quantize import dequantize
-    fcfg = dataclasses.replace(cfg, quant=None, quant_group=None)
+    fcfg = dataclasses.replace(cfg, quant=None, quant_group=None, quant_head=None, quant_head_group=None)
     flat = np.empty(param_count(fcfg), np.float32)
     floats = views(params, cfg, floats_only=True)
     for name, view in views(flat, fcfg).items():

@@ -36,7 +36,7 @@ import math
 import numpy as np
 
 from nanoeuler.errors import UserError
-from nanoeuler.model.config import views
+from nanoeuler.model.config import quant_format, views
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 BASE_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
@@ -158,7 +158,7 @@ def merge_quantized(cfg, quantized, spec, adapters):
             a, b = ad[f"layers.{i}.{t}.lora_a"].astype(np.float64), ad[f"layers.{i}.{t}.lora_b"].astype(np.float64)
             name = f"layers.{i}.{BASE_NAMES[t]}"
             w = dequantize(quantized[name]).astype(np.float64) + spec.scale * (b @ a)
-            merged[name] = quantize(w.astype(np.float32), cfg.quant, cfg.quant_group)
+            merged[name] = quantize(w.astype(np.float32), *quant_format(cfg, name))
     return merged
 
 

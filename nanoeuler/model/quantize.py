@@ -19,7 +19,9 @@ weights bit for bit, so a quantized model's only approximation is the quantizati
 
 Which tensors are quantized (config.quantized_names): every layer's matrices (wq, wk, wv, wo, w_gate, w_up, w_down)
 and the prediction heads; the embedding stays float (a lookup reads a row a token: nothing to gain at batch
-1), and so does a tied head (it is the embedding), the norm gains and the q/k/v biases.
+1), and so does a tied head (it is the embedding), the norm gains and the q/k/v biases. The heads may have a
+type of their own (config.quant_head, quant_format): `quantize --type int4` keeps them int8 in groups of 32
+(Q8_0), since they carry most of int4's loss (docs/quantization.md).
 
     from nanoeuler.model.quantize import quantize, dequantize
     qt = quantize(w, "int4", 32)          # a QuantizedTensor: q (O, I // 2) uint8, scales and mins (O, I // 32)
@@ -33,6 +35,7 @@ import numpy as np
 
 TYPES = ("int8", "int4")
 DEFAULT_GROUP = 32  # GGUF's Q8_0 and Q4_1 blocks
+DEFAULT_HEAD = {"int8": "int8", "int4": "int8"}  # the heads' type by the layers' (quantize --head-type)
 
 
 
