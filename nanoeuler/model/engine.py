@@ -19,7 +19,7 @@ pretraining and SFT and the DPO loss are such weights (train/objectives.py). Dec
 `decoding.decoder_of(eng)` (decoding.py); the AdamW step is optimizer.py.
 
 The logits of a large vocabulary are the largest activation (Llama 3's 128,256 a position: 1 GB in bf16 for 4,096
-positions), so they are never held whole beyond LOGITS_BYTES: the heads' product, the cross-entropy and the
+positions), so they are never held whole beyond LOGITS_BYTES (512 MiB): the heads' product, the cross-entropy and the
 gradient's way back through the heads go a piece of rows at a time (_head), one piece's logits held.
 
 Parameters and gradients are each one flat buffer (layout: config.param_layout). Because wq|wk|wv,
@@ -74,8 +74,9 @@ def to_numpy(a):
 
 LOAD_PIECE = 1 << 24  # float32 values a piece of a load into an engine without master weights (64 MiB)
 # the most bytes of logits held at once: more rows' logits are computed, scored and sent back through the heads a
-# piece of rows at a time (Engine._head), so a large vocabulary's (N, K*V) logits never exist whole
-LOGITS_BYTES = 256 << 20
+# piece of rows at a time (Engine._head), so a large vocabulary's (N, K*V) logits never exist whole; the presets'
+# training (base: 32 x 512 positions of 4 x 4,096 logits in bf16) stays one piece
+LOGITS_BYTES = 512 << 20
 
 
 class Engine:

@@ -156,8 +156,8 @@ def _dequantized(w, x):
     a full forward) dequantized into quantized.dequantized_scratch, in x's type (bf16 rounds each weight once;
     float32 is exact), so the product is cuBLAS's, as for a float w of those values: the quantized kernels
     read the packed weights again from L2 for every 16 rows, far slower than cuBLAS at thousands of rows.
-    The scratch holds one matrix at a time, shared with the backward pass, and grows: never inside a CUDA
-    graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks), whose products keep
+    The scratch holds one matrix at a time, shared with the backward pass, and is made on first use: never
+    inside a CUDA graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks), whose products keep
     the quantized kernels (batch-invariant; nothing dequantized). w itself otherwise, and where w is larger than
     one slice of quantized.row_slices (matmul_forward then takes it a slice at a time: _sliced_forward)."""
     if not isinstance(w, quantized.QuantizedMatrix) or x.shape[0] <= FEW_ROWS or len(quantized.row_slices(w)) > 1:
