@@ -11,11 +11,14 @@ LlamaForCausalLM in bf16 with SDPA attention, `get_peft_model` with the same ran
 checkpointing (non-reentrant), fused AdamW over the adapters; eager, then torch.compile where it compiles in
 time. A step is forward, backward, gradient clipping and AdamW, ending with the loss on the host. Printed: ms/step,
 tokens/s and the peak GPU memory (ours: CuPy's pool, which only grows, after the steps; torch: its peak
-allocation; and CUDA's used memory seen at the end of each row, cudaMemGetInfo).
+allocation; and CUDA's used memory seen at the end of each row, cudaMemGetInfo). Our pool's blocks are handed
+back to CUDA once the engine is made: making random weights on the device leaves gigabytes of freed temporaries
+in the pool, which loading a checkpoint does not (a 64 MiB piece at most).
 
     PYTHONPATH=. python3 benchmarks/bench_lora.py                       # 1B and 8B, every row
     PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3.2-1b --compile
     PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3-8b --quant int4 --compile  # QLoRA on the 8B
+    PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3-8b --quant int4 --quant-only  # that row alone
 """
 import argparse
 import dataclasses
@@ -83,6 +86,7 @@ def bench_ours(cfg, inputs, targets, args, mode):
     else:
         eng = make_engine(cfg, device="gpu", precision="bf16", training=full)
         random_weights(eng)
+    pool.free_all_blocks()  # the random weights' temporaries
     if full:
         trained, opt = eng, AdamW(eng)
     else:
@@ -166,7 +170,10 @@ def main():
     ap.add_argument("--no-full", action="store_true", help="leave out our full-SFT rows")
     ap.add_argument("--quant", metavar="TYPE", help="also QLoRA rows on the base quantized to TYPE: int8 or int4, "
                     "a group after a colon (default 32), e.g. int4:64")
+    ap.add_argument("--quant-only", action="store_true", help="the QLoRA rows of --quant alone")
     args = ap.parse_args()
+    if args.quant_only and not args.quant:
+        ap.error("--quant-only needs --quant")
     from nanoeuler.model.gpu import device_name
 
     print(f"{device_name()}: LoRA r {args.rank} (alpha {2 * args.rank}) on q,k,v,o,gate,up,down, bf16 base, T "
@@ -184,6 +191,8 @@ def main():
         peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
         if args.quant:  # first: what --quant asks for
             tiers[0].append((name, B, f"ours QLoRA {args.quant} --recompute", lambda run=run: run("qlora-recompute")))
+            if args.quant_only:
+                continue
         tiers[0].extend([(name, B, "ours LoRA --recompute", lambda run=run: run("lora-recompute")),
                          (name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False))])
         tiers[1].append((name, B, "ours LoRA", lambda run=run: run("lora")))

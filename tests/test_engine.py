@@ -10,7 +10,7 @@ import pytest
 from nanoeuler.check.gradients import CHECK_CONFIGS, gradient_check
 from nanoeuler.model.config import PRESETS, Config, param_count, param_layout, rope_tables, views
 from nanoeuler.model.cpu.layers import Layers
-from nanoeuler.model.engine import make_engine
+from nanoeuler.model.engine import make_engine, to_numpy
 from nanoeuler.model.optimizer import AdamW
 from nanoeuler.model.losses import cross_entropy_backward
 from nanoeuler.check.problems import random_problem, relative_error
@@ -306,6 +306,42 @@ def test_float32_matches_float64_loss(cfg):
     assert np.allclose(loss32, loss64, rtol=1e-5)
     assert relative_error(eng32.grads.astype(np.float64), eng64.grads).mean() < 1e-3
     assert np.linalg.norm(eng32.grads - eng64.grads) / np.linalg.norm(eng64.grads) < 1e-4
+
+
+def in_pieces(eng, rows=7):
+    """Set eng to compute its logits a piece of at most `rows` rows at a time (a short last piece where the
+    rows do not divide N)."""
+    eng.logits_bytes = rows * eng.cfg.mtp_heads * eng.cfg.vocab_size * eng.act.itemsize
+    return eng
+
+
+@by_heads
+def test_logits_in_pieces_give_the_whole_logits_losses_and_gradients(cfg):
+    """The heads, the cross-entropy and the gradient through the heads a piece of rows at a time: the losses and
+    logits of the one product, the gradients to rounding (the heads' gradient is a sum over the pieces); only a
+    piece's logits are held; forward() then backward() (DPO's way: the logits made again) gives the same."""
+    whole, inputs, targets = engine_with_problem(cfg)
+    pieces = in_pieces(engine_with_problem(cfg)[0])
+    losses = cross_entropy_backward(whole, inputs, targets)
+    assert np.allclose(cross_entropy_backward(pieces, inputs, targets), losses, rtol=1e-13, atol=0)
+    assert pieces._acts["logits"].shape[0] == 7 < inputs.size
+    assert np.allclose(pieces.grads, whole.grads, rtol=1e-12, atol=1e-15)
+    assert np.array_equal(pieces.logits(inputs), whole.logits(inputs))
+    first = pieces.grads.copy()
+    weights = np.random.default_rng(0).random((cfg.mtp_heads, inputs.size))
+    got = to_numpy(pieces.forward(inputs, targets))
+    pieces.backward(weights)
+    assert np.array_equal(to_numpy(whole.forward(inputs, targets)), got)
+    whole.backward(weights)
+    assert np.allclose(pieces.grads, whole.grads, rtol=1e-12, atol=1e-15) and not np.allclose(pieces.grads, first)
+
+
+@pytest.mark.parametrize("cfg", CHECK_CONFIGS[1:3], ids=["K2", "K1-tied"])
+def test_gradient_check_with_logits_in_pieces(cfg, monkeypatch):
+    from nanoeuler.model import engine
+    monkeypatch.setattr(engine, "LOGITS_BYTES", 5 * cfg.mtp_heads * cfg.vocab_size * 8)  # float64: 5 rows a piece
+    errors = gradient_check(cfg, samples=3, seed=7, report=lambda line: None)
+    assert max(errors.values()) < 1e-6, errors
 
 
 def test_adamw_step_matches_formula():

@@ -154,6 +154,34 @@ def test_model_gradients_match_cpu_engine_at_head_size_128(precision, bound):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("precision,bound", [("fp32", FP32_TOL), ("bf16", BF16_MODEL_TOL)])
+def test_logits_in_pieces_and_quantized_row_slices_match_cpu_engine(precision, bound, monkeypatch):
+    """The logits a piece of 100 of the 300 rows at a time (the heads' product, the cross-entropy and the way back
+    through the heads; the CPU engine's in pieces of 50), on the float model (K = 2 heads: every gradient, cached
+    decoding) and on QLoRA's int4 base with every quantized matrix of more than 256 rows of 128 in row slices
+    (gate|up, w_down and the head: its 600 rows in slices of 256) and its full forward's logits: within the
+    bounds of the whole-logits checks; --recompute's and a second pass's gradients the same bits."""
+    from nanoeuler.check.gpu import MODEL_CONFIG, quantized_model_check
+    from nanoeuler.model import engine
+    from nanoeuler.model.gpu import quantized
+    itemsize = 2 if precision == "bf16" else 4
+    monkeypatch.setattr(engine, "LOGITS_BYTES", 100 * MODEL_CONFIG.mtp_heads * MODEL_CONFIG.vocab_size * itemsize)
+    monkeypatch.setattr(quantized, "SLICE_ELEMENTS", 256 * 128)
+    monkeypatch.setattr(quantized, "_dequantized", {})
+    errors = model_check(seed=5, precision=precision, report=lambda line: None)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < bound and errors["determinism"] == 0.0, (worst, errors[worst])
+    errors = lora_model_check(seed=5, precision=precision, report=lambda line: None, cfg=QUANT_CONFIG,
+                              dropout=0.25, quant="int4")
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < bound and errors["recompute"] == 0.0, (worst, errors[worst])
+    errors = quantized_model_check(0, "int4", 32, precision, report=lambda line: None)
+    assert max(errors.values()) < bound, errors
+    assert all(s.size <= 256 * 128 for s in quantized._dequantized.values())
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("precision,tol", [("tf32", 2e-3), ("bf16", 2e-2)])
 def test_training_steps_agree_across_engines(precision, tol):
     """Same init, same batches, same AdamW steps: the losses track each other to the precision's rounding."""

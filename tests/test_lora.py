@@ -113,13 +113,21 @@ def test_decoding_reads_the_adapters():
     assert live != list(generate(eng, prompt, 12, temperature=0))
 
 
+def logits_in_pieces(eng, rows=5):
+    """eng's logits computed a piece of at most `rows` rows at a time (Engine._logit_rows)."""
+    eng.logits_bytes = rows * eng.cfg.mtp_heads * eng.cfg.vocab_size * eng.act.itemsize
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole-logits", "logits-in-pieces"])
 @pytest.mark.parametrize("with_adapters", [False, True])
-def test_recompute_gradients_are_bit_identical(with_adapters):
+def test_recompute_gradients_are_bit_identical(with_adapters, pieces):
     cfg = CHECK_CONFIGS[1] if not with_adapters else CHECK_CONFIGS[3]
     rng = np.random.default_rng(5)
     flat, inputs, targets = random_problem(cfg, rng)
     eng = make_engine(cfg, "cpu", training=not with_adapters)
     eng.load_params(flat)
+    if pieces:
+        logits_in_pieces(eng)
     if with_adapters:
         ad = lora.attach(eng, lora.make_spec(cfg, 4, 8.0, 0.25))
         ad.load(rng.normal(0, 0.1, ad.size))
@@ -158,6 +166,15 @@ def test_qlora_adapter_gradients_match_finite_differences(quant):
     assert max(errors.values()) < 1e-6, max(errors.items(), key=lambda kv: kv[1])
 
 
+def test_qlora_adapter_gradients_with_logits_in_pieces(monkeypatch):
+    """The QLoRA gradient check (int4, dropout on) with the logits a piece of 5 rows at a time."""
+    from nanoeuler.model import engine
+    cfg = LORA_CONFIGS[0]
+    monkeypatch.setattr(engine, "LOGITS_BYTES", 5 * cfg.mtp_heads * cfg.vocab_size * 8)  # float64
+    errors = lora_gradient_check(cfg, samples=2, seed=3, dropout=0.25, quant="int4", report=lambda line: None)
+    assert max(errors.values()) < 1e-6, max(errors.items(), key=lambda kv: kv[1])
+
+
 def test_input_gradient_through_a_quantized_matrix_is_the_dequantized_product(monkeypatch):
     from nanoeuler.model.cpu import layers as cpu_layers
     from nanoeuler.model.quantize import dequantize, quantize
@@ -170,9 +187,13 @@ def test_input_gradient_through_a_quantized_matrix_is_the_dequantized_product(mo
         np.testing.assert_allclose(dx, dout @ dequantize(qt).astype(np.float64), rtol=1e-12, atol=1e-12)
 
 
-def test_qlora_recompute_gradients_are_bit_identical():
-    """--recompute on a quantized base: the same bits as the stored path (float32 CPU engine)."""
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole-logits", "logits-in-pieces"])
+def test_qlora_recompute_gradients_are_bit_identical(pieces):
+    """--recompute on a quantized base: the same bits as the stored path (float32 CPU engine), the logits whole
+    or a piece of rows at a time."""
     eng, ad, _, inputs, targets = lora_problem(CHECK_CONFIGS[0], np.random.default_rng(5), 0.25, "int4", np.float32)
+    if pieces:
+        logits_in_pieces(eng)
     losses = cross_entropy_backward(eng, inputs, targets)
     stored = ad.grads.copy()
     eng.recompute = True

@@ -414,6 +414,48 @@ def test_gpu_quantized_model_matches_the_cpu_engine(kind, group, head):
     assert max(errors.values()) < BF16_MODEL_TOL, errors
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_quantized_products_in_row_slices(precision, monkeypatch):
+    """A quantized matrix of more than SLICE_ELEMENTS weights (an untied head) in products of many rows goes a
+    slice of rows at a time (the forward into out's columns, += and into float32; the normed product; the input
+    gradient summed over the slices in float32): within the precision's bound of the float64 products and of
+    the whole matrix's, the dequantized scratch never larger than a slice; a slice of a matrix (row 3 on) too."""
+    from nanoeuler.check.gpu import _Case, rel_err
+    from nanoeuler.model.gpu import quantized
+    from nanoeuler.model.gpu.layers import Layers as GPULayers
+    case = _Case(np.random.default_rng(0), precision)
+    gpu = GPULayers(precision, True)
+    N, O, I = 100, 211, 128
+    for kind in ("int8", "int4"):
+        qt = quantize(case.normal(O, I).astype(np.float32), kind, 32)
+        whole = quantized.QuantizedMatrix.of(qt)
+        for w, rows in ((whole, slice(0, O)), (whole.rows(3, 203), slice(3, 203))):
+            W = dequantize(qt)[rows].astype(np.float64)
+            x, gain = case.act(case.normal(N, I)), case.act(1.0 + 0.1 * case.normal(I))
+            dout, base = case.act(case.normal(N, len(W))), case.act(case.normal(N, len(W)))
+            xn = case.act(x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-5) * gain)
+            got = {}
+            for sliced in (False, True):
+                monkeypatch.setattr(quantized, "SLICE_ELEMENTS", 48 * I if sliced else 1 << 27)
+                monkeypatch.setattr(quantized, "_dequantized", {})
+                assert len(quantized.row_slices(w)) == (5 if sliced else 1)
+                out, acc, out32 = case.poisoned(N, len(W)), case.dev(base), case.poisoned32(N, len(W))
+                gpu.matmul_forward(out, case.dev(x), w)
+                gpu.matmul_forward(acc, case.dev(x), w, accumulate=True)
+                gpu.matmul_forward(out32, case.dev(x), w)
+                normed, rstd, dx = case.poisoned(N, len(W)), case.poisoned32(N), case.poisoned(N, I)
+                gpu.rmsnorm_matmul_forward(normed, rstd, case.dev(x), case.dev(gain), w, 1e-5, None)
+                gpu.matmul_backward(dx, None, case.dev(dout), case.dev(x), w)
+                got[sliced] = [case.get(a) for a in (out, acc, out32, normed, dx)]
+                assert all(s.size <= quantized.SLICE_ELEMENTS for s in quantized._dequantized.values())
+            refs = (x @ W.T, base + x @ W.T, x @ W.T, xn @ W.T, dout @ W)
+            for name, ref, one, part in zip(("out", "+=", "float32 out", "normed", "dx"), refs, got[False], got[True]):
+                assert rel_err(part, ref) <= case.tol, (kind, rows, name, rel_err(part, ref))
+                assert rel_err(part, one) <= case.tol, (kind, rows, name, rel_err(part, one))
+
+
 def test_gpu_memory_sizes():
     from nanoeuler.model.memory import GiB, parse_size
     assert parse_size("12GiB") == parse_size("12G") == 12 * GiB and parse_size("1.5GB") == 1_500_000_000

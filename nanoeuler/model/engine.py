@@ -18,6 +18,10 @@ pass takes a gradient weight per (head, position), d objective / d loss[k, n]. T
 pretraining and SFT and the DPO loss are such weights (train/objectives.py). Decoding with a KV cache is
 `decoding.decoder_of(eng)` (decoding.py); the AdamW step is optimizer.py.
 
+The logits of a large vocabulary are the largest activation (Llama 3's 128,256 a position: 1 GB in bf16 for 4,096
+positions), so they are never held whole beyond LOGITS_BYTES (512 MiB): the heads' product, the cross-entropy and the
+gradient's way back through the heads go a piece of rows at a time (_head), one piece's logits held.
+
 Parameters and gradients are each one flat buffer (layout: config.param_layout). Because wq|wk|wv,
 w_gate|w_up and heads.0..K-1 sit next to each other in that buffer, each group is one fused matrix here: one
 matmul instead of three, two or K; a model's q/k/v biases (bq|bk|bv, right after them) are likewise one
@@ -69,6 +73,10 @@ def to_numpy(a):
 
 
 LOAD_PIECE = 1 << 24  # float32 values a piece of a load into an engine without master weights (64 MiB)
+# the most bytes of logits held at once: more rows' logits are computed, scored and sent back through the heads a
+# piece of rows at a time (Engine._head), so a large vocabulary's (N, K*V) logits never exist whole; the presets'
+# training (base: 32 x 512 positions of 4 x 4,096 logits in bf16) stays one piece
+LOGITS_BYTES = 512 << 20
 
 
 class Engine:
@@ -95,6 +103,7 @@ class Engine:
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
         self._acts, self._acts_shape = None, None
+        self.logits_bytes = LOGITS_BYTES  # the logits held at once (_logit_rows)
         # LoRA's adapters (model/lora.py: attach), read by the passes at their targets; None: none
         self.adapters = None
         # keep only each layer's input and recompute the layer's activations in the backward pass (less memory,
@@ -265,17 +274,26 @@ class Engine:
         return read
 
     # ------------------------------------------------------------------------------------ activations
+    def _logit_rows(self, N):
+        """The rows whose logits are computed at a time: all N where their logits (N, K*V) take at most
+        logits_bytes, else N cut into equal pieces that do."""
+        row = self.cfg.mtp_heads * self.cfg.vocab_size * self.act.itemsize
+        return -(-N // max(1, -(-N * row // self.logits_bytes)))
+
     def _activations(self, B, T):
         """Buffers for everything the backward pass reads, allocated once per (B, T)."""
-        if self._acts_shape == (B, T, self.recompute):
+        N = B * T
+        rows = self._logit_rows(N)
+        if self._acts_shape == (B, T, self.recompute, rows):
             return self._acts
         self._acts = None  # the old buffers freed before the new ones are made
         cfg, xp = self.cfg, self.xp
-        N, C, D = B * T, cfg.dim, cfg.head_dim
+        C, D = cfg.dim, cfg.head_dim
         n_layers = 1 if self.recompute else cfg.n_layers  # slots of per-layer activations: one, recomputed
         layer_inputs = cfg.n_layers + 1  # the residual stream before each layer is always kept
         H, G, F = cfg.n_heads, cfg.n_kv_heads, cfg.hidden
         head_logits = cfg.mtp_heads * cfg.vocab_size  # all K heads' logits of a position, one matmul's output
+        # logits: one piece of rows' (all N's where they fit logits_bytes), scored before the next is computed
         act = lambda *shape: xp.empty(shape, dtype=self.act)       # activations
         stat = lambda *shape: xp.empty(shape, dtype=self.dtype)    # statistics and losses, never bf16
         # the SwiGLU output and the sublayers' normed inputs are kept, not recomputed (docs/gpu-engine.md)
@@ -284,12 +302,12 @@ class Engine:
             xn1=act(n_layers, N, C), xn2=act(n_layers, N, C), rstd1=stat(n_layers, N), rstd2=stat(n_layers, N),
             qkv=act(n_layers, B, T, H + 2 * G, D), att=act(n_layers, B, T, H, D), lse=stat(n_layers, B, H, T),
             gate_up=act(n_layers, N, 2 * F), sw=act(n_layers, N, F),
-            hf=act(N, C), rstdf=stat(N), logits=act(N, head_logits), losses=stat(cfg.mtp_heads, N),
+            hf=act(N, C), rstdf=stat(N), logits=act(rows, head_logits), losses=stat(cfg.mtp_heads, N),
             # backward scratch
             dresid=act(N, C), dxn=act(N, C), dqkv=act(B, T, H + 2 * G, D), datt=act(B, T, H, D),
             dgate_up=act(N, 2 * F), dsw=act(N, F), dhf=act(N, C),
         )
-        self._acts, self._acts_shape = acts, (B, T, self.recompute)
+        self._acts, self._acts_shape = acts, (B, T, self.recompute, rows)
         return acts
 
     # ---------------------------------------------------------------------------------------- forward
@@ -399,9 +417,10 @@ class Engine:
             raise ValueError(f"inputs of shape {inputs.shape} do not fit the model: (batch, 1..{self.cfg.context})")
         return self.xp.asarray(inputs.astype(np.int32, copy=False))
 
-    def _run_to_logits(self, inputs, targets):
-        """The forward pass of inputs (B, T) up to all K heads' logits (N, K*V), one matmul; targets (K, B, T)
-        are kept on the device for the cross-entropy. Returns the activations."""
+    def _run_to_head(self, inputs, targets):
+        """The forward pass of inputs (B, T) up to the final norm's output acts['hf'] (N, C), the head's unit
+        still gathered (the caller releases it); targets (K, B, T) are kept on the device for the cross-entropy.
+        Returns the activations."""
         inputs = self._tokens(inputs)
         B, T = inputs.shape
         targets = np.asarray(targets, dtype=np.int32)
@@ -409,10 +428,31 @@ class Engine:
             raise ValueError(f"targets {targets.shape} do not match inputs {inputs.shape} and K heads")
         acts = self._activations(B, T)
         self.forward_layers(inputs, acts, B, T)
-        self.layers.matmul_forward(acts["logits"], acts["hf"], self.p["heads"])
-        self._release("head")
         self._last = (inputs, self.xp.asarray(targets).reshape(self.cfg.mtp_heads, -1), B, T)
         return acts
+
+    def _head(self, acts, dscale=None, dheads=None, computed=False):
+        """The heads on acts['hf'] (N, C) a piece of rows at a time (acts['logits'] holds a piece's: _logit_rows):
+        the piece's logits (rows, K*V) in one matmul (computed: already there, forward()'s, where one piece is
+        all N), their cross-entropy into acts['losses'] (K, N), and with dscale (K, N) d loss / d logits in their
+        place and the heads' backward product: acts['dhf'] and the heads' gradient added to dheads (None: a
+        frozen head). The pieces follow from the shapes alone, so every pass (--recompute's too) cuts them alike."""
+        layers, xp, K = self.layers, self.xp, self.cfg.mtp_heads
+        targets, N, rows = self._last[1], acts["hf"].shape[0], acts["logits"].shape[0]
+        for start in range(0, N, rows):
+            stop = min(N, start + rows)
+            hf, logits = acts["hf"][start:stop], acts["logits"][:stop - start]
+            if not computed:
+                layers.matmul_forward(logits, hf, self.p["heads"])
+            piece = lambda a: xp.ascontiguousarray(a[:, start:stop])  # (K, rows) of a (K, N)
+            losses = acts["losses"] if rows == N else xp.empty((K, stop - start), dtype=self.dtype)
+            if dscale is None:
+                layers.crossentropy_forward(losses, logits, piece(targets))
+            else:
+                layers.crossentropy_forward_backward(losses, logits, piece(targets), piece(dscale))
+                layers.matmul_backward(acts["dhf"][start:stop], dheads, logits, hf, self.p["heads"])
+            if rows < N:
+                acts["losses"][:, start:stop] = losses
 
     def _weights(self, weights):
         """A gradient weight per (head, position), (K, N) float32 on the device, from anything that broadcasts
@@ -426,26 +466,29 @@ class Engine:
     def forward(self, inputs, targets):
         """Each head's cross-entropy at every position, losses (K, B*T) on the device (0 where the target is
         -1), without gradients; the activations stay for backward()."""
-        acts = self._run_to_logits(inputs, targets)
-        self.layers.crossentropy_forward(acts["losses"], acts["logits"], self._last[1])
+        acts = self._run_to_head(inputs, targets)
+        self._head(acts)
+        self._release("head")
         return acts["losses"]
 
     def backward(self, weights, accumulate=False, final=True):
         """After forward(): the gradient of sum over (k, n) of weights[k, n] * loss[k, n] into self.grads (or
-        added to them with accumulate). final: the last pass of the optimizer step (gradients_ready is called)."""
+        added to them with accumulate). final: the last pass of the optimizer step (gradients_ready is called).
+        Where the logits came in pieces, the backward pass computes them again (one more product of the heads)."""
         inputs, targets, B, T = self._last
         acts = self._acts
-        self.layers.crossentropy_forward_backward(acts["losses"], acts["logits"], targets, self._weights(weights))
-        self._backward(inputs, acts, B, T, accumulate, final)
+        kept = acts["logits"].shape[0] == B * T  # forward()'s logits of every row, still there
+        self._backward(inputs, acts, B, T, self._weights(weights), accumulate, final, kept)
 
     def forward_backward(self, inputs, targets, weights, accumulate=False, final=True):
         """forward() and backward(weights) in one: the cross-entropy's forward and gradient are one pass.
         Returns the losses (K, B*T) on the device; read them after the call, so the device runs the backward
-        pass before the host waits for them."""
-        acts = self._run_to_logits(inputs, targets)
+        pass before the host waits for them. The logits are computed in the backward pass (_head), a piece at a
+        time: each piece's gradient goes back through the heads before the next piece's logits are made."""
+        acts = self._run_to_head(inputs, targets)
+        self._release("head")  # gathered again by the backward pass, which computes the heads
         inputs, targets, B, T = self._last
-        self.layers.crossentropy_forward_backward(acts["losses"], acts["logits"], targets, self._weights(weights))
-        self._backward(inputs, acts, B, T, accumulate, final)
+        self._backward(inputs, acts, B, T, self._weights(weights), accumulate, final)
         return acts["losses"]
 
     def logits(self, inputs):
@@ -454,16 +497,23 @@ class Engine:
         B, T = inputs.shape
         acts = self._activations(B, T)
         self.forward_layers(inputs, acts, B, T)
-        self.layers.matmul_forward(acts["logits"], acts["hf"], self.p["heads"])
+        N, V, rows = B * T, self.cfg.vocab_size, acts["logits"].shape[0]
+        out = np.empty((N, V), dtype=np.float32)
+        for start in range(0, N, rows):  # a piece of rows at a time (_logit_rows)
+            stop = min(N, start + rows)
+            logits = acts["logits"][:stop - start]
+            self.layers.matmul_forward(logits, acts["hf"][start:stop], self.p["heads"])
+            out[start:stop] = to_numpy(to_float32(logits[:, :V]))
         self._release("head")
-        V = self.cfg.vocab_size
-        return to_numpy(to_float32(acts["logits"][:, :V])).reshape(B, T, V)
+        return out.reshape(B, T, V)
 
     # --------------------------------------------------------------------------------------- backward
-    def _backward(self, inputs, acts, B, T, accumulate, final=True):
-        """From d loss / d logits in acts['logits'] to every parameter's gradient (into self.grads, or added).
-        An engine without gradients (training=False) with adapters on has a frozen base: only the adapters'
-        gradients are computed (into adapters.grads), and of the base's products only the input gradients."""
+    def _backward(self, inputs, acts, B, T, dscale, accumulate, final=True, computed=False):
+        """From the gradient weights dscale (K, N) of the losses, through the heads (_head: their logits again,
+        or computed: forward()'s, all N rows', still in acts['logits']), to every parameter's gradient (into
+        self.grads, or added). An engine without gradients (training=False) with adapters on has a frozen base:
+        only the adapters' gradients are computed (into adapters.grads), and of the base's products only the
+        input gradients."""
         ad = self.adapters if self.adapters is not None and self.adapters.enabled else None
         sharded = self.sharding
         frozen = self.grads is None and sharded is None
@@ -493,7 +543,7 @@ class Engine:
         if sharded:
             sharded.gather("head", backward=True)
             sharded.open_grads("head")
-        layers.matmul_backward(acts["dhf"], gw("heads"), acts["logits"], acts["hf"], p["heads"])
+        self._head(acts, dscale, gw("heads"), computed)
         dresid.fill(0)
         layers.rmsnorm_backward(dresid, gn("final_norm"), acts["dhf"], acts["resid"][cfg.n_layers],
                                 p["final_norm"], acts["rstdf"])

@@ -146,9 +146,9 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
 
 def _folds_quantized(w, x, xn):
     """Whether a quantized product folds its input's RMSNorm (and SwiGLU or the rotary embedding) in: bf16
-    activations (quantized.matmul's tensor-core kernel) where nobody reads the normed input (w still quantized
-    after _dequantized: at most FEW_ROWS rows)."""
-    return isinstance(w, quantized.QuantizedMatrix) and x.dtype == BF16 and xn is None
+    activations (quantized.matmul's tensor-core kernel) on at most FEW_ROWS rows where nobody reads the normed
+    input."""
+    return isinstance(w, quantized.QuantizedMatrix) and x.dtype == BF16 and xn is None and x.shape[0] <= FEW_ROWS
 
 
 def _dequantized(w, x):
@@ -156,13 +156,41 @@ def _dequantized(w, x):
     a full forward) dequantized into quantized.dequantized_scratch, in x's type (bf16 rounds each weight once;
     float32 is exact), so the product is cuBLAS's, as for a float w of those values: the quantized kernels
     read the packed weights again from L2 for every 16 rows, far slower than cuBLAS at thousands of rows.
-    The scratch holds one matrix at a time, shared with the backward pass, and grows: never inside a CUDA
-    graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks), whose products keep
-    the quantized kernels (batch-invariant; nothing dequantized). w itself otherwise."""
-    if not isinstance(w, quantized.QuantizedMatrix) or x.shape[0] <= FEW_ROWS:
+    The scratch holds one matrix at a time, shared with the backward pass, and is made on first use: never
+    inside a CUDA graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks), whose products keep
+    the quantized kernels (batch-invariant; nothing dequantized). w itself otherwise, and where w is larger than
+    one slice of quantized.row_slices (matmul_forward then takes it a slice at a time: _sliced_forward)."""
+    if not isinstance(w, quantized.QuantizedMatrix) or x.shape[0] <= FEW_ROWS or len(quantized.row_slices(w)) > 1:
         return w
     assert not cupy.cuda.get_current_stream().is_capturing(), "a growing scratch in a CUDA graph"
     return quantized.dequantize(w, x.dtype, quantized.dequantized_scratch(w.shape, x.dtype))
+
+
+def _sliced_forward(out, x, w, accumulate, tf32):
+    """out (N, O) (+)= x (N, I) @ W.T for a QuantizedMatrix W of several row slices (quantized.row_slices): each
+    slice dequantized into the scratch in turn, its product written into out's matching columns (cuBLAS's ldc is
+    out's row stride)."""
+    _check(x, act=x)
+    assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
+    (N, I), O = x.shape, w.shape[0]
+    for start, stop in quantized.row_slices(w):
+        part = _dequantized(w.rows(start, stop), x)
+        runtime.gemm(True, False, stop - start, N, I, part, I, x, I, out[:, start:], O, accumulate, tf32)
+
+
+def _sliced_backward(dx, dout, w, tf32, cast):
+    """dx (N, I) = dout (N, O) @ W for a QuantizedMatrix W of several row slices: each slice dequantized into the
+    scratch in turn and multiplied by dout's matching columns, the products summed in float32 (in dx, or for bf16
+    in a float32 buffer rounded into dx once by cast: no rounding to bf16 between slices)."""
+    _check(dx, dout, act=dout)
+    (N, I), O = dx.shape, w.shape[0]
+    total = dx if dx.dtype == F32 else cupy.empty((N, I), dtype=F32)
+    for k, (start, stop) in enumerate(quantized.row_slices(w)):
+        part = quantized.dequantize(w.rows(start, stop), dout.dtype,
+                                    quantized.dequantized_scratch((stop - start, I), dout.dtype))
+        runtime.gemm(False, False, I, N, stop - start, part, I, dout[:, start:], O, total, I, k > 0, tf32)
+    if total is not dx:
+        cast(dx.reshape(-1), total.reshape(-1))
 
 
 def _copy_skip(skip, x):
@@ -354,10 +382,14 @@ class Layers:
         """out (N, O) = x (N, I) @ w (O, I).T, += when accumulate. Row-major out is column-major out.T, so
         cuBLAS computes out.T (O, N) = w (O, I) @ x.T (I, N). out may be float32 for bf16 x, w. At most FEW_ROWS
         rows (decoding) take the matrix-vector kernel, in float32 arithmetic whatever the precision. A quantized w
-        (quantized_matrix) takes gpu/quantized.py's products, or of more rows its dequantized copy (_dequantized)."""
+        (quantized_matrix) takes gpu/quantized.py's products, or of more rows its dequantized copy (_dequantized),
+        a slice of rows at a time where it is larger than one (_sliced_forward)."""
         w = _dequantized(w, x)
         if isinstance(w, quantized.QuantizedMatrix):
-            quantized.matmul(out, x, w, accumulate, self.tf32)
+            if x.shape[0] > FEW_ROWS:
+                _sliced_forward(out, x, w, accumulate, self.tf32)
+            else:
+                quantized.matmul(out, x, w, accumulate, self.tf32)
             return
         _check(x, w, act=x)
         assert out.flags.c_contiguous and out.dtype in (F32, x.dtype)
@@ -370,16 +402,23 @@ class Layers:
     def matmul_backward(self, dx, dw, dout, x, w, dbias=None):
         """dx (N, I) = dout (N, O) @ w; dw (O, I) += dout.T @ x (dw float32, the others activations; None: not
         computed; a QuantizedMatrix w, frozen, is dequantized into one scratch of the activations' type shared by
-        every such product, then cuBLAS: bf16 rounds the dequantized weights to bf16); where given,
-        dbias (O,) float32 += the column sums of dout, as the product of dout.T with a column of ones."""
+        every such product, then cuBLAS: bf16 rounds the dequantized weights to bf16; a slice of rows at a time
+        where it is larger than one: _sliced_backward); where given, dbias (O,) float32 += the column sums of
+        dout, as the product of dout.T with a column of ones."""
         if isinstance(w, quantized.QuantizedMatrix):  # a frozen quantized base (QLoRA): its input gradient alone
             assert dw is None, "a quantized matrix is frozen"
-            w = quantized.dequantize(w, dout.dtype, quantized.dequantized_scratch(w.shape, dout.dtype))
-        _check(dx, dout, x, w, act=x)
+            if len(quantized.row_slices(w)) > 1:
+                _sliced_backward(dx, dout, w, self.tf32, self.cast_params)
+                w = None  # dx done
+            else:
+                w = quantized.dequantize(w, dout.dtype, quantized.dequantized_scratch(w.shape, dout.dtype))
+        _check(dx, dout, x, act=x)
         if dw is not None:
             _check(dw)
-        (N, I), O = x.shape, w.shape[0]
-        runtime.gemm(False, False, I, N, O, w, I, dout, O, dx, I, False, self.tf32)
+        (N, I), O = x.shape, dout.shape[1]
+        if w is not None:
+            _check(w, act=x)
+            runtime.gemm(False, False, I, N, O, w, I, dout, O, dx, I, False, self.tf32)
         if dw is not None:  # None: a frozen weight (LoRA's base), whose input gradient alone is wanted
             runtime.gemm(False, True, I, O, N, x, I, dout, O, dw, I, True, self.tf32)
         if dbias is not None:

@@ -15,7 +15,9 @@ GPU Layers take for such a w in products of at most FEW_ROWS rows (decoding, pre
 `dequantize(w)` gives the dequantized matrix as a CuPy array (float32 by default: model/quantize.py's values
 bit for bit): the float32 path's first step, the checks', and, into `dequantized_scratch` (one matrix at a time),
 every product of more rows (layers._dequantized: training's forward, a full forward) and a frozen base's
-backward product (QLoRA: dx = dout W), both then cuBLAS's.
+backward product (QLoRA: dx = dout W), both then cuBLAS's. A matrix of more than SLICE_ELEMENTS weights (an
+untied head: Llama 3's is 128,256 x 4,096, 1 GB in bf16) goes through those a slice of rows at a time
+(`row_slices`), so the scratch holds at most that many.
 """
 import dataclasses
 import functools
@@ -27,6 +29,11 @@ from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import QUANT_LOADS, QUANT_SPLIT, QUANT_WAVE_WARPS
 from nanoeuler.model.gpu.quantized_layout import CHUNK, TILE, group_shift, layout, pack, packed_scales
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch
+
+# the most weights of one matrix dequantized at once for a product of many rows (256 MiB in bf16: every matrix of
+# a Llama-3-8B layer fits): a larger one is dequantized and multiplied a slice of its rows at a time
+SLICE_ELEMENTS = 1 << 27
+_largest = {}  # device -> the most weights of a quantized matrix made on it, which sizes the scratch once
 
 
 @dataclasses.dataclass
@@ -40,6 +47,10 @@ class QuantizedMatrix:
     w: object
     scales: object
     row0: int = 0
+
+    def __post_init__(self):
+        device = self.w.device.id
+        _largest[device] = max(_largest.get(device, 0), self.shape[0] * self.shape[1])
 
     @classmethod
     def of(cls, qt):
@@ -90,18 +101,28 @@ def scratch(shape, dtype):
     return _scratch[key]
 
 
+def row_slices(w):
+    """[(start, stop)]: w's rows in slices of at most SLICE_ELEMENTS weights (whole tiles of 8 rows), the pieces
+    a product of many rows dequantizes one at a time; one slice where w fits."""
+    O, I = w.shape
+    rows = max(TILE, SLICE_ELEMENTS // I // TILE * TILE)
+    return [(start, min(O, start + rows)) for start in range(0, O, rows)]
+
+
 _dequantized = {}
 
 
 def dequantized_scratch(shape, dtype):
-    """An (O, I) buffer for a matrix's dequantized copy in a product of many rows (the forward's, layers._dequantized,
-    and the backward's dx = dout W of a frozen base): one buffer per type and device, grown to the largest matrix
-    asked and shared by all (a transient copy of one matrix at a time; such products run outside CUDA graphs)."""
+    """An (O, I) buffer for a matrix's dequantized copy, or a slice's (row_slices), in a product of many rows (the
+    forward's, layers._dequantized, and the backward's dx = dout W of a frozen base): one buffer per type and
+    device shared by all (a transient copy of one matrix at a time; such products run outside CUDA graphs), made
+    once at the size of the largest quantized matrix on the device or SLICE_ELEMENTS, whichever is smaller: not
+    grown matrix by matrix, which would leave each smaller buffer behind in CuPy's pool."""
     key = (np.dtype(dtype).str, cupy.cuda.Device().id)
     size = shape[0] * shape[1]
     if key not in _dequantized or _dequantized[key].size < size:
-        _dequantized.pop(key, None)  # the smaller one freed before the larger is made
-        _dequantized[key] = cupy.empty(size, dtype)
+        _dequantized.pop(key, None)  # a smaller one freed before the larger is made
+        _dequantized[key] = cupy.empty(max(size, min(SLICE_ELEMENTS, _largest.get(key[1], 0))), dtype)
     return _dequantized[key][:size].reshape(shape)
 
 
