@@ -80,9 +80,9 @@ def bench_ours(cfg, inputs, targets, args, mode):
     pool.free_all_blocks()
     full = mode == "full"
     if mode.startswith("qlora"):
-        from bench_quantized import engine as quantized_engine
-        kind, _, group = args.quant.partition(":")
-        eng = quantized_engine(cfg, kind, int(group or 32))
+        from bench_quantized import engine as quantized_engine, parse_type
+        kind, group, head = parse_type(args.quant)
+        eng = quantized_engine(cfg, kind, group, head=head)
     else:
         eng = make_engine(cfg, device="gpu", precision="bf16", training=full)
         random_weights(eng)
@@ -169,7 +169,8 @@ def main():
                     help="the shapes that also get a torch.compile row (default llama3.2-1b; none: no such rows)")
     ap.add_argument("--no-full", action="store_true", help="leave out our full-SFT rows")
     ap.add_argument("--quant", metavar="TYPE", help="also QLoRA rows on the base quantized to TYPE: int8 or int4, "
-                    "a group after a colon (default 32), e.g. int4:64")
+                    "a group after a colon (default 32), the heads' type after a + (default the layers'), e.g. "
+                    "int4:64 or int4+int8 (quantize's default)")
     ap.add_argument("--quant-only", action="store_true", help="the QLoRA rows of --quant alone")
     args = ap.parse_args()
     if args.quant_only and not args.quant:
