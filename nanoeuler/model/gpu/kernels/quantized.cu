@@ -19,9 +19,9 @@
 // operand, 8 a tile (NT tiles: up to 8 or 16 rows a block; more rows in more blocks of 16, next to each other so
 // that they read the weights from L2). The mma's k order is permuted within a chunk alike for W and x: lane t's
 // k = 2t, 2t+1, 2t+8, 2t+9 of the chunk's first k-step are its elements 0..3, of the second 4..7, so x comes
-// as one 16-byte load a chunk. The integers q (int4: 128 + q) are exact in bf16; per chunk, with the chunk's
-// scale, acc = fma(d, sum q x, acc) and for int4 acc = fma(m - 128 d, sum x, acc), the second sum an mma with a
-// matrix of ones. A row's records are split among the block's warps, contiguous runs set by the row length and the
+// as one 16-byte load a chunk. The integers q are exact in bf16; per chunk, with the chunk's scale,
+// acc = fma(d, sum q x, acc) and for int4 acc = fma(m, sum x, acc), the second sum an mma with a matrix of
+// ones. A row's records are split among the block's warps, contiguous runs set by the row length and the
 // matrix's rows alone (QUANT_SPLIT at most), and the warps' sums added in warp order: every output is summed in
 // an order that does not depend on N (batch invariance, as the bf16 products of matmul.cu). Each warp keeps
 // QUANT_LOADS records in flight, copied (cp.async) into its lanes' own slots of shared memory, the next one
@@ -55,12 +55,17 @@ __device__ __forceinline__ int piece_bytes(bool int4, int group_shift) {
     return int4 ? (group_shift == 0 ? 16 : group_shift == 1 ? 8 : 4) : 4;
 }
 
-// An int4 chunk word (nibble i element 2i, nibble 4 + i element 2i + 1) -> pairs (2i, 2i + 1) of 128 + q as
-// exact bf16x2: (0x4300 | q) is the bf16 128 + q. The 128 comes off once a chunk, in the offset (d (128 + q) +
-// (m - 128 d) = d q + m), not once a pair of weights: a quarter of the unpacking's instructions.
+// (0x4300 | q) is the bf16 128 + q; subtracting 128 leaves q, two at a time
+__device__ __forceinline__ unsigned bf16x2_minus_128(unsigned v) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC300C300u));
+    return r;
+}
+
+// An int4 chunk word (nibble i element 2i, nibble 4 + i element 2i + 1) -> pairs (2i, 2i + 1) as exact bf16x2
 __device__ __forceinline__ void int4_pairs(unsigned w, unsigned (&a)[4]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
+    for (int i = 0; i < 4; ++i) a[i] = bf16x2_minus_128(((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u);
 }
 
 // An int8 chunk's two words (bytes: elements 0, 2, 1, 3 and 4, 6, 5, 7, each stored as u = q + 128) -> pairs
@@ -231,8 +236,8 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
             }
             const uint4 gv = GAIN ? *reinterpret_cast<const uint4*>(gain + at + 8 * t) : make_uint4(0u, 0u, 0u, 0u);
             const float d0 = half_to_float(sc[0][c] & 0xffffu), d1 = half_to_float(sc[1][c] & 0xffffu);
-            const float m0 = INT4 ? __fmaf_rn(-128.f, d0, half_to_float(sc[0][c] >> 16)) : 0.f;  // m - 128 d
-            const float m1 = INT4 ? __fmaf_rn(-128.f, d1, half_to_float(sc[1][c] >> 16)) : 0.f;
+            const float m0 = INT4 ? half_to_float(sc[0][c] >> 16) : 0.f;
+            const float m1 = INT4 ? half_to_float(sc[1][c] >> 16) : 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 uint4 xv = *reinterpret_cast<const uint4*>(xrow[nt] + at);
