@@ -8,10 +8,12 @@
             ...                       # token.sequence, token.id, token.logprob, token.finish_reason
 
 Each sequence has a row (slot) of the KV cache from its first prefill chunk to its end, at its own position.
-A step prefills at most one chunk's worth (prefill_chunk rows): the next chunk of one joining sequence, or the
-waiting one-chunk prompts together (each padded to the longest); then it decodes one token for every sequence
-that was decoding: joiners never hold the others up for more than a chunk. Rows leave when their sequence
-ends (or is cancelled) and new sequences take them.
+A step prefills, in forwards of at most one chunk's worth (prefill_chunk rows) each, the next chunk of one
+joining sequence, or the waiting one-chunk prompts: those that fit a chunk together (each padded to the
+longest), then the next such group, up to CHAINED groups while rows are free, so that a burst of requests
+starts decoding together; then it decodes one token for every sequence that was decoding. Joiners hold the
+others up for at most CHAINED chunks (as long as a newcomer may wait for a chain of steps), a long prompt for
+one chunk a step. Rows leave when their sequence ends (or is cancelled) and new sequences take them.
 
 Batch invariance: a sequence's tokens are a pure function of (model, prompt, settings, seed), whatever else is
 in the batch and wherever its row sits: every kernel of a step computes a row in an order set by that row
@@ -167,8 +169,9 @@ class BatchGenerator:
         return group
 
     def step(self, steps=1):
-        """One step: a prefill chunk of the joiners (`_joiners`; their first tokens when their prompts are in),
-        then one decoding step for each sequence decoding before it. Returns the Tokens, in order.
+        """One step: the prefill of the joiners (`_joiners`, group after group of one-chunk prompts, at most
+        CHAINED; their first tokens when their prompts are in), then one decoding step for each sequence decoding
+        before it. Returns the Tokens, in order.
 
         steps > 1 (at most CHAINED), for throughput: when no sequence is joining or could join (waiting with a
         row free) and none asked for logprobs, that many decoding steps back to back on the device, read once
@@ -181,9 +184,15 @@ class BatchGenerator:
             if self.inflight is not None:
                 return out
         decoding = sorted(self.decoding.items())  # those decoding before this step's prefill
-        joiners = self._joiners(self.chunk)
-        if joiners:
+        # one-chunk prompts join group after group before the decoding step (a burst of requests then decodes
+        # together), at most CHAINED groups; a longer prompt joins a chunk a step
+        for _ in range(CHAINED):
+            joiners = self._joiners(self.chunk)
+            if not joiners:
+                break
             out += self._prefill(joiners)
+            if self.joining is not None:
+                break
         if decoding:
             # one step while a sequence is joining or could join (a row is free for it): it waits no longer
             waiting = self.joining is not None or (self.queue and self.free)
