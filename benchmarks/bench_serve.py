@@ -26,8 +26,10 @@ clients' own work weighs little beside the server's on the same machine.
 import argparse
 import http.client
 import json
+import multiprocessing
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -131,49 +133,79 @@ def start_server(ckpt, device, log, *flags):
 
 
 def completion(port, text, max_tokens, seed):
-    """One streamed completion: (seconds to the first token, seconds per token after it, completion tokens)."""
-    body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": seed,
-            "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed completion: (seconds to the first token, seconds per token after it, completion tokens).
+    HTTP/1.1 over a socket of its own, read as it comes: the server's events are split at their blank lines
+    (a chunk's framing stays at the start of the next piece: JSON strings hold no raw newline), only the usage
+    chunk parsed, so that a client's own work weighs little beside the server's."""
+    body = json.dumps({"prompt": text, "max_tokens": max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": seed,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
     first = last = usage = None
-    for line in r:
-        if not line.startswith(b"data: {"):
-            continue
-        if b'"usage"' in line:
-            usage = json.loads(line[6:])["usage"]
-        elif b'"text": ""' not in line:
-            last = time.perf_counter()
-            first = first or last
-    conn.close()
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=600) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(head + body)
+        while data := s.recv(1 << 16):
+            now = time.perf_counter()
+            if not received and not data.startswith(b"HTTP/1.1 200 "):
+                raise RuntimeError(f"{data[:300]!r}")
+            *events, received = (received + data).split(b"\n\n")
+            for event in events:
+                payload = event[event.find(b"data: ") + 6:]
+                if payload.startswith(b"{") and b'"usage"' in payload:
+                    usage = json.loads(payload)["usage"]
+                elif payload.startswith(b"{") and b'"text": ""' not in payload:
+                    last = now
+                    first = first or now
     tokens = usage["completion_tokens"]
     return first - t0, (last - first) / max(tokens - 1, 1), tokens
 
 
-def level(port, clients, requests, max_tokens):
-    results, lock = [], threading.Lock()
+def client_process(port, clients, requests, max_tokens, ready, go, results):
+    """Some of a level's clients, a thread each, in a process of their own (clients in one process would share
+    its interpreter lock: on a machine of many cores the processes keep the clients' work off the measure)."""
+    out, lock = [], threading.Lock()
 
     def client(c):
         for i in range(requests):
-            out = completion(port, prompt(c, i), max_tokens, seed=1000 * c + i)
+            answer = completion(port, prompt(c, i), max_tokens, seed=1000 * c + i)
             with lock:
-                results.append(out)
+                out.append(answer)
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in clients]
+    ready.put(True)
+    go.wait()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    ttft, per_token, tokens = (np.array(x) for x in zip(*results))
+    results.put((out, time.monotonic()))  # CLOCK_MONOTONIC: one clock for every process of the machine
+
+
+def level(port, clients, requests, max_tokens, processes):
+    """One concurrency level: `clients` clients spread over `processes` processes, started together."""
+    processes = max(1, min(processes, clients))
+    spawn = multiprocessing.get_context("spawn")  # no fork of a process that holds the GPU
+    ready, results, go = spawn.Queue(), spawn.Queue(), spawn.Event()
+    workers = [spawn.Process(target=client_process, args=(port, range(p, clients, processes), requests,
+                                                           max_tokens, ready, go, results))
+               for p in range(processes)]
+    for w in workers:
+        w.start()
+    for _ in workers:
+        ready.get()
+    t0 = time.monotonic()
+    go.set()
+    parts = [results.get() for _ in workers]
+    for w in workers:
+        w.join()
+    wall = max(end for _, end in parts) - t0
+    ttft, per_token, tokens = (np.array(x) for x in zip(*[r for out, _ in parts for r in out]))
     p = lambda x, q: float(np.percentile(x, q))
-    return {"clients": clients, "requests": len(results), "tokens": int(tokens.sum()), "wall_s": wall,
-            "requests_per_s": len(results) / wall, "tokens_per_s": tokens.sum() / wall,
+    return {"clients": clients, "requests": len(ttft), "tokens": int(tokens.sum()), "wall_s": wall,
+            "requests_per_s": len(ttft) / wall, "tokens_per_s": tokens.sum() / wall,
             "ttft_p50_s": p(ttft, 50), "ttft_p99_s": p(ttft, 99),
             "token_p50_ms": 1e3 * p(per_token, 50), "token_p99_ms": 1e3 * p(per_token, 99)}
 
@@ -188,6 +220,9 @@ def main():
     ap.add_argument("--clients", type=int, nargs="+", default=LEVELS, help=f"levels (default {LEVELS})")
     ap.add_argument("--requests", type=int, default=2, help="requests per client (default 2)")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    ap.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                    help="processes a level's clients are spread over, as many as give each 8 clients, at most "
+                         "this (default half the cores, at most 8)")
     ap.add_argument("--json", help="also write the levels' results to this file, one JSON object a line")
     ap.add_argument("--no-batch-invariance", action="store_true",
                     help="serve (and run the peer) with BLAS's products: faster, not batch-invariant")
@@ -214,7 +249,7 @@ def main():
                 print(f"{'clients':>7} {'requests':>8} {'wall s':>7} {'tokens/s':>9} {'TTFT p50 s':>10} "
                       f"{'TTFT p99 s':>10} {'token p50 ms':>12} {'token p99 ms':>12}")
                 for clients in args.clients:
-                    r = level(port, clients, args.requests, args.max_tokens)
+                    r = level(port, clients, args.requests, args.max_tokens, min(args.client_processes, -(-clients // 8)))
                     print(f"{r['clients']:>7} {r['requests']:>8} {r['wall_s']:>7.2f} {r['tokens_per_s']:>9,.0f} "
                           f"{r['ttft_p50_s']:>10.3f} {r['ttft_p99_s']:>10.3f} {r['token_p50_ms']:>12.2f} "
                           f"{r['token_p99_ms']:>12.2f}", flush=True)
