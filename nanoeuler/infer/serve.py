@@ -665,6 +665,10 @@ def main(args):
     # the compilers' objects) would otherwise stall serving for tens of milliseconds at a time
     gc.collect()
     gc.freeze()
+    # the model thread, back from waiting for the device, launches the next steps as soon as it holds the
+    # interpreter lock: while the event loop is busy, Python hands the lock over after at most this (5 ms by
+    # default: a device idle that long a chain at 64 clients)
+    sys.setswitchinterval(0.0005)
     app = build_app(scheduler, model, tok, args.api_key, args.cors_origin or ())
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
 
