@@ -171,7 +171,7 @@ class BatchGenerator:
     def step(self, steps=1):
         """One step: the prefill of the joiners (`_joiners`, group after group of one-chunk prompts, at most
         CHAINED; their first tokens when their prompts are in), then one decoding step for each sequence decoding
-        before it. Returns the Tokens, in order.
+        before it. Returns the Tokens, each sequence's in order.
 
         steps > 1 (at most CHAINED), for throughput: when no sequence is joining or could join (waiting with a
         row free) and none asked for logprobs, that many decoding steps back to back on the device, read once
@@ -269,11 +269,30 @@ class BatchGenerator:
         return self._emit_steps(seqs, step(state, steps).tolist(), steps, step)
 
     def _emit_steps(self, seqs, ids, steps, step):
-        out = []
-        for k in range(steps):
-            for r, seq in enumerate(seqs):
-                if seq.finish_reason is None:
-                    out.append(self._emit(seq, ids[k][r], step.logits, r))
+        """The Tokens of `steps` steps' ids (steps, B) over seqs, a sequence's in order, sequence after sequence."""
+        if steps == 1:
+            return [self._emit(seq, ids[0][r], step.logits, r) for r, seq in enumerate(seqs)
+                    if seq.finish_reason is None]
+        out = []  # chained steps (no logprobs): a row's run of ids at once
+        for seq, run in zip(seqs, zip(*ids)):
+            if seq.finish_reason is not None:
+                continue
+            q = seq.request
+            # the ids it may still take: its max_new_tokens, and the context's end (as _emit counts them)
+            room = min(q.max_new_tokens - len(seq.ids), self.context + 1 - len(q.prompt_ids) - len(seq.ids))
+            run = run[:room]
+            stops = [run.index(i) for i in q.stop_ids if i in run]
+            stop = min(stops) if stops else None
+            kept = run if stop is None else run[:stop]
+            seq.ids += kept
+            out += [Token(seq, i) for i in kept]
+            if stop is not None:
+                seq.stop_id = run[stop]
+                self._finish(seq, "stop")
+                out.append(Token(seq, None, finish_reason="stop"))
+            elif len(run) == room:
+                self._finish(seq, "length")
+                out[-1].finish_reason = "length"
         return out
 
     SETTINGS = ("top_k", "temperature", "top_p", "seed_lo", "seed_hi")
