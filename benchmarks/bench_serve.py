@@ -10,8 +10,8 @@ server's `usage.completion_tokens`), requests/s, and over the requests the p50 a
 first token (TTFT) and of the per-token latency after it ((last token's time - first token's) / (tokens - 1),
 vLLM's TPOT). The peer, measured first in this process without HTTP: `generate()` on a batch of
 min(64, clients) of the same requests (the engine's own rate at that batch, which the server approaches).
-Before the levels, a check of batch invariance through the server: 64 different requests at once, each
-compared token for token with `generate()` on it alone in this process.
+Before the levels, a check of batch invariance through the server: 64 different requests at once (--check),
+each compared token for token with `generate()` on it alone in this process.
 
     PYTHONPATH=. python3 benchmarks/bench_serve.py --ckpt nanoeuler.bin --device cpu --clients 16
     PYTHONPATH=. python3 benchmarks/bench_serve.py --preset base --device gpu    # random weights, no checkpoint
@@ -23,8 +23,8 @@ shakespeare.txt) to a temporary folder: the speed of serving does not depend on 
 the ids past them are the checkpoint's padding rows (tokenizer_vocab, as an import's), never generated.
 A client reads the server-sent events off its socket as they come and parses only the usage chunk, and the
 clients run in processes of their own, so that their work weighs little beside the server's on the same
-machine (64 clients in the benchmark's own process, on one interpreter lock, were 7 us of CPU a token on the
-2-core VM, the lean client in its own processes about 2).
+machine (on the 2-core VM, at 64 clients of 128 tokens: 5.5-7.5 us of CPU a token for http.client's
+readers in the benchmark's own process, 4.6-5.0 for these; 8 processes of them share that out over 8 cores).
 """
 import argparse
 import http.client
@@ -229,6 +229,8 @@ def main():
     ap.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                     help="processes a level's clients are spread over, as many as give each 8 clients, at most "
                          "this (default half the cores, at most 8)")
+    ap.add_argument("--check", type=int, default=64,
+                    help="requests of the batch-invariance check before the levels (default 64; 0: none)")
     ap.add_argument("--json", help="also write the levels' results to this file, one JSON object a line")
     ap.add_argument("--no-batch-invariance", action="store_true",
                     help="serve (and run the peer) with BLAS's products: faster, not batch-invariant")
@@ -246,8 +248,9 @@ def main():
             try:
                 print(banner)
                 completion(port, "warm-up", 8, 0)
-                print(f"64 different requests at once, each equal token for token to generate() on it alone: "
-                      f"{solo_runs_agree(port, eng, tok)} of 64")
+                if args.check:
+                    print(f"{args.check} different requests at once, each equal token for token to generate() on "
+                          f"it alone: {solo_runs_agree(port, eng, tok, args.check)} of {args.check}")
                 print(f"{args.requests} streamed requests per client, {args.max_tokens} new tokens each, "
                       "temperature 0.8, top_p 0.95")
                 print(f"peer: generate() in this process on a batch of {batch} of them, no HTTP: "
