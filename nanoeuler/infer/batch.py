@@ -24,6 +24,7 @@ fixed multiples of prefill_chunk, and a draw's randomness is a hash of (seed, to
 import dataclasses
 import heapq
 import secrets
+import time
 from collections import deque
 
 import numpy as np
@@ -104,6 +105,10 @@ class BatchGenerator:
         self.decoding = {}   # slot -> sequence
         self.inflight = None  # (step, sequences, steps) of chained steps launched and not read yet
         self.retiring = []   # slots of sequences that ended while steps over them were in flight
+        # seconds a step of the last chain read (from its launch to its ids read: the device's time where the
+        # host waited for it), and when the chain in flight was launched
+        self.step_seconds = None
+        self.launched_at = None
 
     def close(self):
         """Hand the KV cache (and its recorded steps) back to the engine's decoder for the next generator."""
@@ -207,6 +212,7 @@ class BatchGenerator:
         step, seqs, steps = self.inflight
         self.inflight = None
         ids = step.read(steps).tolist()
+        self.step_seconds = (time.perf_counter() - self.launched_at) / steps
         self.free += self.retiring
         heapq.heapify(self.free)
         self.retiring = []
@@ -218,6 +224,7 @@ class BatchGenerator:
         if same and min(room, wanted) > 0:
             self.inflight = (step, seqs, min(steps, room, wanted))
             step.launch(None, self.inflight[2])
+            self.launched_at = time.perf_counter()
         return self._emit_steps(seqs, ids, steps, step)
 
     # ------------------------------------------------------------------------------------------ steps
@@ -265,6 +272,7 @@ class BatchGenerator:
         if steps > 1:  # pipelined: the tokens come with the next call
             step.launch(state, steps)
             self.inflight = (step, seqs, steps)
+            self.launched_at = time.perf_counter()
             return []
         return self._emit_steps(seqs, step(state, steps).tolist(), steps, step)
 

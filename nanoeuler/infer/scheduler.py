@@ -32,6 +32,7 @@ from nanoeuler.model.decoding import CHAINED
 from nanoeuler.model.losses import log_softmax
 
 SCORE_TOKENS = 4096  # positions (rows x padded length) a scoring piece runs in one forward
+FREE_CHAIN_SECONDS = 0.004  # while rows are free, chains of about this long: the most a newcomer then waits
 
 
 class Overloaded(Exception):
@@ -208,11 +209,20 @@ class Scheduler:
                 # only a read of the steps gives back; the generator runs one step while a sequence is
                 # joining or asked for logprobs): a newcomer waits at most that many steps
                 waiting = self.inbox or any(job.queued for job in self.jobs)
-                self._step(1 if waiting and len(self.active) < self.rows else self.chained)
+                self._step(1 if waiting and len(self.active) < self.rows else self._chain())
             elif not worked:
                 with self.lock:
                     if not self.inbox and not any(j.cancelled for j in self.jobs):
                         self.lock.wait(0.2)
+
+    def _chain(self):
+        """Steps a chain: `chained` while every row is busy (a newcomer waits for a row to free anyway); with
+        rows free, as many as take about FREE_CHAIN_SECONDS at the last chain's pace, at least 2 (the host's
+        work on a chain then still overlaps the next one), so that a newcomer joins that soon."""
+        seconds = self.generator.step_seconds
+        if len(self.active) >= self.rows or not seconds:
+            return self.chained
+        return min(self.chained, max(2, int(FREE_CHAIN_SECONDS / seconds)))
 
     def _guarded(self, job, work):
         """work() for a job; a bug in it costs that request (a 500 and a traceback on stderr), not the server."""
