@@ -146,15 +146,18 @@ def completion(port, text, max_tokens, seed):
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     t0 = time.perf_counter()
     first = last = usage = None
-    received = b""
+    received, status = b"", None
     with socket.create_connection(("127.0.0.1", port), timeout=600) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.sendall(head + body)
         while data := s.recv(1 << 16):
             now = time.perf_counter()
-            if not received and not data.startswith(b"HTTP/1.1 200 "):
-                raise RuntimeError(f"{data[:300]!r}")
-            *events, received = (received + data).split(b"\n\n")
+            received += data
+            if status is None and b"\r\n" in received:
+                status = received[:received.index(b"\r\n")]
+                if not status.startswith(b"HTTP/1.1 200 "):
+                    raise RuntimeError(f"{received[:300]!r}")
+            *events, received = received.split(b"\n\n")
             for event in events:
                 payload = event[event.find(b"data: ") + 6:]
                 if payload.startswith(b"{") and b'"usage"' in payload:
