@@ -209,6 +209,32 @@ def test_chained_pipelined_steps_with_a_cancel_in_flight(eng):
     assert sorted(gen.free) == [0, 1, 2] and not gen.retiring
 
 
+def test_chained_steps_end_sequences_as_single_steps_do(eng):
+    """A chain's run of ids a row ends a sequence where single steps would: at a stop id (not emitted, the
+    Token after the last kept one), at max_new_tokens, at the context's end; the Tokens of a sequence in order."""
+    first = list(generate(eng, list(_prompt(6, 50)), 12, temperature=0))
+    requests = [Request(_prompt(6, 50), 30, stop_ids=(first[4], 299)),  # stops at its 5th token
+                Request(_prompt(5, 51), 11, temperature=0.8, seed=2),  # max_new_tokens inside a chain
+                Request(_prompt(20, 52), 30, temperature=0.8, seed=3)]  # the context (32) ends inside a chain
+
+    def tokens(steps):
+        gen = BatchGenerator(eng, rows=3)
+        seqs = [gen.add(r) for r in requests]
+        while gen.queue or gen.joining:
+            gen.admit()
+        out = []
+        while gen.busy():
+            out += gen.step(steps)
+        runs = [[(t.id, t.finish_reason) for t in out if t.sequence is s] for s in seqs]
+        return runs, [(s.ids, s.finish_reason, s.stop_id) for s in seqs]
+
+    single, chained = tokens(1), tokens(8)
+    assert chained == single
+    assert single[1][0] == (first[:4], "stop", first[4]) and single[0][0][-1] == (None, "stop")
+    assert single[1][1][1] == "length" and len(single[1][1][0]) == 11
+    assert single[1][2][1] == "length" and len(single[1][2][0]) == 32 - 20 + 1
+
+
 def test_without_batch_invariance_products_are_blas_and_tokens_stay(eng):
     """make_engine(batch_invariant=False) (`--no-batch-invariance`): a few rows' products are BLAS's, bit for bit,
     where the invariant engine's are _matmul_rows's; the greedy tokens of a batch, whose logits then differ by

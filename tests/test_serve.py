@@ -311,7 +311,8 @@ def test_64_concurrent_requests_each_equal_to_its_solo_run(base, model):
 
 def test_chained_steps_while_requests_wait_for_rows_each_equal_to_its_solo_run(model):
     """The scheduler as on the GPU (chained, pipelined steps), on the CPU engine, with more requests than rows:
-    while newcomers wait for a row the steps chain, and each answer is still what generate() gives alone."""
+    while newcomers wait for a row the steps chain, and each answer is still what generate() gives alone, stop
+    strings included."""
     eng, tok = model
     text = tok.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer")
     scheduler = Scheduler(eng, tok, rows=3, queue=16)
@@ -324,7 +325,8 @@ def test_chained_steps_while_requests_wait_for_rows_each_equal_to_its_solo_run(m
 
     scheduler.generator._decode = decode
     cases = [dict(ids=text[i % 5:i % 5 + 1 + (i * 3) % 9], max_tokens=4 + (i * 7) % 20,
-                  temperature=0.0 if i % 2 else 0.9, seed=50 + i) for i in range(10)]
+                  temperature=0.0 if i % 2 else 0.9, seed=50 + i, stop=("\x13y", "fa") if i % 3 == 0 else ())
+             for i in range(10)]
     answers = [{"text": "", "reason": None} for _ in cases]
 
     def send(answer):
@@ -337,13 +339,16 @@ def test_chained_steps_while_requests_wait_for_rows_each_equal_to_its_solo_run(m
 
     for case, answer in zip(cases, answers):
         settings = SamplingSettings(max_tokens=case["max_tokens"], temperature=case["temperature"], top_p=1.0,
-                                    seed=case["seed"])
+                                    seed=case["seed"], stop=case["stop"])
         scheduler.submit(Job([case["ids"]], 1, settings, send(answer)))
     scheduler.run(lambda: False)
     assert any(steps > 1 and waiting for steps, waiting in chains), chains
     for case, answer in zip(cases, answers):
-        want = expected(model, case["ids"], case["max_tokens"], case["temperature"], 1.0, case["seed"])[:2]
+        want = expected(model, case["ids"], case["max_tokens"], case["temperature"], 1.0, case["seed"],
+                        case["stop"])[:2]
         assert (answer["text"], answer["reason"]) == want, case
+    # stop strings found inside a chain's text (a run of tokens searched at once)
+    assert any(case["stop"] and answer["reason"] == "stop" for case, answer in zip(cases, answers))
 
 
 BAD = [  # (route, body, status, param)

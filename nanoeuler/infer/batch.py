@@ -8,10 +8,12 @@
             ...                       # token.sequence, token.id, token.logprob, token.finish_reason
 
 Each sequence has a row (slot) of the KV cache from its first prefill chunk to its end, at its own position.
-A step prefills at most one chunk's worth (prefill_chunk rows): the next chunk of one joining sequence, or the
-waiting one-chunk prompts together (each padded to the longest); then it decodes one token for every sequence
-that was decoding: joiners never hold the others up for more than a chunk. Rows leave when their sequence
-ends (or is cancelled) and new sequences take them.
+A step prefills, in forwards of at most one chunk's worth (prefill_chunk rows) each, the next chunk of one
+joining sequence, or the waiting one-chunk prompts: those that fit a chunk together (each padded to the
+longest), then the next such group, up to CHAINED groups while rows are free, so that a burst of requests
+starts decoding together; then it decodes one token for every sequence that was decoding. Joiners hold the
+others up for at most CHAINED chunks (as long as a newcomer may wait for a chain of steps), a long prompt for
+one chunk a step. Rows leave when their sequence ends (or is cancelled) and new sequences take them.
 
 Batch invariance: a sequence's tokens are a pure function of (model, prompt, settings, seed), whatever else is
 in the batch and wherever its row sits: every kernel of a step computes a row in an order set by that row
@@ -22,6 +24,7 @@ fixed multiples of prefill_chunk, and a draw's randomness is a hash of (seed, to
 import dataclasses
 import heapq
 import secrets
+import time
 from collections import deque
 
 import numpy as np
@@ -102,6 +105,10 @@ class BatchGenerator:
         self.decoding = {}   # slot -> sequence
         self.inflight = None  # (step, sequences, steps) of chained steps launched and not read yet
         self.retiring = []   # slots of sequences that ended while steps over them were in flight
+        # seconds a step of the last chain read (from its launch to its ids read: the device's time where the
+        # host waited for it), and when the chain in flight was launched
+        self.step_seconds = None
+        self.launched_at = None
 
     def close(self):
         """Hand the KV cache (and its recorded steps) back to the engine's decoder for the next generator."""
@@ -167,8 +174,9 @@ class BatchGenerator:
         return group
 
     def step(self, steps=1):
-        """One step: a prefill chunk of the joiners (`_joiners`; their first tokens when their prompts are in),
-        then one decoding step for each sequence decoding before it. Returns the Tokens, in order.
+        """One step: the prefill of the joiners (`_joiners`, group after group of one-chunk prompts, at most
+        CHAINED; their first tokens when their prompts are in), then one decoding step for each sequence decoding
+        before it. Returns the Tokens, each sequence's in order.
 
         steps > 1 (at most CHAINED), for throughput: when no sequence is joining or could join (waiting with a
         row free) and none asked for logprobs, that many decoding steps back to back on the device, read once
@@ -181,9 +189,15 @@ class BatchGenerator:
             if self.inflight is not None:
                 return out
         decoding = sorted(self.decoding.items())  # those decoding before this step's prefill
-        joiners = self._joiners(self.chunk)
-        if joiners:
+        # one-chunk prompts join group after group before the decoding step (a burst of requests then decodes
+        # together), at most CHAINED groups; a longer prompt joins a chunk a step
+        for _ in range(CHAINED):
+            joiners = self._joiners(self.chunk)
+            if not joiners:
+                break
             out += self._prefill(joiners)
+            if self.joining is not None:
+                break
         if decoding:
             # one step while a sequence is joining or could join (a row is free for it): it waits no longer
             waiting = self.joining is not None or (self.queue and self.free)
@@ -198,6 +212,7 @@ class BatchGenerator:
         step, seqs, steps = self.inflight
         self.inflight = None
         ids = step.read(steps).tolist()
+        self.step_seconds = (time.perf_counter() - self.launched_at) / steps
         self.free += self.retiring
         heapq.heapify(self.free)
         self.retiring = []
@@ -209,6 +224,7 @@ class BatchGenerator:
         if same and min(room, wanted) > 0:
             self.inflight = (step, seqs, min(steps, room, wanted))
             step.launch(None, self.inflight[2])
+            self.launched_at = time.perf_counter()
         return self._emit_steps(seqs, ids, steps, step)
 
     # ------------------------------------------------------------------------------------------ steps
@@ -256,15 +272,35 @@ class BatchGenerator:
         if steps > 1:  # pipelined: the tokens come with the next call
             step.launch(state, steps)
             self.inflight = (step, seqs, steps)
+            self.launched_at = time.perf_counter()
             return []
         return self._emit_steps(seqs, step(state, steps).tolist(), steps, step)
 
     def _emit_steps(self, seqs, ids, steps, step):
-        out = []
-        for k in range(steps):
-            for r, seq in enumerate(seqs):
-                if seq.finish_reason is None:
-                    out.append(self._emit(seq, ids[k][r], step.logits, r))
+        """The Tokens of `steps` steps' ids (steps, B) over seqs, a sequence's in order, sequence after sequence."""
+        if steps == 1:
+            return [self._emit(seq, ids[0][r], step.logits, r) for r, seq in enumerate(seqs)
+                    if seq.finish_reason is None]
+        out = []  # chained steps (no logprobs): a row's run of ids at once
+        for seq, run in zip(seqs, zip(*ids)):
+            if seq.finish_reason is not None:
+                continue
+            q = seq.request
+            # the ids it may still take: its max_new_tokens, and the context's end (as _emit counts them)
+            room = min(q.max_new_tokens - len(seq.ids), self.context + 1 - len(q.prompt_ids) - len(seq.ids))
+            run = run[:room]
+            stops = [run.index(i) for i in q.stop_ids if i in run]
+            stop = min(stops) if stops else None
+            kept = run if stop is None else run[:stop]
+            seq.ids += kept
+            out += [Token(seq, i) for i in kept]
+            if stop is not None:
+                seq.stop_id = run[stop]
+                self._finish(seq, "stop")
+                out.append(Token(seq, None, finish_reason="stop"))
+            elif len(run) == room:
+                self._finish(seq, "length")
+                out[-1].finish_reason = "length"
         return out
 
     SETTINGS = ("top_k", "temperature", "top_p", "seed_lo", "seed_hi")

@@ -18,10 +18,12 @@ holds back text that could be the start of one until the next token decides.
 """
 import codecs
 import collections
+import itertools
 import sys
 import threading
 import traceback
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -30,6 +32,7 @@ from nanoeuler.model.decoding import CHAINED
 from nanoeuler.model.losses import log_softmax
 
 SCORE_TOKENS = 4096  # positions (rows x padded length) a scoring piece runs in one forward
+FREE_CHAIN_SECONDS = 0.004  # while rows are free, chains of about this long: the most a newcomer then waits
 
 
 class Overloaded(Exception):
@@ -97,6 +100,18 @@ class Choice:
         self.text, self.sent, self.pending = "", 0, []  # pending: LogProbs not yet sent with their text
 
 
+class Pieces(dict):
+    """Each token id's bytes, decoded once on first use."""
+
+    def __init__(self, tok):
+        super().__init__()
+        self.tok = tok
+
+    def __missing__(self, token_id):
+        self[token_id] = piece = self.tok.decode([token_id])
+        return piece
+
+
 def stop_at(text, stops, start):
     """The index in text of the first stop string found at or after start (or overlapping it), else -1."""
     hits = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
@@ -146,6 +161,7 @@ class Scheduler:
         self.jobs = []  # the model thread's jobs in flight, in arrival order
         self.active = {}  # sequence -> Choice, for the choices generating now
         self._texts = {}  # token id -> (text, bytes), for log-probabilities
+        self._pieces = Pieces(tok)  # token id -> its bytes
         # steps run between two reads of their ids: on the GPU several (the host then waits for the device once
         # for them); on the CPU nothing waits for a device, so each step's tokens go out as soon as they exist
         self.chained = CHAINED if eng.xp is not np else 1
@@ -193,11 +209,20 @@ class Scheduler:
                 # only a read of the steps gives back; the generator runs one step while a sequence is
                 # joining or asked for logprobs): a newcomer waits at most that many steps
                 waiting = self.inbox or any(job.queued for job in self.jobs)
-                self._step(1 if waiting and len(self.active) < self.rows else self.chained)
+                self._step(1 if waiting and len(self.active) < self.rows else self._chain())
             elif not worked:
                 with self.lock:
                     if not self.inbox and not any(j.cancelled for j in self.jobs):
                         self.lock.wait(0.2)
+
+    def _chain(self):
+        """Steps a chain: `chained` while every row is busy (a newcomer waits for a row to free anyway); with
+        rows free, as many as take about FREE_CHAIN_SECONDS at the last chain's pace, at least 2 (the host's
+        work on a chain then still overlaps the next one), so that a newcomer joins that soon."""
+        seconds = self.generator.step_seconds
+        if len(self.active) >= self.rows or not seconds:
+            return self.chained
+        return min(self.chained, max(2, int(FREE_CHAIN_SECONDS / seconds)))
 
     def _guarded(self, job, work):
         """work() for a job; a bug in it costs that request (a 500 and a traceback on stderr), not the server."""
@@ -320,10 +345,10 @@ class Scheduler:
                 self._drop(job, ("error", f"generation failed: {type(e).__name__}: {e}"))
             return
         by_choice = {}  # each choice's tokens of the step, in order: its new text goes out as one event
-        for token in tokens:
-            choice = self.active.get(token.sequence)
+        for sequence, run in itertools.groupby(tokens, key=attrgetter("sequence")):  # the generator's runs
+            choice = self.active.get(sequence)
             if choice is not None:
-                by_choice.setdefault(id(choice), (choice, []))[1].append(token)
+                by_choice.setdefault(id(choice), (choice, []))[1].extend(run)
         for choice, its_tokens in by_choice.values():
             self._guarded(choice.job, lambda: self._tokens(choice, its_tokens))
 
@@ -332,25 +357,33 @@ class Scheduler:
         job = choice.job
         job.usage["completion_tokens"] += len(tokens)  # a stop id too: the model generated it
         job.usage["total_tokens"] += len(tokens)
-        if job.settings.stop or job.settings.logprobs is not None:  # token by token: where each one starts
+        if job.settings.logprobs is not None:  # token by token: where each one starts
             if any(self._token(choice, token) for token in tokens):
                 return
-        else:  # the common case: their bytes decoded at once
+        else:  # the common case: their bytes decoded at once, the new text searched once for a stop string
             last = tokens[-1].finish_reason
-            choice.text += choice.decoder.decode(b"".join(self._token_text(t.id)[1] for t in tokens
-                                                          if t.id is not None), final=last is not None)
+            searched = len(choice.text)
+            choice.text += choice.decoder.decode(b"".join([self._pieces[t.id] for t in tokens if t.id is not None]),
+                                                 final=last is not None)
+            cut = stop_at(choice.text, job.settings.stop, searched) if job.settings.stop else -1
+            if cut >= 0:
+                choice.text = choice.text[:cut]
+                if last is None:
+                    self.generator.cancel(choice.sequence)
+                return self._finish(choice, "stop")
             if last is not None:
                 return self._finish(choice, last)
         self._send_ready(choice)
 
     def _token(self, choice, token):
-        """One new token of a choice with stop strings or log-probabilities; True when it ends the choice."""
+        """One new token of a choice with log-probabilities (and maybe stop strings); True when it ends the
+        choice."""
         job = choice.job
         last = token.finish_reason is not None
         searched = len(choice.text)
         if job.settings.logprobs is not None:
             choice.pending.append(self._generated_logprob(token, searched))
-        choice.text += choice.decoder.decode(b"" if token.id is None else self._token_text(token.id)[1], final=last)
+        choice.text += choice.decoder.decode(b"" if token.id is None else self._pieces[token.id], final=last)
         cut = stop_at(choice.text, job.settings.stop, searched)
         if cut >= 0:
             choice.text = choice.text[:cut]
