@@ -166,14 +166,21 @@ def end_token_losses(ckpt, data, device):
     _, val, _ = prepare(examples, train_idx[:1], val_idx, tok, ck.cfg.context, ck.cfg.mtp_heads, "truncate",
                         progress=False)
     end, other = [], []
-    for ids, n_prompt in val:
-        ids = np.asarray(ids)
-        logits = eng.logits(ids[None, :-1])[0].astype(np.float64)  # (T, V)
-        logits -= logits.max(axis=1, keepdims=True)
-        nll = np.log(np.exp(logits).sum(axis=1)) - logits[np.arange(len(ids) - 1), ids[1:]]
-        reply = ids[n_prompt:]  # the supervised tokens, predicted at positions n_prompt - 1 on
-        for token, loss in zip(reply, nll[n_prompt - 1:]):
-            (end if token == tok.eos_id else other).append(loss)
+    for first in range(0, len(val), 16):  # 16 examples a forward pass, padded at the end (causal: unread)
+        chunk = val[first:first + 16]
+        T = min(ck.cfg.context, max(len(ids) - 1 for ids, _ in chunk))
+        inputs = np.zeros((len(chunk), T), dtype=np.int32)
+        for b, (ids, _) in enumerate(chunk):
+            n = min(T, len(ids) - 1)
+            inputs[b, :n] = ids[:n]
+        logits = eng.logits(inputs)  # (B, T, V)
+        for b, (ids, n_prompt) in enumerate(chunk):
+            n = min(T, len(ids) - 1)  # positions scored: the targets ids[1:n + 1]
+            lg = logits[b, :n].astype(np.float64)
+            lg -= lg.max(axis=1, keepdims=True)
+            nll = np.log(np.exp(lg).sum(axis=1)) - lg[np.arange(n), ids[1:n + 1]]
+            for token, loss in zip(ids[n_prompt:n + 1], nll[n_prompt - 1:]):  # the reply's tokens
+                (end if token == tok.eos_id else other).append(loss)
     total = sum(end) + sum(other)
     return float(np.mean(end)) if end else float("nan"), float(np.mean(other)), float(sum(end) / total)
 
