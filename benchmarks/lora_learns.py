@@ -34,6 +34,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -194,7 +195,7 @@ def plot(curves, labels, path, title):
         ax.plot(*zip(*curve), "o-", markersize=3, label=labels[run])
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss (nats/token, the replies' tokens)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 80), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
