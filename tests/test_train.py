@@ -197,6 +197,16 @@ def test_token_cache_is_rebuilt_when_stale(corpus, tokenizer, tmp_path):
                                   tokenizer.encode(path.read_bytes()))
 
 
+def test_corpus_reads_the_end_token(tokenizer, tmp_path):
+    """`</s>` written in a corpus is the end-of-text token (documents closed by it), not its four characters."""
+    path = tmp_path / "docs.txt"
+    path.write_text("First document.</s>\n\nSecond one.</s>\n")
+    tokens = np.array(open_corpus(path, tokenizer, progress=False).tokens)
+    np.testing.assert_array_equal(tokens, tokenizer.encode(path.read_text(), allow_special=True))
+    assert (tokens == tokenizer.eos_id).sum() == 2
+    assert not np.array_equal(tokens, tokenizer.encode(path.read_text()))
+
+
 def test_random_windows_resume_from_state(tokenizer, corpus):
     tokens = np.arange(1000) % 300
     original = RandomWindows(tokens, 3, 8, 2, seed=5)

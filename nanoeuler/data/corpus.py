@@ -8,7 +8,10 @@ The cache is a token file, the one format of nanoeuler/tokenizer/bpe.py (written
 by read_token_file): a 128-byte header (magic, version, token count, the corpus file's size and mtime, the
 tokenizer's sha256) followed by the tokens as little-endian uint16 (uint32 for a vocabulary above 65,536).
 Any mismatch with the corpus or the tokenizer rebuilds it, so a stale cache is never used. It is
-memory-mapped, so a corpus of many GB costs no RAM. The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
+memory-mapped, so a corpus of many GB costs no RAM. The tokenizer's special tokens written in the text
+(`</s>`) are those tokens, so a corpus can close its documents with the end-of-text token, as pretraining
+corpora do (GPT-2's `<|endoftext|>`): a model then learns where a text ends before fine-tuning asks it to
+end its replies. The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
 covers it), so bits per byte are measured on text the model never trained on.
 
 A batch source is any object with `next() -> (inputs, targets)`, `state()` and `load_state(state)`; the
@@ -135,7 +138,7 @@ def open_corpus(path, tok, progress=True):
     cache = cache_path(path)
     tokens = _read_cache(cache, path, tok)
     if tokens is None:
-        tok.encode_file(path, cache, progress=progress)
+        tok.encode_file(path, cache, progress=progress, allow_special=True)
         tokens = read_token_file(cache, source=path, tok=tok)  # an error here: the corpus changed meanwhile
     byte_len = np.array([len(tok.decode([i])) for i in range(tok.vocab_size)], dtype=np.int64)
     return Corpus(tokens, byte_len, os.path.getsize(path))
