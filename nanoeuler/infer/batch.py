@@ -285,11 +285,9 @@ class BatchGenerator:
         for seq, run in zip(seqs, zip(*ids)):
             if seq.finish_reason is not None:
                 continue
-            q = seq.request
-            # the ids it may still take: its max_new_tokens, and the context's end (as _emit counts them)
-            room = min(q.max_new_tokens - len(seq.ids), self.context + 1 - len(q.prompt_ids) - len(seq.ids))
+            room = self._room(seq)
             run = run[:room]
-            stops = [run.index(i) for i in q.stop_ids if i in run]
+            stops = [run.index(i) for i in seq.request.stop_ids if i in run]
             stop = min(stops) if stops else None
             kept = run if stop is None else run[:stop]
             seq.ids += kept
@@ -322,11 +320,15 @@ class BatchGenerator:
             self._finish(seq, "stop")
             return Token(seq, None, logprob, top, "stop")
         seq.ids.append(token)
-        # the next input would sit at position len(prompt) + len(ids) - 1: the context ends before it
-        end = len(seq.ids) == q.max_new_tokens or len(q.prompt_ids) + len(seq.ids) - 1 == self.context
-        if end:
+        if self._room(seq) == 0:
             self._finish(seq, "length")
         return Token(seq, token, logprob, top, seq.finish_reason)
+
+    def _room(self, seq):
+        """The ids seq may still take: up to its max_new_tokens, and before the context ends (the next input
+        would sit at position len(prompt) + len(ids) - 1)."""
+        q = seq.request
+        return min(q.max_new_tokens - len(seq.ids), self.context + 1 - len(q.prompt_ids) - len(seq.ids))
 
     def _finish(self, seq, reason):
         seq.finish_reason = reason

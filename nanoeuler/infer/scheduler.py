@@ -100,18 +100,6 @@ class Choice:
         self.text, self.sent, self.pending = "", 0, []  # pending: LogProbs not yet sent with their text
 
 
-class Pieces(dict):
-    """Each token id's bytes, decoded once on first use."""
-
-    def __init__(self, tok):
-        super().__init__()
-        self.tok = tok
-
-    def __missing__(self, token_id):
-        self[token_id] = piece = self.tok.decode([token_id])
-        return piece
-
-
 def stop_at(text, stops, start):
     """The index in text of the first stop string found at or after start (or overlapping it), else -1."""
     hits = [i for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
@@ -160,8 +148,7 @@ class Scheduler:
         self.queued = 0  # jobs with choices not started yet (inbox included): what `queue` bounds
         self.jobs = []  # the model thread's jobs in flight, in arrival order
         self.active = {}  # sequence -> Choice, for the choices generating now
-        self._texts = {}  # token id -> (text, bytes), for log-probabilities
-        self._pieces = Pieces(tok)  # token id -> its bytes
+        self._texts = {}  # token id -> (text, bytes): the streams' bytes and the log-probabilities' text
         # steps run between two reads of their ids: on the GPU several (the host then waits for the device once
         # for them); on the CPU nothing waits for a device, so each step's tokens go out as soon as they exist
         self.chained = CHAINED if eng.xp is not np else 1
@@ -363,8 +350,8 @@ class Scheduler:
         else:  # the common case: their bytes decoded at once, the new text searched once for a stop string
             last = tokens[-1].finish_reason
             searched = len(choice.text)
-            choice.text += choice.decoder.decode(b"".join([self._pieces[t.id] for t in tokens if t.id is not None]),
-                                                 final=last is not None)
+            pieces = [self._token_text(t.id)[1] for t in tokens if t.id is not None]
+            choice.text += choice.decoder.decode(b"".join(pieces), final=last is not None)
             cut = stop_at(choice.text, job.settings.stop, searched) if job.settings.stop else -1
             if cut >= 0:
                 choice.text = choice.text[:cut]
@@ -383,7 +370,7 @@ class Scheduler:
         searched = len(choice.text)
         if job.settings.logprobs is not None:
             choice.pending.append(self._generated_logprob(token, searched))
-        choice.text += choice.decoder.decode(b"" if token.id is None else self._pieces[token.id], final=last)
+        choice.text += choice.decoder.decode(b"" if token.id is None else self._token_text(token.id)[1], final=last)
         cut = stop_at(choice.text, job.settings.stop, searched)
         if cut >= 0:
             choice.text = choice.text[:cut]

@@ -71,6 +71,7 @@ MAX_STOPS = 4  # as OpenAI
 MAX_N = 128  # choices a prompt, as OpenAI
 MAX_CHOICES = 256  # prompts x n in one request
 MAX_LOGPROBS = 20  # alternatives a position (OpenAI: 5 for completions, 20 for chat)
+LAST_EVENTS = ("end", "error", "cancelled")  # a job's events after which its stream ends
 SYSTEM_ROLES = ("system", "developer")
 ROLES = (*SYSTEM_ROLES, "user", "assistant")
 
@@ -383,7 +384,7 @@ class JobStream(StreamingResponse):
     """Server-sent events of a job; however the response ends (done, or the client gone, even before the first
     event), the job is cancelled, which frees its rows if it is still generating. The client's leaving is
     watched by a plain task, which cancels the job (the scheduler then ends the stream), rather than by
-    Starlette's task group a response: about a tenth less of the event loop's time a short request."""
+    Starlette's task group a response, which costs the event loop more (docs/serve.md)."""
 
     def __init__(self, job, events):
         super().__init__(events, media_type="text/event-stream",
@@ -505,10 +506,10 @@ def build_app(scheduler, model, tok, api_key=None, cors_origins=()):
             yield opening
         while True:
             ready = [await events.get()]
-            while not events.empty() and ready[-1][0] not in ("end", "error", "cancelled"):
+            while not events.empty() and ready[-1][0] not in LAST_EVENTS:
                 ready.append(events.get_nowait())
             yield "".join(sse(event, echoes, reply, include_usage) for event in ready)
-            if ready[-1][0] in ("end", "error", "cancelled"):
+            if ready[-1][0] in LAST_EVENTS:
                 return
 
     async def collect(request, job, events, echoes, reply):

@@ -157,12 +157,12 @@ def _dequantized(w, x):
     float32 is exact), so the product is cuBLAS's, as for a float w of those values: the quantized kernels
     read the packed weights again from L2 for every 16 rows, far slower than cuBLAS at thousands of rows.
     The scratch holds one matrix at a time, shared with the backward pass, and is made on first use: never
-    inside a CUDA graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks), whose products keep
-    the quantized kernels (batch-invariant; nothing dequantized). w itself otherwise, and where w is larger than
+    inside a CUDA graph, which records only steps of at most FEW_ROWS rows (decoding, prefill's chunks),
+    whose products keep the quantized kernels (batch-invariant; nothing dequantized). w itself otherwise, and where w is larger than
     one slice of quantized.row_slices (matmul_forward then takes it a slice at a time: _sliced_forward)."""
     if not isinstance(w, quantized.QuantizedMatrix) or x.shape[0] <= FEW_ROWS or len(quantized.row_slices(w)) > 1:
         return w
-    assert not cupy.cuda.get_current_stream().is_capturing(), "a growing scratch in a CUDA graph"
+    assert not cupy.cuda.get_current_stream().is_capturing(), "a scratch made inside a CUDA graph"
     return quantized.dequantize(w, x.dtype, quantized.dequantized_scratch(w.shape, x.dtype))
 
 
