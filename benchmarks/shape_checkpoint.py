@@ -6,20 +6,26 @@ shape through the command line, e.g. Llama 3 8B's fully fine-tuned on 8 GPUs wit
     nanoeuler train --ckpt llama3_8b_random.bin --data shakespeare.txt --out run.bin --gpus 8 --zero 3 \
         --batch-size 2 --recompute --steps 50 --eval-every 1000 --sample-every 1000 --ckpt-every 1000
 
-The weights are config.init_params's (normal 0.02, the residual projections scaled down), the tokenizer any of
+The weights are drawn as config.init_params draws them (normal 0.02, the residual projections scaled down; norm
+gains 1, biases 0), but in float32 and a tensor a thread (an 8B model's in seconds, not minutes), the tokenizer any of
 the model's vocabulary or smaller (the rows past it are padding, never generated: config.tokenizer_vocab); the checkpoint is the format of
 docs/design.md (float32: 4 bytes a parameter, 32 GB for llama3-8b), written without optimizer state, so
 `train --ckpt` starts a fresh AdamW on it as on an imported model.
 """
 import argparse
 import dataclasses
+import math
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from shapes import SHAPES
 
 from nanoeuler.io import checkpoint
-from nanoeuler.model.config import init_params, param_count
+from nanoeuler.model.config import is_bias, param_count, param_shapes, views
 from nanoeuler.tokenizer.bpe import Tokenizer
 
 
@@ -31,8 +37,31 @@ def save_shape_checkpoint(path, shape, tokenizer_json, context=None, seed=0):
     if tokens > cfg.vocab_size:
         sys.exit(f"the tokenizer has more tokens than {shape}'s {cfg.vocab_size}")
     cfg = dataclasses.replace(cfg, tokenizer_vocab=min(tokens, cfg.tokenizer_vocab or tokens))
-    checkpoint.save(path, cfg, init_params(cfg, seed), tokenizer_json, 0)
+    checkpoint.save(path, cfg, random_params(cfg, seed), tokenizer_json, 0)
     return cfg
+
+
+def random_params(cfg, seed=0):
+    """init_params' distribution, each tensor drawn in float32 by its own generator on a thread of its own
+    (numpy's generators release the GIL), so the draw does not depend on the thread count."""
+    flat = np.empty(param_count(cfg), dtype=np.float32)
+    tensors = views(flat, cfg)
+    out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
+    shapes = param_shapes(cfg)
+
+    def draw(job):
+        (name, _), seq = job
+        view = tensors[name]
+        if name.endswith("norm") or is_bias(name):
+            view[...] = 1.0 if name.endswith("norm") else 0.0
+            return
+        std = 0.02 * (out_scale if name.endswith(("wo", "w_down")) else 1.0)
+        np.random.default_rng(seq).standard_normal(dtype=np.float32, out=view.reshape(-1))
+        view *= np.float32(std)
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        list(pool.map(draw, zip(shapes, np.random.SeedSequence(seed).spawn(len(shapes)))))
+    return flat
 
 
 def main():
@@ -43,8 +72,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    with open(args.tokenizer) as f:
-        tokenizer_json = f.read()
+    tokenizer_json = Tokenizer.load(args.tokenizer).to_json()  # a tokenizer.json as `tokenizer train` writes it
     t0 = time.perf_counter()
     cfg = save_shape_checkpoint(args.out, args.shape, tokenizer_json, args.context, args.seed)
     print(f"{args.out}: {args.shape}, {param_count(cfg) / 1e9:.2f}B parameters, context {cfg.context}, random "
