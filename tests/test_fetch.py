@@ -184,7 +184,7 @@ def test_gutenberg_keeps_marked_books_skips_the_rest_and_reruns_without_requests
     proc = run("get_gutenberg.sh", *args, env=env)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    assert text == "Alpha body.\nSecond line of alpha.\n\nBeta body, served after a 503.\n\n"
+    assert text == "Alpha body.\nSecond line of alpha.</s>\n\nBeta body, served after a 503.</s>\n\n"
     assert "pg33 (Gamma by Someone): no *** START OF" in proc.stderr
     assert "pg44 (Delta by Someone): HTTP 404" in proc.stderr
     assert len(server.requests("/cache/epub/22/pg22.txt")) == 2  # the 503, then the book
@@ -256,7 +256,7 @@ def test_web_resumes_dropped_shard_and_writes_what_there_is_when_shards_run_out(
 
     proc = run("get_web.sh", "--out", out, "--cache-dir", cache, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert out.read_text() == "".join(t + "\n\n" for t in first + second)  # nulls skipped, file order kept
+    assert out.read_text() == "".join(t + "</s>\n\n" for t in first + second)  # nulls skipped, file order kept
     assert "ran out" in proc.stderr and "dropped mid-transfer" in proc.stderr
     size = len(server.files["/a/000.parquet"])
     plain, resumed = server.requests("/a/000.parquet")
@@ -269,7 +269,7 @@ def test_web_resumes_dropped_shard_and_writes_what_there_is_when_shards_run_out(
     proc = run("get_web.sh", "--out", out, "--cache-dir", cache, env=env)
     assert proc.returncode == 0, proc.stderr
     assert server.requests() == []
-    assert out.read_text() == "".join(t + "\n\n" for t in first + second)
+    assert out.read_text() == "".join(t + "</s>\n\n" for t in first + second)
 
 
 def test_web_stops_at_max_bytes_without_fetching_later_shards(tmp_path, server):
@@ -284,10 +284,33 @@ def test_web_stops_at_max_bytes_without_fetching_later_shards(tmp_path, server):
     for t in texts:  # whole documents, up to the first one that reaches the target
         if len(expected) >= 20_000:
             break
-        expected += t + "\n\n"
+        expected += t + "</s>\n\n"
     assert out.read_text() == expected
     assert [e["path"] for e in server.requests()] == ["/s1.parquet"]
     assert "ran out" not in proc.stderr
+
+
+def test_web_documents_end_with_the_end_token_that_training_reads(tmp_path, server, tokenizer):
+    """Each document is closed by `</s>` right after its last character (trailing whitespace dropped, a text of
+    whitespace alone skipped, a `</s>` of its own escaped), and training reads exactly those ends as the token."""
+    texts = ["First page.\n", " \n ", "On HTML: <s>old</s> is struck text.", "Last page.\n\n  "]
+    server.files["/s.parquet"] = shard(tmp_path / "s.parquet", texts)
+    out = tmp_path / "web.txt"
+    proc = run("get_web.sh", "--out", out, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_WEB_SHARDS": f"{server.url}/s.parquet"})
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == (b"First page.</s>\n\nOn HTML: <s>old&lt;/s&gt; is struck text.</s>\n\n"
+                                b"Last page.</s>\n\n") and "3 documents" in proc.stderr
+    side = json.loads((tmp_path / "web.txt.source.json").read_text())
+    assert side["sha256"] == sha256(out.read_bytes()) and side["bytes"] == len(out.read_bytes())
+    assert side["sources"][0]["sha256"] == sha256(server.files["/s.parquet"])
+
+    from nanoeuler.data.corpus import open_corpus
+    tokens = open_corpus(out, tokenizer, progress=False).tokens.tolist()
+    ends = [i for i, t in enumerate(tokens) if t == tokenizer.eos_id]
+    assert len(ends) == 3 and tokenizer.decode(tokens) == out.read_bytes()
+    assert [tokenizer.decode(tokens[:i]).rsplit(b"\n", 1)[-1] for i in ends] == [
+        b"First page.", b"On HTML: <s>old&lt;/s&gt; is struck text.", b"Last page."]
 
 
 def test_web_unreadable_shard_is_an_error_and_leaves_the_cache_clean(tmp_path, server):
