@@ -4,6 +4,7 @@ tokenizer.json, streaming encoding, special tokens, the CLI and its errors."""
 import collections
 import json
 import os
+import re
 import tempfile
 import unicodedata
 
@@ -169,6 +170,47 @@ def test_training_samples_a_large_file():
     text = "To be, or not to be, that is the question."
     assert tok.decode(tok.encode(text)) == text.encode()
     assert len(tok.encode(text)) < len(text) / 2
+
+
+@pytest.fixture(scope="module")
+def closed_documents(tmp_path_factory):
+    """The start of shakespeare.txt (no `<`, `>` or `/` in it) as documents, its paragraphs, each closed by
+    `</s>` as the fetched corpora close theirs: 2,761 of them."""
+    with open(os.path.join(ROOT, "shakespeare.txt"), encoding="utf-8") as f:
+        text = f.read(300_000)
+    assert not set("<>/") & set(text)
+    docs = re.sub(r"(\S)\n\n", lambda m: m.group(1) + "</s>\n\n", text)
+    return write(tmp_path_factory.mktemp("docs"), "docs.txt", docs)
+
+
+def test_training_learns_no_merge_across_or_inside_the_end_token(closed_documents, monkeypatch):
+    """`</s>` written in the text is split out before the text is pretokenized and counted (as `tokenizers`
+    does with its added tokens): no learned token holds a piece of it (`</`, `.</`, `s>` ...), and encoding
+    with allow_special gives the end token at every document's end, whatever the chunk boundaries."""
+    from nanoeuler.tokenizer import train as training
+    tok = Tokenizer.train(closed_documents, 600, progress=False)
+    assert tok.vocab_size == 600
+    pieces = [tok.decode([i]) for i in range(tok.vocab_size) if i != tok.eos_id]
+    assert [p for p in pieces if len(p) > 1 and set(p) & set(b"</>")] == []
+    text = closed_documents.read_bytes()
+    ids = tok.encode(text, allow_special=True)
+    assert ids.count(tok.eos_id) == text.count(b"</s>") == 2761 and tok.decode(ids) == text
+    assert tok.encode("Exeunt.</s>", allow_special=True)[-2:] == [tok.encode("Exeunt.")[-1], tok.eos_id]
+    monkeypatch.setattr(training, "CHUNK", 1001)  # chunk ends all over the text, inside `</s>` too
+    assert Tokenizer.train(closed_documents, 600, progress=False).merges.tolist() == tok.merges.tolist()
+
+
+def test_sampled_windows_count_no_piece_of_the_end_token(closed_documents, monkeypatch):
+    """A window of a sampled file that ends inside a `</s>` leaves the cut token out, as it does a cut word."""
+    from nanoeuler.tokenizer import train as training
+    monkeypatch.setattr(training, "WINDOW", 997)  # 200 windows, ends landing everywhere
+    with open(closed_documents, "rb") as f:
+        words, lengths, counts, _ = training._count_pieces(f, os.path.getsize(closed_documents), 997 * 200, False,
+                                                           ("</s>",))
+    words = words.tobytes()
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    pieces = [words[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    assert len(pieces) > 1000 and [p for p in pieces if set(p) & set(b"</>")] == []
 
 
 def test_training_beyond_65536_tokens(tmp_path):
