@@ -339,18 +339,24 @@ def test_streaming_never_changes_ids(tok, data, chunk, allow_special):
 
 
 def test_a_token_file_is_the_training_cache_format(tok, tmp_path, monkeypatch):
-    """One `.tok` format: a file written by encode_file is what the training data loader reads (here it
-    takes it as its cache of the corpus: no re-encoding) and round-trips to the text."""
+    """One `.tok` format: a file written by encode_file with the special tokens read as tokens (as training
+    reads a corpus) is what the training data loader reads (here it takes it as its cache of the corpus: no
+    re-encoding) and round-trips to the text; one that read them as text is not its cache."""
     from nanoeuler.data import corpus as data
     text = ("\n".join(SAMPLES) * 3).encode()
     src = write(tmp_path, "corpus.txt", text)
     n = tok.encode_file(src, data.cache_path(src), progress=False)
+    assert read_token_file(data.cache_path(src), source=src, tok=tok).tolist() == tok.encode(text)
+    assert data.cached_tokens(src, tok) is None  # SAMPLES write </s>: read as text here, not as training does
+    n = tok.encode_file(src, data.cache_path(src), progress=False, allow_special=True)
     raw = open(data.cache_path(src), "rb").read()
     assert raw[:8] == b"NEUTOKS\x00" and len(raw) == 128 + 2 * n
     with monkeypatch.context() as m:
         m.setattr(Tokenizer, "encode_file", lambda *a, **k: pytest.fail("the loader re-encoded the corpus"))
         corpus = data.open_corpus(src, tok, progress=False)
-    assert corpus.tokens.tolist() == tok.encode(text) and tok.decode(corpus.tokens) == text
+    assert corpus.tokens.tolist() == tok.encode(text, allow_special=True) and tok.decode(corpus.tokens) == text
+    with pytest.raises(UserError, match=r"special tokens in the text \(</s>\) read as special tokens"):
+        read_token_file(data.cache_path(src), allow_special=False)
     # and a cache that the loader writes reads back through the same reader
     other = write(tmp_path, "other.txt", SAMPLES[1])
     data.open_corpus(other, tok, progress=False)
