@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -514,6 +515,85 @@ def test_pretrain_joins_gutenberg_and_web_and_lists_both_sources(tmp_path, serve
     side = json.loads((data / "pretrain.txt.source.json").read_text())
     assert [r["url"] for r in side["sources"]] == [f"{server.url}/cache/epub/11/pg11.txt", f"{server.url}/s.parquet"]
     assert side["sha256"] == sha256(joined)
+
+
+def test_training_counts_the_documents_and_notes_a_fetch_without_ends(tmp_path, server, tokenizer, tokenizer_file,
+                                                                      monkeypatch, capsys):
+    """`nanoeuler train` on a fetched corpus counts its documents (its end tokens); a corpus fetched before
+    documents were closed (no `</s>`, its sidecar describing it) still trains, with a note naming the command
+    that rebuilds it."""
+    from nanoeuler.cli import build_parser
+    from nanoeuler.model.config import PRESETS
+    from nanoeuler.train import loop, pretrain
+    from conftest import tiny_config
+
+    monkeypatch.setitem(PRESETS, "small", tiny_config(tokenizer.vocab_size))
+    monkeypatch.setitem(pretrain.PRESET_HYPER, "small", loop.Hyperparameters(
+        steps=1, batch_size=2, lr=1e-3, warmup=1, eval_every=1, sample_every=1, ckpt_every=1, eval_batches=1,
+        sample_tokens=2))
+    text = (REPO / "shakespeare.txt").read_bytes()[:40_000].decode("utf-8", "ignore")
+    tsv = write_books(tmp_path, server, [(7, "One", book("One", text[:20_000])), (8, "Two", book("Two", text[20_000:]))])
+    corpus = tmp_path / "gutenberg.txt"
+    proc = run("get_gutenberg.sh", "--list", tsv, "--out", corpus, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_GUTENBERG_MIRROR": server.url})
+    assert proc.returncode == 0, proc.stderr
+
+    def train(out):
+        args = ["train", "--data", corpus, "--tokenizer", tokenizer_file, "--device", "cpu", "--out", tmp_path / out]
+        assert pretrain.main(build_parser()[0].parse_args(list(map(str, args)))) == 0
+        printed = capsys.readouterr()
+        return printed.out + printed.err
+
+    printed = train("a.bin")
+    assert "(the last tenth); 2 documents closed by </s>" in printed and "note:" not in printed
+    old = corpus.read_bytes().replace(b"</s>", b"")  # as the fetcher wrote it before, with its sidecar
+    corpus.write_bytes(old)
+    side = json.loads((tmp_path / "gutenberg.txt.source.json").read_text())
+    side.update(bytes=len(old), sha256=sha256(old))
+    (tmp_path / "gutenberg.txt.source.json").write_text(json.dumps(side))
+    printed = train("b.bin")
+    assert "documents closed by" not in printed
+    assert (f"note: {corpus} was fetched before the fetcher closed each document with </s>: a model trained on it "
+            f"does not learn where a text ends; `{side['built_by']}` rebuilds it") in printed
+    assert side["built_by"].startswith("python -m nanoeuler.data.fetch gutenberg --list")
+
+
+def test_a_base_pretrained_on_fetched_documents_learns_to_end_them(tmp_path, server, monkeypatch):
+    """The pipeline in small: web.txt fetched from a shard of Shakespeare's paragraphs (a speech, a stage
+    direction: short documents), then `train` of a tiny model for 200 steps, its tokenizer learned on the corpus
+    as `train base` learns it. Where a held-out document ends, the model gives `</s>` a real probability (one
+    that never saw it gives about 1/vocab, 0.3%), and little elsewhere (benchmarks/end_token.py measures it)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from end_token import end_token_probabilities, held_out_documents
+    from nanoeuler.cli import build_parser
+    from nanoeuler.io import checkpoint
+    from nanoeuler.model.config import PRESETS
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.tokenizer.bpe import Tokenizer
+    from nanoeuler.train import loop, pretrain
+    from conftest import tiny_config
+
+    paragraphs = [p for p in (REPO / "shakespeare.txt").read_text(encoding="utf-8")[:300_000].split("\n\n") if p.strip()]
+    server.files["/s.parquet"] = shard(tmp_path / "s.parquet", paragraphs)
+    corpus = tmp_path / "web.txt"
+    proc = run("get_web.sh", "--out", corpus, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_WEB_SHARDS": f"{server.url}/s.parquet"})
+    assert proc.returncode == 0, proc.stderr
+    monkeypatch.setitem(PRESETS, "small", tiny_config(300))
+    monkeypatch.setitem(pretrain.PRESET_HYPER, "small", loop.Hyperparameters(
+        steps=200, batch_size=8, lr=3e-3, warmup=10, eval_every=200, sample_every=200, ckpt_every=200,
+        eval_batches=4, sample_tokens=2))
+    args = ["train", "--data", corpus, "--device", "cpu", "--out", tmp_path / "base.bin"]
+    assert pretrain.main(build_parser()[0].parse_args(list(map(str, args)))) == 0
+
+    ck = checkpoint.load(tmp_path / "base.bin")
+    tok = Tokenizer.from_json(ck.tokenizer_json)
+    eng = make_engine(ck.cfg, device="cpu", precision="fp32", training=False)
+    eng.load_params(ck.params)
+    held_out = tok.encode(held_out_documents(corpus), allow_special=True)
+    at_ends, elsewhere, top_at_ends, _ = end_token_probabilities(eng, held_out, tok.eos_id, ck.cfg.context)
+    assert len(at_ends) > 200 and at_ends.mean() > 0.1 and np.median(at_ends) > 0.1 and top_at_ends.mean() > 0.1
+    assert elsewhere.mean() < 0.03
 
 
 def test_the_metrics_log_records_the_corpus_and_its_sources(tmp_path, server, tokenizer, tokenizer_file,

@@ -27,6 +27,7 @@ file. fetch_hint(path) says how to get a missing default data file.
 import hashlib
 import json
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -125,6 +126,25 @@ def provenance(path):
     if not isinstance(side, dict) or side.get("sha256") != record["sha256"]:
         return dict(record, sidecar="describes another file")
     return dict(record, sidecar="matches", built_by=side.get("built_by"), sources=side.get("sources"))
+
+
+def count_token(tokens, token_id, block=1 << 24):
+    """How many times token_id occurs in tokens (a memmap of any size, read a block at a time)."""
+    return sum(int(np.count_nonzero(tokens[i:i + block] == token_id)) for i in range(0, len(tokens), block))
+
+
+# the fetches whose corpora close their documents with `</s>` (data/fetch.py), as their sidecars name them
+DOCUMENT_FETCHES = re.compile(r"nanoeuler\.data\.fetch (gutenberg|web|pretrain)\b")
+
+
+def unclosed_fetch(record, n_ends):
+    """The command that fetched a corpus of documents, from its provenance() record, when the corpus holds
+    no end-of-text token (n_ends 0): a fetch of before the fetcher closed documents with `</s>`, which the same
+    command rebuilds from its download cache. None otherwise."""
+    if n_ends or not record or record.get("sidecar") != "matches":
+        return None
+    command = record.get("built_by") or ""
+    return command if DOCUMENT_FETCHES.search(command) else None
 
 
 def check_corpus(path):
