@@ -123,8 +123,8 @@ def main():
           "p(</s>) elsewhere: mean | </s> likeliest elsewhere |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['ends']:,} | {r['mean']:.3f} | {r['median']:.3f} | {r['top']:.1%} | "
-              f"{r['other_mean']:.5f} | {r['other_top']:.2%} |")
+        print(f"| {name} | {r['ends']:,} | {r['mean']:.3g} | {r['median']:.3g} | {r['top']:.1%} | "
+              f"{r['other_mean']:.3g} | {r['other_top']:.2%} |")
 
 
 if __name__ == "__main__":
