@@ -532,7 +532,8 @@ def test_training_counts_the_documents_and_notes_a_fetch_without_ends(tmp_path, 
         steps=1, batch_size=2, lr=1e-3, warmup=1, eval_every=1, sample_every=1, ckpt_every=1, eval_batches=1,
         sample_tokens=2))
     text = (REPO / "shakespeare.txt").read_bytes()[:40_000].decode("utf-8", "ignore")
-    tsv = write_books(tmp_path, server, [(7, "One", book("One", text[:20_000])), (8, "Two", book("Two", text[20_000:]))])
+    tsv = write_books(tmp_path, server, [(7, "One", book("One", text[:20_000])),
+                                         (8, "Two", book("Two", text[20_000:]))])
     corpus = tmp_path / "gutenberg.txt"
     proc = run("get_gutenberg.sh", "--list", tsv, "--out", corpus, "--cache-dir", tmp_path / "cache",
                env={"NANOEULER_GUTENBERG_MIRROR": server.url})
@@ -573,7 +574,8 @@ def test_a_base_pretrained_on_fetched_documents_learns_to_end_them(tmp_path, ser
     from nanoeuler.train import loop, pretrain
     from conftest import tiny_config
 
-    paragraphs = [p for p in (REPO / "shakespeare.txt").read_text(encoding="utf-8")[:300_000].split("\n\n") if p.strip()]
+    text = (REPO / "shakespeare.txt").read_text(encoding="utf-8")[:300_000]
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
     server.files["/s.parquet"] = shard(tmp_path / "s.parquet", paragraphs)
     corpus = tmp_path / "web.txt"
     proc = run("get_web.sh", "--out", corpus, "--cache-dir", tmp_path / "cache",

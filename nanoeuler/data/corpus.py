@@ -139,7 +139,7 @@ DOCUMENT_FETCHES = re.compile(r"nanoeuler\.data\.fetch (gutenberg|web|pretrain)\
 
 def unclosed_fetch(record, n_ends):
     """The command that fetched a corpus of documents, from its provenance() record, when the corpus holds
-    no end-of-text token (n_ends 0): a fetch of before the fetcher closed documents with `</s>`, which the same
+    no end-of-text token (n_ends 0): a fetch made before the fetcher closed documents with `</s>`, which the same
     command rebuilds from its download cache. None otherwise."""
     if n_ends or not record or record.get("sidecar") != "matches":
         return None
