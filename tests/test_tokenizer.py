@@ -184,9 +184,9 @@ def closed_documents(tmp_path_factory):
 
 
 def test_training_learns_no_merge_across_or_inside_the_end_token(closed_documents, monkeypatch):
-    """`</s>` written in the text is split out before the text is pretokenized and counted (as `tokenizers`
-    does with its added tokens): no learned token holds a piece of it (`</`, `.</`, `s>` ...), and encoding
-    with allow_special gives the end token at every document's end, whatever the chunk boundaries."""
+    """`</s>` written in the text is split out before the text is pretokenized and counted (as encoding splits
+    it out): no learned token holds a piece of it (`</`, `.</`, `s>` ...), and encoding with allow_special
+    gives the end token at every document's end; the same merges whatever the chunk boundaries."""
     from nanoeuler.tokenizer import train as training
     tok = Tokenizer.train(closed_documents, 600, progress=False)
     assert tok.vocab_size == 600

@@ -1,8 +1,9 @@
 """Training of the byte-level BPE (bpe.Tokenizer.train): the pretokens of a text file counted (all of it, or
 1 MiB windows spread evenly over a file above the sample size), then merges learned by the compiled
 train_merges of kernels.py in a thread while a progress bar follows it. The special tokens written in the text
-(`</s>` closing a corpus's documents) are split out before it is pretokenized and are not counted, as the
-`tokenizers` library leaves its added tokens out of training: no merge is learned across or inside one."""
+(`</s>` closing a corpus's documents) are split out before it is pretokenized and are not counted, as encoding
+splits them out (and `tokenizers` its added tokens when it encodes): the counts are of the pieces the encoder
+meets, and no merge is learned across or inside one."""
 import os
 import sys
 import threading
