@@ -1,8 +1,8 @@
 #!/bin/sh
 # Builds data/gutenberg.txt: the public-domain Project Gutenberg classics listed in
 # nanoeuler/data/gutenberg_books.tsv, each cut to the text between its "*** START OF" and "*** END OF" lines
-# (a book without them is skipped). Project Gutenberg keeps no revisions: data/gutenberg.txt.source.json
-# records each book's URL and the sha256 it had.
+# (a book without them is skipped) and closed by the end-of-text token </s>. Project Gutenberg keeps no
+# revisions: data/gutenberg.txt.source.json records each book's URL and the sha256 it had.
 #
 #   sh data/get_gutenberg.sh [--out F] [--list F] [--mirror URL] [--cache-dir D]
 #

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Builds data/web.txt (1 GB by default): FineWeb-Edu documents, one after another, from its Hugging Face
+# Builds data/web.txt (1 GB by default): FineWeb-Edu documents, each closed by </s>, from its Hugging Face
 # parquet shards (each about 2.15 GB, downloaded only as far as the target size needs), pinned to a commit
 # of the dataset and checked against their sha256s; data/web.txt.source.json records them.
 #

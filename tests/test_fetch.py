@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -184,7 +185,7 @@ def test_gutenberg_keeps_marked_books_skips_the_rest_and_reruns_without_requests
     proc = run("get_gutenberg.sh", *args, env=env)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    assert text == "Alpha body.\nSecond line of alpha.\n\nBeta body, served after a 503.\n\n"
+    assert text == "Alpha body.\nSecond line of alpha.</s>\n\nBeta body, served after a 503.</s>\n\n"
     assert "pg33 (Gamma by Someone): no *** START OF" in proc.stderr
     assert "pg44 (Delta by Someone): HTTP 404" in proc.stderr
     assert len(server.requests("/cache/epub/22/pg22.txt")) == 2  # the 503, then the book
@@ -256,7 +257,7 @@ def test_web_resumes_dropped_shard_and_writes_what_there_is_when_shards_run_out(
 
     proc = run("get_web.sh", "--out", out, "--cache-dir", cache, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert out.read_text() == "".join(t + "\n\n" for t in first + second)  # nulls skipped, file order kept
+    assert out.read_text() == "".join(t + "</s>\n\n" for t in first + second)  # nulls skipped, file order kept
     assert "ran out" in proc.stderr and "dropped mid-transfer" in proc.stderr
     size = len(server.files["/a/000.parquet"])
     plain, resumed = server.requests("/a/000.parquet")
@@ -269,7 +270,7 @@ def test_web_resumes_dropped_shard_and_writes_what_there_is_when_shards_run_out(
     proc = run("get_web.sh", "--out", out, "--cache-dir", cache, env=env)
     assert proc.returncode == 0, proc.stderr
     assert server.requests() == []
-    assert out.read_text() == "".join(t + "\n\n" for t in first + second)
+    assert out.read_text() == "".join(t + "</s>\n\n" for t in first + second)
 
 
 def test_web_stops_at_max_bytes_without_fetching_later_shards(tmp_path, server):
@@ -284,10 +285,33 @@ def test_web_stops_at_max_bytes_without_fetching_later_shards(tmp_path, server):
     for t in texts:  # whole documents, up to the first one that reaches the target
         if len(expected) >= 20_000:
             break
-        expected += t + "\n\n"
+        expected += t + "</s>\n\n"
     assert out.read_text() == expected
     assert [e["path"] for e in server.requests()] == ["/s1.parquet"]
     assert "ran out" not in proc.stderr
+
+
+def test_web_documents_end_with_the_end_token_that_training_reads(tmp_path, server, tokenizer):
+    """Each document is closed by `</s>` right after its last character (trailing whitespace dropped, a text of
+    whitespace alone skipped, a `</s>` of its own escaped), and training reads exactly those ends as the token."""
+    texts = ["First page.\n", " \n ", "On HTML: <s>old</s> is struck text.", "Last page.\n\n  "]
+    server.files["/s.parquet"] = shard(tmp_path / "s.parquet", texts)
+    out = tmp_path / "web.txt"
+    proc = run("get_web.sh", "--out", out, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_WEB_SHARDS": f"{server.url}/s.parquet"})
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == (b"First page.</s>\n\nOn HTML: <s>old&lt;/s&gt; is struck text.</s>\n\n"
+                                b"Last page.</s>\n\n") and "3 documents" in proc.stderr
+    side = json.loads((tmp_path / "web.txt.source.json").read_text())
+    assert side["sha256"] == sha256(out.read_bytes()) and side["bytes"] == len(out.read_bytes())
+    assert side["sources"][0]["sha256"] == sha256(server.files["/s.parquet"])
+
+    from nanoeuler.data.corpus import open_corpus
+    tokens = open_corpus(out, tokenizer, progress=False).tokens.tolist()
+    ends = [i for i, t in enumerate(tokens) if t == tokenizer.eos_id]
+    assert len(ends) == 3 and tokenizer.decode(tokens) == out.read_bytes()
+    assert [tokenizer.decode(tokens[:i]).rsplit(b"\n", 1)[-1] for i in ends] == [
+        b"First page.", b"On HTML: <s>old&lt;/s&gt; is struck text.", b"Last page."]
 
 
 def test_web_unreadable_shard_is_an_error_and_leaves_the_cache_clean(tmp_path, server):
@@ -491,6 +515,87 @@ def test_pretrain_joins_gutenberg_and_web_and_lists_both_sources(tmp_path, serve
     side = json.loads((data / "pretrain.txt.source.json").read_text())
     assert [r["url"] for r in side["sources"]] == [f"{server.url}/cache/epub/11/pg11.txt", f"{server.url}/s.parquet"]
     assert side["sha256"] == sha256(joined)
+
+
+def test_training_counts_the_documents_and_notes_a_fetch_without_ends(tmp_path, server, tokenizer, tokenizer_file,
+                                                                      monkeypatch, capsys):
+    """`nanoeuler train` on a fetched corpus counts its documents (its end tokens); a corpus fetched before
+    documents were closed (no `</s>`, its sidecar describing it) still trains, with a note naming the command
+    that rebuilds it."""
+    from nanoeuler.cli import build_parser
+    from nanoeuler.model.config import PRESETS
+    from nanoeuler.train import loop, pretrain
+    from conftest import tiny_config
+
+    monkeypatch.setitem(PRESETS, "small", tiny_config(tokenizer.vocab_size))
+    monkeypatch.setitem(pretrain.PRESET_HYPER, "small", loop.Hyperparameters(
+        steps=1, batch_size=2, lr=1e-3, warmup=1, eval_every=1, sample_every=1, ckpt_every=1, eval_batches=1,
+        sample_tokens=2))
+    text = (REPO / "shakespeare.txt").read_bytes()[:40_000].decode("utf-8", "ignore")
+    tsv = write_books(tmp_path, server, [(7, "One", book("One", text[:20_000])),
+                                         (8, "Two", book("Two", text[20_000:]))])
+    corpus = tmp_path / "gutenberg.txt"
+    proc = run("get_gutenberg.sh", "--list", tsv, "--out", corpus, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_GUTENBERG_MIRROR": server.url})
+    assert proc.returncode == 0, proc.stderr
+
+    def train(out):
+        args = ["train", "--data", corpus, "--tokenizer", tokenizer_file, "--device", "cpu", "--out", tmp_path / out]
+        assert pretrain.main(build_parser()[0].parse_args(list(map(str, args)))) == 0
+        printed = capsys.readouterr()
+        return printed.out + printed.err
+
+    printed = train("a.bin")
+    assert "(the last tenth); 2 documents closed by </s>" in printed and "note:" not in printed
+    old = corpus.read_bytes().replace(b"</s>", b"")  # as the fetcher wrote it before, with its sidecar
+    corpus.write_bytes(old)
+    side = json.loads((tmp_path / "gutenberg.txt.source.json").read_text())
+    side.update(bytes=len(old), sha256=sha256(old))
+    (tmp_path / "gutenberg.txt.source.json").write_text(json.dumps(side))
+    printed = train("b.bin")
+    assert "documents closed by" not in printed
+    assert (f"note: {corpus} was fetched before the fetcher closed each document with </s>: a model trained on it "
+            f"does not learn where a text ends; `{side['built_by']}` rebuilds it") in printed
+    assert side["built_by"].startswith("python -m nanoeuler.data.fetch gutenberg --list")
+
+
+def test_a_base_pretrained_on_fetched_documents_learns_to_end_them(tmp_path, server, monkeypatch):
+    """The pipeline in small: web.txt fetched from a shard of Shakespeare's paragraphs (a speech, a stage
+    direction: short documents), then `train` of a tiny model for 200 steps, its tokenizer learned on the corpus
+    as `train base` learns it. Where a held-out document ends, the model gives `</s>` a real probability (one
+    that never saw it gives about 1/vocab, 0.3%), and little elsewhere (benchmarks/end_token.py measures it)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from end_token import end_token_probabilities, held_out_documents
+    from nanoeuler.cli import build_parser
+    from nanoeuler.io import checkpoint
+    from nanoeuler.model.config import PRESETS
+    from nanoeuler.model.engine import make_engine
+    from nanoeuler.tokenizer.bpe import Tokenizer
+    from nanoeuler.train import loop, pretrain
+    from conftest import tiny_config
+
+    text = (REPO / "shakespeare.txt").read_text(encoding="utf-8")[:300_000]
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    server.files["/s.parquet"] = shard(tmp_path / "s.parquet", paragraphs)
+    corpus = tmp_path / "web.txt"
+    proc = run("get_web.sh", "--out", corpus, "--cache-dir", tmp_path / "cache",
+               env={"NANOEULER_WEB_SHARDS": f"{server.url}/s.parquet"})
+    assert proc.returncode == 0, proc.stderr
+    monkeypatch.setitem(PRESETS, "small", tiny_config(300))
+    monkeypatch.setitem(pretrain.PRESET_HYPER, "small", loop.Hyperparameters(
+        steps=200, batch_size=8, lr=3e-3, warmup=10, eval_every=200, sample_every=200, ckpt_every=200,
+        eval_batches=4, sample_tokens=2))
+    args = ["train", "--data", corpus, "--device", "cpu", "--out", tmp_path / "base.bin"]
+    assert pretrain.main(build_parser()[0].parse_args(list(map(str, args)))) == 0
+
+    ck = checkpoint.load(tmp_path / "base.bin")
+    tok = Tokenizer.from_json(ck.tokenizer_json)
+    eng = make_engine(ck.cfg, device="cpu", precision="fp32", training=False)
+    eng.load_params(ck.params)
+    held_out = tok.encode(held_out_documents(corpus), allow_special=True)
+    at_ends, elsewhere, top_at_ends, _ = end_token_probabilities(eng, held_out, tok.eos_id, ck.cfg.context)
+    assert len(at_ends) > 200 and at_ends.mean() > 0.1 and np.median(at_ends) > 0.1 and top_at_ends.mean() > 0.1
+    assert elsewhere.mean() < 0.03
 
 
 def test_the_metrics_log_records_the_corpus_and_its_sources(tmp_path, server, tokenizer, tokenizer_file,

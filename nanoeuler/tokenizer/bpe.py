@@ -21,7 +21,6 @@ merges. The command line, `nanoeuler tokenizer train|encode|decode`, is in nanoe
 import functools
 import io
 import json
-import re
 import unicodedata
 from importlib import resources
 
@@ -30,8 +29,8 @@ import numpy as np
 from nanoeuler.errors import UserError
 from nanoeuler.tokenizer.base import CHUNK, MAX_IDS, MAX_VOCAB, TokenizerBase, checked_ids
 from nanoeuler.tokenizer.pieces import (_LOOKAHEAD, LLAMA3_REGEX, QWEN2_REGEX, RULES, UNICODE_VERSION,  # noqa: F401
-                                        _byte_level_decoding, _kernels, _PieceCache, _split, bytes_to_unicode,
-                                        class_table)
+                                        _alternation, _byte_level_decoding, _kernels, _PieceCache, _split,
+                                        bytes_to_unicode, class_table)
 from nanoeuler.tokenizer.token_file import read_token_file  # noqa: F401 (read here by its older callers)
 
 
@@ -329,14 +328,6 @@ class Tokenizer(TokenizerBase):
             names[i] = s
         internal = self._ids if self._ids is not None else np.arange(self.n_ordinary)
         return names, [f"{names[internal[a]]} {names[internal[b]]}" for a, b in self.merges.tolist()]
-
-def _alternation(strings):
-    """(compiled regex of the strings as bytes, longest first, and the longest one's length), or (None, 0)."""
-    if not strings:
-        return None, 0
-    by_length = sorted((s.encode() for s in strings), key=len, reverse=True)
-    return re.compile(b"|".join(map(re.escape, by_length))), len(by_length[0])
-
 
 def _listed_tokens(merges, tokens):
     """(token bytes, the internal number of each merge's result, each byte's token or -1) of an explicit

@@ -4,6 +4,7 @@ intern pieces and cache their tokens (bpe.py drives them, train.py counts pieces
 the merging of one word by rank (sentencepiece_bpe.py, grammar.py)."""
 import functools
 import heapq
+import re
 from importlib import resources
 
 import numpy as np
@@ -76,6 +77,15 @@ def _split(data, rule="gpt2"):
     if rule == "gpt2_digits":
         return arr, ends, kern.split_pieces_digits(arr, len(arr), class_table(), ends)
     return arr, ends, kern.split_pieces_llama3(arr, len(arr), class_table(), ends, 3 if rule == "llama3" else 1)
+
+
+def _alternation(strings):
+    """(compiled regex of the strings as bytes, longest first, and the longest one's length), or (None, 0): how
+    added tokens are found in a text, leftmost, then longest (as `tokenizers` finds them)."""
+    if not strings:
+        return None, 0
+    by_length = sorted((s.encode() for s in strings), key=len, reverse=True)
+    return re.compile(b"|".join(map(re.escape, by_length))), len(by_length[0])
 
 
 class _PieceTable:

@@ -1,9 +1,11 @@
 """Token files (`.tok`, the one format: what encode_file writes and what training reads, as its cached
-`<corpus>.tok`): a 128-byte header (magic "NEUTOKS\0", format version, token count, the size and mtime of the
-text file they were made from, the tokenizer's sha256), then the tokens as little-endian uint16 (format version
-1), or uint32 (version 2) for a vocabulary above 65,536. write_token_file writes one (TokenizerBase.encode_file),
-read_token_file reads one and checks its header, and with `source`/`tok` that it still matches that text and
-tokenizer.
+`<corpus>.tok`): a 128-byte header (magic "NEUTOKS\0", format version, flags, token count, the size and mtime of
+the text file they were made from, the tokenizer's sha256), then the tokens as little-endian uint16 (format
+version 1), or uint32 (version 2) for a vocabulary above 65,536. Flag SPECIAL_TOKENS says that the special
+tokens written in the text (`</s>`) were read as those tokens (allow_special); a file written before the flag
+has 0 there, as a file of text read as text does. write_token_file writes one (TokenizerBase.encode_file),
+read_token_file reads one and checks its header, and with `source`/`tok`/`allow_special` that it still matches
+that text, that tokenizer and that reading of the special tokens.
 """
 import os
 import struct
@@ -40,14 +42,17 @@ def progress_bar(enabled, **kw):
 
 TOKENS_MAGIC = b"NEUTOKS\x00"
 TOKENS_VERSION = 1  # uint16 tokens; version 2: uint32 (a vocabulary above MAX_VOCAB)
-# magic, version, token count, source file size, source mtime_ns, tokenizer sha256 (hex); padded to 128 bytes
-TOKENS_HEADER = struct.Struct("<8sI4xQQq64s")
+# magic, version, flags, token count, source file size, source mtime_ns, tokenizer sha256 (hex); padded to 128
+# bytes. The flags are where the first headers had 4 zero bytes of padding: those read as no flag set.
+TOKENS_HEADER = struct.Struct("<8sIIQQq64s")
+SPECIAL_TOKENS = 1  # flag: the special tokens written in the text were read as those tokens
 TOKENS_HEADER_BYTES = 128
 
 
-def tokens_header(n_tokens, source_stat, tok, dtype):
-    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION if dtype.itemsize == 2 else 2, n_tokens,
-                              source_stat.st_size, source_stat.st_mtime_ns, tok.sha256().encode())
+def tokens_header(n_tokens, source_stat, tok, dtype, allow_special=False):
+    return TOKENS_HEADER.pack(TOKENS_MAGIC, TOKENS_VERSION if dtype.itemsize == 2 else 2,
+                              SPECIAL_TOKENS if allow_special else 0, n_tokens, source_stat.st_size,
+                              source_stat.st_mtime_ns, tok.sha256().encode())
 
 
 def write_token_file(tok, in_path, out_path, progress=True, allow_special=False, chunk_bytes=None):
@@ -68,7 +73,7 @@ def write_token_file(tok, in_path, out_path, progress=True, allow_special=False,
                 n += len(ids)
                 bar.update(n_read)
         dst.seek(0)
-        dst.write(tokens_header(n, source, tok, tok.token_dtype))
+        dst.write(tokens_header(n, source, tok, tok.token_dtype, allow_special))
         count.append(n)
 
     count = []
@@ -76,11 +81,12 @@ def write_token_file(tok, in_path, out_path, progress=True, allow_special=False,
     return count[0]
 
 
-def read_token_file(path, source=None, tok=None):
+def read_token_file(path, source=None, tok=None, allow_special=None):
     """The tokens of a token file (Tokenizer.encode_file) as a read-only uint16 (uint32, for a vocabulary above
     65,536) memmap (a corpus of many GB
     costs no RAM). With `source` (a path) or `tok`, the file must have been made from that file as it is now
-    (same size and mtime) and with that tokenizer. Every way it can fail is a one-line UserError."""
+    (same size and mtime) and with that tokenizer; with `allow_special` (True or False), with the special tokens
+    written in the text read that way. Every way it can fail is a one-line UserError."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -92,7 +98,7 @@ def read_token_file(path, source=None, tok=None):
         raise UserError(f"cannot read token file {path}: {e.strerror or e}") from None
     if len(head) < TOKENS_HEADER.size or head[:8] != TOKENS_MAGIC:
         raise UserError(f"{path} is not a nanoeuler token file")
-    _, version, n_tokens, src_size, src_mtime, sha = TOKENS_HEADER.unpack(head)
+    _, version, flags, n_tokens, src_size, src_mtime, sha = TOKENS_HEADER.unpack(head)
     if version not in (TOKENS_VERSION, 2):
         raise UserError(f"token file {path} has format version {version}; this nanoeuler reads {TOKENS_VERSION} and 2")
     dtype = np.dtype("<u2" if version == TOKENS_VERSION else "<u4")
@@ -107,6 +113,9 @@ def read_token_file(path, source=None, tok=None):
             raise UserError(f"token file {path} is stale: {source} changed since it was tokenized")
     if tok is not None and sha != tok.sha256().encode():
         raise UserError(f"token file {path} was made with a different tokenizer")
+    if allow_special is not None and bool(flags & SPECIAL_TOKENS) != bool(allow_special):
+        read = "as text" if allow_special else "as special tokens"
+        raise UserError(f"token file {path} was made with the special tokens in the text (</s>) read {read}")
     if n_tokens == 0:  # np.memmap cannot map zero bytes
         return np.zeros(0, dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=TOKENS_HEADER_BYTES, shape=(n_tokens,))

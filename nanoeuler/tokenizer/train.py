@@ -1,6 +1,9 @@
 """Training of the byte-level BPE (bpe.Tokenizer.train): the pretokens of a text file counted (all of it, or
 1 MiB windows spread evenly over a file above the sample size), then merges learned by the compiled
-train_merges of kernels.py in a thread while a progress bar follows it."""
+train_merges of kernels.py in a thread while a progress bar follows it. The special tokens written in the text
+(`</s>` closing a corpus's documents) are split out before it is pretokenized and are not counted, as encoding
+splits them out (and `tokenizers` its added tokens when it encodes): the counts are of the pieces the encoder
+meets, and no merge is learned across or inside one."""
 import os
 import sys
 import threading
@@ -9,8 +12,10 @@ import time
 import numpy as np
 
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer.pieces import _LOOKAHEAD, _PieceTable, _kernels, _split
+from nanoeuler.tokenizer.pieces import _LOOKAHEAD, _alternation, _PieceTable, _kernels, _split
 from nanoeuler.tokenizer.token_file import CHUNK, MAX_IDS, open_input, progress_bar
+
+WINDOW = 1 << 20  # bytes of each window of a sampled file
 
 
 def train(cls, path, vocab_size, progress=True, special_tokens=("</s>",), max_bytes=128 << 20):
@@ -27,7 +32,7 @@ def train(cls, path, vocab_size, progress=True, special_tokens=("</s>",), max_by
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise UserError(f"{path} is empty")
-        words, lengths, counts, n_bytes = _count_pieces(f, size, max_bytes, progress)
+        words, lengths, counts, n_bytes = _count_pieces(f, size, max_bytes, progress, special_tokens)
     sym = words.astype(np.int32)
     starts = np.zeros(len(counts) + 1, np.int64)
     starts[1:] = np.cumsum(lengths)
@@ -46,24 +51,39 @@ def train(cls, path, vocab_size, progress=True, special_tokens=("</s>",), max_by
     return tok
 
 
-def _count_pieces(f, size, max_bytes, progress):
+def _count_pieces(f, size, max_bytes, progress, special_tokens=()):
     """Count the pretokens of the open file f (all of it, or 1 MiB windows spread evenly over it if it is
-    larger than max_bytes). Returns (bytes of the distinct pieces back to back, their lengths, their
-    counts, bytes read)."""
+    larger than max_bytes), the text between the special tokens' occurrences only. Returns (bytes of the
+    distinct pieces back to back, their lengths, their counts, bytes read)."""
     table = _PieceTable()
     counts = np.zeros(0, np.int64)
+    pattern, longest = _alternation(special_tokens)
+    margin = _LOOKAHEAD + longest  # unless final, text a special token may yet follow waits (bpe's encoding too)
 
     def count(data, final):
+        """Count the pieces of data; unless final, only as far as the rest of the text cannot change them.
+        Returns the bytes used."""
         nonlocal counts
-        arr, ends, n_pieces = _split(data)
-        if not final:
-            n_pieces = int(np.searchsorted(ends[:n_pieces], len(arr) - _LOOKAHEAD, side="right"))
-        ids = table.intern(arr, ends, n_pieces)
+        spans, start = [], 0  # (start, end, final) of the text between special tokens
+        for m in pattern.finditer(data) if pattern is not None else ():
+            if not final and m.start() > len(data) - longest:
+                break  # its longest form is not in view yet
+            spans.append((start, m.start(), True))
+            start = m.end()
+        spans.append((start, len(data), final))
+        ids, used = [], 0
+        for lo, hi, whole in spans:
+            arr, ends, n_pieces = _split(memoryview(data)[lo:hi])
+            if not whole:
+                n_pieces = int(np.searchsorted(ends[:n_pieces], len(arr) - margin, side="right"))
+            ids.append(table.intern(arr, ends, n_pieces))
+            used = lo + (int(ends[n_pieces - 1]) if n_pieces else 0)
+        ids = np.concatenate(ids)  # one count per call, however many documents the data holds
         counts = np.concatenate((counts, np.zeros(len(table) - len(counts), np.int64)))
         counts += np.bincount(ids, minlength=len(table))
-        return int(ends[n_pieces - 1]) if n_pieces else 0
+        return used
 
-    window = 1 << 20
+    window = WINDOW
     n_windows = max(1, max_bytes // window)
     n_read = 0
     with progress_bar(progress, total=size if size <= max_bytes else n_windows * window, unit="B",
@@ -72,7 +92,8 @@ def _count_pieces(f, size, max_bytes, progress):
             for k in range(n_windows):
                 f.seek(k * size // n_windows)
                 block = f.read(window)
-                count(block[block.find(b"\n") + 1:] if k else block, True)  # from a line start, not mid-word
+                # from a line start, not mid-word; the last few bytes, which may cut a word or a `</s>`, left out
+                count(block[block.find(b"\n") + 1:] if k else block, False)
                 n_read += len(block)
                 bar.update(len(block))
         else:

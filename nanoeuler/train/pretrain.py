@@ -14,7 +14,8 @@ import dataclasses
 import os
 from typing import NamedTuple
 
-from nanoeuler.data.corpus import RandomWindows, check_corpus, eval_batches, open_corpus, provenance
+from nanoeuler.data.corpus import (RandomWindows, check_corpus, count_token, eval_batches, open_corpus, provenance,
+                                   unclosed_fetch)
 from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
 from nanoeuler.model.config import PRESETS
@@ -92,8 +93,15 @@ def load(options, model, context):
     if world.is_main:
         comm.barrier()
     size = os.path.getsize(data)
+    record = provenance(data) if world.is_main else None
+    ends = count_token(corpus.tokens, tok.eos_id) if world.is_main else 0
     context.say(f"data: {data}: {size:,} bytes, {len(corpus.tokens):,} tokens ({size / len(corpus.tokens):.2f} "
-                f"bytes/token); train {len(corpus.train):,}, validation {len(corpus.val):,} (the last tenth)")
+                f"bytes/token); train {len(corpus.train):,}, validation {len(corpus.val):,} (the last tenth)"
+                + (f"; {ends:,} documents closed by {tok.eos}" if ends else ""))
+    fetch = unclosed_fetch(record, ends) if tok.eos == "</s>" else None
+    if fetch:
+        context.say(f"note: {data} was fetched before the fetcher closed each document with </s>: a model trained "
+                    f"on it does not learn where a text ends; `{fetch}` rebuilds it from its download cache")
     # one optimizer batch per draw, split into grad_accum passes: B x N draws the windows of B * N x 1
     source = RandomWindows(corpus.train, hp.batch_size * hp.grad_accum, cfg.context, cfg.mtp_heads, hp.seed,
                            world.rank, world.world_size)
@@ -105,7 +113,7 @@ def load(options, model, context):
                 dict(preset=settings.preset, data=os.path.abspath(data)), "training", f"x{cfg.context} tokens",
                 title=f"nanoeuler {settings.preset}",
                 # the first log record says what the run trained on: the corpus's sha256 and its fetched sources
-                log_first=dict(data=provenance(data)) if world.is_main else None,
+                log_first=dict(data=record) if world.is_main else None,
                 done=f"saved {options.out}, log {context.log_path}, loss curve {png}")
 
 
