@@ -190,10 +190,11 @@ def check_matmul(case, gpu_layers, cpu_layers):
         w2 = case.act(case.normal(2 * O, I))
         ref_gu, ref_sw = np.empty((N, 2 * O)), np.empty((N, O))
         cpu_layers.rmsnorm_matmul_swiglu_forward(ref_sw, ref_gu, rstd, x, gain, w2, 1e-5, xn)
-        gsw, ggu = case.poisoned(N, O), case.poisoned(N, 2 * O)
+        gsw, ggu, grstd = case.poisoned(N, O), case.poisoned(N, 2 * O), case.poisoned32(N)
         gpu_layers.rmsnorm_matmul_swiglu_forward(gsw, ggu, grstd, case.dev(x), case.dev(gain), case.dev(w2), 1e-5, None)
         out += [(f"rmsnorm_matmul_swiglu_forward{case.tag} {N} rows gate|up", rel_err(case.get(ggu), ref_gu), case.tol),
-                (f"rmsnorm_matmul_swiglu_forward{case.tag} {N} rows out", rel_err(case.get(gsw), ref_sw), case.tol)]
+                (f"rmsnorm_matmul_swiglu_forward{case.tag} {N} rows out", rel_err(case.get(gsw), ref_sw), case.tol),
+                (f"rmsnorm_matmul_swiglu_forward{case.tag} {N} rows rstd", rel_err(case.get(grstd), rstd), case.tol)]
     # the qkv product with the rotary embedding of its first 3 of 5 heads, 2 sequences of 3 rows at position 5
     (B, T, NH, D), I = (2, 3, 5, 8), 136
     x, w = case.act(case.normal(B * T, I)), case.act(case.normal(NH * D, I))

@@ -62,6 +62,11 @@ SAMPLE_THREADS = 1024
 SAMPLE_BITS = 4
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
 RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
+# ... and rmsnorm_rows (decoding's normed rows, a block a row): a block's threads, and the 16-byte chunks a
+# thread holds (rows up to RMSNORM_ROWS_THREADS x RMSNORM_ROWS_CHUNKS x 16 bytes; longer ones take the generic
+# kernel)
+RMSNORM_ROWS_THREADS = 256
+RMSNORM_ROWS_CHUNKS = 4
 
 assert FEW_ROWS <= 64, "matmul_small_t<n>_*, matmul_rows_t<n> take x's rows as up to 4 tiles of the mma's 16 rows"
 assert MATMUL_ROWS_STAGES >= 2, "a stage in use while the next ones land"
@@ -110,6 +115,7 @@ def module_defines(name, variant=()):
                       "ATT_WARPS_D128": ATT_WARPS_D128},
         "decoding": {"SAMPLE_BITS": SAMPLE_BITS},
         "quantized": {"QUANT_SPLIT": QUANT_SPLIT, "QUANT_LOADS": QUANT_LOADS, "QUANT_BLOCKS": QUANT_BLOCKS},
-        "rmsnorm": {f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)},
+        "rmsnorm": {"RMSNORM_ROWS_CHUNKS": RMSNORM_ROWS_CHUNKS,
+                    **{f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)}},
     }.get(name, {})
     return tuple(f"{key}={value}" for key, value in shared.items()) + tuple(variant)

@@ -39,7 +39,8 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
                                            ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
                                            MATMUL_FEW_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS, MATMUL_ROWS_MIN_TILES,
                                            MATMUL_ROWS_NT, MATMUL_ROWS_STAGES, MATMUL_ROWS_WARPS,
-                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
+                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, RMSNORM_ROWS_CHUNKS,
+                                           RMSNORM_ROWS_THREADS,
                                            ROPE_HEADS, SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
                                            rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
@@ -275,6 +276,35 @@ def _rmsnorm_forward(out, rstd, x, w, eps, skip):
         (out, rstd, x, w, _i32(N), _i32(C), _f32(eps), np.uint64(0) if skip is None else skip))
 
 
+def _norm_apart(w, x, xn):
+    """Whether a gate|up product of a few rows (decoding's) takes its normed input from rmsnorm_rows rather than
+    folding the norm in: folded, each of the product's many blocks also sums the squares of x and multiplies
+    its w by the gain, which costs it more than a kernel of its own does (the small qkv product keeps the fold:
+    docs/decoding.md has both measured)."""
+    return (xn is None and x.shape[0] <= FEW_ROWS
+            and (x.dtype == BF16 or not isinstance(w, quantized.QuantizedMatrix)))
+
+
+def _normed_rows(rstd, x, norm_w, eps, skip):
+    """Decoding's normed rows: rmsnorm(x (N, C)) * norm_w into a kept buffer (quantized.scratch: graphs replay
+    it), a block a row (rmsnorm_rows, dependent launch) where C and the pointers allow, else the generic kernel;
+    either way a row's bits depend on C alone. skip as rmsnorm_matmul_forward."""
+    _check(x, norm_w, act=x)
+    _check(rstd)
+    xn = quantized.scratch(x.shape, x.dtype)
+    N, C = x.shape
+    pack = 16 // x.itemsize
+    if C % pack or C > RMSNORM_ROWS_THREADS * RMSNORM_ROWS_CHUNKS * pack or any(
+            a.data.ptr % 16 for a in (xn, x, norm_w)):
+        _rmsnorm_forward(xn, rstd, x, norm_w, eps, skip)
+        return xn
+    _copy_skip(skip, x)
+    threads = min(RMSNORM_ROWS_THREADS, (C // pack + 31) // 32 * 32)
+    launch(kernel("rmsnorm", "rmsnorm_rows", _act_defines(x)), (N,), (threads,),
+           (xn, rstd, x, norm_w, _i32(C), _f32(eps)))
+    return xn
+
+
 def _bias_add(out, bias):
     """out (N, O) += bias (O,) (kernels/bias.cu), 4 columns a thread where O and the pointers allow."""
     _check(out, bias, act=out)
@@ -486,9 +516,17 @@ class Layers:
 
     def rmsnorm_matmul_swiglu_forward(self, out, gate_up, rstd, x, norm_w, w, eps, xn, skip=None):
         """The feed-forward's first half: gate_up (N, 2F) = rmsnorm(x) * norm_w @ w (2F, C).T, out (N, F) =
-        silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows without xn (decoding) take one kernel for
-        all of it."""
+        silu(gate) * up; xn, skip as rmsnorm_matmul_forward. A few rows without xn (decoding) take two kernels: the
+        norm (_normed_rows), then the product and SwiGLU."""
         w = _dequantized(w, x)
+        if _norm_apart(w, x, xn):
+            normed = _normed_rows(rstd, x, norm_w, eps, skip)
+            if isinstance(w, quantized.QuantizedMatrix):
+                quantized.matmul(gate_up, normed, w, False, self.tf32, glu_out=out)
+            else:
+                _check(out, gate_up, w, act=x)
+                _matmul_small(gate_up, normed, w, False, glu_out=out)
+            return
         if _folds_quantized(w, x, xn):
             _copy_skip(skip, x)
             quantized.matmul(gate_up, x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps, glu_out=out)

@@ -5,6 +5,10 @@
 // generic kernels for any other C (rows of a multiple of 4 read and write 4 values a lane at once).
 #include "common.cuh"
 
+#ifndef RMSNORM_ROWS_CHUNKS
+#error "RMSNORM_ROWS_CHUNKS comes from nanoeuler/model/gpu/constants.py"
+#endif
+
 // The two reductions both builds share. A row's rstd = 1 / sqrt(mean(x^2) + eps) from each lane's share ss of
 // its sum of squares (the warp's lanes added); lane 0 writes it to rstd[row].
 __device__ __forceinline__ float row_rstd(float ss, float* __restrict__ rstd, int row, int C, float eps, int lane) {
@@ -191,6 +195,50 @@ __device__ __forceinline__ void rmsnorm_forward_row(act_t* __restrict__ out, flo
 #pragma unroll
         for (int i = 0; i < V; ++i) v[i] *= r * g[i];
         store_vec<V>(orow + c, v);
+    }
+}
+
+// Decoding's normed rows, a block a row (few rows: the latency of one row counts): out (N, C) = x * rstd * w,
+// rstd (N,). A thread takes the 16-byte chunks t, t + blockDim.x, ... (at most RMSNORM_ROWS_CHUNKS), the row's
+// sum of squares adds its chunks in order, then the block's warps in order: the bits of a row depend on C
+// alone, whatever N is (batch invariance). Launched dependent: the gain is read before waiting for x.
+extern "C" __global__ void rmsnorm_rows(act_t* __restrict__ out, float* __restrict__ rstd,
+                                        const act_t* __restrict__ x, const act_t* __restrict__ w, int C, float eps) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    let_next_launch();
+    uint4 xu[RMSNORM_ROWS_CHUNKS], wu[RMSNORM_ROWS_CHUNKS];
+#pragma unroll
+    for (int k = 0; k < RMSNORM_ROWS_CHUNKS; ++k) {
+        const int c = (k * (int)blockDim.x + (int)threadIdx.x) * PACK;
+        wu[k] = c < C ? *reinterpret_cast<const uint4*>(w + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    wait_for_inputs();
+#pragma unroll
+    for (int k = 0; k < RMSNORM_ROWS_CHUNKS; ++k) {
+        const int c = (k * (int)blockDim.x + (int)threadIdx.x) * PACK;
+        xu[k] = c < C ? *reinterpret_cast<const uint4*>(x + row * C + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < RMSNORM_ROWS_CHUNKS; ++k) {
+        float v[PACK];
+        unpack16(v, xu[k]);
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) ss += v[i] * v[i];
+    }
+    const float r = 1.f / sqrtf(block_sum(ss, scratch) / C + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+    for (int k = 0; k < RMSNORM_ROWS_CHUNKS; ++k) {
+        const int c = (k * (int)blockDim.x + (int)threadIdx.x) * PACK;
+        if (c >= C) break;
+        float v[PACK], g[PACK];
+        unpack16(v, xu[k]);
+        unpack16(g, wu[k]);
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) v[i] *= r * g[i];
+        *reinterpret_cast<uint4*>(out + row * C + c) = pack16(v);
     }
 }
 
