@@ -43,6 +43,7 @@ import numpy as np
 from nanoeuler.train.objectives import cross_entropy_backward
 from nanoeuler.model.config import Config, param_layout, rope_tables
 from nanoeuler.model.decoding import decoder_of
+from nanoeuler.model.gpu.constants import NORM_APART_WEIGHTS
 from nanoeuler.model.limits import FEW_ROWS
 
 FP32_TOL = 1e-5   # float32 kernels against the float64 reference
@@ -174,9 +175,10 @@ def check_matmul(case, gpu_layers, cpu_layers):
     # folded in front, and with SwiGLU after
     # (and 1 to 4 tiles of 16 rows: batched decoding's steps)
     # (and rows of 2, 3 and 16 of a warp's k-slices of 128, many rows)
+    # (and a gate|up product of NORM_APART_WEIGHTS, whose norm is a kernel of its own: the last case)
     for N, I, O in ((1, 64, 77), (FEW_ROWS, 136, 33), (3, 45, 51), (2, 1000, 40), (1, 2048, 24), (1, 8192, 16),
                     (3, 4100, 9), (13, 45, 51), (37, 1000, 40), (50, 136, 33), (FEW_ROWS, 256, 72), (37, 384, 24),
-                    (50, 2048, 20)):
+                    (50, 2048, 20), (3, 2048, NORM_APART_WEIGHTS // 2 // 2048)):
         x, w, lines = _matmul_forward_lines(case, gpu_layers, cpu_layers, N, I, O,
                                             f"{N} rows (matrix-vector) I={I} O={O}")
         gain = case.act(1 + case.normal(I, scale=0.3))
@@ -240,8 +242,8 @@ def check_matmul(case, gpu_layers, cpu_layers):
     NH, D = 6, 8
     cos, sin = (case.dev32(_f32(t)) for t in rope_tables(D, 16, 10000.0, np.float64))
     pos = case.rng.integers(0, 16, FEW_ROWS).astype(np.int32)
-    for I in (1000, 256):
-        O = NH * D
+    for I, big in ((1000, False), (256, False), (256, True)):  # big: a gate|up product whose norm is apart
+        O = NORM_APART_WEIGHTS // I if big else NH * D
         x, w = case.act(case.normal(FEW_ROWS, I)), case.act(case.normal(O, I))
         gain = case.act(1 + case.normal(I, scale=0.3))
         base = case.act(case.normal(FEW_ROWS, O))
@@ -273,9 +275,10 @@ def check_matmul(case, gpu_layers, cpu_layers):
                                                    sin, 4, case.cp.asarray(pos[rows]))
             return g, grstd
 
-        for name, product in (("matmul_forward", plain), ("matmul_forward +=", accumulating),
-                              ("rmsnorm_matmul_forward", normed), ("rmsnorm_matmul_swiglu_forward", swiglu),
-                              ("rmsnorm_matmul_rope_forward", rotated)):
+        products = ((("rmsnorm_matmul_swiglu_forward, its norm apart", swiglu),) if big else (
+            ("matmul_forward", plain), ("matmul_forward +=", accumulating), ("rmsnorm_matmul_forward", normed),
+            ("rmsnorm_matmul_swiglu_forward", swiglu), ("rmsnorm_matmul_rope_forward", rotated)))
+        for name, product in products:
             bits = lambda rows: [case.get(a) for a in product(np.asarray(rows))]
             alone = [bits([r]) for r in range(FEW_ROWS)]
             same = True

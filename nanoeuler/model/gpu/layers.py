@@ -39,8 +39,8 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
                                            ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
                                            MATMUL_FEW_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS, MATMUL_ROWS_MIN_TILES,
                                            MATMUL_ROWS_NT, MATMUL_ROWS_STAGES, MATMUL_ROWS_WARPS,
-                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, RMSNORM_ROWS_CHUNKS,
-                                           RMSNORM_ROWS_THREADS,
+                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, NORM_APART_WEIGHTS,
+                                           RMSNORM_ROWS_CHUNKS, RMSNORM_ROWS_THREADS,
                                            ROPE_HEADS, SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
                                            rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
@@ -279,9 +279,9 @@ def _rmsnorm_forward(out, rstd, x, w, eps, skip):
 def _norm_apart(w, x, xn):
     """Whether a gate|up product of a few rows (decoding's) takes its normed input from rmsnorm_rows rather than
     folding the norm in: folded, each of the product's many blocks also sums the squares of x and multiplies
-    its w by the gain, which costs it more than a kernel of its own does (the small qkv product keeps the fold:
-    docs/decoding.md has both measured)."""
-    return (xn is None and x.shape[0] <= FEW_ROWS
+    its w by the gain, which costs a product of NORM_APART_WEIGHTS or more more than a kernel of its own does
+    (docs/decoding.md has both measured). The choice follows the shape alone, never the rows."""
+    return (xn is None and x.shape[0] <= FEW_ROWS and w.shape[0] * w.shape[1] >= NORM_APART_WEIGHTS
             and (x.dtype == BF16 or not isinstance(w, quantized.QuantizedMatrix)))
 
 
