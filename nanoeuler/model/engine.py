@@ -46,8 +46,10 @@ forward pass and again in the backward pass, `backward=True`, the recomputed for
 `release(unit)` after; `open_grads(unit)` before a unit's backward and `reduce(unit, accumulate)` once its
 gradients are final.
 The sharding object puts the unit's views into `p` and `g` (unit_views) and takes them out again, so the
-layers read the same names whether the engine holds every weight or one unit's. Without it (the default)
-the engine holds all of them and nothing is called.
+layers read the same names whether the engine holds every weight or one unit's. An engine made for it
+(zero 2 or 3) never holds the whole buffers that it keeps in shards: no whole gradients or master weights,
+and in ZeRO-3 no whole weights (release_whole). Without it (the default) the engine holds all of them and
+nothing is called.
 """
 import math
 

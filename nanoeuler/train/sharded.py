@@ -1,6 +1,7 @@
 """ZeRO stages 2 and 3: the gradients (2), and the weights too (3), sharded over the ranks, a unit at a time.
 
-    parallel = Sharded(engine, comm, stage=3, beta1=0.9, beta2=0.95, moments=None)   # instead of DataParallel
+    engine = make_engine(cfg, device="gpu", zero=3, ranks=comm.world_size)           # no whole buffers
+    parallel = Sharded(engine, comm, stage=3, weights=ck.params)   # instead of DataParallel; its shard alone read
     ...the objective's passes: the engine asks for each unit's weights and hands over its gradients...
     numbers = parallel.start_step(lr, weight_decay, grad_clip, values)              # as DataParallel's
 
@@ -22,9 +23,14 @@ unit, one after another in its shard. Per rank, with Ψ parameters:
   shard's gradients (added to them on a gradient-accumulation pass after the first) and freed once the unit
   is done.
 
-The engine is made whole and broadcast from rank 0 as DataParallel's; then its whole buffers are dropped
-(its gradients, and in bf16 the master weights; in ZeRO-3 the weights too). A resumed run's moments are
-read a shard at a time from its checkpoint (checkpoint.StoredFlat). The step: the squares of the
+The start holds what the steps hold, never the whole model's buffers: the engine is made without the
+buffers kept here in shards (make_engine's zero: no whole gradients or master weights, in ZeRO-3 no whole
+weights at all), and nothing whole is broadcast. Each rank takes its shard of the float32 weights from the
+weights it is given, a unit's piece at a time: a checkpoint's read from the file (checkpoint.StoredFlat,
+the rows that hold the piece), a fresh model's drawn a tensor at a time (config.InitialWeights); rounds the
+shard's compute copy from it (bf16); and in ZeRO-2 all-gathers the whole compute weights a unit at a time. A
+resumed run's moments and the decay mask are taken the same way. An engine made whole (the tests') gives
+its own weights, and its whole buffers are handed back (Engine.release_whole). The step: the squares of the
 shard's gradients summed over the ranks with the step's numbers (one collective), one AdamW kernel over the
 shard, clipped on the device, then (ZeRO-2) the all-gather of the compute weights.
 
