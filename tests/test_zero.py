@@ -66,19 +66,21 @@ def test_the_shard_plan_pads_each_unit_and_tiles_the_buffer():
 
 
 def _steps(batch, comm=None, stage=0, recompute=False, cfg=None, grad_accum=None, log=None, device="cpu",
-           precision="fp32"):
+           precision="fp32", weights=None):
     """STEPS optimizer steps of the tiny model (fp32 unless asked); (losses and norms, final weights, moments,
-    the DataParallel or Sharded)."""
+    the DataParallel or Sharded). weights (ZeRO-2/3): the weights to start from, the engine made without its
+    whole buffers; else the engine's own (seed 1), made whole."""
     cfg = cfg or tiny_config(300, gpu=device == "gpu")
-    eng = make_engine(cfg, device=device, seed=1, precision=precision)
-    eng.recompute = recompute
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
+    eng = make_engine(cfg, device=device, seed=1, precision=precision, zero=stage if weights is not None else 0,
+                      ranks=world)
+    eng.recompute = recompute
     source = RandomWindows(np.random.default_rng(0).integers(0, 300, 20000), batch, cfg.context, cfg.mtp_heads,
                            seed=7, rank=rank, world_size=world)
     hp = Hyperparameters(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
                          grad_accum=grad_accum or (2 if world == 1 else 1))  # one rank in 2 passes
     if stage >= 2:
-        parallel = Sharded(eng, comm or SingleProcess(), stage, hp.beta1, hp.beta2, log=log)
+        parallel = Sharded(eng, comm or SingleProcess(), stage, hp.beta1, hp.beta2, log=log, weights=weights)
     else:
         parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=stage == 1)
     objective = CrossEntropy(parallel.comm)
@@ -446,3 +448,49 @@ def test_a_checkpoint_given_with_ckpt_starts_each_rank_from_its_shard(tmp_path, 
     # AdamW's first steps take an element whose gradient is near 0 most of a step either way: rounding moves it
     np.testing.assert_allclose(checkpoint.load(tmp_path / "sharded" / "c.bin").params,
                                checkpoint.load(tmp_path / "one" / "c.bin").params, rtol=0, atol=CKPT_HYPER.lr / 30)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_start_from_shards_trains_as_the_whole_start_bit_for_bit(tmp_path, stage):
+    """3 ranks (every unit padded) whose engine is never whole, each reading its shard of the weights from a
+    checkpoint (or drawing it: a fresh model's InitialWeights), log the losses and norms and end with the
+    weights and moments of ranks that start from a whole engine of those weights, to the bit."""
+    cfg, ranks = tiny_config(300), 3
+    checkpoint.save(tmp_path / "c.bin", cfg, init_params(cfg, seed=1), "{}", 0)
+    whole = _run_ranks(ranks, lambda comm: _steps(4, comm, stage))
+    for weights in (lambda: checkpoint.load(tmp_path / "c.bin", stored_params=True).params,
+                    lambda: InitialWeights(cfg, seed=1)):
+        got = _run_ranks(ranks, lambda comm: _steps(4, comm, stage, weights=weights()))
+        for (numbers, params, (m, v), _), ref in zip(got, whole):
+            assert numbers == ref[0]
+            for a, b in ((params, ref[1]), (m, ref[2][0]), (v, ref[2][1])):
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_gpu_starts_from_a_checkpoints_shard_as_from_the_whole_engine(precision, tmp_path):
+    """The GPU engine made without its whole buffers (ZeRO-2: the whole compute weights alone; ZeRO-3: none),
+    its shard of the float32 weights read from a checkpoint onto the GPU and its bf16 copy rounded there,
+    ZeRO-2's compute weights all-gathered over NCCL: the losses, norms, weights and moments of the whole
+    engine's start, to the bit."""
+    from nanoeuler.parallel.comm import NcclCommunicator, World
+    from nanoeuler.parallel.launch import free_port
+    cfg = tiny_config(300, gpu=True)
+    checkpoint.save(tmp_path / "c.bin", cfg, init_params(cfg, seed=1), "{}", 0)
+    comm = NcclCommunicator(World(0, 1, 0, "127.0.0.1", free_port()), wait=60)
+    try:
+        for stage in (2, 3):
+            ref = _steps(8, comm, stage, recompute=stage == 3, device="gpu", precision=precision)
+            stored = checkpoint.load(tmp_path / "c.bin", stored_params=True).params
+            numbers, params, (m, _), parallel = _steps(8, comm, stage, recompute=stage == 3, device="gpu",
+                                                       precision=precision, weights=stored)
+            assert numbers == ref[0]
+            np.testing.assert_array_equal(params, ref[1])
+            np.testing.assert_array_equal(m, ref[2][0])
+            eng = parallel.eng
+            assert eng.grads is None and eng.zero == stage and (stage == 2) == (eng.weights is not None)
+            assert stored.bytes_read == 4 * params.size  # a world of one: its shard is every element
+    finally:
+        comm.close()
