@@ -411,19 +411,17 @@ CKPT_HYPER = Hyperparameters(steps=4, batch_size=2, lr=3e-3, warmup=1, eval_ever
                              ckpt_every=100, eval_batches=2, final_eval_batches=2, min_lr_ratio=1.0, sample_tokens=4)
 
 
-@pytest.mark.parametrize("command, stage, ranks", [("train", 3, 2), ("sft", 2, 3)])
-def test_a_checkpoint_given_with_ckpt_starts_each_rank_from_its_shard(tmp_path, corpus, tokenizer, command, stage,
-                                                                       ranks):
-    """`train --ckpt` (ZeRO-3, 2 ranks) and `sft --ckpt` (ZeRO-2, 3 ranks): each rank reads its shard of the
-    checkpoint's weights alone (the ranks' reads, counted in their processes, cover the file's weights once
-    and a few cut rows), and the run follows one process at the global batch (which reads the weights whole,
-    nothing stored): its losses and norms to rounding, its weights to AdamW's rounding."""
-    cfg = dataclasses.replace(tiny_config(tokenizer.vocab_size), context=256)  # room for the chat template
+def _ckpt_runs(tmp_path, corpus, tokenizer, command, stage, ranks, device="cpu"):
+    """`COMMAND --ckpt` of a tiny model on `ranks` ranks with ZeRO `stage` (batch 2 a rank) and in one process
+    at their global batch: each rank's bytes read of the checkpoint's weights and moments, and the two runs'
+    metrics logs and final checkpoints, after checking that the one process read nothing stored."""
+    gpu = device == "gpu"
+    cfg = dataclasses.replace(tiny_config(tokenizer.vocab_size, gpu), context=256)  # room for the chat template
     checkpoint.save(tmp_path / "start.bin", cfg, init_params(cfg, seed=3), tokenizer.to_json(), step=0)
     data = ["--data", corpus] if command == "train" else ["--data", os.path.join(ROOT, "tests", "data",
                                                                                   "sft_greetings.json"),
                                                            "--val-examples", 4]
-    common = [command, "--ckpt", tmp_path / "start.bin", *data, "--device", "cpu"]
+    common = [command, "--ckpt", tmp_path / "start.bin", *data, "--device", device] + ["--precision", "fp32"] * gpu
 
     def run(name, n, *flags):
         (tmp_path / name).mkdir()
@@ -434,11 +432,10 @@ def test_a_checkpoint_given_with_ckpt_starts_each_rank_from_its_shard(tmp_path, 
                                                                                            timeout=300).returncode
         assert code == 0
         return [json.loads((tmp_path / name / f"reads{r}.json").read_text()) for r in range(n)]
-    one = run("one", 1, "--batch-size", 2 * ranks)
-    sharded = run("sharded", ranks, "--batch-size", 2, "--zero", stage)
-    assert one == [[]]  # a whole load: nothing left in the file
+    assert run("one", 1, "--batch-size", 2 * ranks) == [[]]  # a whole load: nothing left in the file
+    reads = run("sharded", ranks, "--batch-size", 2, "--zero", stage)
     total = 4 * make_engine(cfg).params.size
-    weights = [sum(b for prefix, b in reads if prefix == "") for reads in sharded]
+    weights = [sum(b for prefix, b in mine if prefix == "") for mine in reads]
     assert all(total / ranks <= b < 1.1 * total / ranks for b in weights[:-1]), (weights, total)
     assert total <= sum(weights) < 1.05 * total, (weights, total)
     ref, got = _log(tmp_path / "one" / "c.jsonl"), _log(tmp_path / "sharded" / "c.jsonl")
@@ -448,6 +445,32 @@ def test_a_checkpoint_given_with_ckpt_starts_each_rank_from_its_shard(tmp_path, 
     # AdamW's first steps take an element whose gradient is near 0 most of a step either way: rounding moves it
     np.testing.assert_allclose(checkpoint.load(tmp_path / "sharded" / "c.bin").params,
                                checkpoint.load(tmp_path / "one" / "c.bin").params, rtol=0, atol=CKPT_HYPER.lr / 30)
+
+
+@pytest.mark.parametrize("command, stage, ranks", [("train", 3, 2), ("sft", 2, 3)])
+def test_a_checkpoint_given_with_ckpt_starts_each_rank_from_its_shard(tmp_path, corpus, tokenizer, command, stage,
+                                                                       ranks):
+    """`train --ckpt` (ZeRO-3, 2 ranks) and `sft --ckpt` (ZeRO-2, 3 ranks): each rank reads its shard of the
+    checkpoint's weights alone (the ranks' reads, counted in their processes, cover the file's weights once
+    and a few cut rows), and the run follows one process at the global batch (which reads the weights whole,
+    nothing stored): its losses and norms to rounding, its weights to AdamW's rounding."""
+    _ckpt_runs(tmp_path, corpus, tokenizer, command, stage, ranks)
+
+
+def _gpu_count():
+    if not _gpus():
+        return 0
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_gpus_start_from_their_shard_of_a_checkpoint(tmp_path, corpus, tokenizer, stage):
+    """`train --ckpt` on 2 GPUs in fp32 with ZeRO-2/3: each rank reads its shard of the weights onto its GPU,
+    and the run follows one GPU at the global batch (as the CPU ranks above)."""
+    _ckpt_runs(tmp_path, corpus, tokenizer, "train", stage, 2, device="gpu")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
