@@ -1,23 +1,35 @@
 """ZeRO-2 and ZeRO-3 (train/sharded.py) on CPU ranks: the shard plan, the order in which ZeRO-3 gathers and
 frees each unit's weights and reduces its gradients, N ranks training like one rank at their global batch for
 ZeRO 1, 2 and 3, checkpoints written from the shards (the file an unsharded writer makes) and resumed on
-another number of ranks and stage, and the default stage of the command line."""
+another number of ranks and stage, the default stage of the command line, and the start from shards: what a
+rank reads of a checkpoint (or draws of a fresh model) and holds when it starts, from a resumed run, a fresh
+one and `train|sft --ckpt`, and the memory check of a rank's share."""
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import ROOT, tiny_config
 from nanoeuler.data.corpus import RandomWindows
+from nanoeuler.errors import UserError
 from nanoeuler.io import checkpoint
+from nanoeuler.model import memory
+from nanoeuler.model.config import Config, InitialWeights, init_params, param_count, param_layout
 from nanoeuler.model.engine import make_engine
-from nanoeuler.model.optimizer import AdamW
+from nanoeuler.model.optimizer import AdamW, DecayMask, decay_mask
+from nanoeuler.parallel import launch
 from nanoeuler.parallel.comm import SingleProcess
 from nanoeuler.train.distributed import DataParallel
 from nanoeuler.train.loop import Hyperparameters
 from nanoeuler.train.objectives import CrossEntropy
 from nanoeuler.train.sharded import ShardPlan, Sharded, plan_of
 from test_distributed import _run_ranks
+from test_train import _log
 
 STEPS, LR = 4, 3e-3
 
@@ -54,19 +66,21 @@ def test_the_shard_plan_pads_each_unit_and_tiles_the_buffer():
 
 
 def _steps(batch, comm=None, stage=0, recompute=False, cfg=None, grad_accum=None, log=None, device="cpu",
-           precision="fp32"):
+           precision="fp32", weights=None):
     """STEPS optimizer steps of the tiny model (fp32 unless asked); (losses and norms, final weights, moments,
-    the DataParallel or Sharded)."""
+    the DataParallel or Sharded). weights (ZeRO-2/3): the weights to start from, the engine made without its
+    whole buffers; else the engine's own (seed 1), made whole."""
     cfg = cfg or tiny_config(300, gpu=device == "gpu")
-    eng = make_engine(cfg, device=device, seed=1, precision=precision)
-    eng.recompute = recompute
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
+    eng = make_engine(cfg, device=device, seed=1, precision=precision, zero=stage if weights is not None else 0,
+                      ranks=world)
+    eng.recompute = recompute
     source = RandomWindows(np.random.default_rng(0).integers(0, 300, 20000), batch, cfg.context, cfg.mtp_heads,
                            seed=7, rank=rank, world_size=world)
     hp = Hyperparameters(steps=STEPS, batch_size=batch, lr=LR, warmup=1, eval_every=9, sample_every=9, ckpt_every=9,
                          grad_accum=grad_accum or (2 if world == 1 else 1))  # one rank in 2 passes
     if stage >= 2:
-        parallel = Sharded(eng, comm or SingleProcess(), stage, hp.beta1, hp.beta2, log=log)
+        parallel = Sharded(eng, comm or SingleProcess(), stage, hp.beta1, hp.beta2, log=log, weights=weights)
     else:
         parallel = DataParallel(eng, AdamW(eng, hp.beta1, hp.beta2), comm, zero=stage == 1)
     objective = CrossEntropy(parallel.comm)
@@ -240,3 +254,266 @@ def test_a_resumed_runs_moments_are_read_a_shard_at_a_time(tmp_path):
     plan = plan_of(make_engine(cfg), 3)
     for rank in range(3):
         np.testing.assert_array_equal(plan.take(stored[1], rank), plan.take(v, rank))
+
+
+# --------------------------------------------------------------------------------- the start from shards
+DEEP = Config(dim=64, n_layers=8, n_heads=4, n_kv_heads=2, hidden=128, vocab_size=300, context=32, mtp_heads=2)
+
+
+def _held_bytes(eng, parallel):
+    """The bytes of the distinct arrays that a rank's engine, sharding and optimizer hold (views counted once, by
+    the buffer they view)."""
+    arrays = {}
+
+    def visit(value):
+        if isinstance(value, np.ndarray):
+            base = value
+            while base.base is not None and isinstance(base.base, np.ndarray):
+                base = base.base
+            arrays[id(base)] = base.nbytes
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+    for owner in (eng, parallel, parallel.optimizer):
+        visit(vars(owner))
+    return sum(arrays.values())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_starts_from_its_shard_not_the_whole_model(tmp_path, stage):
+    """4 ranks resume ZeRO-2/3 from a checkpoint: each reads its shard of the weights and moments from the file
+    (its elements and a few cut rows: a quarter of the file's bytes, not all of them), never holds a whole
+    gradient or master buffer (ZeRO-3: no whole weights either), holds its shards (float32 master weights,
+    gradients and moments, the decay mask: 17 bytes a parameter over N; ZeRO-2 the whole compute weights too,
+    4 bytes a parameter in fp32), and held no more than that and a unit's buffers at any moment of the start:
+    the peak of every allocation the 4 ranks made (traced), over 4. The whole engine they used to start from
+    held 8 bytes a parameter (weights and gradients) on every rank at once."""
+    n, total = 4, param_count(DEEP)
+    rng = np.random.default_rng(0)
+    params, m, v = (rng.standard_normal(total).astype(np.float32) for _ in range(3))
+    checkpoint.save(tmp_path / "c.bin", DEEP, params, "{}", 3, opt=(m, v), train_state={})
+    del params, m, v
+
+    def start(comm):
+        ck = checkpoint.load(tmp_path / "c.bin", with_opt=True, stored_opt=True, stored_params=True)
+        eng = make_engine(DEEP, zero=stage, ranks=comm.world_size)
+        parallel = Sharded(eng, comm, stage, moments=(*ck.opt, 3), weights=ck.params)
+        return [stored.bytes_read for stored in (ck.params, *ck.opt)], _held_bytes(eng, parallel), parallel
+    _run_ranks(n, start)  # imports and first calls out of the count
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        got = _run_ranks(n, start)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    plan = got[0][2].plan
+    largest_unit = max(end - start for _, start, end in plan.units)
+    longest_row = max(int(np.prod(shape[1:])) for _, (_, shape) in param_layout(DEEP)[0].items())
+    compute = 4 * total if stage == 2 else 0  # ZeRO-2's whole compute weights (float32 on the CPU)
+    for rank, (read, held, parallel) in enumerate(got):
+        eng = parallel.eng
+        assert eng.grads is None and eng.g == {} and eng.zero == stage
+        assert (eng.params is None and eng.weights is None and eng.p == {}) if stage == 3 else \
+            (eng.weights.size == total and eng.params is eng.weights)
+        mine = sum(hi - lo for lo, hi, _ in plan.ranges(rank))
+        for bytes_read in read:  # the weights', m's and v's: its elements, and at most 2 cut rows a unit
+            assert 4 * mine <= bytes_read <= 4 * (mine + 2 * longest_row * len(plan.units)) < 4 * total / 3
+        tables = eng.cos.nbytes + eng.sin.nbytes + eng.zero_position.nbytes
+        assert held - tables == 17 * plan.shard_size + compute
+    steady = 17 * plan.shard_size + compute
+    assert peak / n <= steady + 2 * 4 * largest_unit
+    if stage == 3:
+        assert peak / n < 8 * total * 0.6
+
+
+def test_a_fresh_models_weights_and_the_decay_mask_are_read_a_range_at_a_time():
+    """A fresh ZeRO-2/3 run's ranks draw the initial weights a tensor at a time (config.InitialWeights) and keep
+    their shard: init_params's values, in ranges that cut tensors and span several; the draws go forward only.
+    The decay mask's ranges are decay_mask's."""
+    cfg = tiny_config(300)
+    whole, mask = init_params(cfg, seed=5), decay_mask(cfg)
+    plan = plan_of(make_engine(cfg), 3)
+    for rank in range(3):
+        np.testing.assert_array_equal(plan.take(InitialWeights(cfg, seed=5), rank), plan.take(whole, rank))
+        np.testing.assert_array_equal(plan.take(DecayMask(cfg), rank), plan.take(mask, rank))
+    stream = InitialWeights(cfg, seed=5)
+    cuts = [0, 3, 7000, 7001, 9999, whole.size]
+    for start, end in zip(cuts, cuts[1:]):
+        np.testing.assert_array_equal(stream.read(start, end), whole[start:end])
+    with pytest.raises(ValueError, match="ascending"):
+        stream.read(0, 1)
+
+
+def test_a_checkpoints_weights_read_a_shard_at_a_time_are_checked_finite(tmp_path):
+    """stored_params: the weights stay in the file and a rank's shard is what it reads; a non-finite value in
+    what a rank reads is a one-line error, as load's whole check is."""
+    cfg = tiny_config(300)
+    params = np.random.default_rng(1).standard_normal(make_engine(cfg).params.size).astype(np.float32)
+    checkpoint.save(tmp_path / "c.bin", cfg, params, "{}", 0)
+    stored = checkpoint.load(tmp_path / "c.bin", stored_params=True).params
+    assert isinstance(stored, checkpoint.StoredFlat) and stored.bytes_read == 0
+    plan = plan_of(make_engine(cfg), 2)
+    np.testing.assert_array_equal(plan.take(stored, 1), plan.take(params, 1))
+    params[-3] = np.nan  # in rank 1's piece of the head
+    checkpoint.save(tmp_path / "bad.bin", cfg, params, "{}", 0)
+    bad = checkpoint.load(tmp_path / "bad.bin", stored_params=True).params
+    plan.take(bad, 0)
+    with pytest.raises(UserError, match="holds non-finite weights"):
+        plan.take(bad, 1)
+    with pytest.raises(UserError, match="holds non-finite weights"):
+        checkpoint.load(tmp_path / "bad.bin")
+
+
+def test_the_memory_check_counts_a_ranks_share(monkeypatch):
+    """make_engine with zero checks a rank's share against the free memory: the shard's 19 bytes a parameter over
+    N in bf16 (17 in fp32), ZeRO-2's whole compute weights beside them; Llama-3-8B's ZeRO-3 share on 8 ranks."""
+    n = 8_030_261_248
+    assert memory.sharded_bytes(n, 8, 3, 4, 2) == 19 * n // 8
+    assert memory.sharded_bytes(n, 8, 2, 4, 2) == 19 * n // 8 + 2 * n
+    assert memory.sharded_bytes(10, 4, 3, 4, 4) == 17 * 3  # the shard rounded up, no copy in fp32
+    cfg = tiny_config(300)
+    total = make_engine(cfg).params.size
+    share = {3: 17 * -(-total // 4), 2: 17 * -(-total // 4) + 4 * total}
+    for stage in (2, 3):
+        monkeypatch.setenv("NANOEULER_MEMORY_AVAILABLE", str(share[stage]))
+        make_engine(cfg, zero=stage, ranks=4)
+        monkeypatch.setenv("NANOEULER_MEMORY_AVAILABLE", str(share[stage] - 1))
+        with pytest.raises(UserError, match=f"ZeRO-{stage} share over 4 ranks .* or more ranks$"):
+            make_engine(cfg, zero=stage, ranks=4)
+
+
+# each rank of a command line records what its checkpoint.StoredFlat buffers read, as [prefix, bytes], at its exit
+READS_WORKER = """
+import atexit, dataclasses, json, os, sys
+from nanoeuler import cli
+from nanoeuler.io import checkpoint
+from nanoeuler.train import pretrain, sft
+from nanoeuler.train.loop import Hyperparameters
+pretrain.PRESET_HYPER["base"] = sft.SFT_HYPER = Hyperparameters(**{hyper!r})
+stored, made = [], checkpoint.StoredFlat.__init__
+def record(self, *args, **kwargs):
+    made(self, *args, **kwargs)
+    stored.append(self)
+checkpoint.StoredFlat.__init__ = record
+atexit.register(lambda: open(os.path.join({out!r}, "reads%s.json" % os.environ.get("RANK", "0")), "w").write(
+    json.dumps([[s.prefix, s.bytes_read] for s in stored])))
+cli.main(sys.argv[1:])
+"""
+CKPT_HYPER = Hyperparameters(steps=4, batch_size=2, lr=3e-3, warmup=1, eval_every=2, sample_every=100,
+                             ckpt_every=100, eval_batches=2, final_eval_batches=2, min_lr_ratio=1.0, sample_tokens=4)
+
+
+def _ckpt_runs(tmp_path, corpus, tokenizer, command, stage, ranks, device="cpu"):
+    """`COMMAND --ckpt` of a tiny model on `ranks` ranks with ZeRO `stage` (batch 2 a rank) and in one process
+    at their global batch: each rank's bytes read of the checkpoint's weights and moments, and the two runs'
+    metrics logs and final checkpoints, after checking that the one process read nothing stored."""
+    gpu = device == "gpu"
+    cfg = dataclasses.replace(tiny_config(tokenizer.vocab_size, gpu), context=256)  # room for the chat template
+    checkpoint.save(tmp_path / "start.bin", cfg, init_params(cfg, seed=3), tokenizer.to_json(), step=0)
+    data = ["--data", corpus] if command == "train" else ["--data", os.path.join(ROOT, "tests", "data",
+                                                                                  "sft_greetings.json"),
+                                                           "--val-examples", 4]
+    common = [command, "--ckpt", tmp_path / "start.bin", *data, "--device", device] + ["--precision", "fp32"] * gpu
+
+    def run(name, n, *flags):
+        (tmp_path / name).mkdir()
+        script = READS_WORKER.format(hyper=dataclasses.asdict(CKPT_HYPER), out=str(tmp_path / name))
+        argv = [sys.executable, "-c", script, *map(str, common + list(flags)), "--out", str(tmp_path / name / "c.bin")]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        code = launch.launch(argv + ["--gpus", str(n)], n) if n > 1 else subprocess.run(argv, cwd=ROOT, env=env,
+                                                                                           timeout=300).returncode
+        assert code == 0
+        return [json.loads((tmp_path / name / f"reads{r}.json").read_text()) for r in range(n)]
+    assert run("one", 1, "--batch-size", 2 * ranks) == [[]]  # a whole load: nothing left in the file
+    reads = run("sharded", ranks, "--batch-size", 2, "--zero", stage)
+    total = 4 * make_engine(cfg).params.size
+    weights = [sum(b for prefix, b in mine if prefix == "") for mine in reads]
+    assert all(total / ranks <= b < 1.1 * total / ranks for b in weights[:-1]), (weights, total)
+    assert total <= sum(weights) < 1.05 * total, (weights, total)
+    ref, got = _log(tmp_path / "one" / "c.jsonl"), _log(tmp_path / "sharded" / "c.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 5))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in ref], rtol=1e-5, err_msg=key)
+    # AdamW's first steps take an element whose gradient is near 0 most of a step either way: rounding moves it
+    np.testing.assert_allclose(checkpoint.load(tmp_path / "sharded" / "c.bin").params,
+                               checkpoint.load(tmp_path / "one" / "c.bin").params, rtol=0, atol=CKPT_HYPER.lr / 30)
+
+
+@pytest.mark.parametrize("command, stage, ranks", [("train", 3, 2), ("sft", 2, 3)])
+def test_a_checkpoint_given_with_ckpt_starts_each_rank_from_its_shard(tmp_path, corpus, tokenizer, command, stage,
+                                                                       ranks):
+    """`train --ckpt` (ZeRO-3, 2 ranks) and `sft --ckpt` (ZeRO-2, 3 ranks): each rank reads its shard of the
+    checkpoint's weights alone (the ranks' reads, counted in their processes, cover the file's weights once
+    and a few cut rows), and the run follows one process at the global batch (which reads the weights whole,
+    nothing stored): its losses and norms to rounding, its weights to AdamW's rounding."""
+    _ckpt_runs(tmp_path, corpus, tokenizer, command, stage, ranks)
+
+
+def _gpu_count():
+    if not _gpus():
+        return 0
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_gpus_start_from_their_shard_of_a_checkpoint(tmp_path, corpus, tokenizer, stage):
+    """`train --ckpt` on 2 GPUs in fp32 with ZeRO-2/3: each rank reads its shard of the weights onto its GPU,
+    and the run follows one GPU at the global batch (as the CPU ranks above)."""
+    _ckpt_runs(tmp_path, corpus, tokenizer, "train", stage, 2, device="gpu")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_start_from_shards_trains_as_the_whole_start_bit_for_bit(tmp_path, stage):
+    """3 ranks (every unit padded) whose engine is never whole, each reading its shard of the weights from a
+    checkpoint (or drawing it: a fresh model's InitialWeights), log the losses and norms and end with the
+    weights and moments of ranks that start from a whole engine of those weights, to the bit."""
+    cfg, ranks = tiny_config(300), 3
+    checkpoint.save(tmp_path / "c.bin", cfg, init_params(cfg, seed=1), "{}", 0)
+    whole = _run_ranks(ranks, lambda comm: _steps(4, comm, stage))
+    for weights in (lambda: checkpoint.load(tmp_path / "c.bin", stored_params=True).params,
+                    lambda: InitialWeights(cfg, seed=1)):
+        got = _run_ranks(ranks, lambda comm: _steps(4, comm, stage, weights=weights()))
+        for (numbers, params, (m, v), _), ref in zip(got, whole):
+            assert numbers == ref[0]
+            for a, b in ((params, ref[1]), (m, ref[2][0]), (v, ref[2][1])):
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_gpu_starts_from_a_checkpoints_shard_as_from_the_whole_engine(precision, tmp_path):
+    """The GPU engine made without its whole buffers (ZeRO-2: the whole compute weights alone; ZeRO-3: none),
+    its shard of the float32 weights read from a checkpoint onto the GPU and its bf16 copy rounded there,
+    ZeRO-2's compute weights all-gathered over NCCL: the losses, norms, weights and moments of the whole
+    engine's start, to the bit."""
+    from nanoeuler.parallel.comm import NcclCommunicator, World
+    from nanoeuler.parallel.launch import free_port
+    cfg = tiny_config(300, gpu=True)
+    checkpoint.save(tmp_path / "c.bin", cfg, init_params(cfg, seed=1), "{}", 0)
+    comm = NcclCommunicator(World(0, 1, 0, "127.0.0.1", free_port()), wait=60)
+    try:
+        for stage in (2, 3):
+            ref = _steps(8, comm, stage, recompute=stage == 3, device="gpu", precision=precision)
+            stored = checkpoint.load(tmp_path / "c.bin", stored_params=True).params
+            numbers, params, (m, _), parallel = _steps(8, comm, stage, recompute=stage == 3, device="gpu",
+                                                       precision=precision, weights=stored)
+            assert numbers == ref[0]
+            np.testing.assert_array_equal(params, ref[1])
+            np.testing.assert_array_equal(m, ref[2][0])
+            eng = parallel.eng
+            assert eng.grads is None and eng.zero == stage and (stage == 2) == (eng.weights is not None)
+            assert stored.bytes_read == 4 * params.size  # a world of one: its shard is every element
+    finally:
+        comm.close()

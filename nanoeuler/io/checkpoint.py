@@ -42,7 +42,7 @@ FORMAT = "nanoeuler"
 @dataclasses.dataclass
 class Checkpoint:
     cfg: Config
-    params: np.ndarray            # flat float32, config.param_layout order
+    params: np.ndarray            # flat float32, config.param_layout order (load's stored_params: a StoredFlat)
     tokenizer_json: str
     step: int
     chat: bool = False
@@ -228,9 +228,11 @@ def _has_chat_template(tokenizer_json):
         return False  # a corrupt tokenizer is reported where it is read
 
 
-def load(path, with_opt=False, stored_opt=False):
+def load(path, with_opt=False, stored_opt=False, stored_params=False):
     """Read and validate a checkpoint. with_opt also returns the optimizer state (an error if absent); with
-    stored_opt as StoredFlat buffers, read from the file when asked (whole, or a rank's shard of them)."""
+    stored_opt as StoredFlat buffers, read from the file when asked (whole, or a rank's shard of them); with
+    stored_params the weights too (a float model's: ZeRO-2/3's ranks read their shards alone), checked finite
+    as they are read."""
     path = os.fspath(path)
     meta, header = _header(path)
     if is_adapter(meta):  # an adapter checkpoint is read as its base with the adapters merged
@@ -242,7 +244,8 @@ def load(path, with_opt=False, stored_opt=False):
     if with_opt and quant:
         raise UserError(f"checkpoint {path} is quantized ({cfg.quant}): full training needs float weights")
     checked = [""] + (["opt.m.", "opt.v."] if with_opt else [])
-    prefixes = [""] if stored_opt else checked
+    stored_params = stored_params and not quant
+    prefixes = [prefix for prefix in checked if not (stored_params if prefix == "" else stored_opt)]
     expected = {prefix + name: ("F32", tuple(shape)) for prefix in checked
                 for name, shape in param_shapes(cfg, floats_only=True)}
     layout = param_layout(cfg)[0]
@@ -282,7 +285,7 @@ def load(path, with_opt=False, stored_opt=False):
                                                   parts.get("mins"))
     except Exception as e:  # the header was fine, so this is damage inside the file
         raise UserError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e})") from None
-    if not np.isfinite(flats[""]).all() or (quant and not all(
+    if (not stored_params and not np.isfinite(flats[""]).all()) or (quant and not all(
             np.isfinite(qt.scales).all() and (qt.mins is None or np.isfinite(qt.mins).all())
             for qt in quantized.values())):
         raise UserError(f"checkpoint {path} holds non-finite weights")
@@ -293,20 +296,25 @@ def load(path, with_opt=False, stored_opt=False):
     opt = None
     if with_opt:
         opt = tuple(StoredFlat(path, cfg, prefix) if stored_opt else flats[prefix] for prefix in ("opt.m.", "opt.v."))
-    return Checkpoint(cfg=cfg, params=flats[""], tokenizer_json=meta["tokenizer"], step=step,
+    params = StoredFlat(path, cfg, "", finite=True) if stored_params else flats[""]
+    return Checkpoint(cfg=cfg, params=params, tokenizer_json=meta["tokenizer"], step=step,
                       chat=meta.get("chat") == "1" or _has_chat_template(meta["tokenizer"]),
                       opt=opt,
                       train_state=train_state, quantized=quantized)
 
 
 class StoredFlat:
-    """A flat float32 buffer of a checkpoint's tensors under `prefix` (its AdamW moments), read from the file
-    when asked: whole (np.asarray) or elements [start, end) (read), so that a rank resuming with ZeRO-2/3
-    reads its shard alone (the tensors' names and shapes were checked by load)."""
+    """A flat float32 buffer of a checkpoint's tensors under `prefix` ("": the weights; "opt.m.": a moment),
+    read from the file when asked: whole (np.asarray) or elements [start, end) (read), so that a ZeRO-2/3
+    rank reads its shard alone (the tensors' names and shapes were checked by load), a tensor's rows at a
+    time. finite: a non-finite value read is a one-line error (the weights'). bytes_read counts the bytes
+    read from the file so far."""
+    dtype = np.dtype(np.float32)
 
-    def __init__(self, path, cfg, prefix):
-        self.path, self.prefix = path, prefix
+    def __init__(self, path, cfg, prefix, finite=False):
+        self.path, self.prefix, self.finite = path, prefix, finite
         self.layout, self.size = param_layout(cfg)
+        self.bytes_read = 0
 
     def read(self, start, end):
         out = np.empty(end - start, dtype=np.float32)
@@ -319,9 +327,12 @@ class StoredFlat:
                     row = int(np.prod(shape[1:]))  # elements a row: the rows holding [lo, hi) are read
                     first, last = (lo - off) // row, -(-(hi - off) // row)
                     rows = np.asarray(f.get_slice(self.prefix + name)[first:last], dtype=np.float32).reshape(-1)
+                    self.bytes_read += rows.nbytes
                     out[lo - start:hi - start] = rows[lo - off - first * row:hi - off - first * row]
         except Exception as e:
             raise UserError(f"checkpoint {self.path} is corrupt or gone ({type(e).__name__}: {e})") from None
+        if self.finite and not np.isfinite(out).all():
+            raise UserError(f"checkpoint {self.path} holds non-finite weights")
         return out
 
     def __array__(self, dtype=None, copy=None):

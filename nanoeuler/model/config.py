@@ -212,19 +212,55 @@ def is_matrix(name):
 def init_params(cfg, seed=0, dtype=np.float32):
     """Normal(0, 0.02) weights; the projections that write into the residual stream (wo, w_down) scaled by
     1/sqrt(2 * n_layers) so the residual variance does not grow with depth (GPT-2); norm gains at 1, biases at 0."""
-    rng = np.random.default_rng(seed)
     flat = np.empty(param_count(cfg), dtype=dtype)
     v = views(flat, cfg)
+    for name, values in init_tensors(cfg, seed, dtype):
+        v[name][...] = values
+    return flat
+
+
+def init_tensors(cfg, seed=0, dtype=np.float32):
+    """init_params's tensors one at a time, (name, array) in the flat buffer's order: the random draws go in
+    that order, so a tensor's values are those of the whole buffer's."""
+    rng = np.random.default_rng(seed)
     out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
     for name, shape in param_shapes(cfg):
         if name.endswith("norm"):
-            v[name][...] = 1.0
+            yield name, np.ones(shape, dtype=dtype)
         elif is_bias(name):
-            v[name][...] = 0.0
+            yield name, np.zeros(shape, dtype=dtype)
         else:
             std = 0.02 * (out_scale if name.endswith(("wo", "w_down")) else 1.0)
-            v[name][...] = rng.normal(0.0, std, size=shape)
-    return flat
+            yield name, rng.normal(0.0, std, size=shape).astype(dtype)
+
+
+class InitialWeights:
+    """init_params(cfg, seed)'s flat float32 buffer read a range at a time, one tensor drawn and held at a time:
+    read(start, end), with ranges in ascending order (the draws go in the buffer's order). What a ZeRO-2/3 rank
+    of a fresh run takes its shard of the weights from (train/sharded.py), never holding them whole."""
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, cfg, seed=0):
+        self.layout, self.size = param_layout(cfg)
+        self._tensors = init_tensors(cfg, seed, self.dtype)
+        self._drawn = (0, 0, None)  # the tensor drawn last: (its offset, its end, its values flat)
+
+    def read(self, start, end):
+        out = np.empty(end - start, dtype=self.dtype)
+        at = start
+        while at < end:
+            offset, stop, values = self._drawn
+            if at < offset:
+                raise ValueError(f"InitialWeights reads in ascending order: {at} is before {offset}")
+            if values is None or at >= stop:
+                name, tensor = next(self._tensors)
+                offset = self.layout[name][0]
+                self._drawn = (offset, offset + tensor.size, tensor.reshape(-1))
+                continue
+            n = min(end, stop) - at
+            out[at - start:at - start + n] = values[at - offset:at - offset + n]
+            at += n
+        return out
 
 
 ROPE_TYPES = ("default", "llama3")

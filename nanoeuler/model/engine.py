@@ -46,8 +46,10 @@ forward pass and again in the backward pass, `backward=True`, the recomputed for
 `release(unit)` after; `open_grads(unit)` before a unit's backward and `reduce(unit, accumulate)` once its
 gradients are final.
 The sharding object puts the unit's views into `p` and `g` (unit_views) and takes them out again, so the
-layers read the same names whether the engine holds every weight or one unit's. Without it (the default)
-the engine holds all of them and nothing is called.
+layers read the same names whether the engine holds every weight or one unit's. An engine made for it
+(zero 2 or 3) never holds the whole buffers that it keeps in shards: no whole gradients or master weights,
+and in ZeRO-3 no whole weights (release_whole). Without it (the default) the engine holds all of them and
+nothing is called.
 """
 import math
 
@@ -80,25 +82,33 @@ LOGITS_BYTES = 512 << 20
 
 
 class Engine:
-    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, training=True):
+    def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, training=True, zero=0):
         """layers: a Layers of cpu/layers.py or gpu/layers.py (with the engine's precision and batch invariance),
         over arrays of xp (NumPy or CuPy). training False: an engine for decoding and scoring only, which has no
         gradient buffer, no master weights where it computes on a copy (bf16: its weights are that copy alone,
-        params None) and starts from zero weights (load_params gives it its own)."""
+        params None) and starts from zero weights (load_params gives it its own). zero 2 or 3: an engine for
+        ZeRO-2/3's sharding (train/sharded.py), made without the whole buffers that the sharding keeps in
+        shards (release_whole): it never holds them."""
         self.cfg, self.layers, self.xp, self.dtype = cfg, layers, xp, np.dtype(dtype)
         self.act = np.dtype(layers.activation_dtype(self.dtype))  # activations' element type
         if cfg.quant is not None and training:
             raise UserError(f"the model is quantized ({cfg.quant}): full training needs float weights")
+        assert zero in (0, 2, 3) and (training or not zero)
         self.layout, total = param_layout(cfg, floats_only=True)
-        if training:
-            self.params = xp.asarray(init_params(cfg, seed, self.dtype))
+        self.zero = 0
+        if zero:
+            self.params = self.weights = self.grads = None
+            self.release_whole(zero)
         else:
-            self.params = xp.zeros(total, self.dtype) if self.act == self.dtype else None
-        self.weights = self.params if self.act == self.dtype else xp.zeros(total, dtype=self.act)
-        self.grads = xp.zeros(total, dtype=self.dtype) if training else None
-        self.p = self._fused_views(self.weights)
-        self.g = self._fused_views(self.grads) if training else None
-        self.sync_weights()
+            if training:
+                self.params = xp.asarray(init_params(cfg, seed, self.dtype))
+            else:
+                self.params = xp.zeros(total, self.dtype) if self.act == self.dtype else None
+            self.weights = self.params if self.act == self.dtype else xp.zeros(total, dtype=self.act)
+            self.grads = xp.zeros(total, dtype=self.dtype) if training else None
+            self.p = self._fused_views(self.weights)
+            self.g = self._fused_views(self.grads) if training else None
+            self.sync_weights()
         cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_theta, self.dtype, cfg.rope_scaling)
         self.cos, self.sin = xp.asarray(cos), xp.asarray(sin)
         self.zero_position = xp.zeros(1, dtype=np.int32)  # where training and full forwards start
@@ -117,6 +127,22 @@ class Engine:
         self.gradients_ready = None
         # ZeRO-2/3's sharding (the module's docstring): told of each unit before and after the passes use it
         self.sharding = None
+
+    def release_whole(self, stage):
+        """ZeRO-2/3 (train/sharded.py holds the shards): the whole gradients and master weights dropped, or never
+        made; stage 2 keeps the whole compute weights (made, zeroed, where the engine has none: the sharding
+        gathers them; in fp32 they are `params` too), stage 3 no whole weights at all (the sharding puts a
+        unit's into `p` while the passes use it)."""
+        total = param_layout(self.cfg, floats_only=True)[1]
+        self.zero, self.grads, self.g = stage, None, {}
+        if stage == 3:
+            self.params = self.weights = None
+            self.p = {}
+            return
+        if self.weights is None:
+            self.weights = self.xp.zeros(total, dtype=self.act)
+            self.p = self._fused_views(self.weights)
+        self.params = self.weights if self.act == self.dtype else None
 
     def sync_weights(self):
         """Rewrite the compute copy of the weights (bf16) from the master weights after they changed outside
@@ -609,13 +635,16 @@ class Engine:
             ready(0)
 
 
-def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, batch_invariant=True, training=True):
+def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, batch_invariant=True, training=True,
+                zero=0, ranks=1):
     """An Engine on the CPU (numba) or the GPU (CUDA kernels; needs CUDA and cupy). precision: "fp32" (the
     CPU's only one), "tf32" or "bf16" (the GPU's default); None takes the device's default. batch_invariant
     False: decoding's products of a few rows take BLAS / cuBLAS, so a sequence's tokens may change with what
     else is in its batch (the GPU's batched decoding is faster so: docs/decoding.md). training False: no
-    gradient buffer (decoding, scoring). A model whose buffers cannot fit the device's free memory is refused
-    in one line that names both (model/memory.py)."""
+    gradient buffer (decoding, scoring). zero 2 or 3: an engine for ZeRO-2/3 over `ranks` ranks, without its
+    whole buffers (Engine). A model whose buffers cannot fit the device's free memory is refused in one line
+    that names both (model/memory.py); with zero, its share: a rank's shards, and in ZeRO-2 the whole compute
+    weights."""
     if device not in DEFAULT_PRECISION:
         raise ValueError(f"unknown device {device!r}")
     precision = device_precision(device, precision)
@@ -633,19 +662,28 @@ def make_engine(cfg, device="cpu", dtype=np.float32, seed=0, precision=None, bat
         layers, xp = Layers(precision, batch_invariant), cupy
     else:
         raise ValueError(f"unknown device {device!r}")
-    _check_fits(cfg, device, np.dtype(dtype), np.dtype(layers.activation_dtype(np.dtype(dtype))), training)
-    return Engine(cfg, layers, xp, dtype, seed, training)
+    _check_fits(cfg, device, np.dtype(dtype), np.dtype(layers.activation_dtype(np.dtype(dtype))), training, zero,
+                ranks)
+    return Engine(cfg, layers, xp, dtype, seed, training, zero)
 
 
-def _check_fits(cfg, device, dtype, act, training):
-    """UserError where the engine's parameter buffers alone exceed the device's free memory."""
+def _check_fits(cfg, device, dtype, act, training, zero=0, ranks=1):
+    """UserError where the engine's parameter buffers alone (with zero: a rank's share of them) exceed the
+    device's free memory."""
     n_params = param_layout(cfg)[1]
-    need = memory.parameter_bytes(param_layout(cfg, floats_only=True)[1], dtype.itemsize, act.itemsize, training)
+    floats = param_layout(cfg, floats_only=True)[1]
+    if zero:
+        need = memory.sharded_bytes(floats, ranks, zero, dtype.itemsize, act.itemsize)
+    else:
+        need = memory.parameter_bytes(floats, dtype.itemsize, act.itemsize, training)
     need += quantized_bytes(cfg)
     free = memory.free_bytes(device == "gpu")
     if need > free:
         compute = "bf16" if act == np.uint16 else act.name  # bf16 is stored as 16-bit words
-        if act == dtype:
+        if zero:
+            what = (f"ZeRO-{zero} share over {ranks} ranks (a shard of the weights, gradients and AdamW moments"
+                    + (f", and the whole {compute} weights" if zero == 2 else "") + ")")
+        elif act == dtype:
             what = f"{dtype.name} weights" + (" and gradients" if training else "")
         elif training:
             what = f"{dtype.name} weights, their {compute} copy and gradients"
@@ -653,7 +691,8 @@ def _check_fits(cfg, device, dtype, act, training):
             what = f"{compute} weights"
         raise UserError(f"the model ({n_params / 1e9:,.2f}B parameters) needs {memory.size_text(need)} for its {what} "
                         f"on the {device.upper()}, which has {memory.size_text(free)} free"
-                        + ("; a smaller model, or the GPU" if device == "cpu" else "; a smaller model"))
+                        + ("; a smaller model, or the GPU" if device == "cpu" else "; a smaller model")
+                        + (", or more ranks" if zero else ""))
 
 
 def quantized_bytes(cfg):

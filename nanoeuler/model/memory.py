@@ -74,3 +74,12 @@ def parameter_bytes(n_params, itemsize, compute_itemsize, training):
     if not training:
         return n_params * compute_itemsize
     return n_params * (2 * itemsize + (compute_itemsize if compute_itemsize != itemsize else 0))
+
+
+def sharded_bytes(n_params, ranks, stage, itemsize, compute_itemsize):
+    """A ZeRO-2/3 rank's bytes of parameter state (train/sharded.py): its shard of the master weights,
+    gradients and two AdamW moments (itemsize each), of the decay mask (a byte) and of the compute copy where
+    it differs (bf16); in stage 2 the whole compute weights too. The shard: n_params / ranks, rounded up."""
+    copy = compute_itemsize if compute_itemsize != itemsize else 0
+    shard = -(-n_params // ranks) * (4 * itemsize + 1 + copy)
+    return shard + (n_params * compute_itemsize if stage == 2 else 0)

@@ -20,12 +20,25 @@ from nanoeuler.model.limits import clip_scale
 
 def decay_mask(cfg):
     """uint8 (params,): 1 where AdamW decays the weight (matrices), 0 on the norm gains and biases."""
-    layout, total = param_layout(cfg)
-    mask = np.zeros(total, dtype=np.uint8)
-    for name, (off, shape) in layout.items():
-        if is_matrix(name):
-            mask[off:off + math.prod(shape)] = 1
-    return mask
+    mask = DecayMask(cfg)
+    return mask.read(0, mask.size)
+
+
+class DecayMask:
+    """decay_mask(cfg)'s elements [start, end) made on their own (read(start, end)): a ZeRO-2/3 rank's shard
+    of the mask without the whole (train/sharded.py)."""
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, cfg):
+        self.layout, self.size = param_layout(cfg)
+
+    def read(self, start, end):
+        out = np.zeros(end - start, dtype=self.dtype)
+        for name, (off, shape) in self.layout.items():
+            lo, hi = max(start, off), min(end, off + math.prod(shape))
+            if lo < hi and is_matrix(name):
+                out[lo - start:hi - start] = 1
+        return out
 
 
 class AdamW:

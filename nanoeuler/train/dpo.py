@@ -129,9 +129,9 @@ class Preference(NamedTuple):
     start: object
 
 
-def plan(options, resumed):
-    """The chat checkpoint's model (--ckpt, also the reference), or the resumed run's, whose beta and alpha
-    cannot change."""
+def plan(options, resumed, stored=False):
+    """The chat checkpoint's model (--ckpt, also the reference; stored: its weights left in the file, read a
+    shard at a time), or the resumed run's, whose beta and alpha cannot change."""
     if resumed is not None:
         state = resumed.train_state
         resume.refuse_changed(options, resumed, ("beta", "rpo_alpha"), "it cannot change mid-run")
@@ -140,7 +140,7 @@ def plan(options, resumed):
                               state["rpo_alpha"], preset, resumed)
         return Model(resumed.cfg, hyper, f"{options.out} (step {resumed.step}, tuned from {settings.base})",
                      settings=settings)
-    start = checkpoint.load(options.ckpt)
+    start = checkpoint.load(options.ckpt, stored_params=stored)
     preset, hyper = preset_hyper(start.cfg)
     settings = Preference(options.data or DEFAULT_DATA, options.val_pairs, options.ckpt,
                           DEFAULT_BETA if options.beta is None else options.beta,

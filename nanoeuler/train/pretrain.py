@@ -50,8 +50,9 @@ class Pretraining(NamedTuple):
     start: object = None
 
 
-def plan(options, resumed):
-    """The model: the resumed run's, --ckpt's (its weights and tokenizer; a fresh optimizer), or the preset's."""
+def plan(options, resumed, stored=False):
+    """The model: the resumed run's, --ckpt's (its weights and tokenizer; a fresh optimizer; stored: its weights
+    left in the file, read a shard at a time), or the preset's."""
     if resumed is not None:
         preset = resumed.train_state["preset"]
         if options.preset not in (None, preset):
@@ -61,7 +62,7 @@ def plan(options, resumed):
     if options.ckpt:  # continued pretraining: the checkpoint's model, weights and tokenizer, a fresh optimizer
         if options.tokenizer:
             raise UserError("--ckpt brings its own tokenizer; leave out --tokenizer")
-        start = checkpoint.load(options.ckpt)
+        start = checkpoint.load(options.ckpt, stored_params=stored)
         preset = options.preset or "base"
         return Model(start.cfg, PRESET_HYPER[preset],
                      f"{options.ckpt} (step {start.step}), {preset}'s hyperparameters", start.params,

@@ -9,11 +9,13 @@ from nanoeuler.io import checkpoint
 from nanoeuler.train.loop import Hyperparameters
 
 
-def load(options, kind, command):
+def load(options, kind, command, stored=False):
     """The checkpoint that options.resume continues (options.out, with its optimizer state), which `command`
     (of training `kind`) must have written; None for a new run, whose outputs must then be free. One-line
-    errors otherwise. An adapter checkpoint (a LoRA run) is read as its base's weights with the adapters'
-    state: step, moments, training state, and the adapters themselves in `adapters`."""
+    errors otherwise. Its moments are read as the run needs them, and with stored its weights too (ZeRO-2/3's
+    ranks read their shards: checkpoint.StoredFlat). An adapter checkpoint (a LoRA run) is read as its base's
+    weights with the adapters' state: step, moments, training state, and the adapters themselves in
+    `adapters`."""
     out = options.out
     if not options.resume:
         if os.path.isfile(out) and not options.overwrite:
@@ -28,7 +30,7 @@ def load(options, kind, command):
         ck = dataclasses.replace(base, step=ack.step, chat=ack.chat, opt=ack.opt, train_state=ack.train_state,
                                  adapters=ack)
     else:
-        ck = checkpoint.load(out, with_opt=True, stored_opt=True)  # the moments read as the run needs them
+        ck = checkpoint.load(out, with_opt=True, stored_opt=True, stored_params=stored)
     if not ck.train_state or ck.train_state.get("kind") != kind:
         raise UserError(f"--resume: {out} was not written by `{command}`; nothing to resume")
     return ck

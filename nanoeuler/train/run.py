@@ -3,15 +3,17 @@
     return run(STAGE, PretrainOptions.from_args(args))     # pretrain.py; sft.py and dpo.py likewise
 
 run() does, in order: the world of ranks; --resume's checkpoint (written by the same stage, with its
-optimizer state: train/resume.py); the stage's `plan(options, resumed) -> Model` (the model, its starting
-weights, the stage's default hyperparameters); the hyperparameters (a resumed run's own, else the stage's, with
+optimizer state: train/resume.py); the stage's `plan(options, resumed, stored) -> Model` (the model, its starting
+weights, the stage's default hyperparameters; stored: ZeRO-2/3 on several ranks, whose checkpoint weights stay
+in the file, each rank reading its shard); the hyperparameters (a resumed run's own, else the stage's, with
 the flags on top); the device and precision (refused early, as are unwritable outputs); the communicator; the
 stage's `load(options, model, context) -> Data` (tokenizer, batch source, held-out batches, objective, the
-training state --resume needs); the engine with the weights; the stage's `ready(...) -> Data` where it has work
-that needs the engine (DPO's reference log-probabilities); what trains (train/trainable.py's Trainable: the
-weights, their optimizer, the ranks' reduction, sharded by --zero's stage; with --lora R or --adapter DIR its LoraTrainable: adapters on
-frozen weights, the engine made without gradients); the banners; train.loop.fit(Job, Trainable); the closing line
-(the stage's `finish`, where it has one).
+training state --resume needs); the engine with the weights (ZeRO-2/3: the engine never whole, each rank's
+shard of the weights in its Trainable); what trains (train/trainable.py's Trainable: the weights, their
+optimizer, the ranks' reduction, sharded by --zero's stage; with --lora R or --adapter DIR its LoraTrainable:
+adapters on frozen weights, the engine made without gradients, after ready()); the stage's `ready(...) -> Data`
+where it has work that needs the engine (DPO's reference log-probabilities, on ZeRO-3's weights gathered whole);
+the banners; train.loop.fit(Job, Trainable); the closing line (the stage's `finish`, where it has one).
 """
 import dataclasses
 import os
@@ -21,7 +23,7 @@ import time
 from nanoeuler.errors import UserError
 from nanoeuler.files import check_writable, remove_stale_temporaries
 from nanoeuler.io.report import machine
-from nanoeuler.model.config import param_count
+from nanoeuler.model.config import InitialWeights, param_count
 from nanoeuler.model.device import precision as device_precision, resolve, wants_gpu
 from nanoeuler.model.engine import make_engine
 from nanoeuler.model.gpu import require_libraries
@@ -29,7 +31,7 @@ from nanoeuler.parallel.comm import make_communicator
 from nanoeuler.parallel.world import printer, world_of
 from nanoeuler.train import resume
 from nanoeuler.train.loop import Job, fit, schedule_text
-from nanoeuler.train.trainable import LORA_LR_FACTOR, LoraTrainable, Trainable, lora_plan
+from nanoeuler.train.trainable import LORA_LR_FACTOR, LoraTrainable, Trainable, is_sharded, lora_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +101,7 @@ class Stage:
     says, `command` how the user runs it."""
     kind: str
     command: str
-    plan: object                # (options, resumed) -> Model
+    plan: object                # (options, resumed, stored) -> Model
     load: object                # (options, model, context) -> Data
     ready: object = None        # (model, data, engine, context) -> Data: work that needs the engine
     finish: object = None       # (model, data, engine, context) -> the closing line, after training
@@ -109,10 +111,12 @@ def run(stage, options):
     """Run a training command: the skeleton above with `stage`'s functions. Returns its exit status."""
     world = world_of(options.gpus, options.nnodes)
     say = printer(world.rank)
-    resumed = resume.load(options, stage.kind, stage.command)
+    # ZeRO-2/3 on N ranks: the checkpoint's weights stay in the file, each rank reads its shard of them
+    stored = is_sharded(options.zero or 0, world.world_size)
+    resumed = resume.load(options, stage.kind, stage.command, stored=stored)
     if os.path.abspath(options.out) == os.path.abspath(options.ckpt or ""):
         raise UserError(f"--out {options.out} is the checkpoint this run starts from (--ckpt); name another file")
-    model = stage.plan(options, resumed)
+    model = stage.plan(options, resumed, stored)
     adapters = (lora_plan(options, resumed, model.cfg, options.ckpt, model.params, model.quantized)
                 if hasattr(options, "lora") else None)
     if model.cfg.quant is not None and adapters is None:  # QLoRA trains adapters on it; nothing else trains it
@@ -129,22 +133,29 @@ def run(stage, options):
     context = Context(options, resumed, world, make_communicator(world, device), hp, device, log_path, say)
     data = stage.load(options, model, context)
 
-    # LoRA: the base frozen, without gradients or (in bf16) float32 master weights; the adapters train
+    # LoRA: the base frozen, without gradients or (in bf16) float32 master weights; the adapters train.
+    # ZeRO-2/3: the engine without its whole buffers; each rank takes its shard of the weights (Trainable)
+    sharded = adapters is None and is_sharded(zero, world.world_size)
     eng = make_engine(data.cfg, device=device, seed=hp.seed, precision=resume.precision(options, device, resumed),
-                      training=adapters is None)
+                      training=adapters is None, zero=zero if sharded else 0, ranks=world.world_size)
     eng.recompute = options.recompute
-    if resumed is not None:
-        eng.load_params(resumed.params, resumed.quantized)
-    elif model.params is not None:
-        eng.load_params(model.params, model.quantized)
-    if stage.ready is not None:
-        data = stage.ready(model, data, eng, context)
+    start = resumed if resumed is not None else model
+    weights = None
+    if sharded:  # a fresh model's initial weights drawn a tensor at a time, each rank keeping its shard
+        weights = start.params if start.params is not None else InitialWeights(data.cfg, hp.seed)
+    elif start.params is not None:
+        eng.load_params(start.params, start.quantized)
+    if adapters is None:
+        trainable = Trainable(eng, hp, context.comm, zero=zero, resumed=resumed, weights=weights)
+        if stage.ready is not None:
+            with trainable.evaluating():  # every rank: ZeRO-3's weights whole for DPO's reference and replies
+                data = stage.ready(model, data, eng, context)
+    else:  # after ready(): DPO's reference is the base without the adapters
+        if stage.ready is not None:
+            data = stage.ready(model, data, eng, context)
+        trainable = LoraTrainable(eng, adapters, hp, context.comm, resumed=resumed, seed=hp.seed)
     if resumed is not None:
         data.source.load_state(resumed.train_state["source"])
-    if adapters is None:
-        trainable = Trainable(eng, hp, context.comm, zero=zero, resumed=resumed)
-    else:  # after ready(): DPO's reference is the base without the adapters
-        trainable = LoraTrainable(eng, adapters, hp, context.comm, resumed=resumed, seed=hp.seed)
 
     start_step = resumed.step if resumed is not None else 0
     slow = " (no GPU: this will be slow)" if device == "cpu" and wants_gpu(data.cfg) else ""

@@ -42,9 +42,9 @@ class FineTuning(NamedTuple):
     start: object
 
 
-def plan(options, resumed):
-    """The model of the pretrained checkpoint (--ckpt), or of the resumed run, whose held-out split and
-    examples cannot change."""
+def plan(options, resumed, stored=False):
+    """The model of the pretrained checkpoint (--ckpt; stored: its weights left in the file, read a shard at a
+    time), or of the resumed run, whose held-out split and examples cannot change."""
     if resumed is not None:
         state = resumed.train_state
         resume.refuse_changed(options, resumed, ("long", "val_examples"), "the held-out split and the examples "
@@ -53,7 +53,7 @@ def plan(options, resumed):
                               resumed)
         return Model(resumed.cfg, SFT_HYPER, f"{options.out} (step {resumed.step}, fine-tuned from "
                      f"{settings.base})", settings=settings)
-    start = checkpoint.load(options.ckpt)
+    start = checkpoint.load(options.ckpt, stored_params=stored)
     settings = FineTuning(options.data or DEFAULT_DATA, options.long or "truncate", options.val_examples,
                           options.ckpt, start)
     return Model(start.cfg, SFT_HYPER, f"{options.ckpt} (step {start.step}"

@@ -1,6 +1,7 @@
 """ZeRO stages 2 and 3: the gradients (2), and the weights too (3), sharded over the ranks, a unit at a time.
 
-    parallel = Sharded(engine, comm, stage=3, beta1=0.9, beta2=0.95, moments=None)   # instead of DataParallel
+    engine = make_engine(cfg, device="gpu", zero=3, ranks=comm.world_size)           # no whole buffers
+    parallel = Sharded(engine, comm, stage=3, weights=ck.params)   # instead of DataParallel; its shard alone read
     ...the objective's passes: the engine asks for each unit's weights and hands over its gradients...
     numbers = parallel.start_step(lr, weight_decay, grad_clip, values)              # as DataParallel's
 
@@ -22,9 +23,14 @@ unit, one after another in its shard. Per rank, with Ψ parameters:
   shard's gradients (added to them on a gradient-accumulation pass after the first) and freed once the unit
   is done.
 
-The engine is made whole and broadcast from rank 0 as DataParallel's; then its whole buffers are dropped
-(its gradients, and in bf16 the master weights; in ZeRO-3 the weights too). A resumed run's moments are
-read a shard at a time from its checkpoint (checkpoint.StoredFlat). The step: the squares of the
+The start holds what the steps hold, never the whole model's buffers: the engine is made without the
+buffers kept here in shards (make_engine's zero: no whole gradients or master weights, in ZeRO-3 no whole
+weights at all), and nothing whole is broadcast. Each rank takes its shard of the float32 weights from the
+weights it is given, a unit's piece at a time: a checkpoint's read from the file (checkpoint.StoredFlat,
+the rows that hold the piece), a fresh model's drawn a tensor at a time (config.InitialWeights); rounds the
+shard's compute copy from it (bf16); and in ZeRO-2 all-gathers the whole compute weights a unit at a time. A
+resumed run's moments and the decay mask are taken the same way. An engine made whole (the tests') gives
+its own weights, and its whole buffers are handed back (Engine.release_whole). The step: the squares of the
 shard's gradients summed over the ranks with the step's numbers (one collective), one AdamW kernel over the
 shard, clipped on the device, then (ZeRO-2) the all-gather of the compute weights.
 
@@ -44,7 +50,7 @@ import dataclasses
 import numpy as np
 
 from nanoeuler.model.engine import to_numpy
-from nanoeuler.model.optimizer import AdamW, decay_mask
+from nanoeuler.model.optimizer import AdamW, DecayMask
 from nanoeuler.train.distributed import DataParallel
 
 
@@ -93,13 +99,17 @@ class ShardPlan:
         piece = self.pieces[k]
         return [(min(start + q * piece, end), min(start + (q + 1) * piece, end)) for q in range(self.world_size)]
 
-    def take(self, flat, rank, xp=np):
-        """Rank's shard of a whole flat buffer (zeros in the padding), as an array of xp; from a buffer with
-        read(start, end) (checkpoint.StoredFlat: a resumed run's moments) only the shard's elements are read."""
-        shard = xp.zeros(self.shard_size, dtype=np.float32 if hasattr(flat, "read") else flat.dtype)
+    def take(self, flat, rank, xp=np, out=None):
+        """Rank's shard of a whole flat buffer (zeros in the padding), as an array of xp (or into `out`); from a
+        buffer with read(start, end) (checkpoint.StoredFlat: a checkpoint's weights or moments; the initial
+        weights, config.InitialWeights; the decay mask, optimizer.DecayMask) only the shard's elements are
+        read, a unit's piece at a time, in ascending order."""
+        shard = xp.zeros(self.shard_size, dtype=flat.dtype) if out is None else out
+        if out is not None:
+            shard.fill(0)
         for lo, hi, at in self.ranges(rank):
             if hi > lo:
-                shard[at:at + hi - lo] = flat.read(lo, hi) if hasattr(flat, "read") else flat[lo:hi]
+                shard[at:at + hi - lo] = xp.asarray(flat.read(lo, hi) if hasattr(flat, "read") else flat[lo:hi])
         return shard
 
 
@@ -132,40 +142,44 @@ class Streamed:
 class Sharded(DataParallel):
     """ZeRO-2 (stage 2) or ZeRO-3 (stage 3) over the ranks of comm (the module's docstring); the engine's
     sharding (Engine.units). Its interface is DataParallel's: start_step/step, sum/any, optimizer (the
-    shard's), state for checkpoints (`streamed`) and device_memory. moments: the whole (m, v, steps) to start
-    from (host arrays), or None. log: a list that records ('gather'|'release'|'reduce', unit) as they happen."""
+    shard's), state for checkpoints (`streamed`) and device_memory. weights: the float32 weights to start
+    from, whole (a host array) or read a range at a time (checkpoint.StoredFlat, config.InitialWeights), of
+    which this rank reads its shard alone; every rank must be given the same. None: the engine's own, where it
+    was made whole (its whole buffers are then dropped: Engine.release_whole). moments: the whole (m, v,
+    steps) to start from (host arrays, or StoredFlat buffers read a shard at a time), or None. log: a list
+    that records ('gather'|'release'|'reduce', unit) as they happen."""
 
-    def __init__(self, eng, comm, stage, beta1=0.9, beta2=0.95, moments=None, log=None):
+    def __init__(self, eng, comm, stage, beta1=0.9, beta2=0.95, moments=None, log=None, weights=None):
         assert stage in (2, 3)  # a world of one works too (the tests' single GPU); training takes it plain
         self.eng, self.comm, self.stage, self.zero = eng, comm, stage, True
         self.copies, self.log = None, log
         n, r, xp = comm.world_size, comm.rank, eng.xp
-        comm.broadcast(eng.params, 0)  # every rank starts from rank 0's weights, whatever it loaded
-        eng.sync_weights()
         self.plan = plan_of(eng, n)
         self.mine = self.plan.ranges(r)
-        # the whole buffers go as soon as the shards are taken (the peak: the whole engine's, 10 bytes a
-        # parameter in bf16): first the gradients, then in bf16 the master weights, in ZeRO-3 every weight
-        eng.grads, eng.g = None, {}
-        self.master = self.plan.take(eng.params, r, xp)
-        self.compute = None if eng.weights is eng.params else self.plan.take(eng.weights, r, xp)
-        if stage == 3:
-            eng.params = eng.weights = None
-            eng.p = {}
-        elif eng.weights is not eng.params:
-            eng.params = None
+        if weights is None:
+            assert eng.zero == 0, "an engine made for ZeRO holds no weights to start from: pass them"
+            weights = eng.params
+        self.master = self.plan.take(weights, r, xp)
+        del weights
+        eng.release_whole(stage)  # an engine made whole hands its whole buffers back; one made for ZeRO has none
+        self.compute = None
+        if eng.act != eng.dtype:  # bf16: the shard's compute copy, rounded as the engine rounds its own
+            self.compute = xp.empty(self.plan.shard_size, dtype=eng.act)
+            eng.layers.cast_params(self.compute, self.master)
         self.grads = xp.zeros(self.plan.shard_size, dtype=eng.dtype)
-        mask = self.plan.take(decay_mask(eng.cfg), r)
-        self.optimizer = AdamW(eng, beta1, beta2, mask=mask)
-        if moments is not None:
-            m, v, steps = moments
-            self.optimizer.load_state(self.plan.take(m, r), self.plan.take(v, r), steps)
+        self.optimizer = AdamW(eng, beta1, beta2, mask=self.plan.take(DecayMask(eng.cfg), r, xp))
+        if moments is not None:  # read into the shard's moments: no second copy
+            m, v, self.optimizer.steps = moments
+            self.plan.take(m, r, xp, out=self.optimizer.m)
+            self.plan.take(v, r, xp, out=self.optimizer.v)
         self._held, self._open = {}, {}  # unit -> [its buffer, its names, users]; unit -> [buffer, names]
         self._prefetched = {}  # unit -> (its buffer, the handle of its started all-gather)
         names = [u for u, _, _ in self.plan.units]
         self._next = {False: dict(zip(names, names[1:])),  # the unit each pass reaches after a unit
                       True: dict(zip(["head", *reversed(names[1:-1])], reversed(names[1:-1])))}
         eng.sharding = self
+        if stage == 2:  # the whole compute weights, gathered from the shards a unit at a time
+            self._gather_weights(eng.weights)
 
     # ------------------------------------------------------------------------------- the engine's hooks
     def _needs(self, unit):

@@ -26,16 +26,23 @@ from nanoeuler.train.distributed import DataParallel
 from nanoeuler.train.sharded import Sharded
 
 
+def is_sharded(zero, world_size):
+    """Whether a run of ZeRO stage `zero` on world_size ranks shards its weights and gradients (train/sharded.py):
+    its engine is then made without its whole buffers (make_engine's zero) and takes no whole weights."""
+    return zero >= 2 and world_size > 1
+
+
 class Trainable:
     """Every weight of `engine`, trained by AdamW (hyper's betas) over the ranks of `comm` (zero: the ZeRO stage,
     0 to 3; a world of one is plain). resumed (a checkpoint read with its optimizer state): its moments and step
-    count are taken; the engine already holds the weights to start from (Engine.load_params)."""
+    count are taken. The engine already holds the weights to start from (Engine.load_params), or, sharded
+    (is_sharded), `weights` are the weights to start from, of which each rank takes its shard (Sharded's)."""
 
-    def __init__(self, engine, hyper, comm, zero=0, resumed=None):
+    def __init__(self, engine, hyper, comm, zero=0, resumed=None, weights=None):
         self.engine = engine
-        if zero >= 2 and comm.world_size > 1:  # the shard's moments made straight from the resumed whole ones
+        if is_sharded(zero, comm.world_size):  # the shard's moments made straight from the resumed whole ones
             moments = (*resumed.opt, resumed.train_state["opt_step"]) if resumed is not None else None
-            self.parallel = Sharded(engine, comm, zero, hyper.beta1, hyper.beta2, moments)
+            self.parallel = Sharded(engine, comm, zero, hyper.beta1, hyper.beta2, moments, weights=weights)
             if engine.device_memory() is not None:
                 engine.xp.get_default_memory_pool().free_all_blocks()  # the engine's whole buffers handed back
             return
