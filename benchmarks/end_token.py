@@ -17,9 +17,7 @@ likely token; at every other position, the same (how often a model would end a t
 """
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,19 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from nanoeuler.data.fetch import document  # noqa: E402
-from repo_env import repo_env  # noqa: E402
-
-
-def log(message, t0=[time.perf_counter()]):
-    print(f"[{time.perf_counter() - t0[0]:7.1f} s] {message}", flush=True)
-
-
-def nanoeuler(args, env):
-    """Run a nanoeuler command, its output passing through; stop the script if it fails."""
-    log("nanoeuler " + " ".join(args))
-    done = subprocess.run([sys.executable, "-m", "nanoeuler", *args], cwd=REPO, env=env)
-    if done.returncode != 0:
-        sys.exit(f"nanoeuler {args[0]} failed (exit status {done.returncode})")
+from repo_env import log, nanoeuler, repo_env  # noqa: E402
 
 
 def corpora(text, work):

@@ -32,10 +32,8 @@ run finished already in --work is reused (the plot and the answers made again); 
 import argparse
 import json
 import re
-import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -44,30 +42,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from nanoeuler.data.text_tasks import play_instructions  # noqa: E402
-from repo_env import repo_env  # noqa: E402
+from repo_env import log, nanoeuler, repo_env  # noqa: E402
 
 PIPELINE_PROMPTS = ["Greet Juliet.", "Greet the king.", "Write a poem."]  # docs/pipeline.md's chat
 RUNS = ["full", "lora", "qlora"]
 LABELS = {"full": "full SFT", "lora": "LoRA r {r}", "qlora": "QLoRA r {r} (int4 base)",
           "lora_lr": "LoRA r {r}, lr {lr:g}"}
-
-
-def log(message, t0=[time.perf_counter()]):
-    print(f"[{time.perf_counter() - t0[0]:7.1f} s] {message}", flush=True)
-
-
-def nanoeuler(args, env, stdin=None, check=True):
-    """Run a nanoeuler command (its output passing through, or returned when stdin is given); a failure stops
-    the script, or with check=False returns None."""
-    log("nanoeuler " + " ".join(args))
-    done = subprocess.run([sys.executable, "-m", "nanoeuler", *args], cwd=REPO, env=env, input=stdin,
-                          stdout=subprocess.PIPE if stdin is not None else None, text=True)
-    if done.returncode != 0:
-        if not check:
-            log(f"nanoeuler {args[0]} failed (exit status {done.returncode}): left out")
-            return None
-        sys.exit(f"nanoeuler {args[0]} failed (exit status {done.returncode})")
-    return done.stdout if stdin is not None else ""
 
 
 def nine_tenths(path):

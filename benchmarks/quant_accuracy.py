@@ -23,9 +23,7 @@ The table printed last says whether the aims are met: int8 within +0.3% of float
 import argparse
 import hashlib
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from nanoeuler.data.text_tasks import mc_items_from_text  # noqa: E402
 from nanoeuler.model.config import param_shapes  # noqa: E402
 from nanoeuler.train.pretrain import PRESET_HYPER  # noqa: E402
-from repo_env import repo_env  # noqa: E402
+from repo_env import log, nanoeuler, repo_env  # noqa: E402
 
 AIMS = {"int8": (0.3, 97.0), "int4": (3.0, 93.0)}  # bits per byte: at most +% over float; picks: agreement %
 QUANTIZED = [  # (name, type, group, the heads' type: `quantize --head-type`; int8 is the default)
@@ -48,18 +46,6 @@ QUANTIZED = [  # (name, type, group, the heads' type: `quantize --head-type`; in
     ("int4 /64, head int4", "int4", 64, "int4"),
 ]
 INT4_HEAD = "int4 /32 (Q4_1), head int4"  # the quantized checkpoint the dequantized stand-in is checked against
-
-
-def log(message, t0=[time.perf_counter()]):
-    print(f"[{time.perf_counter() - t0[0]:7.1f} s] {message}", flush=True)
-
-
-def nanoeuler(args, env):
-    """Run a nanoeuler command, its output passing through; stop the script if it fails."""
-    log("nanoeuler " + " ".join(args))
-    done = subprocess.run([sys.executable, "-m", "nanoeuler", *args], cwd=REPO, env=env)
-    if done.returncode != 0:
-        sys.exit(f"nanoeuler {args[0]} failed (exit status {done.returncode})")
 
 
 def held_out_text(corpus):
