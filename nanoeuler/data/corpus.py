@@ -8,7 +8,7 @@ The cache is a token file, the one format of nanoeuler/tokenizer/bpe.py (written
 by read_token_file): a 128-byte header (magic, version, flags, token count, the corpus file's size and mtime, the
 tokenizer's sha256) followed by the tokens as little-endian uint16 (uint32 for a vocabulary above 65,536).
 Any mismatch with the corpus, the tokenizer or the reading of special tokens (a flag: a cache whose `</s>` was
-read as text, as before they were tokens, is not this one) rebuilds it, so a stale cache is never used. It is
+read as text is not this one) rebuilds it, so a stale cache is never used. It is
 memory-mapped, so a corpus of many GB costs no RAM. The tokenizer's special tokens written in the text
 (`</s>`) are those tokens, so a corpus can close its documents with the end-of-text token, as pretraining
 corpora do (GPT-2's `<|endoftext|>`): a model then learns where a text ends before fine-tuning asks it to
