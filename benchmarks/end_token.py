@@ -25,6 +25,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from nanoeuler.data.corpus import encode_text  # noqa: E402
 from nanoeuler.data.fetch import document  # noqa: E402
 from repo_env import log, nanoeuler, repo_env  # noqa: E402
 
@@ -74,7 +75,7 @@ def measure(ckpt, text):
     eng = make_engine(ck.cfg, device="cpu", precision="fp32", training=False)
     eng.load_params(ck.params)
     at_ends, elsewhere, top_ends, top_elsewhere = end_token_probabilities(
-        eng, tok.encode(text, allow_special=True), tok.eos_id, ck.cfg.context)
+        eng, encode_text(tok, text), tok.special_tokens[tok.document_end()], ck.cfg.context)
     return dict(ends=int(len(at_ends)), mean=float(at_ends.mean()), median=float(np.median(at_ends)),
                 top=float(top_ends.mean()), other_mean=float(elsewhere.mean()), other_top=float(top_elsewhere.mean()))
 

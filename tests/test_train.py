@@ -233,6 +233,103 @@ def test_a_cache_that_read_the_end_token_as_text_is_rebuilt(tokenizer, tmp_path)
     assert os.stat(cache).st_mtime_ns == mtime  # reused
 
 
+DOCS = "First document.</s>\n\nSecond one, <|im_end|> kept.</s>\n\nA third.</s>\n"
+
+
+def end_of_text_tokenizer(tmp_path, pre="byte-level"):
+    """A Hugging Face tokenizer.json whose end of text is `<|endoftext|>`, with no `</s>` (as Llama 3's,
+    Qwen2's and SmolLM2's have none), learned on a little text, loaded as an imported model's is."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+
+    from nanoeuler.tokenizer.bpe import Tokenizer
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if pre == "byte-level" else
+                        pre_tokenizers.Sequence([pre_tokenizers.Punctuation(),  # read by grammar.py's class
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)]))
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_end|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator([DOCS.replace("</s>", "") * 20, "Some other text to learn from, said the doc."], trainer)
+    hf.save(str(tmp_path / f"{pre}.json"))
+    tok = Tokenizer.load(tmp_path / f"{pre}.json", eos="<|endoftext|>")
+    assert "</s>" not in tok.special_tokens and tok.eos == "<|endoftext|>"
+    return tok
+
+
+@pytest.mark.parametrize("pre", ["byte-level", "grammar"])
+def test_a_tokenizer_without_the_terminator_reads_it_as_its_end_of_text(tmp_path, pre):
+    """A corpus's `</s>` read by a tokenizer that has no such token is its end-of-text token, one id where
+    each document ends (no `<`, `/`, `s`, `>` there), read in pieces of any size as in one; its other special
+    tokens written in the text are still those tokens; a string in memory is read the same way."""
+    from nanoeuler.data.corpus import encode_text
+    tok = end_of_text_tokenizer(tmp_path, pre)
+    assert type(tok).__name__ == ("Tokenizer" if pre == "byte-level" else "GrammarBPE")
+    path = tmp_path / "docs.txt"
+    path.write_text(DOCS)
+    tokens = open_corpus(path, tok, progress=False).tokens.tolist()
+    expected = tok.encode(DOCS.replace("</s>", "<|endoftext|>"), allow_special=True)
+    assert tokens == expected == encode_text(tok, DOCS)
+    assert tokens.count(tok.eos_id) == 3 and tokens.count(tok.special_tokens["<|im_end|>"]) == 1
+    assert tok.decode(tokens) == DOCS.replace("</s>", "<|endoftext|>").encode()  # nothing of `</s>` left
+    ends = [i for i, t in enumerate(tokens) if t == tok.eos_id]
+    assert [tok.decode(tokens[i - 1:i]).decode()[-1] for i in ends] == [".", ".", "."]  # right after the text
+    as_text = tok.encode(DOCS, allow_special=True)
+    assert tok.eos_id not in as_text and b"</s>" in tok.decode(as_text)  # what the corpus taught before
+    for chunk in (1, 2, 3, 5, 17):  # `</s>` cut by the reads anywhere
+        tok.encode_file(path, tmp_path / "c.tok", progress=False, allow_special=True, chunk_bytes=chunk,
+                        document_ends=True)
+        assert np.fromfile(tmp_path / "c.tok", "<u2", offset=128).tolist() == expected, chunk
+
+
+def test_the_cache_records_how_the_terminator_was_read(tmp_path):
+    """A cache whose `</s>` was read as text by a tokenizer without it (same corpus, same tokenizer, special
+    tokens read: only the reading of the terminator differs) is rebuilt, the new one reused, and a reading
+    that does not map the terminator refuses the new one."""
+    from nanoeuler.tokenizer.token_file import DOCUMENT_ENDS, SPECIAL_TOKENS, TOKENS_HEADER, read_token_file
+    tok = end_of_text_tokenizer(tmp_path)
+    path, cache = tmp_path / "docs.txt", tmp_path / "docs.txt.tok"
+    path.write_text(DOCS * 30)
+    tok.encode_file(path, cache, progress=False, allow_special=True)  # `</s>` as four characters
+    assert TOKENS_HEADER.unpack(cache.read_bytes()[:TOKENS_HEADER.size])[2] == SPECIAL_TOKENS
+    assert read_token_file(cache, source=path, tok=tok, allow_special=True).tolist() == \
+        tok.encode(DOCS * 30, allow_special=True)
+    tokens = open_corpus(path, tok, progress=False).tokens
+    assert tokens.tolist().count(tok.eos_id) == 90
+    assert TOKENS_HEADER.unpack(cache.read_bytes()[:TOKENS_HEADER.size])[2] == SPECIAL_TOKENS | DOCUMENT_ENDS
+    mtime = os.stat(cache).st_mtime_ns
+    assert open_corpus(path, tok, progress=False).tokens.tolist() == tokens.tolist()
+    assert os.stat(cache).st_mtime_ns == mtime  # reused
+    with pytest.raises(UserError, match=r"document terminators \(</s>\) read as the end-of-text token"):
+        read_token_file(cache, source=path, tok=tok, allow_special=True, document_ends=False)
+
+
+def test_a_tokenizer_with_the_terminator_reads_the_corpus_as_before(tokenizer, tmp_path):
+    """Ours (`</s>` is its end-of-text token): the cache is the very file that reading the special tokens
+    alone writes, byte for byte, and either reading reuses the other's."""
+    path = tmp_path / "docs.txt"
+    path.write_text(DOCS * 30)
+    assert tokenizer.document_end() == "</s>" and tokenizer.with_document_ends(DOCS) is DOCS
+    open_corpus(path, tokenizer, progress=False)
+    tokenizer.encode_file(path, tmp_path / "plain.tok", progress=False, allow_special=True)
+    assert (tmp_path / "docs.txt.tok").read_bytes() == (tmp_path / "plain.tok").read_bytes()
+    tokens = open_corpus(path, tokenizer, progress=False).tokens.tolist()
+    assert tokens == tokenizer.encode(DOCS * 30, allow_special=True) and tokens.count(tokenizer.eos_id) == 90
+
+
+def test_training_counts_the_documents_by_the_end_token_they_became(monkeypatch, tmp_path, capsys):
+    """`train` with an imported tokenizer without `</s>` counts the documents closed by its end-of-text token."""
+    tok = end_of_text_tokenizer(tmp_path)
+    monkeypatch.setitem(PRESETS, "small", tiny_config(tok.vocab_size))
+    monkeypatch.setitem(train.PRESET_HYPER, "small", dataclasses.replace(HYPER, steps=1, eval_every=1,
+                                                                           sample_every=1, ckpt_every=1))
+    path = tmp_path / "docs.txt"
+    path.write_text(DOCS * 40)
+    assert _train("--data", path, "--tokenizer", tmp_path / "byte-level.json", "--device", "cpu",
+                  "--out", tmp_path / "m.bin") == 0
+    printed = capsys.readouterr()
+    assert "; 120 documents closed by <|endoftext|>" in printed.out + printed.err
+
+
 def test_random_windows_resume_from_state(tokenizer, corpus):
     tokens = np.arange(1000) % 300
     original = RandomWindows(tokens, 3, 8, 2, seed=5)

@@ -7,12 +7,14 @@
 The cache is a token file, the one format of nanoeuler/tokenizer/bpe.py (written by Tokenizer.encode_file, read
 by read_token_file): a 128-byte header (magic, version, flags, token count, the corpus file's size and mtime, the
 tokenizer's sha256) followed by the tokens as little-endian uint16 (uint32 for a vocabulary above 65,536).
-Any mismatch with the corpus, the tokenizer or the reading of special tokens (a flag: a cache whose `</s>` was
-read as text is not this one) rebuilds it, so a stale cache is never used. It is
+Any mismatch with the corpus, the tokenizer or the reading of special tokens and document terminators (flags:
+a cache whose `</s>` was read as text is not this one) rebuilds it, so a stale cache is never used. It is
 memory-mapped, so a corpus of many GB costs no RAM. The tokenizer's special tokens written in the text
 (`</s>`) are those tokens, so a corpus can close its documents with the end-of-text token, as pretraining
 corpora do (GPT-2's `<|endoftext|>`): a model then learns where a text ends before fine-tuning asks it to
-end its replies. The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
+end its replies. A tokenizer without `</s>` (an imported Llama 3's, Qwen2's) reads each `</s>` as its own
+end-of-text token (TokenizerBase.document_end, the one rule; encode_text for a corpus's text in memory).
+The validation split is the last tenth of the corpus by bytes (cut at the first token boundary that
 covers it), so bits per byte are measured on text the model never trained on.
 
 A batch source is any object with `next() -> (inputs, targets)`, `state()` and `load_state(state)`; the
@@ -49,12 +51,19 @@ def cache_path(corpus_path):
 
 
 ALLOW_SPECIAL = True  # the special tokens written in a corpus (`</s>`) are those tokens
+DOCUMENT_ENDS = True  # each `</s>` closing a document is the tokenizer's end-of-text token (document_end)
+
+
+def encode_text(tok, text):
+    """The token ids of a corpus's text (str or bytes) as training reads the corpus's file (open_corpus)."""
+    return tok.encode(tok.with_document_ends(text) if DOCUMENT_ENDS else text, allow_special=ALLOW_SPECIAL)
 
 
 def cached_tokens(corpus_path, tok):
     """The corpus's cached tokens as a read-only memmap, or None if its cache is missing, damaged or stale."""
     try:
-        return read_token_file(cache_path(corpus_path), source=corpus_path, tok=tok, allow_special=ALLOW_SPECIAL)
+        return read_token_file(cache_path(corpus_path), source=corpus_path, tok=tok, allow_special=ALLOW_SPECIAL,
+                               document_ends=DOCUMENT_ENDS)
     except UserError:
         return None
 
@@ -139,7 +148,7 @@ DOCUMENT_FETCHES = re.compile(r"nanoeuler\.data\.fetch (gutenberg|web|pretrain)\
 
 def unclosed_fetch(record, n_ends):
     """The command that fetched a corpus of documents, from its provenance() record, when the corpus holds
-    no end-of-text token (n_ends 0): a fetch made before the fetcher closed documents with `</s>`, which the same
+    no document end (n_ends 0: no tok.document_end() token): a fetch made before the fetcher closed documents with `</s>`, which the same
     command rebuilds from its download cache. None otherwise."""
     if n_ends or not record or record.get("sidecar") != "matches":
         return None
@@ -162,9 +171,10 @@ def open_corpus(path, tok, progress=True):
     tokens = cached_tokens(path, tok)
     if tokens is None:
         cache = cache_path(path)
-        tok.encode_file(path, cache, progress=progress, allow_special=ALLOW_SPECIAL)
+        tok.encode_file(path, cache, progress=progress, allow_special=ALLOW_SPECIAL, document_ends=DOCUMENT_ENDS)
         # an error here: the corpus changed meanwhile
-        tokens = read_token_file(cache, source=path, tok=tok, allow_special=ALLOW_SPECIAL)
+        tokens = read_token_file(cache, source=path, tok=tok, allow_special=ALLOW_SPECIAL,
+                                 document_ends=DOCUMENT_ENDS)
     byte_len = np.array([len(tok.decode([i])) for i in range(tok.vocab_size)], dtype=np.int64)
     return Corpus(tokens, byte_len, os.path.getsize(path))
 

@@ -1,12 +1,13 @@
 """What every tokenizer of nanoeuler shares (the byte-level BPE of bpe.py, the SentencePiece-style BPE of
 sentencepiece_bpe.py, any other BPE tokenizer.json in grammar.py): the chat settings a model brings, writing a
-token file (token_file.py has the format), and reading a tokenizer.json post-processor's BOS.
+token file (token_file.py has the format), reading a tokenizer.json post-processor's BOS, and what a corpus's
+document terminator `</s>` is read as (document_end).
 """
 import hashlib
 
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer.token_file import (CHUNK, MAX_IDS, MAX_VOCAB, open_input, progress_bar,  # noqa: F401
-                                            write_token_file)
+from nanoeuler.tokenizer.token_file import (CHUNK, DOCUMENT_END, MAX_IDS, MAX_VOCAB, open_input,  # noqa: F401
+                                            progress_bar, write_token_file)
 
 
 def checked_ids(ids, vocab_size):
@@ -79,11 +80,34 @@ class TokenizerBase:
             d["named_tokens"] = self.named_tokens
         return d
 
-    def encode_file(self, in_path, out_path, progress=True, allow_special=False, chunk_bytes=CHUNK):
+    def document_end(self):
+        """The token that a corpus's document terminator `</s>` (DOCUMENT_END, data/fetch.py writes it) is read
+        as: `</s>` itself when it is one of this tokenizer's added tokens (ours; a SentencePiece Llama's or
+        Mistral's eos), else the end-of-text token eos (an imported Llama 3's `<|end_of_text|>`, an instruct
+        model's `<|eot_id|>`: the id its replies end with and generation stops at first), whose text then
+        replaces it, so that each document ends with the model's own end token, not four characters."""
+        if DOCUMENT_END in self.special_tokens:
+            return DOCUMENT_END
+        if self.encode(self.eos, allow_special=True, add_bos=False) != [self.eos_id]:
+            raise UserError(f"the tokenizer does not read its end-of-text token {self.eos!r} as its id "
+                            f"{self.eos_id}, so a corpus's {DOCUMENT_END} cannot become it")
+        return self.eos
+
+    def with_document_ends(self, text):
+        """text (str or bytes) with each document terminator `</s>` replaced by document_end()'s text: what
+        encode(..., allow_special=True) reads as a corpus is read (encode_file with document_ends)."""
+        end = self.document_end()
+        if end == DOCUMENT_END:
+            return text
+        return text.replace(DOCUMENT_END, end) if isinstance(text, str) else \
+            bytes(text).replace(DOCUMENT_END.encode(), end.encode())
+
+    def encode_file(self, in_path, out_path, progress=True, allow_special=False, chunk_bytes=CHUNK,
+                    document_ends=False):
         """Tokenize the file in_path into the token file out_path (token_file.py's format, written atomically),
-        reading chunk_bytes at a time, with the same ids as encode() on the whole text. Returns the token count;
-        read_token_file(out_path) reads the tokens."""
-        return write_token_file(self, in_path, out_path, progress, allow_special, chunk_bytes)
+        reading chunk_bytes at a time, with the same ids as encode() on the whole text (with document_ends, on
+        with_document_ends(text)). Returns the token count; read_token_file(out_path) reads the tokens."""
+        return write_token_file(self, in_path, out_path, progress, allow_special, chunk_bytes, document_ends)
 
     def sha256(self):
         return hashlib.sha256(self.to_json().encode()).hexdigest()

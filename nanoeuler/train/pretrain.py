@@ -95,11 +95,12 @@ def load(options, model, context):
         comm.barrier()
     size = os.path.getsize(data)
     record = provenance(data) if world.is_main else None
-    ends = count_token(corpus.tokens, tok.eos_id) if world.is_main else 0
+    end = tok.document_end()  # the token each `</s>` of the corpus became
+    ends = count_token(corpus.tokens, tok.special_tokens[end]) if world.is_main else 0
     context.say(f"data: {data}: {size:,} bytes, {len(corpus.tokens):,} tokens ({size / len(corpus.tokens):.2f} "
                 f"bytes/token); train {len(corpus.train):,}, validation {len(corpus.val):,} (the last tenth)"
-                + (f"; {ends:,} documents closed by {tok.eos}" if ends else ""))
-    fetch = unclosed_fetch(record, ends) if tok.eos == "</s>" else None
+                + (f"; {ends:,} documents closed by {end}" if ends else ""))
+    fetch = unclosed_fetch(record, ends)
     if fetch:
         context.say(f"note: {data} was fetched before the fetcher closed each document with </s>: a model trained "
                     f"on it does not learn where a text ends; `{fetch}` rebuilds it from its download cache")
