@@ -181,3 +181,28 @@ def test_stream_and_token_file(corpus, tmp_path):
     # token by token, the bytes join to the text (a streaming decoder's view)
     ids = ours.encode("héllo 日本 😀", add_bos=False)
     assert b"".join(ours.decode([i]) for i in ids) == " héllo 日本 😀".encode()
+
+
+def test_a_corpus_terminator_without_the_token_is_the_end_of_text(corpus, tmp_path):
+    """A SentencePiece vocabulary whose end of text is `<eos>` (no `</s>`, as Gemma's): a corpus's `</s>`, read
+    in small chunks, becomes `<eos>`, with the ids `tokenizers` gives the text that has `<eos>` written there
+    (the Metaspace `▁` only at the start of the text, none after an end token)."""
+    from nanoeuler.data.corpus import encode_text
+    from tokenizers import Tokenizer as HF
+    d = metaspace_layout(trained(corpus), "first", True)
+    d["model"]["vocab"]["<eos>"] = d["model"]["vocab"].pop("</s>")
+    for t in d["added_tokens"]:
+        t["content"] = "<eos>" if t["content"] == "</s>" else t["content"]
+    path = tmp_path / "eos.json"
+    path.write_text(json.dumps(d, ensure_ascii=False), encoding="utf-8")
+    ours = Tokenizer.load(path, eos="<eos>")
+    assert isinstance(ours, SentencePieceBPE) and "</s>" not in ours.special_tokens
+    text = "One story ends here.</s>\n\nAnd another one there.</s>\n\n" * 40
+    src = tmp_path / "docs.txt"
+    src.write_text(text, encoding="utf-8")
+    expected = HF.from_file(str(path)).encode(text.replace("</s>", "<eos>"), add_special_tokens=False).ids
+    assert expected.count(ours.eos_id) == 80 and encode_text(ours, text) == expected
+    for chunk in (7, 64):
+        ours.encode_file(src, tmp_path / "docs.tok", progress=False, allow_special=True, chunk_bytes=chunk,
+                         document_ends=True)
+        assert read_token_file(tmp_path / "docs.tok", src, ours, True, True).tolist() == expected

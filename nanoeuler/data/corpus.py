@@ -55,8 +55,9 @@ DOCUMENT_ENDS = True  # each `</s>` closing a document is the tokenizer's end-of
 
 
 def encode_text(tok, text):
-    """The token ids of a corpus's text (str or bytes) as training reads the corpus's file (open_corpus)."""
-    return tok.encode(tok.with_document_ends(text) if DOCUMENT_ENDS else text, allow_special=ALLOW_SPECIAL)
+    """The token ids of a corpus's text (str or bytes) as training reads the corpus's file (open_corpus: no BOS)."""
+    return tok.encode(tok.with_document_ends(text) if DOCUMENT_ENDS else text, allow_special=ALLOW_SPECIAL,
+                      add_bos=False)
 
 
 def cached_tokens(corpus_path, tok):
@@ -148,8 +149,8 @@ DOCUMENT_FETCHES = re.compile(r"nanoeuler\.data\.fetch (gutenberg|web|pretrain)\
 
 def unclosed_fetch(record, n_ends):
     """The command that fetched a corpus of documents, from its provenance() record, when the corpus holds
-    no document end (n_ends 0: no tok.document_end() token): a fetch made before the fetcher closed documents with `</s>`, which the same
-    command rebuilds from its download cache. None otherwise."""
+    no document end (n_ends 0: no tok.document_end() token): a fetch made before the fetcher closed documents
+    with `</s>`, which the same command rebuilds from its download cache. None otherwise."""
     if n_ends or not record or record.get("sidecar") != "matches":
         return None
     command = record.get("built_by") or ""
