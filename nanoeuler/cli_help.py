@@ -44,7 +44,8 @@ GUIDE = {
     "train": (
         "Pretrain a model from scratch on a text corpus: a tokenizer is learned on the corpus (or --tokenizer), "
         "the model trains on random windows of its first nine tenths and is scored on the last tenth "
-        "(validation loss, bits per byte). `</s>` written in the corpus is the end-of-text token: the fetched "
+        "(validation loss, bits per byte). `</s>` written in the corpus is the end-of-text token (an imported "
+        "model's own, such as Llama 3's <|end_of_text|>, where its tokenizer has no </s>): the fetched "
         "corpora close every document with it, so the model learns where a text ends. "
         "Checkpoints are written atomically every --ckpt-every steps and at "
         "the end; --resume continues one exactly. The metrics log (JSONL, a line per step; the first names "

@@ -281,6 +281,22 @@ def test_a_tokenizer_without_the_terminator_reads_it_as_its_end_of_text(tmp_path
         assert np.fromfile(tmp_path / "c.tok", "<u2", offset=128).tolist() == expected, chunk
 
 
+def test_the_terminator_is_replaced_wherever_the_reads_cut_it():
+    """The file reader that puts the end token's text in place of `</s>`: the text it gives, read in pieces of
+    any size, is the whole text so replaced, and no piece but the last is empty."""
+    import io
+
+    from nanoeuler.tokenizer.token_file import Replacing
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        text = bytes(rng.choice(list(b"</s>a"), size=int(rng.integers(0, 40))))
+        reader = Replacing(io.BytesIO(text).read, b"</s>", b"<|endoftext|>")
+        size, pieces = int(rng.integers(1, 9)), []
+        while piece := reader.read(size):
+            pieces.append(piece)
+        assert b"".join(pieces) == text.replace(b"</s>", b"<|endoftext|>") and reader.consumed == len(text)
+
+
 def test_the_cache_records_how_the_terminator_was_read(tmp_path):
     """A cache whose `</s>` was read as text by a tokenizer without it (same corpus, same tokenizer, special
     tokens read: only the reading of the terminator differs) is rebuilt, the new one reused, and a reading
