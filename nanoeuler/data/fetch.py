@@ -56,6 +56,7 @@ from nanoeuler.data.instructions import read_alpaca
 from nanoeuler.env import env_float, env_int
 from nanoeuler.errors import ENDINGS, UserError, exit_status
 from nanoeuler.files import atomic_output, atomic_write
+from nanoeuler.tokenizer.token_file import DOCUMENT_END
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,9 @@ PREFERENCES = Source(f"https://huggingface.co/datasets/Anthropic/hh-rlhf/resolve
 CHUNK = 1 << 16  # bytes per read: small enough that a dropped connection loses little, large enough to be cheap
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}  # statuses that say "try again later"; other 4xx are final
 MAX_WAIT = 60.0
-END_OF_TEXT = b"</s>"  # the tokenizer's end-of-text token (bpe.Tokenizer's eos), as training reads it in a corpus
+# the end-of-text token of our tokenizer (bpe.Tokenizer's eos); training reads it as any tokenizer's own
+# (TokenizerBase.document_end)
+END_OF_TEXT = DOCUMENT_END.encode()
 # `</s>` right after a document's last character, as SFT's template puts it right after a reply's, then a blank line
 DOC_END = END_OF_TEXT + b"\n\n"
 
