@@ -33,19 +33,22 @@ from nanoeuler.tokenizer.bpe import Tokenizer
 
 
 class GpuMemory:
-    """Each GPU's peak memory in use (MiB, nvidia-smi) while it runs, sampled every second."""
+    """Each GPU's peak memory in use (MiB, nvidia-smi) while it runs, sampled every second; nothing where not
+    `sampled` (CPU ranks)."""
 
-    def __init__(self):
+    def __init__(self, sampled=True):
         self.peak, self._stop = {}, threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread = threading.Thread(target=self._sample, daemon=True) if sampled else None
 
     def __enter__(self):
-        self._thread.start()
+        if self._thread:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join()
+        if self._thread:
+            self._thread.join()
 
     def _sample(self):
         while not self._stop.is_set():
@@ -77,8 +80,7 @@ def train(args, ckpt, gpus, zero, work):
     log(" ".join(command[2:]))
     last = args.steps - 1  # the last step's record comes after the closing evaluation: not waited for
     deadline = time.time() + args.timeout
-    with open(out[:-4] + ".err", "w") as err, \
-            (GpuMemory() if args.device == "gpu" else _NoMemory()) as memory:
+    with open(out[:-4] + ".err", "w") as err, GpuMemory(args.device == "gpu") as memory:
         proc = subprocess.Popen(command, cwd=ROOT, env=repo_env(), stdout=subprocess.DEVNULL, stderr=err)
         while proc.poll() is None and time.time() < deadline:
             stepped = [r for r in records(metrics) if "tokens_per_s" in r]
@@ -93,16 +95,6 @@ def train(args, ckpt, gpus, zero, work):
         with open(out[:-4] + ".err") as f:
             log(f"no step logged; the run's stderr ends:\n{f.read()[-2000:]}")
     return stepped, memory.peak
-
-
-class _NoMemory:
-    peak = {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def main():
@@ -142,8 +134,8 @@ def main():
                 pool = max(r.get("gpu_mem_gib", 0) for r in stepped)
                 used = max(peak.values()) / 1024 if peak else None
                 rows.append((gpus, zero, tps, mfu, pool, used, len(stepped), stepped[0]["loss"], stepped[-1]["loss"]))
-                log(f"{gpus} GPUs ZeRO-{zero}: {tps:,.0f} tokens/s, MFU {mfu:.1%}, rank 0's pool {pool:.2f} GiB, "
-                    f"nvidia-smi peak a GPU {used if used is None else round(used, 2)} GiB")
+                log(f"{gpus} GPUs ZeRO-{zero}: {tps:,.0f} tokens/s, MFU {mfu:.1%}, rank 0's pool {pool:.2f} GiB"
+                    + ("" if used is None else f", the most in use on a GPU {used:.2f} GiB"))
     print(f"\nnanoeuler train --ckpt ({args.shape}, random weights), {args.precision}, --recompute, "
           f"{args.batch_size} x {args.context} a rank; medians of steps {args.warmup + 1}-{args.steps - 1}")
     print("| GPUs | ZeRO | tokens/s (all) | a GPU | MFU a GPU | rank 0's pool (GiB) | peak in use a GPU (GiB) "

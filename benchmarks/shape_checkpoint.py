@@ -14,7 +14,6 @@ docs/design.md (float32: 4 bytes a parameter, 32 GB for llama3-8b), written with
 """
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import numpy as np
 from shapes import SHAPES
 
 from nanoeuler.io import checkpoint
-from nanoeuler.model.config import is_bias, param_count, param_shapes, views
+from nanoeuler.model.config import init_rule, param_count, param_shapes, views
 from nanoeuler.tokenizer.bpe import Tokenizer
 
 
@@ -42,25 +41,23 @@ def save_shape_checkpoint(path, shape, tokenizer_json, context=None, seed=0):
 
 
 def random_params(cfg, seed=0):
-    """init_params' distribution, each tensor drawn in float32 by its own generator on a thread of its own
-    (numpy's generators release the GIL), so the draw does not depend on the thread count."""
+    """init_params' distribution (config.init_rule), each tensor drawn in float32 by its own generator on a
+    thread of its own (numpy's generators release the GIL), so the draw does not depend on the thread count."""
     flat = np.empty(param_count(cfg), dtype=np.float32)
     tensors = views(flat, cfg)
-    out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
-    shapes = param_shapes(cfg)
+    names = [name for name, _ in param_shapes(cfg)]
 
     def draw(job):
-        (name, _), seq = job
-        view = tensors[name]
-        if name.endswith("norm") or is_bias(name):
-            view[...] = 1.0 if name.endswith("norm") else 0.0
+        name, seq = job
+        kind, value = init_rule(cfg, name)
+        if kind == "fill":
+            tensors[name][...] = value
             return
-        std = 0.02 * (out_scale if name.endswith(("wo", "w_down")) else 1.0)
-        np.random.default_rng(seq).standard_normal(dtype=np.float32, out=view.reshape(-1))
-        view *= np.float32(std)
+        np.random.default_rng(seq).standard_normal(dtype=np.float32, out=tensors[name].reshape(-1))
+        tensors[name] *= np.float32(value)
 
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        list(pool.map(draw, zip(shapes, np.random.SeedSequence(seed).spawn(len(shapes)))))
+        list(pool.map(draw, zip(names, np.random.SeedSequence(seed).spawn(len(names)))))
     return flat
 
 

@@ -219,19 +219,24 @@ def init_params(cfg, seed=0, dtype=np.float32):
     return flat
 
 
+def init_rule(cfg, name):
+    """How init_params starts a tensor: ("fill", value) for the norm gains (1) and biases (0), else
+    ("normal", std): 0.02, the residual projections' scaled by 1/sqrt(2 * n_layers)."""
+    if name.endswith("norm") or is_bias(name):
+        return "fill", 1.0 if name.endswith("norm") else 0.0
+    return "normal", 0.02 * (1.0 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo", "w_down")) else 1.0)
+
+
 def init_tensors(cfg, seed=0, dtype=np.float32):
     """init_params's tensors one at a time, (name, array) in the flat buffer's order: the random draws go in
     that order, so a tensor's values are those of the whole buffer's."""
     rng = np.random.default_rng(seed)
-    out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
     for name, shape in param_shapes(cfg):
-        if name.endswith("norm"):
-            yield name, np.ones(shape, dtype=dtype)
-        elif is_bias(name):
-            yield name, np.zeros(shape, dtype=dtype)
+        kind, value = init_rule(cfg, name)
+        if kind == "fill":
+            yield name, np.full(shape, value, dtype=dtype)
         else:
-            std = 0.02 * (out_scale if name.endswith(("wo", "w_down")) else 1.0)
-            yield name, rng.normal(0.0, std, size=shape).astype(dtype)
+            yield name, rng.normal(0.0, value, size=shape).astype(dtype)
 
 
 class InitialWeights:
