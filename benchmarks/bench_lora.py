@@ -194,7 +194,8 @@ def main():
         cfg = dataclasses.replace(SHAPES[name], context=args.context)
         B = BATCH[name]
         inputs, targets = next(batches(cfg, B, seed=1))
-        run = lambda mode, cfg=cfg, inputs=inputs, targets=targets: bench_ours(cfg, inputs, targets, args, mode)
+        run = lambda mode, recompute=False, cfg=cfg, inputs=inputs, targets=targets: bench_ours(
+            cfg, inputs, targets, args, mode, recompute)
         peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
         if args.quant:  # first: what --quant asks for
             tiers[0].extend((name, B, f"ours QLoRA {args.quant} --recompute {mode}",
