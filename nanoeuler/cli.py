@@ -133,7 +133,8 @@ def _training_flags(p):
                         "contexts; the same gradients bit for bit): 'layer' keeps each layer's input only and runs "
                         "the layer's forward again; 'mlp' also keeps the attention's results and recomputes the "
                         "norms and gate|up with SwiGLU alone (faster, more memory); 'auto' (the flag alone) takes "
-                        "mlp where it fits the device's free memory, else layer")
+                        "mlp where it fits the device's free memory, else layer. A mode follows the flag; train's "
+                        "preset goes before it")
 
 
 def _lora_flags(p, adapter=False):

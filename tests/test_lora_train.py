@@ -151,6 +151,18 @@ def test_recompute_trains_the_same_bits(pipeline, tmp_path):  # noqa: F811
     assert logs[0] == logs[1] == logs[2]
 
 
+def test_recompute_flag_takes_a_mode_or_none():
+    """--recompute alone is auto, with a mode that mode, absent False; an unknown mode is argparse's one line."""
+    from nanoeuler import cli
+    parse = cli.build_parser()[0].parse_args
+    assert parse(["sft", "--recompute"]).recompute == "auto"
+    assert parse(["train", "small", "--recompute"]).recompute == "auto"
+    assert [parse(["dpo", "--recompute", m]).recompute for m in ("mlp", "layer")] == ["mlp", "layer"]
+    assert parse(["sft"]).recompute is False
+    with pytest.raises(SystemExit):
+        parse(["sft", "--recompute", "attention"])
+
+
 def test_lora_on_two_ranks_is_one_rank_at_twice_the_batch(pipeline, tmp_path):  # noqa: F811
     """--gpus 2 (two CPU processes): the adapters' gradients summed over the ranks, the frozen base never; the
     losses of one rank at the global batch, to float32 rounding."""
