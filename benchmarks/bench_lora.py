@@ -4,9 +4,10 @@ Shapes of published models (benchmarks/shapes.py) on random weights: Llama-3.2-1
 projections at 4 x 2048, and Llama-3-8B's shape at 2 x 2048 (its QLoRA peer needs bitsandbytes, which the GPU
 machine may lack: then both sides run LoRA on a bf16 base). Ours: the base frozen in bf16 (an engine without
 master weights or gradients), the adapters' float32 master weights, gradients and AdamW moments, bf16
-activations; with and without --recompute; beside it our full SFT step of the same model and batch; with --quant,
-QLoRA rows: the same adapters on the base's matrices quantized (random int8/int4 blocks made on the device, as
-bench_quantized.py makes them), with --recompute. PEFT's:
+activations; with --recompute's modes (mlp: the attention's results kept, the norms and gate|up with SwiGLU
+recomputed; layer: the whole layer recomputed) and without; beside it our full SFT step of the same model and
+batch; with --quant, QLoRA rows: the same adapters on the base's matrices quantized (random int8/int4 blocks made
+on the device, as bench_quantized.py makes them), with --recompute. PEFT's:
 LlamaForCausalLM in bf16 with SDPA attention, `get_peft_model` with the same rank, alpha and targets, gradient
 checkpointing (non-reentrant), fused AdamW over the adapters; eager, then torch.compile where it compiles in
 time. A step is forward, backward, gradient clipping and AdamW, ending with the loss on the host. Printed: ms/step,
@@ -19,6 +20,7 @@ in the pool, which loading a checkpoint does not (a 64 MiB piece at most).
     PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3.2-1b --compile
     PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3-8b --quant int4 --compile  # QLoRA on the 8B
     PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3-8b --quant int4 --quant-only  # that row alone
+    PYTHONPATH=. python3 benchmarks/bench_lora.py --shapes llama3.2-1b --compile --no-full --no-peft  # ours only
 """
 import argparse
 import dataclasses
@@ -68,8 +70,9 @@ def free_memory():
     torch.cuda.empty_cache()
 
 
-def bench_ours(cfg, inputs, targets, args, mode):
-    """mode: 'lora', 'lora-recompute', 'qlora-recompute' (the base's matrices args.quant) or 'full'."""
+def bench_ours(cfg, inputs, targets, args, mode, recompute=False):
+    """mode: 'lora', 'qlora' (the base's matrices args.quant) or 'full'; recompute: the engine's (False, 'mlp',
+    'layer')."""
     import cupy
     from nanoeuler.model import lora
     from nanoeuler.model.engine import make_engine
@@ -92,7 +95,7 @@ def bench_ours(cfg, inputs, targets, args, mode):
     else:
         trained = lora.attach(eng, lora.make_spec(cfg, args.rank, 2.0 * args.rank))
         opt = AdamW(eng, mask=lora.decay_mask(trained))
-        eng.recompute = mode.endswith("-recompute")
+        eng.recompute = recompute
 
     def step():
         loss = cross_entropy_backward(eng, inputs, targets)[0]
@@ -172,6 +175,9 @@ def main():
                     "a group after a colon (default 32), the heads' type after a + (default the layers'), e.g. "
                     "int4:64 or int4+int8 (quantize's default)")
     ap.add_argument("--quant-only", action="store_true", help="the QLoRA rows of --quant alone")
+    ap.add_argument("--recompute", nargs="+", default=["mlp", "layer"], choices=("mlp", "layer"),
+                    help="our --recompute rows' modes (default both)")
+    ap.add_argument("--no-peft", action="store_true", help="leave out PEFT's rows (ours alone)")
     args = ap.parse_args()
     if args.quant_only and not args.quant:
         ap.error("--quant-only needs --quant")
@@ -181,25 +187,29 @@ def main():
           f"{args.context}; {args.warmup} warm-up steps, median of {args.steps}", flush=True)
     print(f"{'shape':<12} {'engine':<40} {'batch':>5} {'ms/step':>8} {'tokens/s':>9} {'peak GiB':>9} "
           f"{'CUDA used':>9} {'loss':>8} {'ours/this':>9}", flush=True)
-    # in order of what matters most, so that a run cut short has measured it: ours with --recompute and PEFT's
-    # eager step of every shape, then ours without --recompute and full SFT, then the torch.compile rows
+    # in order of what matters most, so that a run cut short has measured it: ours with --recompute (each mode)
+    # and PEFT's eager step of every shape, then ours without --recompute and full SFT, then the torch.compile rows
     tiers, first = ([], [], []), {}
     for name in args.shapes:
         cfg = dataclasses.replace(SHAPES[name], context=args.context)
         B = BATCH[name]
         inputs, targets = next(batches(cfg, B, seed=1))
-        run = lambda mode, cfg=cfg, inputs=inputs, targets=targets: bench_ours(cfg, inputs, targets, args, mode)
+        run = lambda mode, recompute=False, cfg=cfg, inputs=inputs, targets=targets: bench_ours(
+            cfg, inputs, targets, args, mode, recompute)
         peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
         if args.quant:  # first: what --quant asks for
-            tiers[0].append((name, B, f"ours QLoRA {args.quant} --recompute", lambda run=run: run("qlora-recompute")))
+            tiers[0].extend((name, B, f"ours QLoRA {args.quant} --recompute {mode}",
+                             lambda run=run, mode=mode: run("qlora", mode)) for mode in args.recompute)
             if args.quant_only:
                 continue
-        tiers[0].extend([(name, B, "ours LoRA --recompute", lambda run=run: run("lora-recompute")),
-                         (name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False))])
+        tiers[0].extend((name, B, f"ours LoRA --recompute {mode}", lambda run=run, mode=mode: run("lora", mode))
+                        for mode in args.recompute)
+        if not args.no_peft:
+            tiers[0].append((name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False)))
         tiers[1].append((name, B, "ours LoRA", lambda run=run: run("lora")))
         if not args.no_full and name == "llama3.2-1b":
             tiers[1].append((name, B, "ours full SFT", lambda run=run: run("full")))
-        if name in args.compile:
+        if name in args.compile and not args.no_peft:
             tiers[2].append((name, B, "PEFT + transformers compiled, SDPA, ckpt", lambda peer=peer: peer(True)))
     for name, B, label, bench in tiers[0] + tiers[1] + tiers[2]:
         try:
@@ -211,7 +221,7 @@ def main():
         first.setdefault(name, med)
         tps = B * args.context / (med / 1e3)
         print(f"{name:<12} {label:<40} {B:5d} {med:8.1f} {tps:9.0f} {mem / 2**30:9.2f} {used / 2**30:9.2f} "
-              f"{loss:8.4f} {med / first[name]:8.2f}x", flush=True)  # first: ours with --recompute
+              f"{loss:8.4f} {med / first[name]:8.2f}x", flush=True)  # first: ours with the first --recompute mode
 
 if __name__ == "__main__":
     main()

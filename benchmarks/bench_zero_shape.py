@@ -2,7 +2,7 @@
 command line a user runs, beside PyTorch FSDP2 + torch.compile on the same shape and per-rank batch, in one run.
 
 A checkpoint of random weights of the shape (shape_checkpoint.py) is trained by `nanoeuler train --ckpt` with
-`--recompute` on each number of GPUs and ZeRO stage asked, for --steps steps of --batch-size sequences a rank;
+`--recompute layer` (the whole layer recomputed, as FSDP2's activation checkpointing does) on each number of GPUs and ZeRO stage asked, for --steps steps of --batch-size sequences a rank;
 its metrics log gives the median tokens/s and MFU of the steps after --warmup and CuPy's pool on rank 0, and
 nvidia-smi's memory in use, sampled every second, each GPU's peak (what a card must hold, the CUDA context
 included). A run is stopped (its launcher and ranks killed) once its last measured step is logged: its closing
@@ -73,7 +73,7 @@ def train(args, ckpt, gpus, zero, work):
     metrics = out[:-4] + ".jsonl"
     command = [sys.executable, "-m", "nanoeuler", "train", "--ckpt", ckpt, "--data", args.data, "--out", out,
                "--overwrite", "--device", args.device, "--precision", args.precision, "--batch-size",
-               str(args.batch_size), "--grad-accum", "1", "--recompute", "--steps", str(args.steps),
+               str(args.batch_size), "--grad-accum", "1", "--recompute", "layer", "--steps", str(args.steps),
                "--eval-every", "1000000", "--sample-every", "1000000", "--ckpt-every", "1000000"]
     if gpus > 1:
         command += ["--gpus", str(gpus), "--zero", str(zero)]
@@ -136,7 +136,7 @@ def main():
                 rows.append((gpus, zero, tps, mfu, pool, used, len(stepped), stepped[0]["loss"], stepped[-1]["loss"]))
                 log(f"{gpus} GPUs ZeRO-{zero}: {tps:,.0f} tokens/s, MFU {mfu:.1%}, rank 0's pool {pool:.2f} GiB"
                     + ("" if used is None else f", the most in use on a GPU {used:.2f} GiB"))
-    print(f"\nnanoeuler train --ckpt ({args.shape}, random weights), {args.precision}, --recompute, "
+    print(f"\nnanoeuler train --ckpt ({args.shape}, random weights), {args.precision}, --recompute layer, "
           f"{args.batch_size} x {args.context} a rank; medians of steps {args.warmup + 1}-{args.steps - 1}")
     print("| GPUs | ZeRO | tokens/s (all) | a GPU | MFU a GPU | rank 0's pool (GiB) | peak in use a GPU (GiB) "
           "| steps | loss first / last |")

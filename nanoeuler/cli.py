@@ -127,9 +127,14 @@ def _training_flags(p):
                         "computes in fp32")
     p.add_argument("--grad-accum", type=_positive_int,
                    help="forward/backward passes of --batch-size per optimizer step (less memory, same result)")
-    p.add_argument("--recompute", action="store_true",
-                   help="keep each layer's input only and recompute its activations in the backward pass (less "
-                        "memory for long contexts, a forward pass more; the same gradients bit for bit)")
+    p.add_argument("--recompute", nargs="?", const="auto", default=False, choices=("auto", "mlp", "layer"),
+                   metavar="MODE",
+                   help="recompute activations in the backward pass instead of keeping them (less memory for long "
+                        "contexts; the same gradients bit for bit): 'layer' keeps each layer's input only and runs "
+                        "the layer's forward again; 'mlp' also keeps the attention's results and recomputes the "
+                        "norms and gate|up with SwiGLU alone (faster, more memory); 'auto' (the flag alone) takes "
+                        "mlp where it fits the device's free memory, else layer. A mode follows the flag; train's "
+                        "preset goes before it")
 
 
 def _lora_flags(p, adapter=False):

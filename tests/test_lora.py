@@ -118,9 +118,22 @@ def logits_in_pieces(eng, rows=5):
     eng.logits_bytes = rows * eng.cfg.mtp_heads * eng.cfg.vocab_size * eng.act.itemsize
 
 
+def assert_recomputed(eng, mode):
+    """eng's activations as mode keeps them: the recomputed kinds one buffer for every layer, the rest a layer each."""
+    acts, n = eng._acts, eng.cfg.n_layers
+    assert acts["recompute"] == mode
+    for name in ("resid_mid", "xn1", "xn2", "rstd1", "rstd2", "qkv", "att", "lse", "gate_up", "sw"):
+        shared = mode == "layer" or name not in ("resid_mid", "qkv", "att", "lse")
+        assert (all(a is acts[name][0] for a in acts[name]) if shared else acts[name].shape[0] == n), name
+        assert len(acts[name]) == n
+
+
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole-logits", "logits-in-pieces"])
 @pytest.mark.parametrize("with_adapters", [False, True])
-def test_recompute_gradients_are_bit_identical(with_adapters, pieces):
+@pytest.mark.parametrize("mode", ["layer", "mlp"])
+def test_recompute_gradients_are_bit_identical(with_adapters, pieces, mode):
+    """Both recompute modes (the whole layer; the norms and gate|up with SwiGLU alone, the attention's results
+    kept), a full model or adapters with dropout, the logits whole or in pieces: the stored path's bits."""
     cfg = CHECK_CONFIGS[1] if not with_adapters else CHECK_CONFIGS[3]
     rng = np.random.default_rng(5)
     flat, inputs, targets = random_problem(cfg, rng)
@@ -134,12 +147,35 @@ def test_recompute_gradients_are_bit_identical(with_adapters, pieces):
     grads = lambda: (eng.adapters.grads if with_adapters else eng.grads).copy()
     losses = cross_entropy_backward(eng, inputs, targets)
     stored = grads()
-    eng.recompute = True
+    eng.recompute = mode
     if with_adapters:
         eng.adapters.dropout_key -= 1  # each backward pass moves the key on: the same masks again
     assert cross_entropy_backward(eng, inputs, targets) == losses
     assert np.array_equal(grads(), stored)
-    assert eng._acts["qkv"].shape[0] == 1  # one layer's activations kept, not n_layers'
+    assert_recomputed(eng, mode)
+
+
+def test_bare_recompute_keeps_the_attention_where_it_fits(monkeypatch):
+    """recompute True (the bare --recompute): "mlp" where all its activations fit the free memory with
+    AUTO_RESERVE to spare, else "layer"; both give the stored path's bits."""
+    from nanoeuler.model import engine
+    cfg = CHECK_CONFIGS[3]
+    rng = np.random.default_rng(6)
+    flat, inputs, targets = random_problem(cfg, rng)
+    eng = make_engine(cfg, "cpu")
+    eng.load_params(flat)
+    cross_entropy_backward(eng, inputs, targets)
+    stored = eng.grads.copy()
+    B, T = inputs.shape
+    need = engine.activation_bytes(cfg, B, T, "mlp", eng.act, eng.dtype, eng._logit_rows(B * T))
+    assert engine.activation_bytes(cfg, B, T, "layer", eng.act, eng.dtype, B * T) < need < \
+        engine.activation_bytes(cfg, B, T, None, eng.act, eng.dtype, B * T)
+    for free, mode in ((need + engine.AUTO_RESERVE, "mlp"), (need + engine.AUTO_RESERVE - 1, "layer")):
+        monkeypatch.setenv("NANOEULER_MEMORY_AVAILABLE", str(free))
+        eng.recompute, eng._acts_shape = True, None
+        cross_entropy_backward(eng, inputs, targets)
+        assert np.array_equal(eng.grads, stored)
+        assert_recomputed(eng, mode)
 
 
 def test_bad_specs_are_one_line_errors():
@@ -188,15 +224,16 @@ def test_input_gradient_through_a_quantized_matrix_is_the_dequantized_product(mo
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole-logits", "logits-in-pieces"])
-def test_qlora_recompute_gradients_are_bit_identical(pieces):
-    """--recompute on a quantized base: the same bits as the stored path (float32 CPU engine), the logits whole
-    or a piece of rows at a time."""
+@pytest.mark.parametrize("mode", ["layer", "mlp"])
+def test_qlora_recompute_gradients_are_bit_identical(pieces, mode):
+    """--recompute (both modes) on a quantized base: the same bits as the stored path (float32 CPU engine), the
+    logits whole or a piece of rows at a time."""
     eng, ad, _, inputs, targets = lora_problem(CHECK_CONFIGS[0], np.random.default_rng(5), 0.25, "int4", np.float32)
     if pieces:
         logits_in_pieces(eng)
     losses = cross_entropy_backward(eng, inputs, targets)
     stored = ad.grads.copy()
-    eng.recompute = True
+    eng.recompute = mode
     ad.dropout_key -= 1  # the same masks again
     assert cross_entropy_backward(eng, inputs, targets) == losses
     assert np.array_equal(ad.grads, stored) and np.abs(stored).max() > 0

@@ -137,15 +137,30 @@ def test_an_adapter_for_another_base_is_refused(pipeline, tmp_path, capsys):  # 
 
 
 def test_recompute_trains_the_same_bits(pipeline, tmp_path):  # noqa: F811
-    """--recompute on a full fine-tuning run: the same weights and log, bit for bit, as without it."""
+    """--recompute on a full fine-tuning run, bare (auto: mlp, which fits) and `layer`: the same weights and log,
+    bit for bit, as without it."""
     common = ["--ckpt", pipeline["base"], "--steps", 3, "--batch-size", 4, "--eval-every", 3, "--sample-every", 3,
               *SFT_FLAGS]
     assert _main(sft, "sft", "--out", tmp_path / "a.bin", *common) == 0
     assert _main(sft, "sft", "--out", tmp_path / "b.bin", "--recompute", *common) == 0
-    a, b = (checkpoint.load(tmp_path / f"{n}.bin") for n in "ab")
+    assert _main(sft, "sft", "--out", tmp_path / "c.bin", "--recompute", "layer", *common) == 0
+    a, b, c = (checkpoint.load(tmp_path / f"{n}.bin") for n in "abc")
     np.testing.assert_array_equal(a.params, b.params)
-    logs = [[json.loads(line)["loss"] for line in open(tmp_path / f"{n}.jsonl")] for n in "ab"]
-    assert logs[0] == logs[1]
+    np.testing.assert_array_equal(a.params, c.params)
+    logs = [[json.loads(line)["loss"] for line in open(tmp_path / f"{n}.jsonl")] for n in "abc"]
+    assert logs[0] == logs[1] == logs[2]
+
+
+def test_recompute_flag_takes_a_mode_or_none():
+    """--recompute alone is auto, with a mode that mode, absent False; an unknown mode is argparse's one line."""
+    from nanoeuler import cli
+    parse = cli.build_parser()[0].parse_args
+    assert parse(["sft", "--recompute"]).recompute == "auto"
+    assert parse(["train", "small", "--recompute"]).recompute == "auto"
+    assert [parse(["dpo", "--recompute", m]).recompute for m in ("mlp", "layer")] == ["mlp", "layer"]
+    assert parse(["sft"]).recompute is False
+    with pytest.raises(SystemExit):
+        parse(["sft", "--recompute", "attention"])
 
 
 def test_lora_on_two_ranks_is_one_rank_at_twice_the_batch(pipeline, tmp_path):  # noqa: F811

@@ -29,8 +29,8 @@ model of each type: its full-forward and KV-cache decode logits against the CPU 
 quantized checkpoint (float64), bounds as for float weights.
 LoRA: its layers (the update into a column slice of a wider product, its backward pass, dropout's mask), then a
 frozen base with adapters on all seven targets, dropout off and on (the same key: the same mask on both
-engines), the adapters' gradients against the CPU engine's in fp32 and bf16, and --recompute's gradients equal
-to the stored path's bit for bit.
+engines), the adapters' gradients against the CPU engine's in fp32 and bf16, and --recompute's gradients (mlp
+and layer) equal to the stored path's bit for bit.
 
     nanoeuler check --gpu
 """
@@ -870,7 +870,8 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
 def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, dropout=0.0, quant=None):
     """LoRA on a frozen base (model/lora.py), GPU engine in `precision` vs CPU engine (float64), the same base,
     adapters (rank 8 on all seven targets, alpha 16) and dropout key: {adapter tensor: error}, plus the loss,
-    and whether the GPU's gradients with --recompute equal its stored path's bit for bit (error 0 or inf).
+    and whether the GPU's gradients with --recompute (mlp and layer) equal its stored path's bit for bit (error 0
+    or inf).
     quant "int8" / "int4": QLoRA, the base's matrices quantized in groups of 32 on both engines, its heads int8
     (`quantize`'s default; the input gradient through them: the CPU's exact dequantization, the GPU's dequantized
     scratch and cuBLAS)."""
@@ -901,12 +902,14 @@ def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, drop
         size = math.prod(shape)
         errors[name] = rel_err(got[off:off + size], ref[off:off + size])
         report(f"{name:<24} : rel err {errors[name]:.2e}")
-    gpu.recompute = True
-    gpu.adapters.dropout_key -= 1  # the same masks again
-    cross_entropy_backward(gpu, inputs, targets)
-    same = bool((gpu.adapters.grads.get() == got).all())
-    errors["recompute"] = 0.0 if same else math.inf
-    report(f"{'--recompute':<24} : {'bit-identical gradients' if same else 'DIFFERENT gradients'}")
+    errors["recompute"] = 0.0
+    for mode in ("mlp", "layer"):
+        gpu.recompute = mode
+        gpu.adapters.dropout_key -= 1  # the same masks again
+        cross_entropy_backward(gpu, inputs, targets)
+        same = bool((gpu.adapters.grads.get() == got).all())
+        errors["recompute"] = max(errors["recompute"], 0.0 if same else math.inf)
+        report(f"{'--recompute ' + mode:<24} : {'bit-identical gradients' if same else 'DIFFERENT gradients'}")
     return errors
 
 

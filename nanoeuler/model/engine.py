@@ -80,6 +80,52 @@ LOAD_PIECE = 1 << 24  # float32 values a piece of a load into an engine without 
 # training (base: 32 x 512 positions of 4 x 4,096 logits in bf16) stays one piece
 LOGITS_BYTES = 512 << 20
 
+# The activations the backward pass reads of a layer: qkv (after the rotary embedding), att and lse (attention's
+# output and log-sum-exp), resid_mid (the stream between the sublayers), the normed inputs xn1, xn2 with rstd1,
+# rstd2, gate_up and sw (SwiGLU's input and output). Recomputation (Engine.recompute) keeps some of them a layer
+# each and computes the others again in the backward pass, into one buffer that every layer shares:
+# - "layer": none kept; the layer's whole forward again from its input (the residual stream, always kept);
+# - "mlp": the attention's results kept (qkv, att, lse, resid_mid: its products, the attention itself and its
+#   adapters are the costly part); the two norms and the gate|up product with SwiGLU (and the gate and up
+#   adapters) computed again, the down product not (its output is the stream, kept);
+# - "auto" (True, the bare --recompute): "mlp" where all the step's activations in that mode fit the device's
+#   free memory less AUTO_RESERVE (what the step allocates beyond them: scratch, transients), else "layer".
+RECOMPUTE_MODES = ("layer", "mlp")
+RECOMPUTED = {"layer": ("resid_mid", "xn1", "xn2", "rstd1", "rstd2", "qkv", "att", "lse", "gate_up", "sw"),
+              "mlp": ("xn1", "xn2", "rstd1", "rstd2", "gate_up", "sw"), None: ()}
+AUTO_RESERVE = 1 << 30
+
+
+def activation_shapes(cfg, B, T, mode, act, stat, rows):
+    """{name: (per_layer, shape, dtype)} of the activation buffers of a (B, T) step (Engine._activations):
+    per_layer "kept" (one (shape) a layer), "recomputed" (one for every layer: mode's RECOMPUTED) or None (one
+    buffer); act the activations' type, stat the statistics' (float32, never bf16); rows the logits' piece."""
+    N, C, D = B * T, cfg.dim, cfg.head_dim
+    H, G, F = cfg.n_heads, cfg.n_kv_heads, cfg.hidden
+    per_layer = dict(resid_mid=((N, C), act), xn1=((N, C), act), xn2=((N, C), act), rstd1=((N,), stat),
+                     rstd2=((N,), stat), qkv=((B, T, H + 2 * G, D), act), att=((B, T, H, D), act),
+                     lse=((B, H, T), stat), gate_up=((N, 2 * F), act), sw=((N, F), act))
+    shapes = {name: ("recomputed" if name in RECOMPUTED[mode] else "kept", shape, dtype)
+              for name, (shape, dtype) in per_layer.items()}
+    shapes["resid"] = (None, (cfg.n_layers + 1, N, C), act)  # the stream before each layer: always kept
+    # the final norm, one piece of rows' logits of all K heads (scored before the next is computed), the losses
+    shapes.update(hf=(None, (N, C), act), rstdf=(None, (N,), stat),
+                  logits=(None, (rows, cfg.mtp_heads * cfg.vocab_size), act), losses=(None, (cfg.mtp_heads, N), stat))
+    # the backward pass's scratch
+    shapes.update({name: (None, shape, act) for name, shape in (
+        ("dresid", (N, C)), ("dxn", (N, C)), ("dqkv", (B, T, H + 2 * G, D)), ("datt", (B, T, H, D)),
+        ("dgate_up", (N, 2 * F)), ("dsw", (N, F)), ("dhf", (N, C)))})
+    return shapes
+
+
+def activation_bytes(cfg, B, T, mode, act, stat, rows):
+    """The bytes of activation_shapes' buffers: what a (B, T) step holds besides weights, gradients and
+    optimizer state (less a few transients); mode None, "layer" or "mlp"."""
+    total = 0
+    for per_layer, shape, dtype in activation_shapes(cfg, B, T, mode, act, stat, rows).values():
+        total += math.prod(shape) * np.dtype(dtype).itemsize * (cfg.n_layers if per_layer == "kept" else 1)
+    return total
+
 
 class Engine:
     def __init__(self, cfg, layers, xp, dtype=np.float32, seed=0, training=True, zero=0):
@@ -116,8 +162,8 @@ class Engine:
         self.logits_bytes = LOGITS_BYTES  # the logits held at once (_logit_rows)
         # LoRA's adapters (model/lora.py: attach), read by the passes at their targets; None: none
         self.adapters = None
-        # keep only each layer's input and recompute the layer's activations in the backward pass (less memory,
-        # one more forward pass; the same gradients bit for bit)
+        # activations recomputed in the backward pass instead of kept (less memory; the same gradients bit for
+        # bit): False (none), "layer", "mlp" or True / "auto" (RECOMPUTE_MODES: what each keeps)
         self.recompute = False
         self._gain_scratch = None  # a frozen norm gain's gradient lands here (the backward pass of a frozen base)
         self._last = None  # the last forward's (tokens, targets, B, T), for backward()
@@ -306,33 +352,39 @@ class Engine:
         row = self.cfg.mtp_heads * self.cfg.vocab_size * self.act.itemsize
         return -(-N // max(1, -(-N * row // self.logits_bytes)))
 
+    def _recompute_mode(self, B, T):
+        """self.recompute as the mode the passes run: None, "layer" or "mlp" (RECOMPUTE_MODES); "auto", True: "mlp"
+        where its activations fit the device's free memory less AUTO_RESERVE, else "layer"."""
+        mode = self.recompute
+        if mode is True or mode == "auto":
+            free = memory.free_bytes(self.xp is not np)
+            need = activation_bytes(self.cfg, B, T, "mlp", self.act, self.dtype, self._logit_rows(B * T))
+            return "mlp" if need + AUTO_RESERVE <= free else "layer"
+        if mode not in (False, None) + RECOMPUTE_MODES:
+            raise ValueError(f"recompute {mode!r}: False, True, 'auto' or one of {RECOMPUTE_MODES}")
+        return mode or None
+
     def _activations(self, B, T):
-        """Buffers for everything the backward pass reads, allocated once per (B, T)."""
+        """Buffers for everything the backward pass reads, allocated once per (B, T) and recompute setting. A
+        kind recomputed in the backward pass is one buffer shared by every layer (a list of n_layers times the
+        same array), so the passes index every kind by layer alike; acts['recompute'] is the mode they run."""
         N = B * T
         rows = self._logit_rows(N)
         if self._acts_shape == (B, T, self.recompute, rows):
             return self._acts
         self._acts = None  # the old buffers freed before the new ones are made
-        cfg, xp = self.cfg, self.xp
-        C, D = cfg.dim, cfg.head_dim
-        n_layers = 1 if self.recompute else cfg.n_layers  # slots of per-layer activations: one, recomputed
-        layer_inputs = cfg.n_layers + 1  # the residual stream before each layer is always kept
-        H, G, F = cfg.n_heads, cfg.n_kv_heads, cfg.hidden
-        head_logits = cfg.mtp_heads * cfg.vocab_size  # all K heads' logits of a position, one matmul's output
-        # logits: one piece of rows' (all N's where they fit logits_bytes), scored before the next is computed
-        act = lambda *shape: xp.empty(shape, dtype=self.act)       # activations
-        stat = lambda *shape: xp.empty(shape, dtype=self.dtype)    # statistics and losses, never bf16
-        # the SwiGLU output and the sublayers' normed inputs are kept, not recomputed (docs/gpu-engine.md)
-        acts = dict(
-            resid=act(layer_inputs, N, C), resid_mid=act(n_layers, N, C),  # residual stream before each sublayer
-            xn1=act(n_layers, N, C), xn2=act(n_layers, N, C), rstd1=stat(n_layers, N), rstd2=stat(n_layers, N),
-            qkv=act(n_layers, B, T, H + 2 * G, D), att=act(n_layers, B, T, H, D), lse=stat(n_layers, B, H, T),
-            gate_up=act(n_layers, N, 2 * F), sw=act(n_layers, N, F),
-            hf=act(N, C), rstdf=stat(N), logits=act(rows, head_logits), losses=stat(cfg.mtp_heads, N),
-            # backward scratch
-            dresid=act(N, C), dxn=act(N, C), dqkv=act(B, T, H + 2 * G, D), datt=act(B, T, H, D),
-            dgate_up=act(N, 2 * F), dsw=act(N, F), dhf=act(N, C),
-        )
+        mode = self._recompute_mode(B, T)
+        xp, n_layers = self.xp, self.cfg.n_layers
+        acts = {}
+        for name, (per_layer, shape, dtype) in activation_shapes(self.cfg, B, T, mode, self.act, self.dtype,
+                                                                 rows).items():
+            if per_layer == "kept":
+                acts[name] = xp.empty((n_layers,) + shape, dtype=dtype)
+            elif per_layer == "recomputed":
+                acts[name] = [xp.empty(shape, dtype=dtype)] * n_layers
+            else:
+                acts[name] = xp.empty(shape, dtype=dtype)
+        acts["recompute"] = mode
         self._acts, self._acts_shape = acts, (B, T, self.recompute, rows)
         return acts
 
@@ -352,9 +404,9 @@ class Engine:
         self._gather("embedding")
         layers.embedding_forward(acts["resid"][0], tokens.reshape(N), p["tok_emb"])
         self._release("embedding")
-        low_rank = self._low_rank(N, in_place)
+        low_rank = self._low_rank(N, acts)
         for i in range(cfg.n_layers):
-            slot = 0 if in_place or self.recompute else i
+            slot = 0 if in_place else i  # decoding's buffers are one set for every layer
             self._gather(i)
             self._layer_forward(i, slot, acts, B, T, cache, None if low_rank is None else low_rank[slot])
             self._release(i)
@@ -371,18 +423,23 @@ class Engine:
         if self.sharding is not None:
             self.sharding.release(unit)
 
-    def _low_rank(self, N, in_place=False):
-        """The adapters' kept low-rank products (slots, targets, N, r), or None without adapters."""
+    def _low_rank(self, N, acts):
+        """The adapters' kept low-rank products, (targets, N, r) a layer (one slot for every layer where the
+        layers are recomputed whole, and for decoding; a slot a layer otherwise: the attention's adapters are not
+        recomputed in "mlp" mode), or None without adapters."""
         ad = self.adapters
         if ad is None or not ad.enabled:
             return None
-        return ad.low_rank(1 if in_place or self.recompute else self.cfg.n_layers, N)
+        if acts.get("in_place", False) or acts.get("recompute") == "layer":
+            return [ad.low_rank(1, N)[0]] * self.cfg.n_layers
+        return ad.low_rank(self.cfg.n_layers, N)
 
     def _layer_forward(self, i, j, acts, B, T, cache, low_rank):
         """Layer i from acts['resid'][i] to acts['resid'][i + 1], its activations into slot j of the per-layer
-        buffers (i; 0 where they are recomputed, and decoding's single set); low_rank: the adapters' slot
-        (targets, N, r), or None without adapters. Where an adapter changes a fused product (q|k|v, gate|up), the
-        product is computed plain, the update added, then the bias, rotary embedding or SwiGLU that follows."""
+        buffers (i; 0 in decoding's single set; a recomputed kind's one buffer is every layer's slot); low_rank:
+        the adapters' slot (targets, N, r), or None without adapters. Where an adapter changes a fused product
+        (q|k|v, gate|up), the product is computed plain, the update added, then the bias, rotary embedding or
+        SwiGLU that follows."""
         cfg, layers, p = self.cfg, self.layers, self.p
         H, G, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
         N = B * T
@@ -418,22 +475,45 @@ class Engine:
         if ad is not None:
             ad.forward(i, "o", low_rank, resid_mid, att.reshape(N, -1), cache is None)
         # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
-        skip = None if in_place else resid_next
+        self._swiglu_forward(i, j, acts, N, None if in_place else resid_next, low_rank, cache is None)
+        layers.matmul_forward(resid_next, acts["sw"][j], p[w + "w_down"], accumulate=True)
+        if ad is not None:
+            ad.forward(i, "down", low_rank, resid_next, acts["sw"][j], cache is None)
+
+    def _swiglu_forward(self, i, j, acts, N, skip, low_rank, dropout=True):
+        """Layer i's feed-forward block up to its SwiGLU output: rmsnorm(resid_mid) into xn2 and rstd2, the
+        gate|up product (with the gate and up adapters' updates where low_rank is given) into gate_up, SwiGLU
+        into sw, slot j; skip as rmsnorm_matmul_forward (None: the residual stream is not copied, as in
+        the backward pass's recomputation)."""
+        cfg, layers, p = self.cfg, self.layers, self.p
+        w, F, resid_mid = f"layers.{i}.", cfg.hidden, acts["resid_mid"][j]
+        ad = self.adapters if low_rank is not None else None
         if ad is not None and ad.targets("gate", "up"):
             xn, gate_up = acts["xn2"][j], acts["gate_up"][j]
             xn = ad.normed_input(N) if xn is None else xn
             layers.rmsnorm_matmul_forward(gate_up, acts["rstd2"][j], resid_mid, p[w + "ffn_norm"],
                                           p[w + "w_gate_up"], cfg.norm_eps, xn, skip)
-            ad.forward(i, "gate", low_rank, gate_up[:, :F], xn, cache is None)
-            ad.forward(i, "up", low_rank, gate_up[:, F:], xn, cache is None)
+            ad.forward(i, "gate", low_rank, gate_up[:, :F], xn, dropout)
+            ad.forward(i, "up", low_rank, gate_up[:, F:], xn, dropout)
             layers.swiglu_forward(acts["sw"][j], gate_up)
         else:
             layers.rmsnorm_matmul_swiglu_forward(acts["sw"][j], acts["gate_up"][j], acts["rstd2"][j], resid_mid,
                                                  p[w + "ffn_norm"], p[w + "w_gate_up"], cfg.norm_eps,
                                                  acts["xn2"][j], skip)
-        layers.matmul_forward(resid_next, acts["sw"][j], p[w + "w_down"], accumulate=True)
-        if ad is not None:
-            ad.forward(i, "down", low_rank, resid_next, acts["sw"][j], cache is None)
+
+    def _recompute_layer(self, i, acts, B, T, low_rank):
+        """Layer i's activations that acts['recompute'] left out, again from what the forward pass kept, into
+        the shared buffers: "layer", the whole layer from its input resid[i]; "mlp", the attention's normed
+        input (xn1, rstd1) and the feed-forward block up to SwiGLU from resid_mid[i] (the attention's results,
+        qkv after the rotary embedding, att, lse and resid_mid, kept a layer each). The same kernels on the same
+        inputs and dropout masks: the same bits as the forward pass's."""
+        if acts["recompute"] == "layer":
+            self._layer_forward(i, i, acts, B, T, None, low_rank)
+        elif acts["recompute"] == "mlp":
+            cfg = self.cfg
+            self.layers.rmsnorm_forward(acts["xn1"][i], acts["rstd1"][i], acts["resid"][i],
+                                        self.p[f"layers.{i}.attn_norm"], cfg.norm_eps)
+            self._swiglu_forward(i, i, acts, B * T, None, low_rank)
 
     def _tokens(self, inputs):
         """inputs as a (B, T) int32 array of the engine's library; refuses what does not fit the context (the
@@ -562,7 +642,7 @@ class Engine:
                 self.grads.fill(0)
             if ad is not None:
                 ad.grads.fill(0)
-        low_rank = self._low_rank(N)
+        low_rank = self._low_rank(N, acts)
         dresid, dxn = acts["dresid"], acts["dxn"]
         # heads and final norm: dhf = dlogits @ heads, dheads += dlogits.T @ hf (tied: into tok_emb's gradient,
         # which the embedding's scatter-add below adds to)
@@ -580,13 +660,12 @@ class Engine:
             ready(layout["final_norm"][0])
         for i in reversed(range(cfg.n_layers)):
             w = f"layers.{i}."
-            j = 0 if self.recompute else i
+            j = i  # a recomputed kind's buffer is the same for every layer (_activations)
             lr = None if low_rank is None else low_rank[j]
             if sharded:
                 sharded.gather(i, backward=True)
                 sharded.open_grads(i)
-            if self.recompute:  # the layer's activations again, from its kept input: the same bits as before
-                self._layer_forward(i, j, acts, B, T, None, lr)
+            self._recompute_layer(i, acts, B, T, lr)  # what the forward pass did not keep (none without recompute)
             # feed-forward block; dresid is d(resid[i+1]) and, through the skip, d(resid_mid)
             layers.matmul_backward(acts["dsw"], gw(w + "w_down"), dresid, acts["sw"][j], p[w + "w_down"])
             if ad is not None:
