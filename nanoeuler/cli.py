@@ -127,14 +127,13 @@ def _training_flags(p):
                         "computes in fp32")
     p.add_argument("--grad-accum", type=_positive_int,
                    help="forward/backward passes of --batch-size per optimizer step (less memory, same result)")
-    p.add_argument("--recompute", nargs="?", const="auto", default=False, choices=("auto", "mlp", "layer"),
+    p.add_argument("--recompute", nargs="?", const="auto", default=False, choices=RECOMPUTE_CHOICES,
                    metavar="MODE",
                    help="recompute activations in the backward pass instead of keeping them (less memory for long "
                         "contexts; the same gradients bit for bit): 'layer' keeps each layer's input only and runs "
                         "the layer's forward again; 'mlp' also keeps the attention's results and recomputes the "
                         "norms and gate|up with SwiGLU alone (faster, more memory); 'auto' (the flag alone) takes "
-                        "mlp where it fits the device's free memory, else layer. A mode follows the flag; train's "
-                        "preset goes before it")
+                        "mlp where it fits the device's free memory, else layer")
 
 
 def _lora_flags(p, adapter=False):
@@ -471,11 +470,24 @@ def launch_nodes(args):
     return Nodes(count, args.node_rank, args.master_addr, args.master_port or 29500)
 
 
+RECOMPUTE_CHOICES = ("auto", "mlp", "layer")
+
+
+def bare_recompute(argv):
+    """argv with a bare `--recompute` followed by a word that is not a mode (`train --recompute small`) written
+    `--recompute=auto`: the flag alone keeps meaning what it meant before it took a mode, whatever follows it."""
+    out = list(argv)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--recompute" and not out[i + 1].startswith("-") and out[i + 1] not in RECOMPUTE_CHOICES:
+            out[i] = "--recompute=auto"
+    return out
+
+
 def main(argv=None):
     # Before any subcommand imports NumPy or numba (see nanoeuler/__init__.py for what and why).
     configure_cpu_runtime()
     parser, sub = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(bare_recompute(sys.argv[1:] if argv is None else argv))
     try:
         nodes = launch_nodes(args)
         if nodes is not None:

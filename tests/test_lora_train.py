@@ -161,6 +161,10 @@ def test_recompute_flag_takes_a_mode_or_none():
     assert parse(["sft"]).recompute is False
     with pytest.raises(SystemExit):
         parse(["sft", "--recompute", "attention"])
+    # the flag alone before train's preset, as before it took a mode
+    bare = parse(cli.bare_recompute(["train", "--recompute", "small"]))
+    assert (bare.recompute, bare.preset) == ("auto", "small")
+    assert cli.bare_recompute(["sft", "--recompute", "mlp"]) == ["sft", "--recompute", "mlp"]
 
 
 def test_lora_on_two_ranks_is_one_rank_at_twice_the_batch(pipeline, tmp_path):  # noqa: F811
