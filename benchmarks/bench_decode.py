@@ -368,6 +368,8 @@ def kernel_times(eng, rows, position, repeats=100):
     settings = [cp.full(rows, v, dtype) for v, dtype in ((0, np.int32), (0.8, np.float32), (0.95, np.float32),
                                                           (1, np.uint32), (0, np.uint32), (3, np.int32))]
     ids = cp.zeros(rows, np.int32)
+    # the argmax and the sampler read a model's kind of row (the head's output here is zeros, a flat row)
+    z = cp.asarray(np.random.default_rng(0).normal(0.0, 2.0, (rows, V)).astype(np.float32))
     w = "layers.0."
     calls = {
         "qkv + norm + rope": lambda: layers.rmsnorm_matmul_rope_forward(
@@ -378,10 +380,12 @@ def kernel_times(eng, rows, position, repeats=100):
             sw, gate_up, rstd, x, p[w + "ffn_norm"], p[w + "w_gate_up"], cfg.norm_eps, None),
         "down, +=": lambda: layers.matmul_forward(x, sw, p[w + "w_down"], accumulate=True),
         "head 0, float32": lambda: layers.matmul_forward(logits, x, p["heads.0"]),
-        "argmax": lambda: layers.argmax(ids, logits),
-        "sample, greedy": lambda: layers.sample_rows(ids, logits, settings[0], cp.zeros(rows, np.float32),
-                                                     *settings[2:]),
-        "sample, top-p 0.95": lambda: layers.sample_rows(ids, logits, *settings),
+        "argmax": lambda: layers.argmax(ids, z),
+        "sample, greedy": lambda: layers.sample_rows(ids, z, settings[0], cp.zeros(rows, np.float32), *settings[2:]),
+        "sample, top-p 0.95": lambda: layers.sample_rows(ids, z, *settings),
+        "sample, top-k 50 + top-p 0.95": lambda: layers.sample_rows(ids, z, cp.full(rows, 50, np.int32),
+                                                                    *settings[1:]),
+        "sample, top-p 0.95, a flat row": lambda: layers.sample_rows(ids, logits, *settings),
     }
     out = {}
     for name, call in calls.items():

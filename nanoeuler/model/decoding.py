@@ -31,6 +31,7 @@ A step of at most limits.FEW_ROWS rows (batch x new tokens) keeps its buffers in
 recorded as a CUDA graph by its first call and replayed after (`graphs`): one launch a token. Positions live
 in device memory (KVCache.position, a sample step's state), so one recording serves every position.
 """
+import functools
 import numpy as np
 
 from nanoeuler.model.engine import to_float32, to_numpy
@@ -273,9 +274,18 @@ class Step:
             self.first_rows = xp.arange(0, B * T, T, dtype=np.int32)  # sequence b's rows start at b * T
             self.last_rows = xp.empty(B, dtype=np.int32)
         self.held = None  # the host copy of what state holds, where the host knows it
-        self.run = eng.layers.graph(self._run) if graph else self._run
+        self.graph, self.runs = graph, {}
+        self.run = self._recorded(True)
 
-    def _run(self):
+    def _recorded(self, sampling):
+        """The step's run, recorded on first use where `graph`. sampling False: a sample step whose rows are all
+        greedy, which takes the argmax alone (no sampling kernels to launch)."""
+        if sampling not in self.runs:
+            run = functools.partial(self._run, sampling)
+            self.runs[sampling] = self.eng.layers.graph(run) if self.graph else run
+        return self.runs[sampling]
+
+    def _run(self, sampling=True):
         eng, a, layers, B, T = self.eng, self.a, self.eng.layers, self.B, self.T
         eng.forward_layers(self.tokens, a, B, T, self)
         x = a["resid"][-1]
@@ -295,8 +305,11 @@ class Step:
         if eng.cfg.tokenizer_vocab is not None:  # rows past the tokenizer's vocabulary (padding) are never generated
             self.logits.reshape(self.rows, self.heads, V)[:, :, eng.cfg.tokenizer_vocab:] = -np.inf
         if self.kind == "sample":
-            layers.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"],
-                               f["seed_hi"], f["index"])
+            if sampling:
+                layers.sample_rows(self.ids, self.logits, f["top_k"], f["temperature"], f["top_p"], f["seed_lo"],
+                                   f["seed_hi"], f["index"])
+            else:  # every row greedy: sample_rows's draws are the argmax
+                layers.argmax(self.ids, self.logits)
             if T == 1:
                 layers.feed_back(self.tokens, self.ids, f["position"], f["index"], self.log, f["counter"],
                                  self.cache.context)
@@ -330,6 +343,8 @@ class Step:
             else:
                 self.state.set(state)  # one copy to the device, no temporary
         self.held = None  # a sample step's state moves on on the device: uploaded every call
+        if state is not None and self.kind == "sample":
+            self.run = self._recorded(bool((_views("sample", state, self.B, self.T)["temperature"] > 0).any()))
         for _ in range(steps):
             self.run()
 

@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from nanoeuler.model.limits import FEW_ROWS, clip_scale
+from nanoeuler.model.limits import FEW_ROWS, SAMPLE_EXP2, SAMPLE_LN, SAMPLE_WEIGHT_BITS, clip_scale
 from nanoeuler.model.quantize import QuantizedTensor
 
 # Reassociation lets LLVM vectorise the sums; no flag that assumes away infinities or NaNs.
@@ -792,12 +792,19 @@ def accept_drafts(tokens, ids, log, pos):
 
 
 # Sampling a row: Gumbel-max over the kept tokens, with noise from a hash of (seed, token index, id) that is a
-# pure function of them, so a row's draw depends on nothing else in the batch; the top-k and top-p cuts are
-# values found by bisection on the logits' order-preserving integer keys (no sort). The GPU's sample_rows
-# (kernels/decoding.cu) is the same algorithm; its search decides several bits a pass, which finds the same
-# cut (the counts and masses fall as the cut rises).
+# pure function of them, so a row's draw depends on nothing else in the batch. Every quantity is an exact
+# function of the row: float32 weights from a fixed sequence of rounded operations (nanoeuler.model.limits:
+# SAMPLE_EXP2, SAMPLE_LN; compiled without fastmath, which would let LLVM fuse or reorder them), integer masses
+# that add alike in any order, cuts found on the logits' order-preserving integer keys (no sort). The GPU's
+# sample_* kernels (kernels/decoding.cu) compute the same weights, masses, cuts and noise, so its draws equal
+# these (it finds the cuts by histograms of the masses instead of bisection: the same values).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_EXP2 = np.array(SAMPLE_EXP2, np.float32)
+_LN = np.array(SAMPLE_LN, np.float32)
+_LOG2E, _LN2, _SQRT_HALF = (np.float32(float.fromhex(c)) for c in ("0x1.715476p+0", "0x1.62e43p-1", "0x1.6a09e6p-1"))
+_UNIT = np.float32(2.0 ** SAMPLE_WEIGHT_BITS)  # a mass's unit is 2^-SAMPLE_WEIGHT_BITS of a weight
+exact = dict(cache=True, nogil=True, error_model="numpy")  # no fastmath: every rounding as written
 
 
 @njit(inline="always", **jit)
@@ -822,14 +829,55 @@ def _float32_bits(typingctx, x):
     return types.int32(types.float32), codegen
 
 
-@njit(**pjit)
+@njit(inline="always", **exact)
+def _sample_weight(z, m, scale):
+    """A token's weight 2^t, t = (z - m) * scale (float32; scale = log2(e) / temperature): 0 where t is below
+    -SAMPLE_WEIGHT_BITS (or NaN), else in [2^-SAMPLE_WEIGHT_BITS, 1], 1 at the largest logit m."""
+    t = (z - m) * scale
+    if not t >= -SAMPLE_WEIGHT_BITS:
+        return np.float32(0.0)
+    n = math.floor(t)
+    f = t - np.float32(n)  # exact, in [0, 1)
+    p = _EXP2[_EXP2.size - 1]
+    for j in range(_EXP2.size - 2, -1, -1):
+        p = p * f + _EXP2[j]
+    return p * np.float32(math.ldexp(1.0, n))
+
+
+@njit(inline="always", **exact)
+def _sample_noise(seed, counter, v):
+    """-ln(u) (float32, in (0, 16.7)) for u = (2h + 1) 2^-24, h the top 23 bits of a hash of (seed, counter | v)."""
+    h = _mix64(seed ^ (_mix64(counter | np.uint64(v)) + _GOLDEN))
+    mantissa, e = math.frexp(np.float64(np.uint64(2) * (h >> np.uint64(41)) + np.uint64(1)))  # exact
+    y = np.float32(mantissa)  # in [1/2, 1): u = y 2^(e - 24)
+    if y < _SQRT_HALF:
+        y, e = y * np.float32(2.0), e - 1
+    s = y - np.float32(1.0)  # exact, in [sqrt(1/2) - 1, sqrt(2) - 1]
+    q = _LN[_LN.size - 1]
+    for j in range(_LN.size - 2, -1, -1):
+        q = q * s + _LN[j]
+    return -(np.float32(e - 24) * _LN2 + s * q)
+
+
+@njit(inline="always", **exact)
+def _sample_mass(w):
+    """A weight's mass: floor(w 2^SAMPLE_WEIGHT_BITS), an integer (w times a power of two is exact)."""
+    return np.uint64(w * _UNIT)
+
+
+@njit(parallel=True, **exact)
 def sample_rows(ids, logits, top_k, temperature, top_p, seed_lo, seed_hi, index):
     """ids (R,) int32: a token drawn from each row of logits (R, V) float32, row r with its own temperature,
-    top_k (0: off), top_p (1: off), 64-bit seed (seed_hi << 32 | seed_lo, uint32 each) and token index: the
-    argmax of (z - max) / temperature + Gumbel noise over the tokens the cuts keep (top-k first: the values at
-    or above the k-th largest; then top-p: those at or above the largest value whose tokens at or above it hold
-    top_p of the kept mass; ties at a cut are kept), the noise -log(-log(u)) with u from (seed, index, id).
-    Temperature 0 is the argmax (the first of equal ones)."""
+    top_k (0: off), top_p (1: off), 64-bit seed (seed_hi << 32 | seed_lo, uint32 each) and token index.
+    m = the row's largest logit (its first id: `best`); a token's weight w = 2^t, t = (z - m) * (log2(e) / T)
+    in float32 (_sample_weight: 0 below t = -SAMPLE_WEIGHT_BITS, 1 at m) and its mass the integer
+    floor(w 2^SAMPLE_WEIGHT_BITS); the tokens of nonzero weight are live. Top-k keeps the live tokens at or
+    above the k-th largest live value; top-p then keeps those at or above the largest value c whose kept
+    tokens at or above c hold mass M_c with float64(M_c) >= float64(top_p) * float64(total kept mass): ties
+    at a cut kept, every sum an exact integer. The draw is the kept token of the smallest E / w (float32
+    division; the lowest id of equal ones), E = -ln(u) (_sample_noise) from a hash of (seed, index, id):
+    Gumbel-max, as -ln(E) + ln(w) is Gumbel noise plus the scaled logit. Temperature <= 0, top_p <= 0 or a
+    row whose largest logit is not finite: `best`, the argmax (the first of equal ones)."""
     R, V = logits.shape
     for r in prange(R):
         z = logits[r]
@@ -837,55 +885,52 @@ def sample_rows(ids, logits, top_k, temperature, top_p, seed_lo, seed_hi, index)
         for v in range(V):
             if z[v] > z[best]:
                 best = v
-        T = temperature[r]
-        if T <= 0:
+        T, p, m = temperature[r], top_p[r], z[best]
+        if not (T > 0 and p > 0 and np.isfinite(m)):
             ids[r] = best
             continue
-        m = z[best]
+        scale = _LOG2E / T
         keys = np.empty(V, dtype=np.uint32)
+        w = np.empty(V, dtype=np.float32)
+        live = 0
         for v in range(V):
             keys[v] = _order_key(z[v])
+            w[v] = _sample_weight(z[v], m, scale)
+            live += w[v] > 0
         cut = np.uint32(0)
-        if 0 < top_k[r] < V:  # the k-th largest key: the largest c with at least k keys >= c
+        if 0 < top_k[r] < live:  # the k-th largest live key: the largest c with at least k live keys >= c
             for bit in range(31, -1, -1):
                 c = cut | np.uint32(1 << bit)
                 count = 0
                 for v in range(V):
-                    count += keys[v] >= c
+                    count += w[v] > 0 and keys[v] >= c
                 if count >= top_k[r]:
                     cut = c
-        if top_p[r] < 1:
-            e = np.zeros(V, dtype=np.float32)
-            for v in range(V):
-                if keys[v] >= cut:
-                    e[v] = exp((z[v] - m) / T)
-            # e is 0 below the top-k cut, so the largest c whose mass reaches the target is at or above it
-            target = top_p[r] * _masked_sum(e, keys, np.uint32(0))
-            cut = np.uint32(0)
+        if p < 1:  # the largest c whose kept tokens at or above it hold top_p of the kept mass
+            kcut, cut = cut, np.uint32(0)
+            target = np.float64(p) * np.float64(_kept_mass(w, keys, kcut, kcut))
             for bit in range(31, -1, -1):
                 c = cut | np.uint32(1 << bit)
-                if _masked_sum(e, keys, c) >= target:
+                if np.float64(_kept_mass(w, keys, kcut, c)) >= target:
                     cut = c
         seed = _mix64((np.uint64(seed_hi[r]) << np.uint64(32)) | np.uint64(seed_lo[r]))
         counter = np.uint64(index[r]) << np.uint64(32)
-        choice, score = best, -np.inf
+        choice, score = best, np.float32(np.inf)
         for v in range(V):
-            if keys[v] < cut:
-                continue
-            h = _mix64(seed ^ (_mix64(counter | np.uint64(v)) + _GOLDEN))
-            u = np.float32(np.uint64(2) * (h >> np.uint64(41)) + np.uint64(1)) * np.float32(2.0 ** -24)
-            s = (z[v] - m) / T - np.float32(math.log(-np.float32(math.log(u))))
-            if s > score:
-                choice, score = v, s
+            if w[v] > 0 and keys[v] >= cut:
+                s = _sample_noise(seed, counter, v) / w[v]
+                if s < score:
+                    choice, score = v, s
         ids[r] = choice
 
 
-@njit(**jit)
-def _masked_sum(e, keys, cut):
-    """The sum of e over the ids whose key is at least cut, in id order."""
-    s = ZERO
-    for v in range(e.shape[0]):
-        s += e[v] if keys[v] >= cut else ZERO
+@njit(**exact)
+def _kept_mass(w, keys, kcut, c):
+    """The integer mass of the tokens whose key is at least kcut and c."""
+    s = np.uint64(0)
+    for v in range(w.shape[0]):
+        if keys[v] >= kcut and keys[v] >= c:
+            s += _sample_mass(w[v])
     return s
 
 

@@ -6,7 +6,7 @@ and has no value of its own, so compiling it without the define is an error. Imp
 """
 import pathlib
 
-from nanoeuler.model.limits import FEW_ROWS
+from nanoeuler.model.limits import FEW_ROWS, SAMPLE_EXP2, SAMPLE_LN, SAMPLE_WEIGHT_BITS
 
 KERNELS = pathlib.Path(__file__).parent / "kernels"
 
@@ -53,13 +53,16 @@ ATT_CACHED_WARPS_MANY = 4
 # ... and head size 128's attention_cached_d128 blocks at most this many (up to 255 registers a thread: a lane
 # holds a 128-wide key row and 4 dims of 32 value rows)
 ATT_WARPS_D128 = 8
-# decoding.cu: the threads of a sample_rows block (one row of logits), and the bits of the top-k / top-p cut
-# each of its passes over the row decides (2^bits - 1 candidate cuts summed at once)
-# ... and argmax_rows: a block's threads, and the logits each reads (a row's blocks: V / both)
+# decoding.cu: argmax_rows: a block's threads, and the logits each reads (a row's blocks: V / both)
 ARGMAX_THREADS = 256
 ARGMAX_LOADS = 8
-SAMPLE_THREADS = 1024
-SAMPLE_BITS = 4
+# ... the sample_* kernels: a block's threads and the logits each reads (a row's slices, fixed by V), the
+# buckets of a row's mass histogram (over t in [-SAMPLE_WEIGHT_BITS, 0]), and the most tokens of the bucket a
+# cut falls in that a row's list holds (more: the search reads the row itself)
+SAMPLE_THREADS = 256
+SAMPLE_LOADS = 16
+SAMPLE_BUCKETS = 2048
+SAMPLE_LIST = 16384
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
 RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
 # ... and rmsnorm_rows (decoding's normed rows, a block a row): it takes the norm of a gate|up product of at
@@ -72,11 +75,20 @@ NORM_APART_WEIGHTS = 1 << 24
 RMSNORM_ROWS_THREADS = 256
 RMSNORM_ROWS_CHUNKS = 4
 
+assert len(SAMPLE_EXP2) == 7 and len(SAMPLE_LN) == 9, "decoding.cu names each polynomial's coefficients"
+assert SAMPLE_BUCKETS % SAMPLE_THREADS == 0 and SAMPLE_THREADS % 256 == 0 and SAMPLE_THREADS <= 1024, \
+    "block_first gives a thread whole runs of the 2^8 digits and the buckets"
 assert FEW_ROWS <= 64, "matmul_small_t<n>_*, matmul_rows_t<n> take x's rows as up to 4 tiles of the mma's 16 rows"
 assert MATMUL_ROWS_STAGES >= 2, "a stage in use while the next ones land"
 assert ATT_THREADS == 32 * ATT_TILE // 16, "a warp of the training attention kernels owns 16 rows of a tile"
 assert ATT_WARPS % ATT_CACHED_WARPS_MANY == 0 and ATT_CACHED_WARPS_MANY >= 2, "warp 1 appends k and v"
 assert ATT_WARPS % ATT_WARPS_D128 == 0 and ATT_WARPS_D128 >= 2, "virtual warps split evenly; warp 1 appends"
+
+
+def _hex_floats(name, values):
+    """float32 values as defines name_0, name_1, ... of exact C hex literals (nvcc splits a define's value at
+    commas, so no list in one)."""
+    return {f"{name}_{i}": f"{v.hex()}f" for i, v in enumerate(values)}
 
 
 def rmsnorm_chunks(bf16):
@@ -117,7 +129,9 @@ def module_defines(name, variant=()):
         "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,
                       "ATT_CACHED_GROUP": ATT_CACHED_GROUP, "ATT_CACHED_WARPS_MANY": ATT_CACHED_WARPS_MANY,
                       "ATT_WARPS_D128": ATT_WARPS_D128},
-        "decoding": {"SAMPLE_BITS": SAMPLE_BITS},
+        "decoding": {"SAMPLE_LOADS": SAMPLE_LOADS, "SAMPLE_BUCKETS": SAMPLE_BUCKETS, "SAMPLE_LIST": SAMPLE_LIST,
+                     "SAMPLE_WEIGHT_BITS": SAMPLE_WEIGHT_BITS, **_hex_floats("SAMPLE_EXP2", SAMPLE_EXP2),
+                     **_hex_floats("SAMPLE_LN", SAMPLE_LN)},
         "quantized": {"QUANT_SPLIT": QUANT_SPLIT, "QUANT_LOADS": QUANT_LOADS, "QUANT_BLOCKS": QUANT_BLOCKS},
         "rmsnorm": {"RMSNORM_ROWS_CHUNKS": RMSNORM_ROWS_CHUNKS,
                     **{f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)}},

@@ -41,7 +41,8 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
                                            MATMUL_ROWS_NT, MATMUL_ROWS_STAGES, MATMUL_ROWS_WARPS,
                                            MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, NORM_APART_WEIGHTS,
                                            RMSNORM_ROWS_CHUNKS, RMSNORM_ROWS_THREADS,
-                                           ROPE_HEADS, SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
+                                           ROPE_HEADS, SAMPLE_BUCKETS, SAMPLE_LIST, SAMPLE_LOADS,
+                                           SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
                                            rmsnorm_backward_blocks, rmsnorm_chunks)
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch, sm_count
 from nanoeuler.model.limits import CLIP_EPS, FEW_ROWS
@@ -384,6 +385,17 @@ def _argmax_scratch(device, R, nb):
     """argmax_rows's slices' results and a row's count of finished blocks (zero between launches): allocated on
     the first (unrecorded) run of a step and kept, so the recorded graphs that use them find them."""
     return cupy.empty(R * nb, np.float32), cupy.empty(R * nb, np.int32), cupy.zeros(R, np.uint32)
+
+
+@functools.lru_cache(maxsize=None)
+def _sample_scratch(device, R):
+    """The sample_* kernels' scratch for R rows, in the state they leave it in after each step (allocated on the
+    first, unrecorded, run of a step and kept): a RowState a row (decoding.cu: 16 words, key_lo and best all
+    ones), the count and mass histograms (zeros), the list of a bucket's keys and weights."""
+    state = np.zeros((R, 16), np.uint32)
+    state[:, 6] = state[:, 12] = state[:, 13] = 0xFFFFFFFF  # key_lo, best
+    return (cupy.asarray(state), cupy.zeros(R * SAMPLE_BUCKETS, np.uint32), cupy.zeros(R * SAMPLE_BUCKETS, np.uint64),
+            cupy.empty(R * SAMPLE_LIST, np.uint32), cupy.empty(R * SAMPLE_LIST, np.float32))
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -813,8 +825,9 @@ class Layers:
 
     def sample_rows(self, ids, logits, top_k, temperature, top_p, seed_lo, seed_hi, index):
         """ids (R,) int32: a token drawn from each row of logits (R, V) float32 with the row's own settings (see the
-        CPU layer: the same algorithm, a block a row); top_k, index int32, temperature, top_p float32, seed_lo,
-        seed_hi uint32, (R,) each."""
+        CPU layer: the same weights, masses, cuts and noise, so the same draws); top_k, index int32, temperature,
+        top_p float32, seed_lo, seed_hi uint32, (R,) each. argmax_rows, then decoding.cu's sample_histogram,
+        sample_refine (top-k, then top-p) and sample_draw, blocks (slices of the row, R)."""
         _check(logits)
         R, V = logits.shape
         assert ids.dtype == np.int32 and ids.shape == (R,)
@@ -822,10 +835,15 @@ class Layers:
                          (seed_hi, np.uint32), (index, np.int32)):
             assert a.dtype == dtype and a.shape == (R,) and a.flags.c_contiguous, (a.dtype, a.shape)
         self.argmax(ids, logits)  # every row's argmax first: the greedy rows' draws, the others' largest logit
-        # many rows: a plain launch, which spreads the blocks over the SMs (started early, they would crowd onto the
-        # first SMs the head's blocks leave, up to 8 an SM: docs/decoding.md)
-        launch(kernel("decoding", "sample_rows"), (R,), (SAMPLE_THREADS,),
-               (ids, logits, _i32(V), top_k, temperature, top_p, seed_lo, seed_hi, index), dependent=R == 1)
+        state, counts, masses, keys, weights = _sample_scratch(cupy.cuda.Device().id, R)
+        grid = (_blocks(V, SAMPLE_THREADS * SAMPLE_LOADS), R)  # slices fixed by V
+        settings = (ids, logits, _i32(V), top_k, temperature, top_p)
+        launch(kernel("decoding", "sample_histogram"), grid, (SAMPLE_THREADS,), settings + (state, counts, masses))
+        for round in (1, 2):
+            launch(kernel("decoding", "sample_refine"), grid, (SAMPLE_THREADS,),
+                   settings + (state, masses, keys, weights, _i32(round)))
+        launch(kernel("decoding", "sample_draw"), grid, (SAMPLE_THREADS,),
+               settings + (seed_lo, seed_hi, index, state, counts, masses))
 
     def feed_back(self, tokens, ids, pos, index, log, counter, context):
         """After a batched step of one token a sequence (see the CPU layer): ids become the next inputs, positions

@@ -112,123 +112,436 @@ extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __res
     }
 }
 
-// The cuts' searches decide SAMPLE_BITS bits of the 32-bit key a pass: the counts (top-k) or masses (top-p) at
-// every one of the next bits' CANDIDATES cuts at once, each summed as a pass for that cut alone would sum it
-// (thread-strided ids, the zeros it would add skipped, then block_sum's tree): the same function of the cut.
-// Both fall as the cut rises, so the largest cut that holds enough is bisection's, in 32 / SAMPLE_BITS passes.
-#if !defined(SAMPLE_BITS)
-#error "SAMPLE_BITS comes from nanoeuler/model/gpu/constants.py"
+// Sampling a row (nanoeuler/model/cpu/layers.py's sample_rows has the definition; these kernels compute the
+// same float32 weights and noise with the same rounded operations, __f*_rn so that nothing is fused, and the
+// same integer masses, so the draws are equal). After argmax_rows (ids: each row's first largest logit m), a
+// sampled row takes four kernels of blocks (nb, R), block b reading the row's b-th slice of SAMPLE_THREADS x
+// SAMPLE_LOADS logits, the row's last block to finish (state.done) taking the row's next decision:
+//   sample_histogram: the live tokens' counts (top-k) and masses (top-p) by bucket of t = (z - m) log2(e) / T,
+//     SAMPLE_BUCKETS buckets over t in [-SAMPLE_WEIGHT_BITS, 0] from the top; a bucket holds a range of logits,
+//     above every later bucket's. The last block finds the bucket where the count from the top reaches k (or,
+//     without top-k, the mass reaches top_p of the total): the cut is a key of that bucket's tokens.
+//   sample_refine (round 1: top-k, round 2: top-p): the blocks gather that bucket's tokens (key and weight) in a
+//     list, the last block finds the cut among them by a radix search of their keys (a byte a level, from the
+//     highest bit in which they differ): the largest key whose tokens at or above it, with those of the buckets
+//     before, hold k tokens or the top-p target. Round 1's last block then finds top-p's bucket with that cut.
+//   sample_draw: the smallest E / w over the kept tokens (packed (E / w, id) in a 64-bit atomicMin).
+// Counts and masses are integers and the draw a minimum, so the order the blocks add or meet them in changes
+// nothing: a row's draw is a function of its own logits and settings. A greedy row (temperature <= 0) or one
+// of top_p <= 0 keeps the argmax; each kernel's blocks of such rows return at once. The scratch (histograms,
+// list, RowState) is left as it was found for the next step: zeros, key_lo ~0, best ~0.
+#if !defined(SAMPLE_BUCKETS) || !defined(SAMPLE_LOADS) || !defined(SAMPLE_LIST) || !defined(SAMPLE_WEIGHT_BITS)
+#error "SAMPLE_* come from nanoeuler/model/gpu/constants.py"
 #endif
-static_assert(32 % SAMPLE_BITS == 0, "the passes split the key's 32 bits evenly");
-constexpr int CANDIDATES = (1 << SAMPLE_BITS) - 1;
+#if !defined(SAMPLE_EXP2_6) || !defined(SAMPLE_LN_8)
+#error "SAMPLE_EXP2 and SAMPLE_LN come from nanoeuler/model/limits.py through constants.py"
+#endif
+constexpr float BUCKET_SCALE = (float)SAMPLE_BUCKETS / (float)SAMPLE_WEIGHT_BITS;
+constexpr float SAMPLE_LOG2E = 0x1.715476p+0f, SAMPLE_LN2 = 0x1.62e43p-1f, SAMPLE_SQRT_HALF = 0x1.6a09e6p-1f;
+constexpr int DIGIT_BITS = 8;  // a radix level's bits (its histogram: 2^8 entries)
+constexpr int DIGITS = 1 << DIGIT_BITS;
 
-// How many of the candidate cuts cut | j << shift (j = 1..CANDIDATES; cut's bits below shift + SAMPLE_BITS are
-// 0) are at or below key.
-__device__ __forceinline__ int cuts_below(unsigned key, unsigned cut, int shift) {
-    const int high = shift + SAMPLE_BITS;  // 32 on the first pass: 64-bit shifts keep it defined
-    const unsigned long long kp = (unsigned long long)key >> high, cp = (unsigned long long)cut >> high;
-    return kp > cp ? CANDIDATES : kp < cp ? 0 : (int)((key >> shift) & CANDIDATES);
+// A row's sampling state between the kernels of a step (64 bytes; layers._sample_scratch lays it out).
+struct RowState {
+    unsigned mode;    // the refine round pending (1: top-k, 2: top-p), 0: none
+    unsigned bucket;  // ... its bucket
+    unsigned need;    // top-k: the tokens still needed from the bucket
+    unsigned lower;   // top-p: the top-k cut, where it lies in the same bucket (else 0)
+    unsigned cut;     // the tokens kept: live ones whose key is at least this
+    unsigned n;       // the refine round's list length (counted past SAMPLE_LIST where it overflows)
+    unsigned key_lo, key_hi;  // ... and its smallest and largest key
+    unsigned done;    // the row's blocks finished (the last one resets it)
+    unsigned pad;
+    unsigned long long base;  // top-p: the mass of the buckets before the bucket
+    unsigned long long best;  // sample_draw: the packed (E / w, id) minimum so far
+    double target;            // top-p: the mass to reach, top_p x the kept mass
+};
+
+// A token's weight 2^t, t = (z - m) * scale, and t: cpu/layers.py's _sample_weight, the same roundings.
+__device__ __forceinline__ float sample_weight(float z, float m, float scale, float& t) {
+    constexpr float c[] = {SAMPLE_EXP2_0, SAMPLE_EXP2_1, SAMPLE_EXP2_2, SAMPLE_EXP2_3,
+                          SAMPLE_EXP2_4, SAMPLE_EXP2_5, SAMPLE_EXP2_6};
+    constexpr int n = sizeof(c) / sizeof(c[0]);
+    t = __fmul_rn(__fsub_rn(z, m), scale);
+    if (!(t >= -(float)SAMPLE_WEIGHT_BITS)) return 0.f;
+    const float e = floorf(t);
+    const float f = __fsub_rn(t, e);
+    float p = c[n - 1];
+#pragma unroll
+    for (int j = n - 2; j >= 0; --j) p = __fadd_rn(__fmul_rn(p, f), c[j]);
+    return __fmul_rn(p, __int_as_float((127 + (int)e) << 23));
 }
 
-// block_sum of each of v's values: the same tree, the barriers shared (scratch: CANDIDATES x 32 values).
-template <typename T>
-__device__ __forceinline__ void block_sums(T (&v)[CANDIDATES], T (*scratch)[32]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int j = 0; j < CANDIDATES; ++j) v[j] = warp_sum(v[j]);
-    __syncthreads();
-    if (lane == 0)
-#pragma unroll
-        for (int j = 0; j < CANDIDATES; ++j) scratch[j][warp] = v[j];
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < CANDIDATES; ++j) v[j] = warp_sum(lane < (int)(blockDim.x >> 5) ? scratch[j][lane] : (T)0);
+// A live token's bucket: 0 for the largest t, never increasing as t rises (so as the logit does).
+__device__ __forceinline__ int sample_bucket(float t) {
+    return min(SAMPLE_BUCKETS - 1, (int)__fmul_rn(-t, BUCKET_SCALE));
 }
 
-// ids[r] = a token drawn from row r of logits (R, V) with the row's settings: nanoeuler/model/cpu/layers.py's
-// sample_rows, the same algorithm (its docstring has the definition), a block a row. Every sum runs over
-// thread-strided ids and then a fixed tree, so a row's draw depends on its own inputs alone. ids holds each
-// row's argmax on entry (argmax_rows, launched just before: many blocks a row find it faster than one), which
-// is a greedy row's draw, and the largest logit, which the others' weights are relative to.
-extern "C" __global__ void sample_rows(int* __restrict__ ids, const float* __restrict__ logits, int V,
-                                       const int* __restrict__ top_k, const float* __restrict__ temperature,
-                                       const float* __restrict__ top_p, const unsigned* __restrict__ seed_lo,
-                                       const unsigned* __restrict__ seed_hi, const int* __restrict__ index) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    __shared__ float sf[32];
-    __shared__ float sfs[CANDIDATES][32];
-    __shared__ int scs[CANDIDATES][32];
+__device__ __forceinline__ unsigned long long sample_mass(float w) {
+    return __float2ull_rz(__fmul_rn(w, (float)(1ull << SAMPLE_WEIGHT_BITS)));
+}
+
+// -ln(u) for token v: cpu/layers.py's _sample_noise, the same roundings.
+__device__ __forceinline__ float sample_noise(unsigned long long seed, unsigned long long counter, int v) {
+    constexpr float c[] = {SAMPLE_LN_0, SAMPLE_LN_1, SAMPLE_LN_2, SAMPLE_LN_3, SAMPLE_LN_4,
+                          SAMPLE_LN_5, SAMPLE_LN_6, SAMPLE_LN_7, SAMPLE_LN_8};
+    constexpr int n = sizeof(c) / sizeof(c[0]);
+    const unsigned long long h = mix64(seed ^ (mix64(counter | (unsigned)v) + 0x9E3779B97F4A7C15ull));
+    int e;
+    float y = frexpf((float)(2ull * (h >> 41) + 1ull), &e);  // exact: below 2^24
+    if (y < SAMPLE_SQRT_HALF) y = __fmul_rn(y, 2.f), --e;
+    const float s = __fsub_rn(y, 1.f);
+    float q = c[n - 1];
+#pragma unroll
+    for (int j = n - 2; j >= 0; --j) q = __fadd_rn(__fmul_rn(q, s), c[j]);
+    return -__fadd_rn(__fmul_rn((float)(e - 24), SAMPLE_LN2), __fmul_rn(s, q));
+}
+
+// What every sampling kernel's block knows of its row.
+struct SampleRow {
+    bool sampled, cuts, top_k_on, top_p_on;
+    int k;
+    float p, m, scale;
+};
+
+__device__ __forceinline__ SampleRow sample_row(int r, const int* ids, const float* z, int V, const int* top_k,
+                                                const float* temperature, const float* top_p) {
+    SampleRow s;
+    const float T = temperature[r];
+    s.p = top_p[r];
+    s.k = top_k[r];
+    s.m = z[ids[r]];
+    s.sampled = T > 0.f && s.p > 0.f && fabsf(s.m) < pos_inf();  // a largest logit of inf or NaN: the argmax
+    s.top_k_on = 0 < s.k && s.k < V;
+    s.top_p_on = s.p < 1.f;
+    s.cuts = s.top_k_on || s.top_p_on;
+    s.scale = __fdiv_rn(SAMPLE_LOG2E, T);
+    return s;
+}
+
+// The row's slice of this block: its SAMPLE_LOADS logits a thread (-inf past the row's end), loaded at once.
+__device__ __forceinline__ int load_slice(float (&zs)[SAMPLE_LOADS], const float* z, int V) {
+    const int lo = blockIdx.x * SAMPLE_LOADS * blockDim.x;
+#pragma unroll
+    for (int i = 0; i < SAMPLE_LOADS; ++i) {
+        const int v = lo + i * blockDim.x + threadIdx.x;
+        zs[i] = v < V ? z[v] : neg_inf();
+    }
+    return lo;
+}
+
+// Whether this block is the row's last to finish (after its writes are visible to the others); the last
+// resets the count for the next step.
+__device__ __forceinline__ bool last_block(unsigned* done) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1u) == gridDim.x - 1u;
+        if (last) *done = 0u;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
+// The first i of n (a multiple of blockDim.x) values val(i) whose sum from val(0) to val(i), plus start,
+// passes ok (monotone: once true, true for larger sums), n where none does; *before: start plus the values
+// before it. Every thread takes a run of n / blockDim.x values, a block scan gives each its start.
+template <typename Val, typename Ok>
+__device__ int block_first(int n, Val val, Ok ok, unsigned long long start, unsigned long long* before) {
+    __shared__ unsigned long long warp_total[32], found_before;
+    __shared__ int found;
+    const int per = n / blockDim.x, i0 = threadIdx.x * per, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned long long own = 0;
+    for (int j = 0; j < per; ++j) own += val(i0 + j);
+    unsigned long long scan = own;  // inclusive over the warp
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long x = __shfl_up_sync(FULL_MASK, scan, o);
+        if (lane >= o) scan += x;
+    }
+    if (threadIdx.x == 0) found = n;
+    if (lane == 31) warp_total[warp] = scan;
+    __syncthreads();
+    unsigned long long run = start + scan - own;
+    for (int w = 0; w < warp; ++w) run += warp_total[w];
+    int mine = n;
+    for (int j = 0; j < per; ++j) {
+        const unsigned long long x = val(i0 + j);
+        if (ok(run + x)) {
+            mine = i0 + j;
+            break;
+        }
+        run += x;
+    }
+    if (mine < n) atomicMin(&found, mine);
+    __syncthreads();
+    if (mine < n && mine == found) found_before = run;
+    __syncthreads();
+    const int i = found;
+    *before = i < n ? found_before : 0ull;
+    __syncthreads();  // found and found_before are read before a next call writes them
+    return i;
+}
+
+// The plan of top-p once the top-k cut is known (kbucket: its bucket, SAMPLE_BUCKETS: no top-k cut, then
+// kmass the mass of that bucket's tokens at or above it): the total kept mass, the target, top-p's bucket.
+__device__ void plan_top_p(RowState* st, const unsigned long long* mass, float p, int kbucket,
+                           unsigned long long kmass, unsigned kcut) {
+    auto kept = [&](int b) -> unsigned long long {
+        return b < kbucket ? __ldcg(mass + b) : b == kbucket ? kmass : 0ull;
+    };
+    __shared__ unsigned long long scratch[32];
+    unsigned long long own = 0;
+    for (int b = threadIdx.x; b < SAMPLE_BUCKETS; b += blockDim.x) own += kept(b);
+    const unsigned long long total = block_sum(own, scratch);
+    const double target = __dmul_rn((double)p, __ull2double_rn(total));
+    unsigned long long base;
+    const int b = block_first(SAMPLE_BUCKETS, kept, [&](unsigned long long x) { return __ull2double_rn(x) >= target; },
+                              0ull, &base);
+    if (threadIdx.x == 0) {  // b exists: the whole kept mass reaches the target
+        st->mode = 2u, st->bucket = (unsigned)b, st->lower = b == kbucket ? kcut : 0u;
+        st->base = base, st->target = target;
+    }
+}
+
+// kernel 1 of a sampled row: the histograms, and the plan of the first refine round.
+extern "C" __global__ void sample_histogram(const int* __restrict__ ids, const float* __restrict__ logits, int V,
+                                            const int* __restrict__ top_k, const float* __restrict__ temperature,
+                                            const float* __restrict__ top_p, RowState* __restrict__ state,
+                                            unsigned* __restrict__ counts, unsigned long long* __restrict__ masses) {
+    __shared__ unsigned s_count[SAMPLE_BUCKETS];
+    __shared__ unsigned long long s_mass[SAMPLE_BUCKETS];
     let_next_launch();
     wait_for_inputs();
-    const int r = blockIdx.x;
-    const float T = temperature[r];
-    if (T <= 0.f) return;  // greedy: the argmax is there already
+    const int r = blockIdx.y;
     const float* z = logits + (long long)r * V;
-    const int best = ids[r];
-    const float m = z[best] > neg_inf() ? z[best] : neg_inf();  // a row of NaNs: -inf, as a scan would give
-    __syncthreads();  // every thread has read ids[r] before thread 0 overwrites it
-    unsigned cut = 0u;
-    const int k = top_k[r];
-    if (0 < k && k < V) {  // the k-th largest key: the largest c with at least k keys >= c
-        for (int shift = 32 - SAMPLE_BITS; shift >= 0; shift -= SAMPLE_BITS) {
-            int count[CANDIDATES];
+    const SampleRow row = sample_row(r, ids, z, V, top_k, temperature, top_p);
+    if (!row.sampled || !row.cuts) return;
+    unsigned* count = counts + (long long)r * SAMPLE_BUCKETS;
+    unsigned long long* mass = masses + (long long)r * SAMPLE_BUCKETS;
+    for (int b = threadIdx.x; b < SAMPLE_BUCKETS; b += blockDim.x) s_count[b] = 0u, s_mass[b] = 0ull;
+    float zs[SAMPLE_LOADS];
+    load_slice(zs, z, V);
+    __syncthreads();
 #pragma unroll
-            for (int j = 0; j < CANDIDATES; ++j) count[j] = 0;
-            for (int v = threadIdx.x; v < V; v += blockDim.x) {
-                const int below = cuts_below(order_key(z[v]), cut, shift);
-#pragma unroll
-                for (int j = 0; j < CANDIDATES; ++j) count[j] += j < below;
+    for (int i = 0; i < SAMPLE_LOADS; ++i) {
+        float t;
+        const float w = sample_weight(zs[i], row.m, row.scale, t);
+        const int b = w > 0.f ? sample_bucket(t) : -1;
+        const unsigned long long x = row.top_p_on && w > 0.f ? sample_mass(w) : 0ull;
+        const int b0 = __shfl_sync(FULL_MASK, b, 0);
+        if (__all_sync(FULL_MASK, b == b0)) {  // the warp's tokens in one bucket (a flat row): one add
+            const unsigned long long sum = warp_sum(x);
+            if (b0 >= 0 && (threadIdx.x & 31) == 0) {
+                if (row.top_k_on) atomicAdd(s_count + b0, 32u);
+                if (row.top_p_on) atomicAdd(s_mass + b0, sum);
             }
-            block_sums(count, scs);
-            int taken = 0;
-#pragma unroll
-            for (int j = 0; j < CANDIDATES; ++j) taken = count[j] >= k ? j + 1 : taken;
-            cut |= (unsigned)taken << shift;
+        } else if (b >= 0) {
+            if (row.top_k_on) atomicAdd(s_count + b, 1u);
+            if (row.top_p_on) atomicAdd(s_mass + b, x);
         }
     }
-    const float p = top_p[r];
-    if (p < 1.f) {  // the largest c whose keys at or above it hold top_p of the mass above the top-k cut
-        const unsigned kcut = cut;
-        float total = 0.f;
-        for (int v = threadIdx.x; v < V; v += blockDim.x)
-            total += order_key(z[v]) >= kcut ? expf((z[v] - m) / T) : 0.f;
-        const float target = p * block_sum(total, sf);
-        cut = 0u;
-        for (int shift = 32 - SAMPLE_BITS; shift >= 0; shift -= SAMPLE_BITS) {
-            float mass[CANDIDATES];
+    __syncthreads();
+    for (int b = threadIdx.x; b < SAMPLE_BUCKETS; b += blockDim.x) {
+        if (s_count[b]) atomicAdd(count + b, s_count[b]);
+        if (s_mass[b]) atomicAdd(mass + b, s_mass[b]);
+    }
+    RowState* st = state + r;
+    if (!last_block(&st->done)) return;
+    if (row.top_k_on) {  // the bucket where the live tokens from the top reach k
+        unsigned long long before;
+        const int b = block_first(SAMPLE_BUCKETS, [&](int i) { return (unsigned long long)__ldcg(count + i); },
+                                  [&](unsigned long long x) { return x >= (unsigned long long)row.k; }, 0ull, &before);
+        if (b < SAMPLE_BUCKETS) {
+            if (threadIdx.x == 0) st->mode = 1u, st->bucket = (unsigned)b, st->need = row.k - (unsigned)before,
+                                  st->lower = 0u;
+            return;
+        }
+    }
+    if (row.top_p_on) {
+        plan_top_p(st, mass, row.p, SAMPLE_BUCKETS, 0ull, 0u);
+    } else if (threadIdx.x == 0) {  // at most k live tokens: all kept
+        st->mode = 0u, st->cut = 0u;
+    }
+}
+
+// The radix search of a refine round's last block over the bucket's gathered tokens: visit(f) calls f(key, w)
+// for each. Returns the cut; *kept: the mass of the tokens at or above it.
+template <typename Visit>
+__device__ unsigned radix_cut(Visit visit, const RowState& st, int round, unsigned long long* kept) {
+    __shared__ unsigned h_count[DIGITS];
+    __shared__ unsigned long long h_mass[DIGITS], scratch[32];
+    const unsigned lo = st.key_lo, hi = st.key_hi;
+    int bits = lo == hi ? 0 : 32 - __clz(lo ^ hi);  // the low bits in which the keys differ
+    unsigned prefix = bits == 32 ? 0u : lo & ~((1u << bits) - 1u);
+    unsigned long long above_count = 0, above_mass = 0, at_mass = 0;
+    do {
+        const int width = min(DIGIT_BITS, bits), shift = bits - width;
+        for (int i = threadIdx.x; i < DIGITS; i += blockDim.x) h_count[i] = 0u, h_mass[i] = 0ull;
+        __syncthreads();
+        visit([&](unsigned key, float w) {  // entry DIGITS - 1 - digit: the digits from the top
+            if ((unsigned long long)key >> bits != (unsigned long long)prefix >> bits) return;
+            const int slot = DIGITS - 1 - (int)((key >> shift) & ((1u << width) - 1u));
+            atomicAdd(h_count + slot, 1u);
+            atomicAdd(h_mass + slot, sample_mass(w));
+        });
+        __syncthreads();
+        unsigned long long before;
+        int i;
+        if (round == 1) {
+            i = block_first(DIGITS, [&](int j) { return (unsigned long long)h_count[j]; },
+                            [&](unsigned long long x) { return x >= (unsigned long long)st.need; }, above_count, &before);
+            above_count = before;
+            unsigned long long own = 0;
+            for (int j = threadIdx.x; j < i; j += blockDim.x) own += h_mass[j];
+            above_mass += block_sum(own, scratch);
+        } else {
+            const unsigned long long base = st.base;
+            const double target = st.target;
+            i = block_first(DIGITS, [&](int j) { return h_mass[j]; },
+                            [&](unsigned long long x) { return __ull2double_rn(base + x) >= target; }, above_mass,
+                            &before);
+            above_mass = before;
+        }
+        i = min(i, DIGITS - 1);  // found: the whole bucket passes
+        at_mass = above_mass + h_mass[i];
+        prefix |= (unsigned)(DIGITS - 1 - i) << shift;
+        bits = shift;
+        __syncthreads();  // the histograms are read before the next level clears them
+    } while (bits > 0);
+    *kept = at_mass;
+    return prefix;
+}
+
+// kernels 2 and 3 of a sampled row (round 1: the top-k cut, 2: the top-p cut), where its state has that round
+// pending: gather the bucket's tokens, and the last block finds the cut among them.
+extern "C" __global__ void sample_refine(const int* __restrict__ ids, const float* __restrict__ logits, int V,
+                                         const int* __restrict__ top_k, const float* __restrict__ temperature,
+                                         const float* __restrict__ top_p, RowState* __restrict__ state,
+                                         const unsigned long long* __restrict__ masses,
+                                         unsigned* __restrict__ list_key, float* __restrict__ list_w, int round) {
+    __shared__ unsigned s_lo[32], s_hi[32];
+    let_next_launch();
+    wait_for_inputs();
+    const int r = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* z = logits + (long long)r * V;
+    const SampleRow row = sample_row(r, ids, z, V, top_k, temperature, top_p);
+    if (!row.sampled || !row.cuts) return;
+    RowState* st = state + r;
+    if (st->mode != (unsigned)round) return;
+    const int bucket = (int)st->bucket;
+    const unsigned lower = st->lower;
+    unsigned* keys = list_key + (long long)r * SAMPLE_LIST;
+    float* ws = list_w + (long long)r * SAMPLE_LIST;
+    float zs[SAMPLE_LOADS];
+    load_slice(zs, z, V);
+    unsigned lo = 0xffffffffu, hi = 0u;
 #pragma unroll
-            for (int j = 0; j < CANDIDATES; ++j) mass[j] = 0.f;
+    for (int i = 0; i < SAMPLE_LOADS; ++i) {
+        float t;
+        const float w = sample_weight(zs[i], row.m, row.scale, t);
+        const unsigned key = order_key(zs[i]);
+        const bool in = w > 0.f && sample_bucket(t) == bucket && key >= lower;
+        const unsigned ballot = __ballot_sync(FULL_MASK, in);
+        if (!ballot) continue;
+        unsigned at = 0;
+        if (lane == 0) at = atomicAdd(&st->n, (unsigned)__popc(ballot));
+        at = __shfl_sync(FULL_MASK, at, 0) + __popc(ballot & ((1u << lane) - 1u));
+        if (in) {
+            if (at < SAMPLE_LIST) keys[at] = key, ws[at] = w;
+            lo = min(lo, key), hi = max(hi, key);
+        }
+    }
+    lo = __reduce_min_sync(FULL_MASK, lo), hi = __reduce_max_sync(FULL_MASK, hi);
+    if (lane == 0) s_lo[warp] = lo, s_hi[warp] = hi;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) lo = min(lo, s_lo[w]), hi = max(hi, s_hi[w]);
+        if (lo <= hi) atomicMin(&st->key_lo, lo), atomicMax(&st->key_hi, hi);
+    }
+    if (!last_block(&st->done)) return;
+    RowState s;
+    s.key_lo = __ldcg(&st->key_lo), s.key_hi = __ldcg(&st->key_hi), s.n = __ldcg(&st->n);
+    s.need = st->need, s.base = st->base, s.target = st->target;
+    unsigned long long kept = 0;
+    unsigned cut;
+    if (s.key_lo == s.key_hi) {  // one value (a flat row): the cut; the bucket's tokens are all at it
+        cut = s.key_lo;
+        kept = round == 1 ? __ldcg(masses + (long long)r * SAMPLE_BUCKETS + bucket) : 0ull;
+    } else if (s.n <= SAMPLE_LIST) {
+        cut = radix_cut([&](auto f) {
+            for (int i = threadIdx.x; i < (int)s.n; i += blockDim.x) f(__ldcg(keys + i), __ldcg(ws + i));
+        }, s, round, &kept);
+    } else {  // more than the list holds (a nearly flat row): the search reads the row itself
+        cut = radix_cut([&](auto f) {
             for (int v = threadIdx.x; v < V; v += blockDim.x) {
+                float t;
+                const float w = sample_weight(z[v], row.m, row.scale, t);
                 const unsigned key = order_key(z[v]);
-                const int below = key >= kcut ? cuts_below(key, cut, shift) : 0;
-                if (below == 0) continue;  // it adds 0 to every candidate's mass
-                const float e = expf((z[v] - m) / T);
-#pragma unroll
-                for (int j = 0; j < CANDIDATES; ++j)
-                    if (j < below) mass[j] += e;
+                if (w > 0.f && sample_bucket(t) == bucket && key >= lower) f(key, w);
             }
-            block_sums(mass, sfs);
-            int taken = 0;
-#pragma unroll
-            for (int j = 0; j < CANDIDATES; ++j) taken = mass[j] >= target ? j + 1 : taken;
-            cut |= (unsigned)taken << shift;
-        }
+        }, s, round, &kept);
     }
-    // Gumbel-max over the kept ids: noise -log(-log(u)), u from a hash of (seed, token index, id)
+    __syncthreads();
+    if (threadIdx.x == 0) st->n = 0u, st->key_lo = 0xffffffffu, st->key_hi = 0u;
+    if (round == 1 && row.top_p_on) {
+        plan_top_p(st, masses + (long long)r * SAMPLE_BUCKETS, row.p, bucket, kept, cut);
+    } else if (threadIdx.x == 0) {
+        st->mode = 0u, st->cut = cut;
+    }
+}
+
+// kernel 4 of a sampled row: the draw, the smallest (E / w, id) over the kept tokens; the last block writes it
+// to ids and clears the histograms.
+extern "C" __global__ void sample_draw(int* __restrict__ ids, const float* __restrict__ logits, int V,
+                                       const int* __restrict__ top_k, const float* __restrict__ temperature,
+                                       const float* __restrict__ top_p, const unsigned* __restrict__ seed_lo,
+                                       const unsigned* __restrict__ seed_hi, const int* __restrict__ index,
+                                       RowState* __restrict__ state, unsigned* __restrict__ counts,
+                                       unsigned long long* __restrict__ masses) {
+    __shared__ unsigned long long s_best[32];
+    let_next_launch();
+    wait_for_inputs();
+    const int r = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* z = logits + (long long)r * V;
+    const SampleRow row = sample_row(r, ids, z, V, top_k, temperature, top_p);
+    if (!row.sampled) return;
+    RowState* st = state + r;
+    const unsigned cut = row.cuts ? st->cut : 0u;
     const unsigned long long seed = mix64(((unsigned long long)seed_hi[r] << 32) | seed_lo[r]);
     const unsigned long long counter = (unsigned long long)(unsigned)index[r] << 32;
-    float score = neg_inf();
-    int choice = 0x7fffffff;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        if (order_key(z[v]) < cut) continue;
-        const unsigned long long h = mix64(seed ^ (mix64(counter | (unsigned)v) + 0x9E3779B97F4A7C15ull));
-        const float u = (float)(2ull * (h >> 41) + 1ull) * 5.9604644775390625e-8f;  // (2k + 1) 2^-24
-        const float s = (z[v] - m) / T - logf(-logf(u));
-        if (s > score) score = s, choice = v;
+    float zs[SAMPLE_LOADS];
+    const int lo = load_slice(zs, z, V);
+    unsigned long long best = ~0ull;
+#pragma unroll
+    for (int i = 0; i < SAMPLE_LOADS; ++i) {
+        float t;
+        const float w = sample_weight(zs[i], row.m, row.scale, t);
+        if (w > 0.f && order_key(zs[i]) >= cut) {
+            const int v = lo + i * blockDim.x + threadIdx.x;
+            const float q = __fdiv_rn(sample_noise(seed, counter, v), w);  // positive: its bits order as it does
+            best = min(best, ((unsigned long long)__float_as_uint(q) << 32) | (unsigned)v);
+        }
     }
-    block_argmax(score, choice, sv, si);
-    if (threadIdx.x == 0) ids[r] = choice == 0x7fffffff ? best : choice;  // nothing kept (top_p 0): the argmax
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(FULL_MASK, best, o));
+    if (lane == 0) s_best[warp] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) best = min(best, s_best[w]);
+        if (best != ~0ull) atomicMin(&st->best, best);
+    }
+    if (!last_block(&st->done)) return;
+    if (threadIdx.x == 0) {
+        const unsigned long long drawn = __ldcg(&st->best);
+        if (drawn != ~0ull) ids[r] = (int)(unsigned)drawn;  // always: the largest logit is kept
+        st->best = ~0ull;
+    }
+    if (row.cuts)
+        for (int b = threadIdx.x; b < SAMPLE_BUCKETS; b += blockDim.x)
+            counts[(long long)r * SAMPLE_BUCKETS + b] = 0u, masses[(long long)r * SAMPLE_BUCKETS + b] = 0ull;
 }
 
 // After a batched step of one token a sequence (B threads): ids become the next inputs, positions (at most
