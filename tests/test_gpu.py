@@ -349,7 +349,7 @@ def test_gpu_batched_requests_are_each_request_alone(precision, monkeypatch):
     """64 requests of prompts of 1 to 90 tokens (the longest prefilled in two chunks) and 1 to 60 new tokens,
     greedy and sampled with a seed (top-k, top-p), through 64 rows and through 24 (rows leave, are reused and
     joined while others decode): each request's tokens are those of generate() of its prompt alone, to the
-    token, on base's widths (a few layers), with both kernel families of 9 to 64 rows."""
+    token, on base's widths (a few layers), with matmul_rows and the split over blocks at 9 to 64 rows."""
     from nanoeuler.model.config import Config
     from nanoeuler.model.engine import make_engine
     from nanoeuler.infer.batch import BatchGenerator, Request
@@ -358,8 +358,10 @@ def test_gpu_batched_requests_are_each_request_alone(precision, monkeypatch):
 
     cfg = Config(dim=768, n_layers=2, n_heads=12, n_kv_heads=4, hidden=2048, vocab_size=4096, context=160,
                  mtp_heads=1)  # 90 + 60 fit: no window slides alone
-    # gate|up's and the head's 512 tiles of w take matmul_rows at 9 to 64 rows, the others the tile kernels
+    # gate|up's and the head's 512 tiles of w take matmul_rows at 9 to 64 rows, the others (qkv, wo, down) the
+    # split over blocks (matmul_split_t*)
     monkeypatch.setattr(gpu_layers, "MATMUL_ROWS_MIN_TILES", 512)
+    monkeypatch.setattr(gpu_layers, "MATMUL_SPLIT_MIN_WEIGHTS", 1 << 19)
     eng = make_engine(cfg, device="gpu", precision=precision)
     eng.load_params(sharp_params(cfg, seed=5, scale=0.05))
     rng = np.random.default_rng(8)
@@ -417,8 +419,8 @@ def test_gpu_few_row_products_do_not_depend_on_the_physical_warps(precision, mon
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_gpu_products_of_many_rows_give_the_bits_of_few(precision, monkeypatch):
     """matmul_rows (9 to 64 rows, x's rows in shared memory, many tiles of w a block) in blocks of 8, 4, 2 and 1
-    warps, and the tile kernels (matmul_small_t*), give every row the bits matmul_small gives it in steps of
-    at most 8 rows: plain with float32 output
+    warps, the tile kernels (matmul_small_t*) and the split over blocks (matmul_split_t*: 1, 3 and 16 virtual
+    warps a block), give every row the bits matmul_small gives it in steps of at most 8 rows: plain with float32 output
     accumulated onto, plain with a bias, the norm folded in with SwiGLU, and with the rotary embedding (a position
     a row) and a bias; odd row counts, odd widths (loaded an element at a time) and rows of several rounds. Outputs
     start poisoned (NaN) where not accumulated onto, so an element left unwritten fails too."""
@@ -463,14 +465,17 @@ def test_gpu_products_of_many_rows_give_the_bits_of_few(precision, monkeypatch):
             few = run(8)
             as_float = few[0] if out_dtype == np.float32 else (few[0].astype(np.uint32) << 16).view(np.float32)
             assert not np.isnan(as_float).any()
-            # matmul_rows in blocks of 8, 4, 2 and 1 warps, then the tile kernels (matmul_small_t*)
-            for min_tiles, warps in ((0, 8), (0, 4), (0, 2), (0, 1), (1 << 30, None)):
+            # matmul_rows in blocks of 8, 4, 2 and 1 warps, the tile kernels (matmul_small_t*), then a row's
+            # virtual warps split over blocks of 1, 3 and 16 of them (matmul_split_t*, matmul_split_finish)
+            for min_tiles, warps, split in ((0, 8, 0), (0, 4, 0), (0, 2, 0), (0, 1, 0), (1 << 30, None, 0),
+                                            (1 << 30, None, 1), (1 << 30, None, 3), (1 << 30, None, 16)):
                 monkeypatch.setattr(gpu_layers, "MATMUL_ROWS_MIN_TILES", min_tiles)
                 monkeypatch.setattr(gpu_layers, "_rows_warps", lambda tiles_of_w, tiles: warps)
+                monkeypatch.setattr(gpu_layers, "_split_group", lambda *shape: split)
                 got = run(N)
                 for a, b, name in zip(few, got, ("out", "rstd", "glu_out")):
                     assert a is None or np.array_equal(a.view(np.uint8), b.view(np.uint8)), (kind, O, I, N, warps,
-                                                                                             name)
+                                                                                             split, name)
             monkeypatch.undo()
 
 

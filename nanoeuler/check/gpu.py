@@ -43,7 +43,7 @@ import numpy as np
 from nanoeuler.train.objectives import cross_entropy_backward
 from nanoeuler.model.config import Config, param_layout, rope_tables
 from nanoeuler.model.decoding import decoder_of
-from nanoeuler.model.gpu.constants import NORM_APART_WEIGHTS
+from nanoeuler.model.gpu.constants import MATMUL_SPLIT_MIN_WEIGHTS, NORM_APART_WEIGHTS
 from nanoeuler.model.limits import FEW_ROWS
 
 FP32_TOL = 1e-5   # float32 kernels against the float64 reference
@@ -238,12 +238,15 @@ def check_matmul(case, gpu_layers, cpu_layers):
     # batch invariance: a row's bits are the same in a product of 1, 5, 20 or 64 rows, wherever it sits (64 rows
     # of a product this narrow are split over blocks of 16), plain, accumulating, with RMSNorm folded in (its rstd
     # too), with SwiGLU and with the rotary embedding (a sequence a row, each at its own position); rows of 1000
-    # (a warp's k-slice of 128 partly past the end) and of 256 (whole slices)
-    NH, D = 6, 8
+    # (a warp's k-slice of 128 partly past the end) and of 256 (whole slices); and a product of 4,200 x 1,000,
+    # whose 20 and 64 rows split their virtual warps over blocks (matmul_split_t*)
+    D = 8
     cos, sin = (case.dev32(_f32(t)) for t in rope_tables(D, 16, 10000.0, np.float64))
     pos = case.rng.integers(0, 16, FEW_ROWS).astype(np.int32)
-    for I, big in ((1000, False), (256, False), (256, True)):  # big: a gate|up product whose norm is apart
-        O = NORM_APART_WEIGHTS // I if big else NH * D
+    for I, big, split in ((1000, False, False), (256, False, False), (256, True, False), (1000, False, True)):
+        # big: a gate|up product whose norm is apart
+        O = NORM_APART_WEIGHTS // I if big else D * -(-MATMUL_SPLIT_MIN_WEIGHTS // (I * D)) if split else 6 * D
+        NH = O // D
         x, w = case.act(case.normal(FEW_ROWS, I)), case.act(case.normal(O, I))
         gain = case.act(1 + case.normal(I, scale=0.3))
         base = case.act(case.normal(FEW_ROWS, O))
@@ -286,7 +289,7 @@ def check_matmul(case, gpu_layers, cpu_layers):
                 rows = case.rng.permutation(FEW_ROWS)[:N]
                 among = bits(rows)
                 same &= all(np.array_equal(a, np.stack([alone[r][i][0] for r in rows])) for i, a in enumerate(among))
-            out.append((f"{name}{case.tag} I={I}: a row's bits alone and among 5, 20, {FEW_ROWS} rows",
+            out.append((f"{name}{case.tag} {O}x{I}: a row's bits alone and among 5, 20, {FEW_ROWS} rows",
                         0.0 if same else math.inf, case.tol))
     return out
 

@@ -22,6 +22,14 @@ MATMUL_ROWS_MIN_TILES = 1024
 MATMUL_ROWS_WARPS = 8
 MATMUL_ROWS_NT = 2
 MATMUL_ROWS_STAGES = 3
+# ... a product of at least MATMUL_SPLIT_MIN_WEIGHTS weights whose tiles of w are too few for matmul_rows (9 to 64
+# rows) splits a row's virtual warps over blocks (matmul_split_t*: each group's sums into a scratch of at most
+# MATMUL_SPLIT_BYTES, added in virtual-warp order by matmul_split_finish, MATMUL_FINISH_THREADS a block); a split
+# block's registers allow MATMUL_SPLIT_BLOCKS of them an SM (layers._split_group)
+MATMUL_SPLIT_MIN_WEIGHTS = 1 << 22
+MATMUL_SPLIT_BYTES = 1 << 25
+MATMUL_SPLIT_BLOCKS = 2
+MATMUL_FINISH_THREADS = 256
 # ... up to 8 rows (matmul_small): the physical warps a block, at most, for a product whose blocks would not fill
 # the SMs at the second number, and for one whose blocks do (a row's k-split stays that of its virtual warps,
 # MATMUL_SMALL_WARPS at most, set by the row length; a physical warp runs several in turn): small blocks, many
@@ -123,7 +131,8 @@ def module_defines(name, variant=()):
                    "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS,
                    "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS,
                    "MATMUL_ROWS_WARPS": MATMUL_ROWS_WARPS, "MATMUL_ROWS_NT": MATMUL_ROWS_NT,
-                   "MATMUL_ROWS_STAGES": MATMUL_ROWS_STAGES},
+                   "MATMUL_ROWS_STAGES": MATMUL_ROWS_STAGES, "MATMUL_SPLIT_BLOCKS": MATMUL_SPLIT_BLOCKS,
+                   "MATMUL_FINISH_THREADS": MATMUL_FINISH_THREADS},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
         "embedding": {"EMB_SEGMENT": EMB_SEGMENT},
         "attention": {"ATT_TILE": ATT_TILE, "ATT_THREADS": ATT_THREADS, "ATT_WARPS": ATT_WARPS,

@@ -37,9 +37,11 @@ import numpy as np
 from nanoeuler.model.gpu import runtime
 from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP, ATT_CACHED_WARPS_MANY,
                                            ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
-                                           MATMUL_FEW_WARPS, MATMUL_PAIR, MATMUL_PAIR_WARPS, MATMUL_ROWS_MIN_TILES,
-                                           MATMUL_ROWS_NT, MATMUL_ROWS_STAGES, MATMUL_ROWS_WARPS,
-                                           MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS, NORM_APART_WEIGHTS,
+                                           MATMUL_FEW_WARPS, MATMUL_FINISH_THREADS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
+                                           MATMUL_ROWS_MIN_TILES, MATMUL_ROWS_NT, MATMUL_ROWS_STAGES,
+                                           MATMUL_ROWS_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
+                                           MATMUL_SPLIT_BLOCKS, MATMUL_SPLIT_BYTES, MATMUL_SPLIT_MIN_WEIGHTS,
+                                           NORM_APART_WEIGHTS,
                                            RMSNORM_ROWS_CHUNKS, RMSNORM_ROWS_THREADS,
                                            ROPE_HEADS, SAMPLE_BUCKETS, SAMPLE_LIST, SAMPLE_LOADS,
                                            SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
@@ -101,8 +103,11 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     """The matrix-vector kernels on N <= FEW_ROWS rows of x (tensor-core products, kernels/matmul.cu), a row's
     arithmetic the same in each: up to 8 rows matmul_small (a block a tile of 8 rows of w); 9 to 64 rows of a
     product of at least MATMUL_ROWS_MIN_TILES tiles matmul_rows_t<tiles of 16> (x's rows in shared memory, shared
-    by a block's many tiles of w), of a smaller one matmul_small_t<tiles of 16>_n<tiles of w a warp> (x's rows
-    from L2 for each warp: more blocks and warps for a few tiles; _product_split).
+    by a block's many tiles of w), of a smaller one of at least MATMUL_SPLIT_MIN_WEIGHTS weights matmul_split_t<tiles
+    of 16> (matmul_rows' blocks, a row's virtual warps split over grid.y, each one's sums into a scratch, then
+    matmul_split_finish adds them in order and finishes the items; _split_group), of a smaller one still
+    matmul_small_t<tiles of 16>_n<tiles of w a warp> (x's rows from L2 for each warp: more blocks and warps for a
+    few tiles; _product_split).
     RMSNorm folded in when given its gain; SwiGLU of the gate|up product into glu_out, or the rotary embedding
     (rope = (cos, sin, pos, T, rotated rows, D/2); pos one position, or one a sequence of T rows) of the qkv
     product, when given, after adding bias (O,) where given. A row's k-split is that of its virtual warps (from
@@ -126,9 +131,18 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     if glu_out is not None:
         half = O // 2
     tiles_of_w = _blocks(O // 2, 4) if half else _blocks(O, 8)  # 8 rows of w a tile: the mma's n
-    smem, groups = 0, 1
-    physical = _rows_warps(tiles_of_w, tiles) if tiles and tiles_of_w >= MATMUL_ROWS_MIN_TILES else 0
-    if physical:
+    smem, groups, parts = 0, 1, null
+    split = _split_group(tiles, tiles_of_w, O, I, warps, pack, N) if packed else 0  # its kernels load whole chunks
+    physical = _rows_warps(tiles_of_w, tiles) if tiles and tiles_of_w >= MATMUL_ROWS_MIN_TILES and not split else 0
+    if split:
+        # a row's virtual warps in groups of `split` over grid.y, each one's sums into the scratch
+        physical, groups, width = MATMUL_ROWS_WARPS, split, 8 * tiles_of_w
+        rounds = -(-I // (warps * MATMUL_SMALL_LOADS * 4 * pack))
+        smem = _rows_smem(tiles, physical, min(MATMUL_ROWS_STAGES, split * rounds))
+        kern = kernel("matmul", f"matmul_split_t{tiles}", _act_defines(x), dynamic_smem=smem)
+        grid = (_blocks(tiles_of_w, physical * MATMUL_ROWS_NT), _blocks(warps, split))
+        parts = quantized.scratch((warps * N * (width + 1),), F32)
+    elif physical:
         smem = _rows_smem(tiles, physical)
         kern = kernel("matmul", f"matmul_rows_t{tiles}", _act_defines(x), dynamic_smem=smem)
         grid = (_blocks(tiles_of_w, physical * MATMUL_ROWS_NT),)
@@ -139,11 +153,14 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
         row_tiles, groups, per_warp = _product_split(tiles, tiles_of_w, physical, kernel_of)
         kern = kernel_of(row_tiles, per_warp)
         grid = (_blocks(tiles_of_w, groups * per_warp), _blocks(N, 16 * row_tiles if row_tiles else 8))
-    launch(kern, grid, (32 * physical,),
-        (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32),
-         _i32(accumulate), _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps),
-         _i32(half), null if glu_out is None else glu_out, null if bias is None else bias, cos, sin, pos, _i32(T),
-         _i32(pos_stride), _i32(rot), _i32(groups), _i32(warps)), shared_mem=smem)
+    args = (out, x, w, _i32(N), _i32(O), _i32(I), _i32(out.dtype == F32 and x.dtype != F32), _i32(accumulate),
+            _i32(packed), null if gain is None else gain, null if rstd is None else rstd, _f32(eps), _i32(half),
+            null if glu_out is None else glu_out, null if bias is None else bias, cos, sin, pos, _i32(T),
+            _i32(pos_stride), _i32(rot), _i32(groups), _i32(warps), parts)
+    launch(kern, grid, (32 * physical,), args, shared_mem=smem)
+    if split:  # the sums in virtual-warp order, then the epilogue: an item a thread
+        launch(kernel("matmul", "matmul_split_finish", _act_defines(x)),
+               (_blocks(N * width // 2, MATMUL_FINISH_THREADS),), (MATMUL_FINISH_THREADS,), args)
 
 
 def _folds_quantized(w, x, xn):
@@ -214,12 +231,34 @@ def _physical_warps(virtual, blocks, kern):
     return small if blocks >= resident else most(MATMUL_FEW_WARPS[0])
 
 
-def _rows_smem(tiles, warps):
+def _rows_smem(tiles, warps, stages=MATMUL_ROWS_STAGES):
     """Bytes of dynamic shared memory of a matmul_rows block of `warps` warps on `tiles` tiles of 16 rows of x:
-    MATMUL_ROWS_STAGES stages of x's rows, the gain and the block's tiles of w, in 16-byte chunks."""
+    `stages` stages of x's rows, the gain and the block's tiles of w, in 16-byte chunks."""
     stage = (tiles * MATMUL_SMALL_LOADS * 64 + MATMUL_SMALL_LOADS * 4
              + warps * MATMUL_ROWS_NT * MATMUL_SMALL_LOADS * 32)
-    return MATMUL_ROWS_STAGES * 16 * stage
+    return stages * 16 * stage
+
+
+def _split_group(tiles, tiles_of_w, O, I, vwarps, pack, N):
+    """The virtual warps a block of matmul_split_t<tiles> takes (consecutive ones; grid.y their groups), or 0
+    where the product does not split: up to 8 rows, products under MATMUL_SPLIT_MIN_WEIGHTS weights (the tile
+    kernels keep them), those with the tiles of w for matmul_rows, and a scratch over MATMUL_SPLIT_BYTES. Else
+    the fewest that let all the blocks be resident at once (MATMUL_SPLIT_BLOCKS an SM where the shared memory
+    of their stages allows): every block reads x's rows for its virtual warps once, and the scratch holds each
+    virtual warp's sums whatever the split. The same bits whichever (matmul_split_finish adds them in order)."""
+    width = 8 * tiles_of_w
+    if (not tiles or O * I < MATMUL_SPLIT_MIN_WEIGHTS or tiles_of_w >= MATMUL_ROWS_MIN_TILES
+            or 4 * vwarps * N * (width + 1) > MATMUL_SPLIT_BYTES):
+        return 0
+    rounds = -(-I // (vwarps * MATMUL_SMALL_LOADS * 4 * pack))
+    tile_blocks = _blocks(tiles_of_w, MATMUL_ROWS_WARPS * MATMUL_ROWS_NT)
+    device = cupy.cuda.Device().id
+    per_sm = cupy.cuda.runtime.deviceGetAttribute(81, device)  # cudaDevAttrMaxSharedMemoryPerMultiprocessor
+    for group in range(1, vwarps + 1):
+        smem = _rows_smem(tiles, MATMUL_ROWS_WARPS, min(MATMUL_ROWS_STAGES, group * rounds)) + 1024  # + reserved
+        if tile_blocks * _blocks(vwarps, group) <= sm_count() * min(MATMUL_SPLIT_BLOCKS, per_sm // smem):
+            return group
+    return vwarps
 
 
 def _rows_warps(tiles_of_w, tiles):

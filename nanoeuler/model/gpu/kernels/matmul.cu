@@ -7,13 +7,15 @@
 // w's rows paired (i, i + half) for SwiGLU (glu_out) or the rotary embedding (rope), with a bias (O,) added to
 // the product before the rotation where given (Qwen2's q|k|v biases). 9 to 64 rows of a large product take
 // matmul_rows_t*, which stages x's rows in shared memory for many tiles of w, with the same sums and epilogue
-// (finish_item). docs/gpu-engine.md and docs/decoding.md have the design and its measurements.
+// (finish_item); 9 to 64 rows of a product with too few tiles of w to fill the GPU take matmul_split_t*, the same
+// blocks over groups of a row's virtual warps, whose sums matmul_split_finish adds in their order.
+// docs/gpu-engine.md and docs/decoding.md have the design and its measurements.
 #include "common.cuh"
 
 #if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS) || !defined(MATMUL_PAIR) || \
     !defined(MATMUL_PAIR_WARPS) || !defined(MATMUL_ROWS_WARPS) || !defined(MATMUL_ROWS_NT) ||                   \
-    !defined(MATMUL_ROWS_STAGES)
-#error "FEW_ROWS, MATMUL_SMALL_*, MATMUL_PAIR* and MATMUL_ROWS_* come from nanoeuler/model/gpu/constants.py"
+    !defined(MATMUL_ROWS_STAGES) || !defined(MATMUL_SPLIT_BLOCKS) || !defined(MATMUL_FINISH_THREADS)
+#error "FEW_ROWS, MATMUL_SMALL_*, MATMUL_PAIR*, MATMUL_ROWS_*, MATMUL_SPLIT_*, MATMUL_FINISH_* come from constants.py"
 #endif
 static_assert(FEW_ROWS <= 64, "x's rows are at most 4 tiles of the mma fragments' 16 rows");
 
@@ -398,10 +400,20 @@ __device__ __forceinline__ void stage_chunk(uint4* to, const act_t* base, long l
     }
 }
 
-template <int W, bool PACKED, int XT, int NT>
+// The split's scratch (matmul_split_t*): a virtual warp's sums of row r, column c (the mma's: a tile's 8, pairs
+// as 2 adjacent) at parts[(vw * N + r) * width + c], width 8 x the tiles of w; then the rows' squares at
+// parts[vwarps * N * width + vw * N + r].
+__device__ __forceinline__ int split_width(int O, int half) {
+    return half ? (O / 2 + 3) / 4 * 8 : (O + 7) / 8 * 8;  // layers._matmul_small's 8 x tiles_of_w
+}
+
+// SPLIT (matmul_split_t<XT>): block (x, y) runs virtual warps y * group .. + group - 1 only, storing each one's
+// sums (and block x 0 the squares) in the scratch `parts` instead of adding them up; matmul_split_finish adds
+// them in virtual-warp order and finishes the items.
+template <int W, bool PACKED, int XT, int NT, bool SPLIT>
 __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __restrict__ x, const act_t* __restrict__ w,
                                             int N, int vwarps, uint4* __restrict__ stages,
-                                            float* __restrict__ squares) {
+                                            float* __restrict__ squares, float* __restrict__ parts, int group) {
     constexpr int LOADS = MATMUL_SMALL_LOADS, STAGES = MATMUL_ROWS_STAGES, step = 4 * PACK;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5, I = f.I, half = f.half, cols = f.O / W;
@@ -409,8 +421,14 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
     // a stage in uint4: x (XT tiles x LOADS x 2 halves x 32 lanes), the gain (LOADS x 4), w (tiles x LOADS x 32)
     const int x_size = XT * LOADS * 64, gain_at = x_size, w_at = x_size + LOADS * 4;
     const int stage_size = w_at + tiles * LOADS * 32;
-    const int stride = vwarps * LOADS * step, rounds = (I + stride - 1) / stride, S = vwarps * rounds;
-    const auto k_of = [&](int s) { return s % rounds * stride + s / rounds * LOADS * step; };  // r0 + warp_own
+    const int stride = vwarps * LOADS * step, rounds = (I + stride - 1) / stride;
+    const int v0 = SPLIT ? blockIdx.y * group : 0, S = ((SPLIT ? min(vwarps, v0 + group) : vwarps) - v0) * rounds;
+    const auto k_of = [&](int s) {  // r0 + warp_own of the block's stage s
+        s += v0 * rounds;
+        return s % rounds * stride + s / rounds * LOADS * step;
+    };
+    const int width = split_width(f.O, half);
+    float* const split_squares = parts + (long long)vwarps * N * width;
     // the rows of w this thread copies: column g of the block's tiles warp, warp + warps, ... (NT of them)
     long long w_row[NT];
     bool w_live[NT];
@@ -451,6 +469,11 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
         if (s < S) copy_x(s);
         commit();
     }
+#if ACT_BF16
+    const int ss_lane = g >> 1;  // the diagonal's
+#else
+    const int ss_lane = 0;
+#endif
     float acc[NT][XT][4], total[NT][XT][4], ss[XT][2], ss_total[XT][2];
 #pragma unroll
     for (int j = 0; j < XT; ++j) {
@@ -485,7 +508,7 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
                 for (int n = 0; n < NT; ++n) mma_chunk(acc[n][j], a, a8, wf[n]);
             }
         }
-        if (f.gain)
+        if (f.gain && (!SPLIT || blockIdx.x == 0))  // a split's squares: one block's of each virtual warp
 #pragma unroll
             for (int j = 0; j < XT; ++j)
                 if (j % warps == warp)
@@ -502,20 +525,41 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
                     ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 2);
                 }
 #endif
-                ss_total[j][0] += ss[j][0], ss_total[j][1] += ss[j][1];
+                if constexpr (SPLIT) {  // this virtual warp's sums into the scratch
+                    const int vw = v0 + s / rounds;
+                    if (f.gain && blockIdx.x == 0 && j % warps == warp && t == ss_lane)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            if (16 * j + 8 * h + g < N) split_squares[vw * N + 16 * j + 8 * h + g] = ss[j][h];
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        const int tile = tile0 + warp * NT + n;
+                        if (tile * 8 / W >= cols) break;  // past the end
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int row = 16 * j + 8 * h + g;
+                            const long long at = ((long long)vw * N + row) * width + tile * 8 + 2 * t;
+                            if (row < N)
+                                *reinterpret_cast<float2*>(parts + at) =
+                                    make_float2(acc[n][j][2 * h], acc[n][j][2 * h + 1]);
+                        }
+                    }
+                } else {
+                    ss_total[j][0] += ss[j][0], ss_total[j][1] += ss[j][1];
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) total[n][j][i] += acc[n][j][i];
+                }
                 ss[j][0] = ss[j][1] = 0.f;
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) total[n][j][i] += acc[n][j][i], acc[n][j][i] = 0.f;
+                    for (int i = 0; i < 4; ++i) acc[n][j][i] = 0.f;
             }
         }
     }
-#if ACT_BF16
-    const int ss_lane = g >> 1;  // the diagonal's
-#else
-    const int ss_lane = 0;
-#endif
+    if constexpr (SPLIT) return;
     if (f.gain && t == ss_lane)
 #pragma unroll
         for (int j = 0; j < XT; ++j)
@@ -558,7 +602,7 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
         float eps, int half, act_t *__restrict__ glu_out, const act_t *__restrict__ bias,                        \
         const float *__restrict__ cos_t,                                                                         \
         const float *__restrict__ sin_t, const int *__restrict__ pos, int T, int pos_stride, int rot, int groups, \
-        int vwarps
+        int vwarps, float *__restrict__ parts
 // groups > 1 (many rows): a block's tiles reread x from L1 rather than every block from L2; grid.y splits x's
 // rows (row_base), a constant 0 for matmul_small, whose 80 registers spill with a row offset to carry
 #define MATMUL_SMALL_BODY(TILES, NT)                                                                              \
@@ -594,22 +638,56 @@ MATMUL_SMALL_TILES(2, MATMUL_PAIR)
 MATMUL_SMALL_TILES(3, MATMUL_PAIR)
 MATMUL_SMALL_TILES(4, MATMUL_PAIR)
 // matmul_rows_t<XT>: 9 to 64 rows (XT tiles of 16), MATMUL_ROWS_NT tiles of w a warp, 1 to MATMUL_ROWS_WARPS
-// warps a block; dynamic shared memory: MATMUL_ROWS_STAGES stages (layers._matmul_small)
-#define MATMUL_ROWS_CALL(W, PACKED, XT, NT) matmul_rows<W, PACKED, XT, NT>(f, x, w, N, vwarps, stages, squares)
-#define MATMUL_ROWS_KERNEL(XT, NT) MATMUL_ROWS_KERNEL_(XT, NT)
-#define MATMUL_ROWS_KERNEL_(XT, NT)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(32 * MATMUL_ROWS_WARPS, 1)                                         \
-        matmul_rows_t##XT(MATMUL_SMALL_PARAMS) {                                                                    \
+// warps a block; dynamic shared memory: MATMUL_ROWS_STAGES stages (layers._matmul_small). matmul_split_t<XT>:
+// the same blocks, grid.y groups of `groups` consecutive virtual warps each (its stages only: fewer than
+// MATMUL_ROWS_STAGES need that many buffers only), their sums into the scratch parts, MATMUL_SPLIT_BLOCKS blocks
+// an SM, rows of whole 16-byte chunks only (packed); then matmul_split_finish.
+#define MATMUL_ROWS_CALL(W, PACKED, XT, NT, SPLIT) \
+    matmul_rows<W, PACKED, XT, NT, SPLIT>(f, x, w, N, vwarps, stages, squares, parts, groups)
+#define MATMUL_ROWS_KERNEL(NAME, XT, NT, SPLIT, BLOCKS) MATMUL_ROWS_KERNEL_(NAME, XT, NT, SPLIT, BLOCKS)
+#define MATMUL_ROWS_KERNEL_(NAME, XT, NT, SPLIT, BLOCKS)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MATMUL_ROWS_WARPS, BLOCKS) NAME##XT(MATMUL_SMALL_PARAMS) {     \
         extern __shared__ uint4 stages[];                                                                           \
-        __shared__ float squares[16 * XT]; /* the rows' sums of squares */                                          \
+        __shared__ float squares[SPLIT ? 1 : 16 * XT]; /* the rows' sums of squares */                              \
         const Finish f{out, O, I, out_f32, accumulate, half, gain, rstd, eps, glu_out, bias,                        \
                        Rope{cos_t, sin_t, pos, T, pos_stride, rot}};                                                \
-        if (half && packed) MATMUL_ROWS_CALL(2, true, XT, NT);                                                      \
-        else if (half) MATMUL_ROWS_CALL(2, false, XT, NT);                                                          \
-        else if (packed) MATMUL_ROWS_CALL(1, true, XT, NT);                                                         \
-        else MATMUL_ROWS_CALL(1, false, XT, NT);                                                                    \
+        if constexpr (SPLIT) { /* a split's rows are packed */                                                     \
+            if (half) MATMUL_ROWS_CALL(2, true, XT, NT, true);                                                      \
+            else MATMUL_ROWS_CALL(1, true, XT, NT, true);                                                           \
+        } else if (half && packed) MATMUL_ROWS_CALL(2, true, XT, NT, false);                                        \
+        else if (half) MATMUL_ROWS_CALL(2, false, XT, NT, false);                                                   \
+        else if (packed) MATMUL_ROWS_CALL(1, true, XT, NT, false);                                                  \
+        else MATMUL_ROWS_CALL(1, false, XT, NT, false);                                                             \
     }
-MATMUL_ROWS_KERNEL(1, MATMUL_ROWS_NT)
-MATMUL_ROWS_KERNEL(2, MATMUL_ROWS_NT)
-MATMUL_ROWS_KERNEL(3, MATMUL_ROWS_NT)
-MATMUL_ROWS_KERNEL(4, MATMUL_ROWS_NT)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 1, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 2, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 3, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 4, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_split_t, 1, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
+MATMUL_ROWS_KERNEL(matmul_split_t, 2, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
+MATMUL_ROWS_KERNEL(matmul_split_t, 3, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
+MATMUL_ROWS_KERNEL(matmul_split_t, 4, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
+
+// The end of a split product: a thread an item (row, two adjacent columns of the scratch: a tile's 2t, 2t + 1),
+// its virtual warps' sums added in their order from 0.f and the row's squares likewise (matmul_rows' totals),
+// then finish_item: the bits of matmul_rows and matmul_small. Grid: ceil(N x width / 2 / MATMUL_FINISH_THREADS).
+extern "C" __global__ void __launch_bounds__(MATMUL_FINISH_THREADS) matmul_split_finish(MATMUL_SMALL_PARAMS) {
+    const Finish f{out, O, I, out_f32, accumulate, half, gain, rstd, eps, glu_out, bias,
+                   Rope{cos_t, sin_t, pos, T, pos_stride, rot}};
+    const int width = split_width(O, half), items = width / 2, cols = half ? O / 2 : O;
+    const float* squares = parts + (long long)vwarps * N * width;
+    let_next_launch();
+    const int item = blockIdx.x * blockDim.x + threadIdx.x, row = item / items, c2 = 2 * (item % items);
+    const int fcol = half ? c2 / 2 : c2;  // matmul_rows': tile * 4 + t paired, tile * 8 + 2t plain
+    wait_for_inputs();
+    if (row >= N || fcol >= cols) return;
+    float v[2] = {0.f, 0.f}, s = 0.f;
+    for (int j = 0; j < vwarps; ++j) {
+        const float2 p = *reinterpret_cast<const float2*>(parts + ((long long)j * N + row) * width + c2);
+        v[0] += p.x, v[1] += p.y;
+        if (gain) s += squares[j * N + row];
+    }
+    const float none[2] = {0.f, 0.f};
+    if (half) finish_item<2>(f, v, s, row, fcol, fcol == 0, false, none, 1.f, 0.f);
+    else finish_item<1>(f, v, s, row, fcol, fcol == 0, false, none, 1.f, 0.f);
+}
