@@ -19,13 +19,15 @@
 // operand, 8 a tile (NT tiles: up to 8 or 16 rows a block; more rows in more blocks of 16, next to each other so
 // that they read the weights from L2). The mma's k order is permuted within a chunk alike for W and x: lane t's
 // k = 2t, 2t+1, 2t+8, 2t+9 of the chunk's first k-step are its elements 0..3, of the second 4..7, so x comes
-// as one 16-byte load a chunk. The integers q are exact in bf16; per chunk, with the chunk's scale,
-// acc = fma(d, sum q x, acc) and for int4 acc = fma(m, sum x, acc), the second sum an mma with a matrix of
-// ones. A row's records are split among the block's warps, contiguous runs set by the row length and the
-// matrix's rows alone (QUANT_SPLIT at most), and the warps' sums added in warp order: every output is summed in
-// an order that does not depend on N (batch invariance, as the bf16 products of matmul.cu). Each warp keeps
-// QUANT_LOADS records in flight, copied (cp.async) into its lanes' own slots of shared memory, the next one
-// issued as each is used: many bytes in flight without the registers to hold them.
+// as one 16-byte load a chunk. The A operand is exact bf16 integers: int8's q (three instructions a pair), int4's
+// 128 + q (one lop3 a pair: the nibble masked into the bf16 128's mantissa); per chunk, with the chunk's scale,
+// acc = fma(d, sum q x, acc), and for int4 acc = fma(d, sum (128 + q) x, acc) then acc = fma(m - 128 d, sum x,
+// acc), the minimum's term taking back the 128 (sum x an mma with a matrix of ones). A row's records are split
+// among the block's warps, contiguous runs set by the row length and the matrix's rows alone (QUANT_SPLIT at
+// most), and the warps' sums added in warp order: every output is summed in an order that does not depend on N
+// (batch invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS records in flight, copied
+// (cp.async) into its lanes' own slots of shared memory, the next one issued as each is used: many bytes in
+// flight without the registers to hold them.
 // Folded in as in matmul.cu: RMSNorm with a gain (x times the gain, rounded to bf16, is the B operand; the
 // squares of x on the tensor cores, the product scaled by rstd at the end), and with half > 0 W's rows taken in
 // pairs (i, i + half), rows g and g + 8 of a warp's 16, for SwiGLU (glu_out) or the rotary embedding, after a
