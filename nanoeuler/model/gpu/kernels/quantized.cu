@@ -19,13 +19,15 @@
 // operand, 8 a tile (NT tiles: up to 8 or 16 rows a block; more rows in more blocks of 16, next to each other so
 // that they read the weights from L2). The mma's k order is permuted within a chunk alike for W and x: lane t's
 // k = 2t, 2t+1, 2t+8, 2t+9 of the chunk's first k-step are its elements 0..3, of the second 4..7, so x comes
-// as one 16-byte load a chunk. The integers q are exact in bf16; per chunk, with the chunk's scale,
-// acc = fma(d, sum q x, acc) and for int4 acc = fma(m, sum x, acc), the second sum an mma with a matrix of
-// ones. A row's records are split among the block's warps, contiguous runs set by the row length and the
-// matrix's rows alone (QUANT_SPLIT at most), and the warps' sums added in warp order: every output is summed in
-// an order that does not depend on N (batch invariance, as the bf16 products of matmul.cu). Each warp keeps
-// QUANT_LOADS records in flight, copied (cp.async) into its lanes' own slots of shared memory, the next one
-// issued as each is used: many bytes in flight without the registers to hold them.
+// as one 16-byte load a chunk. The A operand is exact bf16 integers: int8's q (three instructions a pair), int4's
+// 128 + q (one lop3 a pair: the nibble masked into the bf16 128's mantissa); per chunk, with the chunk's scale,
+// acc = fma(d, sum q x, acc), and for int4 acc = fma(d, sum (128 + q) x, acc) then acc = fma(m - 128 d, sum x,
+// acc), the minimum's term taking back the 128 (sum x an mma with a matrix of ones). A row's records are split
+// among the block's warps, contiguous runs set by the row length and the matrix's rows alone (QUANT_SPLIT at
+// most), and the warps' sums added in warp order: every output is summed in an order that does not depend on N
+// (batch invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS records in flight, copied
+// (cp.async) into its lanes' own slots of shared memory, the next one issued as each is used: many bytes in
+// flight without the registers to hold them.
 // Folded in as in matmul.cu: RMSNorm with a gain (x times the gain, rounded to bf16, is the B operand; the
 // squares of x on the tensor cores, the product scaled by rstd at the end), and with half > 0 W's rows taken in
 // pairs (i, i + half), rows g and g + 8 of a warp's 16, for SwiGLU (glu_out) or the rotary embedding, after a
@@ -55,17 +57,26 @@ __device__ __forceinline__ int piece_bytes(bool int4, int group_shift) {
     return int4 ? (group_shift == 0 ? 16 : group_shift == 1 ? 8 : 4) : 4;
 }
 
-// (0x4300 | q) is the bf16 128 + q; subtracting 128 leaves q, two at a time
-__device__ __forceinline__ unsigned bf16x2_minus_128(unsigned v) {
+// (a & b) | c in one instruction (lop3; the compiler splits the two constants' mask and or in two otherwise)
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
     unsigned r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC300C300u));
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
     return r;
 }
 
-// An int4 chunk word (nibble i element 2i, nibble 4 + i element 2i + 1) -> pairs (2i, 2i + 1) as exact bf16x2
+// (a & b) ^ c in one instruction
+__device__ __forceinline__ unsigned and_xor(unsigned a, unsigned b, unsigned c) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// An int4 chunk word (nibble i element 2i, nibble 4 + i element 2i + 1) -> pairs (2i, 2i + 1) as the exact
+// bf16x2 128 + q ((0x4300 | q) is the bf16 128 + q): one instruction a pair; the product takes the 128 back
+// with the minimum's term (quant_matmul: (m - 128 d) sum x)
 __device__ __forceinline__ void int4_pairs(unsigned w, unsigned (&a)[4]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = bf16x2_minus_128(((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u);
+    for (int i = 0; i < 4; ++i) a[i] = and_or(w >> (4 * i), 0x000F000Fu, 0x43004300u);
 }
 
 // An int8 chunk's two words (bytes: elements 0, 2, 1, 3 and 4, 6, 5, 7, each stored as u = q + 128) -> pairs
@@ -74,7 +85,8 @@ __device__ __forceinline__ void int4_pairs(unsigned w, unsigned (&a)[4]) {
 __device__ __forceinline__ unsigned int8_pair(unsigned w) {
     unsigned r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;"
-        : "=r"(r) : "r"((w & 0x00800080u) ^ 0x43804380u), "r"(0xBF80BF80u), "r"((w & 0x007F007Fu) | 0x43004300u));
+        : "=r"(r)
+        : "r"(and_xor(w, 0x00800080u, 0x43804380u)), "r"(0xBF80BF80u), "r"(and_or(w, 0x007F007Fu, 0x43004300u)));
     return r;
 }
 __device__ __forceinline__ void int8_pairs(unsigned w0, unsigned w1, unsigned (&a)[4]) {
@@ -119,20 +131,17 @@ template <int PENDING>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 
 // A lane's record `rec` of its rows into its slots of a stage (4 x 32 uint4 apart): the 16 bytes of each row
-// (wrow: its record 0), and each row's piece of scales holding the record's chunks' (srow: its piece 0)
+// (wrow: its record 0), and each row's piece of scales holding the record's chunks' (srow: its piece 0; int4:
+// pieces of 16 or 8 bytes a record (groups of 32, 64) or of 4 bytes a group; int8: 4 bytes, groups 2p, 2p + 1)
 template <bool INT4>
 __device__ __forceinline__ void copy_record(uint4* slots, const uint4* const (&wrow)[2],
                                             const unsigned char* const (&srow)[2], int rec, int group_shift) {
+    const int piece = INT4 ? (4 * rec) >> max(group_shift, 2) : ((2 * rec) >> group_shift) >> 1;
+    const int bytes = piece_bytes(INT4, group_shift), at = 8 * bytes * piece;  // a tile's 8 rows' pieces
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         copy_async(slots + 32 * h, wrow[h] + 32 * rec, 16);  // a tile's record: 8 rows x 4 lanes x 16 bytes
-        if constexpr (INT4) {  // pieces of 16, 8 or 4 bytes, a tile's 8 rows' next to each other
-            if (group_shift == 0) copy_async(slots + 32 * (2 + h), srow[h] + 128 * rec, 16);
-            else if (group_shift == 1) copy_async(slots + 32 * (2 + h), srow[h] + 64 * rec, 8);
-            else copy_async(slots + 32 * (2 + h), srow[h] + 32 * ((4 * rec) >> group_shift), 4);
-        } else {  // pieces of 4 bytes: groups 2p, 2p + 1
-            copy_async(slots + 32 * (2 + h), srow[h] + 32 * (((2 * rec) >> group_shift) >> 1), 4);
-        }
+        copy_async(slots + 32 * (2 + h), srow[h] + at, bytes);
     }
 }
 
@@ -197,16 +206,11 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     }
     let_next_launch();
     wait_for_inputs();
-    // x's row of this lane in each tile (past N: the last row, its values then taken as zeros: no branch that
-    // would keep the compiler from interleaving the chunks' chains)
+    // x's row of this lane in each tile (past N: the last row; an mma's columns are independent, and those
+    // columns' sums are never stored)
     const bf16* xrow[NT];
-    bool xlive[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int r = row0 + 8 * nt + g;
-        xlive[nt] = r < N;
-        xrow[nt] = x + (long long)min(r, N - 1) * I + 8 * t;
-    }
+    for (int nt = 0; nt < NT; ++nt) xrow[nt] = x + (long long)min(row0 + 8 * nt + g, N - 1) * I + 8 * t;
     const unsigned ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
     float acc[NT][4], squares[NT][4];
 #pragma unroll
@@ -236,12 +240,12 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
             }
             const uint4 gv = GAIN ? *reinterpret_cast<const uint4*>(gain + at + 8 * t) : make_uint4(0u, 0u, 0u, 0u);
             const float d0 = half_to_float(sc[0][c] & 0xffffu), d1 = half_to_float(sc[1][c] & 0xffffu);
-            const float m0 = INT4 ? half_to_float(sc[0][c] >> 16) : 0.f;
-            const float m1 = INT4 ? half_to_float(sc[1][c] >> 16) : 0.f;
+            // int4's A is 128 + q: d sum (128 + q) x + (m - 128 d) sum x = d sum q x + m sum x
+            const float m0 = INT4 ? __fmaf_rn(-128.f, d0, half_to_float(sc[0][c] >> 16)) : 0.f;
+            const float m1 = INT4 ? __fmaf_rn(-128.f, d1, half_to_float(sc[1][c] >> 16)) : 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                uint4 xv = *reinterpret_cast<const uint4*>(xrow[nt] + at);
-                if (!xlive[nt]) xv = make_uint4(0u, 0u, 0u, 0u);
+                const uint4 xv = *reinterpret_cast<const uint4*>(xrow[nt] + at);
                 const uint4 bv = GAIN ? make_uint4(mul_bf16x2(xv.x, gv.x), mul_bf16x2(xv.y, gv.y),
                                                    mul_bf16x2(xv.z, gv.z), mul_bf16x2(xv.w, gv.w))
                                       : xv;
