@@ -130,6 +130,9 @@ extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __res
 // nothing: a row's draw is a function of its own logits and settings. A greedy row (temperature <= 0) or one
 // of top_p <= 0 keeps the argmax; each kernel's blocks of such rows return at once. The scratch (histograms,
 // list, RowState) is left as it was found for the next step: zeros, key_lo ~0, best ~0.
+// What a kernel's last block wrote (RowState, ids) the next kernel reads through L2 (__ldcg): under programmatic
+// dependent launch a block may otherwise meet its SM's L1 copy of the line from before the write, and a row in a
+// recorded batch draw other tokens than alone (eager launches, which start with L1 clean, do not show it).
 #if !defined(SAMPLE_BUCKETS) || !defined(SAMPLE_LOADS) || !defined(SAMPLE_LIST) || !defined(SAMPLE_WEIGHT_BITS)
 #error "SAMPLE_* come from nanoeuler/model/gpu/constants.py"
 #endif
@@ -210,7 +213,7 @@ __device__ __forceinline__ SampleRow sample_row(int r, const int* ids, const flo
     const float T = temperature[r];
     s.p = top_p[r];
     s.k = top_k[r];
-    s.m = z[ids[r]];
+    s.m = z[__ldcg(ids + r)];  // argmax_rows's, written by another SM
     s.sampled = T > 0.f && s.p > 0.f && fabsf(s.m) < pos_inf();  // a largest logit of inf or NaN: the argmax
     s.top_k_on = 0 < s.k && s.k < V;
     s.top_p_on = s.p < 1.f;
@@ -430,9 +433,9 @@ extern "C" __global__ void sample_refine(const int* __restrict__ ids, const floa
     const SampleRow row = sample_row(r, ids, z, V, top_k, temperature, top_p);
     if (!row.sampled || !row.cuts) return;
     RowState* st = state + r;
-    if (st->mode != (unsigned)round) return;
-    const int bucket = (int)st->bucket;
-    const unsigned lower = st->lower;
+    if (__ldcg(&st->mode) != (unsigned)round) return;
+    const int bucket = (int)__ldcg(&st->bucket);
+    const unsigned lower = __ldcg(&st->lower);
     unsigned* keys = list_key + (long long)r * SAMPLE_LIST;
     float* ws = list_w + (long long)r * SAMPLE_LIST;
     float zs[SAMPLE_LOADS];
@@ -464,7 +467,7 @@ extern "C" __global__ void sample_refine(const int* __restrict__ ids, const floa
     if (!last_block(&st->done)) return;
     RowState s;
     s.key_lo = __ldcg(&st->key_lo), s.key_hi = __ldcg(&st->key_hi), s.n = __ldcg(&st->n);
-    s.need = st->need, s.base = st->base, s.target = st->target;
+    s.need = __ldcg(&st->need), s.base = __ldcg(&st->base), s.target = __ldcg(&st->target);
     unsigned long long kept = 0;
     unsigned cut;
     if (s.key_lo == s.key_hi) {  // one value (a flat row): the cut; the bucket's tokens are all at it
@@ -509,7 +512,7 @@ extern "C" __global__ void sample_draw(int* __restrict__ ids, const float* __res
     const SampleRow row = sample_row(r, ids, z, V, top_k, temperature, top_p);
     if (!row.sampled) return;
     RowState* st = state + r;
-    const unsigned cut = row.cuts ? st->cut : 0u;
+    const unsigned cut = row.cuts ? __ldcg(&st->cut) : 0u;
     const unsigned long long seed = mix64(((unsigned long long)seed_hi[r] << 32) | seed_lo[r]);
     const unsigned long long counter = (unsigned long long)(unsigned)index[r] << 32;
     float zs[SAMPLE_LOADS];
