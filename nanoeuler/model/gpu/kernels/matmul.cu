@@ -682,10 +682,10 @@ extern "C" __global__ void __launch_bounds__(MATMUL_FINISH_THREADS) matmul_split
     wait_for_inputs();
     if (row >= N || fcol >= cols) return;
     float v[2] = {0.f, 0.f}, s = 0.f;
-    for (int j = 0; j < vwarps; ++j) {
-        const float2 p = *reinterpret_cast<const float2*>(parts + ((long long)j * N + row) * width + c2);
+    for (int j = 0; j < vwarps; ++j) {  // through L2: other SMs wrote them (decoding.cu's sampler says why)
+        const float2 p = __ldcg(reinterpret_cast<const float2*>(parts + ((long long)j * N + row) * width + c2));
         v[0] += p.x, v[1] += p.y;
-        if (gain) s += squares[j * N + row];
+        if (gain) s += __ldcg(squares + j * N + row);
     }
     const float none[2] = {0.f, 0.f};
     if (half) finish_item<2>(f, v, s, row, fcol, fcol == 0, false, none, 1.f, 0.f);
