@@ -475,7 +475,7 @@ RECOMPUTE_CHOICES = ("auto", "mlp", "layer")
 
 def bare_recompute(argv):
     """argv with a bare `--recompute` followed by a word that is not a mode (`train --recompute small`) written
-    `--recompute=auto`: the flag alone keeps meaning what it meant before it took a mode, whatever follows it."""
+    `--recompute=auto`: the flag alone means auto whatever word follows it (a preset is not a mode)."""
     out = list(argv)
     for i, arg in enumerate(out[:-1]):
         if arg == "--recompute" and not out[i + 1].startswith("-") and out[i + 1] not in RECOMPUTE_CHOICES:

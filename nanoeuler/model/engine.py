@@ -660,40 +660,39 @@ class Engine:
             ready(layout["final_norm"][0])
         for i in reversed(range(cfg.n_layers)):
             w = f"layers.{i}."
-            j = i  # a recomputed kind's buffer is the same for every layer (_activations)
-            lr = None if low_rank is None else low_rank[j]
+            lr = None if low_rank is None else low_rank[i]  # one slot for every layer where they are recomputed whole (_low_rank)
             if sharded:
                 sharded.gather(i, backward=True)
                 sharded.open_grads(i)
             self._recompute_layer(i, acts, B, T, lr)  # what the forward pass did not keep (none without recompute)
             # feed-forward block; dresid is d(resid[i+1]) and, through the skip, d(resid_mid)
-            layers.matmul_backward(acts["dsw"], gw(w + "w_down"), dresid, acts["sw"][j], p[w + "w_down"])
+            layers.matmul_backward(acts["dsw"], gw(w + "w_down"), dresid, acts["sw"][i], p[w + "w_down"])
             if ad is not None:
-                ad.backward(i, "down", lr, acts["dsw"], dresid, acts["sw"][j])
-            layers.swiglu_backward(acts["dgate_up"], acts["dsw"], acts["gate_up"][j])
-            layers.matmul_backward(dxn, gw(w + "w_gate_up"), acts["dgate_up"], acts["xn2"][j], p[w + "w_gate_up"])
+                ad.backward(i, "down", lr, acts["dsw"], dresid, acts["sw"][i])
+            layers.swiglu_backward(acts["dgate_up"], acts["dsw"], acts["gate_up"][i])
+            layers.matmul_backward(dxn, gw(w + "w_gate_up"), acts["dgate_up"], acts["xn2"][i], p[w + "w_gate_up"])
             if ad is not None:
-                ad.backward(i, "gate", lr, dxn, acts["dgate_up"][:, :F], acts["xn2"][j])
-                ad.backward(i, "up", lr, dxn, acts["dgate_up"][:, F:], acts["xn2"][j])
-            layers.rmsnorm_backward(dresid, gn(w + "ffn_norm"), dxn, acts["resid_mid"][j], p[w + "ffn_norm"],
-                                    acts["rstd2"][j])
+                ad.backward(i, "gate", lr, dxn, acts["dgate_up"][:, :F], acts["xn2"][i])
+                ad.backward(i, "up", lr, dxn, acts["dgate_up"][:, F:], acts["xn2"][i])
+            layers.rmsnorm_backward(dresid, gn(w + "ffn_norm"), dxn, acts["resid_mid"][i], p[w + "ffn_norm"],
+                                    acts["rstd2"][i])
             # attention block; dresid is now d(resid_mid) and, through the skip, d(resid[i])
-            datt, att = acts["datt"].reshape(N, -1), acts["att"][j].reshape(N, -1)
+            datt, att = acts["datt"].reshape(N, -1), acts["att"][i].reshape(N, -1)
             layers.matmul_backward(datt, gw(w + "wo"), dresid, att, p[w + "wo"])
             if ad is not None:
                 ad.backward(i, "o", lr, datt, dresid, att)
-            layers.attention_backward(acts["dqkv"], acts["datt"], acts["att"][j], acts["lse"][j], acts["qkv"][j],
+            layers.attention_backward(acts["dqkv"], acts["datt"], acts["att"][i], acts["lse"][i], acts["qkv"][i],
                                       H, G, self.cos, self.sin)  # through the rotary embedding too
             dqkv = acts["dqkv"].reshape(N, -1)
-            layers.matmul_backward(dxn, gw(w + "wqkv"), dqkv, acts["xn1"][j], p[w + "wqkv"], gb(w + "bqkv"))
+            layers.matmul_backward(dxn, gw(w + "wqkv"), dqkv, acts["xn1"][i], p[w + "wqkv"], gb(w + "bqkv"))
             if ad is not None:
                 for t, cols in (("q", slice(0, H * D)), ("k", slice(H * D, (H + G) * D)),
                                 ("v", slice((H + G) * D, (H + 2 * G) * D))):
-                    ad.backward(i, t, lr, dxn, dqkv[:, cols], acts["xn1"][j])
+                    ad.backward(i, t, lr, dxn, dqkv[:, cols], acts["xn1"][i])
             if frozen and i == 0:
                 break  # the frozen embedding wants no gradient: the stream's below the first layer is unused
             layers.rmsnorm_backward(dresid, gn(w + "attn_norm"), dxn, acts["resid"][i], p[w + "attn_norm"],
-                                    acts["rstd1"][j])
+                                    acts["rstd1"][i])
             if sharded:
                 sharded.release(i)
                 sharded.reduce(i, accumulate)

@@ -18,6 +18,20 @@ __device__ __forceinline__ float row_rstd(float ss, float* __restrict__ rstd, in
     return r;
 }
 
+// A thread's share of a row's sum of squares: its K chunks of PACK elements, in order.
+template <int K>
+__device__ __forceinline__ float chunk_squares(const uint4 (&xu)[K]) {
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        float v[PACK];
+        unpack16(v, xu[k]);
+#pragma unroll
+        for (int i = 0; i < PACK; ++i) ss += v[i] * v[i];
+    }
+    return ss;
+}
+
 // dw_partial's row blockIdx.x (C,) = the sum of the block's warps' gain partials, dw_part (warps * C floats,
 // each warp's row written by it), added in order of warp once every warp is done.
 __device__ __forceinline__ void sum_warp_rows(float* __restrict__ dw_partial, const float* dw_part, int C) {
@@ -61,15 +75,7 @@ __device__ __forceinline__ void rmsnorm_forward_regs(act_t* __restrict__ out, fl
     uint4 xu[K], wu[K];
     load_chunks<K>(xu, x + (long long)row * C, C, lane);
     load_chunks<K>(wu, w, C, lane);
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        float v[PACK];
-        unpack16(v, xu[k]);
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) ss += v[i] * v[i];
-    }
-    const float r = row_rstd(ss, rstd, row, C, eps, lane);
+    const float r = row_rstd(chunk_squares<K>(xu), rstd, row, C, eps, lane);
     act_t* orow = out + (long long)row * C;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -219,15 +225,7 @@ extern "C" __global__ void rmsnorm_rows(act_t* __restrict__ out, float* __restri
         const int c = (k * (int)blockDim.x + (int)threadIdx.x) * PACK;
         xu[k] = c < C ? *reinterpret_cast<const uint4*>(x + row * C + c) : make_uint4(0u, 0u, 0u, 0u);
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < RMSNORM_ROWS_CHUNKS; ++k) {
-        float v[PACK];
-        unpack16(v, xu[k]);
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) ss += v[i] * v[i];
-    }
-    const float r = 1.f / sqrtf(block_sum(ss, scratch) / C + eps);
+    const float r = 1.f / sqrtf(block_sum(chunk_squares<RMSNORM_ROWS_CHUNKS>(xu), scratch) / C + eps);
     if (threadIdx.x == 0) rstd[row] = r;
 #pragma unroll
     for (int k = 0; k < RMSNORM_ROWS_CHUNKS; ++k) {
