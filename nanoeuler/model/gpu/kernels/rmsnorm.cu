@@ -32,6 +32,16 @@ __device__ __forceinline__ float chunk_squares(const uint4 (&xu)[K]) {
     return ss;
 }
 
+// 16 bytes of a row normed: x * rstd * the gain's (g), rounded to act_t.
+__device__ __forceinline__ uint4 normed_chunk(uint4 x, uint4 g, float r) {
+    float v[PACK], gv[PACK];
+    unpack16(v, x);
+    unpack16(gv, g);
+#pragma unroll
+    for (int i = 0; i < PACK; ++i) v[i] *= r * gv[i];
+    return pack16(v);
+}
+
 // dw_partial's row blockIdx.x (C,) = the sum of the block's warps' gain partials, dw_part (warps * C floats,
 // each warp's row written by it), added in order of warp once every warp is done.
 __device__ __forceinline__ void sum_warp_rows(float* __restrict__ dw_partial, const float* dw_part, int C) {
@@ -81,12 +91,7 @@ __device__ __forceinline__ void rmsnorm_forward_regs(act_t* __restrict__ out, fl
     for (int k = 0; k < K; ++k) {
         const int c = (k * 32 + lane) * PACK;
         if (c >= C) continue;
-        float v[PACK], g[PACK];
-        unpack16(v, xu[k]);
-        unpack16(g, wu[k]);
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) v[i] *= r * g[i];
-        *reinterpret_cast<uint4*>(orow + c) = pack16(v);
+        *reinterpret_cast<uint4*>(orow + c) = normed_chunk(xu[k], wu[k], r);
         if (skip) *reinterpret_cast<uint4*>(skip + (long long)row * C + c) = xu[k];
     }
 }
@@ -231,12 +236,7 @@ extern "C" __global__ void rmsnorm_rows(act_t* __restrict__ out, float* __restri
     for (int k = 0; k < RMSNORM_ROWS_CHUNKS; ++k) {
         const int c = (k * (int)blockDim.x + (int)threadIdx.x) * PACK;
         if (c >= C) break;
-        float v[PACK], g[PACK];
-        unpack16(v, xu[k]);
-        unpack16(g, wu[k]);
-#pragma unroll
-        for (int i = 0; i < PACK; ++i) v[i] *= r * g[i];
-        *reinterpret_cast<uint4*>(out + row * C + c) = pack16(v);
+        *reinterpret_cast<uint4*>(out + row * C + c) = normed_chunk(xu[k], wu[k], r);
     }
 }
 
