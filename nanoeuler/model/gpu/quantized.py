@@ -130,11 +130,12 @@ def dequantize(w, dtype=F32, out=None):
     """The matrix (O, I) as `dtype` (float32: exact; BF16 rounded to nearest even), into out where given."""
     O, I = w.shape
     out = cupy.empty((O, I), dtype) if out is None else out
-    assert out.shape == (O, I) and out.dtype == dtype and out.flags.c_contiguous
+    assert out.shape == (O, I) and out.dtype == dtype and out.flags.c_contiguous and out.data.ptr % 16 == 0
     defines = ("ACT_BF16=1",) if dtype == BF16 else ()
-    threads = O * (I // (128 if w.kind == "int4" else 64)) * 4
+    records = I // (128 if w.kind == "int4" else 64)
     q, scales, pieces, shift, phase = w._args()
-    kernel("quantized", "quant_dequantize", defines)((-(-threads // 256),), (256,),
+    # a block 8 records of a tile of 8 rows (a warp a record): the tiles of rows row0 .. row0 + O - 1
+    kernel("quantized", "quant_dequantize", defines)((-(-(int(phase) + O) // TILE), -(-records // 8)), (256,),
                                                       (out, q, scales, np.int32(O), phase, np.int32(I),
                                                        pieces, shift, np.int32(w.kind == "int4")))
     return out

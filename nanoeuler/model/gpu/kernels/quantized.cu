@@ -34,7 +34,8 @@
 // bias where given.
 //
 // quant_dequantize: rows of W as act_t, d q + m in float32 (exact: d q is exact, one rounding of the sum), then
-// rounded to act_t: the float32 engine's products (cuBLAS on the dequantized matrix) and the checks.
+// rounded to act_t: the products of many rows (cuBLAS on the dequantized matrix), the float32 engine's and the
+// checks. Bound by its writes (2 or 4 bytes a weight against 0.5 or 1 read): 16-byte loads and stores.
 #include "common.cuh"
 
 #if !defined(QUANT_SPLIT) || !defined(QUANT_LOADS) || !defined(QUANT_BLOCKS)
@@ -367,39 +368,73 @@ QUANT_MATMUL(1, quant_matmul_int8_norm, false, true)
 QUANT_MATMUL(2, quant_matmul_int8_norm, false, true)
 #endif
 
-// out (R, I) act_t = rows 0 .. R - 1 of W (row 0 at row_phase of its tile), dequantized; a thread a lane's 16
-// bytes of a record.
-extern "C" __global__ void quant_dequantize(act_t* __restrict__ out, const unsigned char* __restrict__ w,
-                                           const unsigned short* __restrict__ scales, int R, int row_phase, int I,
-                                           int pieces, int group_shift, int int4) {
+// An integer 0 <= u < 2^23 as the exact float u - bias: 2^23 + u from its bits, less 2^23 + bias (an or and an
+// add; no int-to-float conversion, which issues at a fraction of the float rate)
+__device__ __forceinline__ float exact_float(unsigned u, float bias) {
+    return __uint_as_float(0x4B000000u | u) - (8388608.0f + bias);
+}
+
+// 16 bytes at p (16-byte aligned) in one store: written out, as the compiler splits a uint4 store of this kernel
+// into four 4-byte ones (it cannot show the alignment)
+__device__ __forceinline__ void store16(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
+    asm volatile("st.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// 8 consecutive dequantized elements as act_t: one 16-byte store (bf16) or two (float)
+__device__ __forceinline__ void store8(act_t* p, const float (&v)[8]) {
+#if ACT_BF16
+    store16(p, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7]));
+#else
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        store16(p + 4 * h, __float_as_uint(v[4 * h]), __float_as_uint(v[4 * h + 1]), __float_as_uint(v[4 * h + 2]),
+                __float_as_uint(v[4 * h + 3]));
+#endif
+}
+
+// out (R, I) act_t = rows 0 .. R - 1 of W (row 0 at row_phase of its tile), dequantized. A block of 256 threads
+// takes 8 records of one tile of 8 rows (grid (tiles, records / 8)): a warp a record, so that it reads the tile's
+// contiguous 512 bytes, lane 4p + t row p's 16 bytes of lane t; the lane writes the 8 elements of each chunk of
+// those (32 chunk + 8t ..) as one 16-byte store (bf16; two for float): 64 bytes of a row per four lanes.
+extern "C" __global__ void __launch_bounds__(256) quant_dequantize(
+    act_t* __restrict__ out, const unsigned char* __restrict__ w, const unsigned short* __restrict__ scales, int R,
+    int row_phase, int I, int pieces, int group_shift, int int4) {
     const int chunks = int4 ? 4 : 2, records = I / (32 * chunks);
-    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)R * records * 4) return;
-    const int r = (int)(i / (records * 4)), rec = (int)(i / 4 % records), t = (int)(i % 4);
+    const int rec = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, p = lane >> 2, t = lane & 3;
+    const int tile_row = blockIdx.x * 8 + p, r = tile_row - row_phase;
+    if (rec >= records || r < 0 || r >= R) return;
     const long long row_bytes = int4 ? I / 2 : I;
+    const uint4 v = reinterpret_cast<const uint4*>(w + blockIdx.x * 8 * row_bytes)[32 * rec + lane];
     const int piece = piece_bytes(int4, group_shift);
-    const uint4 v = reinterpret_cast<const uint4*>(tiled_row(w, 8 * row_bytes, 64, r + row_phase))[32 * rec + t];
-    const unsigned char* srow = tiled_row(scales, 8LL * pieces * piece, piece, r + row_phase);
+    const unsigned char* srow = tiled_row(scales, 8LL * pieces * piece, piece, tile_row);
     const unsigned words[4] = {v.x, v.y, v.z, v.w};
     act_t* row = out + (long long)r * I;
-    for (int c = 0; c < chunks; ++c) {
-        const int chunk = rec * chunks + c, group = chunk >> group_shift, at = 32 * chunk + 8 * t;
-        const int b = (int4 ? 4 : 2) * group;  // the group's byte in the row's scales: piece b / piece
-        const unsigned char* sc = srow + (long long)(b / piece) * 8 * piece + b % piece;
-        if (int4) {
-            const unsigned dm = *reinterpret_cast<const unsigned*>(sc);
+    float e[8];
+    if (int4) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            // the group's (d, m): byte b of the row's scales, in piece b / piece (a power of two: no division)
+            const int chunk = rec * 4 + c, b = 4 * (chunk >> group_shift);
+            const unsigned dm = *reinterpret_cast<const unsigned*>(srow + (long long)(b & -piece) * 8 + (b & (piece - 1)));
             const float d = half_to_float(dm & 0xffff), m = half_to_float(dm >> 16);
-            for (int e = 0; e < 8; ++e) {
-                const unsigned q = (words[c] >> (4 * (e >> 1) + 16 * (e & 1))) & 15u;
-                row[at + e] = from_float<act_t>(fmaf(d, (float)q, m));
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // nibble i element 2i, nibble 4 + i element 2i + 1
+                e[2 * i] = fmaf(d, exact_float((words[c] >> (4 * i)) & 15u, 0.0f), m);
+                e[2 * i + 1] = fmaf(d, exact_float((words[c] >> (4 * i + 16)) & 15u, 0.0f), m);
             }
-        } else {
-            const float d = half_to_float(*reinterpret_cast<const unsigned short*>(sc));
-            for (int e = 0; e < 8; ++e) {
-                const int byte = (e & 1) * 2 + ((e >> 1) & 1);  // elements 0, 2, 1, 3 in bytes 0..3
-                const int q = (int)((words[2 * c + (e >> 2)] >> (8 * byte)) & 0xff) - 128;
-                row[at + e] = from_float<act_t>(d * (float)q);
-            }
+            store8(row + 32 * chunk + 8 * t, e);
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int chunk = rec * 2 + c, b = 2 * (chunk >> group_shift);
+            const float d = half_to_float(*reinterpret_cast<const unsigned short*>(srow + (b & -4) * 8 + (b & 3)));
+#pragma unroll
+            for (int k = 0; k < 2; ++k)  // a word's bytes: elements 0, 2, 1, 3 (+ 4k), each q + 128
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    e[4 * k + (j & 1) * 2 + (j >> 1)] = d * exact_float((words[2 * c + k] >> (8 * j)) & 0xffu, 128.0f);
+            store8(row + 32 * chunk + 8 * t, e);
         }
     }
 }
