@@ -5,7 +5,8 @@ projections at 4 x 2048, and Llama-3-8B's shape at 2 x 2048 (its QLoRA peer need
 machine may lack: then both sides run LoRA on a bf16 base). Ours: the base frozen in bf16 (an engine without
 master weights or gradients), the adapters' float32 master weights, gradients and AdamW moments, bf16
 activations; with --recompute's modes (mlp: the attention's results kept, the norms and gate|up with SwiGLU
-recomputed; layer: the whole layer recomputed) and without; beside it our full SFT step of the same model and
+recomputed; products: the attention's output kept, the norms and the products around it recomputed; layer: the
+whole layer recomputed) and without; beside it our full SFT step of the same model and
 batch; with --quant, QLoRA rows: the same adapters on the base's matrices quantized (random int8/int4 blocks made
 on the device, as bench_quantized.py makes them), with --recompute. PEFT's:
 LlamaForCausalLM in bf16 with SDPA attention, `get_peft_model` with the same rank, alpha and targets, gradient
@@ -72,7 +73,7 @@ def free_memory():
 
 def bench_ours(cfg, inputs, targets, args, mode, recompute=False):
     """mode: 'lora', 'qlora' (the base's matrices args.quant) or 'full'; recompute: the engine's (False, 'mlp',
-    'layer')."""
+    'products', 'layer')."""
     import cupy
     from nanoeuler.model import lora
     from nanoeuler.model.engine import make_engine
@@ -175,7 +176,7 @@ def main():
                     "a group after a colon (default 32), the heads' type after a + (default the layers'), e.g. "
                     "int4:64 or int4+int8 (quantize's default)")
     ap.add_argument("--quant-only", action="store_true", help="the QLoRA rows of --quant alone")
-    ap.add_argument("--recompute", nargs="+", default=["mlp", "layer"], choices=("mlp", "layer"),
+    ap.add_argument("--recompute", nargs="+", default=["mlp", "layer"], choices=("mlp", "products", "layer"),
                     help="our --recompute rows' modes (default both)")
     ap.add_argument("--no-peft", action="store_true", help="leave out PEFT's rows (ours alone)")
     args = ap.parse_args()

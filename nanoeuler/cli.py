@@ -131,9 +131,10 @@ def _training_flags(p):
                    metavar="MODE",
                    help="recompute activations in the backward pass instead of keeping them (less memory for long "
                         "contexts; the same gradients bit for bit): 'layer' keeps each layer's input only and runs "
-                        "the layer's forward again; 'mlp' also keeps the attention's results and recomputes the "
-                        "norms and gate|up with SwiGLU alone (faster, more memory); 'auto' (the flag alone) takes "
-                        "mlp where it fits the device's free memory, else layer")
+                        "the layer's forward again; 'products' also keeps the attention's output and recomputes "
+                        "the norms and products around it; 'mlp' also keeps the attention's results and "
+                        "recomputes the norms and gate|up with SwiGLU alone (faster, more memory); 'auto' (the "
+                        "flag alone) takes mlp, else products, where it fits the device's free memory, else layer")
 
 
 def _lora_flags(p, adapter=False):
@@ -470,7 +471,7 @@ def launch_nodes(args):
     return Nodes(count, args.node_rank, args.master_addr, args.master_port or 29500)
 
 
-RECOMPUTE_CHOICES = ("auto", "mlp", "layer")
+RECOMPUTE_CHOICES = ("auto", "mlp", "products", "layer")
 
 
 def bare_recompute(argv):

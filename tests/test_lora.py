@@ -123,17 +123,19 @@ def assert_recomputed(eng, mode):
     acts, n = eng._acts, eng.cfg.n_layers
     assert acts["recompute"] == mode
     for name in ("resid_mid", "xn1", "xn2", "rstd1", "rstd2", "qkv", "att", "lse", "gate_up", "sw"):
-        shared = mode == "layer" or name not in ("resid_mid", "qkv", "att", "lse")
+        kept = {"layer": (), "products": ("att", "lse"), "mlp": ("resid_mid", "qkv", "att", "lse")}[mode]
+        shared = name not in kept
         assert (all(a is acts[name][0] for a in acts[name]) if shared else acts[name].shape[0] == n), name
         assert len(acts[name]) == n
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole-logits", "logits-in-pieces"])
 @pytest.mark.parametrize("with_adapters", [False, True])
-@pytest.mark.parametrize("mode", ["layer", "mlp"])
+@pytest.mark.parametrize("mode", ["layer", "products", "mlp"])
 def test_recompute_gradients_are_bit_identical(with_adapters, pieces, mode):
-    """Both recompute modes (the whole layer; the norms and gate|up with SwiGLU alone, the attention's results
-    kept), a full model or adapters with dropout, the logits whole or in pieces: the stored path's bits."""
+    """Every recompute mode (the layer but its down product; the same but the attention, its output kept; the
+    norms and gate|up with SwiGLU alone, the attention's results kept), a full model or adapters with dropout,
+    the logits whole or in pieces: the stored path's bits."""
     cfg = CHECK_CONFIGS[1] if not with_adapters else CHECK_CONFIGS[3]
     rng = np.random.default_rng(5)
     flat, inputs, targets = random_problem(cfg, rng)
@@ -157,7 +159,7 @@ def test_recompute_gradients_are_bit_identical(with_adapters, pieces, mode):
 
 def test_bare_recompute_keeps_the_attention_where_it_fits(monkeypatch):
     """recompute True (the bare --recompute): "mlp" where all its activations fit the free memory with
-    AUTO_RESERVE to spare, else "layer"; both give the stored path's bits."""
+    AUTO_RESERVE to spare, else "products" where its do, else "layer"; each gives the stored path's bits."""
     from nanoeuler.model import engine
     cfg = CHECK_CONFIGS[3]
     rng = np.random.default_rng(6)
@@ -167,10 +169,12 @@ def test_bare_recompute_keeps_the_attention_where_it_fits(monkeypatch):
     cross_entropy_backward(eng, inputs, targets)
     stored = eng.grads.copy()
     B, T = inputs.shape
-    need = engine.activation_bytes(cfg, B, T, "mlp", eng.act, eng.dtype, eng._logit_rows(B * T))
-    assert engine.activation_bytes(cfg, B, T, "layer", eng.act, eng.dtype, B * T) < need < \
-        engine.activation_bytes(cfg, B, T, None, eng.act, eng.dtype, B * T)
-    for free, mode in ((need + engine.AUTO_RESERVE, "mlp"), (need + engine.AUTO_RESERVE - 1, "layer")):
+    need = {mode: engine.activation_bytes(cfg, B, T, mode, eng.act, eng.dtype, eng._logit_rows(B * T))
+            for mode in ("layer", "products", "mlp", None)}
+    assert need["layer"] < need["products"] < need["mlp"] < need[None]
+    reserve = engine.AUTO_RESERVE
+    for free, mode in ((need["mlp"] + reserve, "mlp"), (need["mlp"] + reserve - 1, "products"),
+                       (need["products"] + reserve, "products"), (need["products"] + reserve - 1, "layer")):
         monkeypatch.setenv("NANOEULER_MEMORY_AVAILABLE", str(free))
         eng.recompute, eng._acts_shape = True, None
         cross_entropy_backward(eng, inputs, targets)
@@ -224,9 +228,9 @@ def test_input_gradient_through_a_quantized_matrix_is_the_dequantized_product(mo
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole-logits", "logits-in-pieces"])
-@pytest.mark.parametrize("mode", ["layer", "mlp"])
+@pytest.mark.parametrize("mode", ["layer", "products", "mlp"])
 def test_qlora_recompute_gradients_are_bit_identical(pieces, mode):
-    """--recompute (both modes) on a quantized base: the same bits as the stored path (float32 CPU engine), the
+    """--recompute (every mode) on a quantized base: the same bits as the stored path (float32 CPU engine), the
     logits whole or a piece of rows at a time."""
     eng, ad, _, inputs, targets = lora_problem(CHECK_CONFIGS[0], np.random.default_rng(5), 0.25, "int4", np.float32)
     if pieces:

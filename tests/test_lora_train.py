@@ -157,7 +157,8 @@ def test_recompute_flag_takes_a_mode_or_none():
     parse = cli.build_parser()[0].parse_args
     assert parse(["sft", "--recompute"]).recompute == "auto"
     assert parse(["train", "small", "--recompute"]).recompute == "auto"
-    assert [parse(["dpo", "--recompute", m]).recompute for m in ("mlp", "layer")] == ["mlp", "layer"]
+    modes = ("mlp", "products", "layer")
+    assert [parse(["dpo", "--recompute", m]).recompute for m in modes] == list(modes)
     assert parse(["sft"]).recompute is False
     with pytest.raises(SystemExit):
         parse(["sft", "--recompute", "attention"])

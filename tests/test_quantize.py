@@ -394,6 +394,29 @@ needs_gpu = pytest.mark.skipif(not __import__("nanoeuler.model.gpu").model.gpu.a
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_dequantize_is_exact():
+    """The GPU's dequantized copy (the products of many rows multiply by it) is model/quantize.py's values bit for
+    bit in float32 and those rounded to nearest even in bf16: int8 and int4 in groups of 32, 64, 128 and a whole
+    row, the whole matrix and a slice of rows from the middle of a tile (an odd count)."""
+    import cupy
+    from nanoeuler.check.gpu import bf16_bits
+    from nanoeuler.model.gpu import quantized
+    from nanoeuler.model.gpu.runtime import BF16, F32
+    for kind, group, I in (("int8", 32, 384), ("int8", 128, 256), ("int8", 256, 256), ("int4", 32, 384),
+                           ("int4", 64, 1152), ("int4", 128, 256), ("int4", 256, 256)):
+        w = matrix(43, I, seed=I + group)
+        qt = quantize(w, kind, group)
+        want = dequantize(qt)
+        whole = quantized.QuantizedMatrix.of(qt)
+        for m, rows in ((whole, slice(0, 43)), (whole.rows(3, 38), slice(3, 38)), (whole.rows(13, 14), slice(13, 14))):
+            got32 = quantized.dequantize(m, F32).get()
+            assert np.array_equal(got32.view(np.uint32), want[rows].view(np.uint32)), (kind, group, rows)
+            out = cupy.full((rows.stop - rows.start, I), 0xFFFF, dtype=BF16)  # NaNs where nothing is written
+            assert np.array_equal(quantized.dequantize(m, BF16, out).get(), bf16_bits(want[rows])), (kind, group, rows)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gpu_quantized_products_match_the_cpu(precision):
     """check --gpu's quantized lines: the products of 1..100 rows within the precision's bound, the

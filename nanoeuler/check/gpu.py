@@ -29,8 +29,8 @@ model of each type: its full-forward and KV-cache decode logits against the CPU 
 quantized checkpoint (float64), bounds as for float weights.
 LoRA: its layers (the update into a column slice of a wider product, its backward pass, dropout's mask), then a
 frozen base with adapters on all seven targets, dropout off and on (the same key: the same mask on both
-engines), the adapters' gradients against the CPU engine's in fp32 and bf16, and --recompute's gradients (mlp
-and layer) equal to the stored path's bit for bit.
+engines), the adapters' gradients against the CPU engine's in fp32 and bf16, and --recompute's gradients (mlp,
+products and layer) equal to the stored path's bit for bit.
 
     nanoeuler check --gpu
 """
@@ -883,7 +883,7 @@ def model_check(seed, precision="fp32", report=print, cfg=MODEL_CONFIG):
 def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, dropout=0.0, quant=None):
     """LoRA on a frozen base (model/lora.py), GPU engine in `precision` vs CPU engine (float64), the same base,
     adapters (rank 8 on all seven targets, alpha 16) and dropout key: {adapter tensor: error}, plus the loss,
-    and whether the GPU's gradients with --recompute (mlp and layer) equal its stored path's bit for bit (error 0
+    and whether the GPU's gradients with --recompute (mlp, products and layer) equal its stored path's bit for bit (error 0
     or inf).
     quant "int8" / "int4": QLoRA, the base's matrices quantized in groups of 32 on both engines, its heads int8
     (`quantize`'s default; the input gradient through them: the CPU's exact dequantization, the GPU's dequantized
@@ -916,7 +916,7 @@ def lora_model_check(seed, precision="fp32", report=print, cfg=BIAS_CONFIG, drop
         errors[name] = rel_err(got[off:off + size], ref[off:off + size])
         report(f"{name:<24} : rel err {errors[name]:.2e}")
     errors["recompute"] = 0.0
-    for mode in ("mlp", "layer"):
+    for mode in ("mlp", "products", "layer"):
         gpu.recompute = mode
         gpu.adapters.dropout_key -= 1  # the same masks again
         cross_entropy_backward(gpu, inputs, targets)

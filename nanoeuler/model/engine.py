@@ -83,15 +83,22 @@ LOGITS_BYTES = 512 << 20
 # The activations the backward pass reads of a layer: qkv (after the rotary embedding), att and lse (attention's
 # output and log-sum-exp), resid_mid (the stream between the sublayers), the normed inputs xn1, xn2 with rstd1,
 # rstd2, gate_up and sw (SwiGLU's input and output). Recomputation (Engine.recompute) keeps some of them a layer
-# each and computes the others again in the backward pass, into one buffer that every layer shares:
-# - "layer": none kept; the layer's whole forward again from its input (the residual stream, always kept);
+# each and computes the others again in the backward pass, into one buffer that every layer shares; the down
+# product is never run again (its output is the stream, kept), only its adapter's low-rank product where that
+# is not kept:
+# - "layer": none kept; the layer's forward again from its input (the residual stream, always kept);
+# - "products": the attention's output and log-sum-exp kept (att, lse: the attention itself is not run again);
+#   the norms, the q|k|v product with the rotary embedding, the o product (resid_mid) and gate|up with SwiGLU
+#   (and their adapters) computed again;
 # - "mlp": the attention's results kept (qkv, att, lse, resid_mid: its products, the attention itself and its
 #   adapters are the costly part); the two norms and the gate|up product with SwiGLU (and the gate and up
-#   adapters) computed again, the down product not (its output is the stream, kept);
-# - "auto" (True, the bare --recompute): "mlp" where all the step's activations in that mode fit the device's
-#   free memory less AUTO_RESERVE (what the step allocates beyond them: scratch, transients), else "layer".
-RECOMPUTE_MODES = ("layer", "mlp")
+#   adapters) computed again;
+# - "auto" (True, the bare --recompute): the first of "mlp", "products" where all the step's activations in that
+#   mode fit the device's free memory less AUTO_RESERVE (what the step allocates beyond them: scratch,
+#   transients), else "layer".
+RECOMPUTE_MODES = ("layer", "products", "mlp")
 RECOMPUTED = {"layer": ("resid_mid", "xn1", "xn2", "rstd1", "rstd2", "qkv", "att", "lse", "gate_up", "sw"),
+              "products": ("resid_mid", "xn1", "xn2", "rstd1", "rstd2", "qkv", "gate_up", "sw"),
               "mlp": ("xn1", "xn2", "rstd1", "rstd2", "gate_up", "sw"), None: ()}
 AUTO_RESERVE = 1 << 30
 
@@ -120,7 +127,7 @@ def activation_shapes(cfg, B, T, mode, act, stat, rows):
 
 def activation_bytes(cfg, B, T, mode, act, stat, rows):
     """The bytes of activation_shapes' buffers: what a (B, T) step holds besides weights, gradients and
-    optimizer state (less a few transients); mode None, "layer" or "mlp"."""
+    optimizer state (less a few transients); mode None or one of RECOMPUTE_MODES."""
     total = 0
     for per_layer, shape, dtype in activation_shapes(cfg, B, T, mode, act, stat, rows).values():
         total += math.prod(shape) * np.dtype(dtype).itemsize * (cfg.n_layers if per_layer == "kept" else 1)
@@ -353,13 +360,16 @@ class Engine:
         return -(-N // max(1, -(-N * row // self.logits_bytes)))
 
     def _recompute_mode(self, B, T):
-        """self.recompute as the mode the passes run: None, "layer" or "mlp" (RECOMPUTE_MODES); "auto", True: "mlp"
-        where its activations fit the device's free memory less AUTO_RESERVE, else "layer"."""
+        """self.recompute as the mode the passes run: None or one of RECOMPUTE_MODES; "auto", True: "mlp", else
+        "products", where its activations fit the device's free memory less AUTO_RESERVE, else "layer"."""
         mode = self.recompute
         if mode is True or mode == "auto":
             free = memory.free_bytes(self.xp is not np)
-            need = activation_bytes(self.cfg, B, T, "mlp", self.act, self.dtype, self._logit_rows(B * T))
-            return "mlp" if need + AUTO_RESERVE <= free else "layer"
+            for kept in ("mlp", "products"):
+                need = activation_bytes(self.cfg, B, T, kept, self.act, self.dtype, self._logit_rows(B * T))
+                if need + AUTO_RESERVE <= free:
+                    return kept
+            return "layer"
         if mode not in (False, None) + RECOMPUTE_MODES:
             raise ValueError(f"recompute {mode!r}: False, True, 'auto' or one of {RECOMPUTE_MODES}")
         return mode or None
@@ -434,12 +444,14 @@ class Engine:
             return [ad.low_rank(1, N)[0]] * self.cfg.n_layers
         return ad.low_rank(self.cfg.n_layers, N)
 
-    def _layer_forward(self, i, j, acts, B, T, cache, low_rank):
+    def _layer_forward(self, i, j, acts, B, T, cache, low_rank, recompute=None):
         """Layer i from acts['resid'][i] to acts['resid'][i + 1], its activations into slot j of the per-layer
         buffers (i; 0 in decoding's single set; a recomputed kind's one buffer is every layer's slot); low_rank:
         the adapters' slot (targets, N, r), or None without adapters. Where an adapter changes a fused product
         (q|k|v, gate|up), the product is computed plain, the update added, then the bias, rotary embedding or
-        SwiGLU that follows."""
+        SwiGLU that follows. recompute "layer" or "products": the backward pass's recomputation (_recompute_layer),
+        which leaves resid[i + 1] as the forward pass made it (no down product: only its adapter's x A^T) and with
+        "products" the attention's output and log-sum-exp too (no attention)."""
         cfg, layers, p = self.cfg, self.layers, self.p
         H, G, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
         N = B * T
@@ -468,17 +480,19 @@ class Engine:
                                                cfg.norm_eps, acts["xn1"][j], self.cos, self.sin, H + G, position,
                                                skip, p.get(w + "bqkv"))
         if cache is None:
-            layers.attention_forward(att, acts["lse"][j], qkv, H, G)
+            if recompute != "products":
+                layers.attention_forward(att, acts["lse"][j], qkv, H, G)
         else:  # k and v into the cache, attention over it
             layers.attention_cached(att, acts["lse"][j], qkv, cache.kv[i], H, G, cache.position, cache.slots)
         layers.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
         if ad is not None:
             ad.forward(i, "o", low_rank, resid_mid, att.reshape(N, -1), cache is None)
         # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
-        self._swiglu_forward(i, j, acts, N, None if in_place else resid_next, low_rank, cache is None)
-        layers.matmul_forward(resid_next, acts["sw"][j], p[w + "w_down"], accumulate=True)
-        if ad is not None:
-            ad.forward(i, "down", low_rank, resid_next, acts["sw"][j], cache is None)
+        self._swiglu_forward(i, j, acts, N, None if in_place or recompute else resid_next, low_rank, cache is None)
+        if not recompute:
+            layers.matmul_forward(resid_next, acts["sw"][j], p[w + "w_down"], accumulate=True)
+        if ad is not None:  # recomputing: its x A^T alone (low_rank's slot may be every layer's)
+            ad.forward(i, "down", low_rank, None if recompute else resid_next, acts["sw"][j], cache is None)
 
     def _swiglu_forward(self, i, j, acts, N, skip, low_rank, dropout=True):
         """Layer i's feed-forward block up to its SwiGLU output: rmsnorm(resid_mid) into xn2 and rstd2, the
@@ -503,12 +517,13 @@ class Engine:
 
     def _recompute_layer(self, i, acts, B, T, low_rank):
         """Layer i's activations that acts['recompute'] left out, again from what the forward pass kept, into
-        the shared buffers: "layer", the whole layer from its input resid[i]; "mlp", the attention's normed
-        input (xn1, rstd1) and the feed-forward block up to SwiGLU from resid_mid[i] (the attention's results,
-        qkv after the rotary embedding, att, lse and resid_mid, kept a layer each). The same kernels on the same
-        inputs and dropout masks: the same bits as the forward pass's."""
-        if acts["recompute"] == "layer":
-            self._layer_forward(i, i, acts, B, T, None, low_rank)
+        the shared buffers: "layer", the layer from its input resid[i] up to the down product (its output,
+        resid[i + 1], is kept); "products", the same but the attention (its output and log-sum-exp kept a layer
+        each); "mlp", the attention's normed input (xn1, rstd1) and the feed-forward block up to SwiGLU from
+        resid_mid[i] (the attention's results, qkv after the rotary embedding, att, lse and resid_mid, kept a
+        layer each). The same kernels on the same inputs and dropout masks: the same bits as the forward pass's."""
+        if acts["recompute"] in ("layer", "products"):
+            self._layer_forward(i, i, acts, B, T, None, low_rank, acts["recompute"])
         elif acts["recompute"] == "mlp":
             cfg = self.cfg
             self.layers.rmsnorm_forward(acts["xn1"][i], acts["rstd1"][i], acts["resid"][i],

@@ -286,8 +286,8 @@ class Adapters:
     # --------------------------------------------------------------------------------- forward, backward
     def forward(self, i, t, h, out, x, dropout=True):
         """out (N, out) += scale * dropout(x) (N, in) A^T B^T for target t of layer i (nothing where t has no
-        adapter); h (targets, N, r), the layer's slot of low_rank, keeps x A^T. dropout False: none whatever
-        dropout_on says (decoding)."""
+        adapter); h (targets, N, r), the layer's slot of low_rank, keeps x A^T (out None: that alone, for a
+        recomputation whose out is kept). dropout False: none whatever dropout_on says (decoding)."""
         if t not in self.index:
             return
         name = f"layers.{i}.{t}."

@@ -32,7 +32,7 @@ class RunOptions:
     gpus: int = None
     nnodes: int = None
     zero: int = None                # the ZeRO stage 0..3; None: 1 for full training, 0 (whole) for LoRA
-    recompute: object = False       # False, or auto | mlp | layer: activations recomputed in the backward pass
+    recompute: object = False       # False, or auto | mlp | products | layer: activations recomputed in the backward pass
 
     HYPER_FLAGS = ("steps", "batch_size", "lr", "seed", "eval_every", "sample_every", "ckpt_every", "grad_accum")
 

@@ -203,9 +203,10 @@ def matmul_backward(dx, dw, dout, x, w, dbias=None):
 # A frozen product's low-rank update (model/lora.py): out += scale * (x A^T) B^T, x possibly after dropout.
 def lora_forward(out, h, x, a, b, scale):
     """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T; out may be a column slice
-    of a wider product (q of q|k|v)."""
+    of a wider product (q of q|k|v), or None: h alone."""
     np.matmul(x, a.T, out=h)
-    out += scale * (h @ b.T)
+    if out is not None:
+        out += scale * (h @ b.T)
 
 
 def lora_backward(dx, da, db, dh, dout, x, h, a, b, scale, accumulate):

@@ -730,11 +730,14 @@ class Layers:
     # -------------------------------------------------------------------------------------------- LoRA
     def lora_forward(self, out, h, x, a, b, scale):
         """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T, both on cuBLAS (the
-        scale its alpha); out may be a column slice of a wider product (its rows' stride is cuBLAS's ldc)."""
+        scale its alpha); out may be a column slice of a wider product (its rows' stride is cuBLAS's ldc), or
+        None: h alone."""
         _check(h, x, a, b, act=x)
-        ldo = _row_stride(out, x.dtype)
         (N, I), r, O = x.shape, a.shape[0], b.shape[0]
         runtime.gemm(True, False, r, N, I, a, I, x, I, h, r, False, self.tf32)
+        if out is None:
+            return
+        ldo = _row_stride(out, x.dtype)
         runtime.gemm(True, False, O, N, r, b, r, h, r, out, ldo, True, self.tf32, alpha=scale)
 
     def lora_backward(self, dx, da, db, dh, dout, x, h, a, b, scale, accumulate):
