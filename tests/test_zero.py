@@ -169,7 +169,8 @@ def test_one_gpu_through_the_sharding_over_nccl_is_the_plain_update(precision, t
         comm.close()
 
 
-@pytest.mark.parametrize("recompute", [False, "layer", "mlp"], ids=["kept", "recompute-layer", "recompute-mlp"])
+@pytest.mark.parametrize("recompute", [False, "layer", "products", "mlp"],
+                         ids=["kept", "recompute-layer", "recompute-products", "recompute-mlp"])
 @pytest.mark.parametrize("tied", [False, True], ids=["heads", "tied"])
 def test_zero3_gathers_each_unit_before_its_passes_and_frees_it_after(recompute, tied):
     """A step's forward gathers and frees each unit in order, the backward each again from the head down (the
