@@ -140,7 +140,7 @@ def dequantize(w, dtype=F32, out=None):
     return out
 
 
-WARP_SMEM = QUANT_LOADS * 2048 + 16 * 9 * 4  # a warp's stages (a lane's 4 x 16 bytes each) and its sums
+WARP_SMEM = QUANT_LOADS * 1280 + 16 * 9 * 4  # a warp's stages (kernels/quantized.cu's STAGE uint4) and its sums
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,7 +193,7 @@ def matmul(out, x, w, accumulate, tf32, gain=None, rstd=None, eps=0.0, glu_out=N
     tiles = -(-(O // 2) // 8) if half else -(-O // 16)
     q, scales, pieces, shift, phase = w._args()
     smem = ways * WARP_SMEM
-    name = f"quant_matmul_{w.kind}{'_norm' if gain is not None else ''}_t{tiles_x}"
+    name = f"quant_matmul_{w.kind}{'_norm' if gain is not None else ''}_t{0 if N == 1 else tiles_x}"  # t0: one row
     launch(kernel("quantized", name, ("ACT_BF16=1",), smem),
            (tiles * row_blocks,), (32 * ways,),
            (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), pieces, shift, phase,

@@ -130,18 +130,23 @@ __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 
-// A lane's record `rec` of its rows into its slots of a stage (4 x 32 uint4 apart): the 16 bytes of each row
-// (wrow: its record 0), and each row's piece of scales holding the record's chunks' (srow: its piece 0; int4:
-// pieces of 16 or 8 bytes a record (groups of 32, 64) or of 4 bytes a group; int8: 4 bytes, groups 2p, 2p + 1)
+// A lane's record `rec` of its rows into a stage of its warp (STAGE uint4): the 16 bytes of each row (wrow: its
+// record 0) into the lane's own slots (32 uint4 a row of the lane's two), and each row's piece of scales holding
+// the record's chunks' (srow: its piece 0; int4: pieces of 16 or 8 bytes a record (groups of 32, 64) or of 4
+// bytes a group; int8: 4 bytes, groups 2p, 2p + 1) into the row's slot (after the weights, 8 a row of the two),
+// 4 bytes a lane: the four lanes of a row share it, so the scales take a quarter of the bytes they would
+// copied whole by each lane
+constexpr int STAGE = 80;
 template <bool INT4>
-__device__ __forceinline__ void copy_record(uint4* slots, const uint4* const (&wrow)[2],
+__device__ __forceinline__ void copy_record(uint4* stage, const uint4* const (&wrow)[2],
                                             const unsigned char* const (&srow)[2], int rec, int group_shift) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int piece = INT4 ? (4 * rec) >> max(group_shift, 2) : ((2 * rec) >> group_shift) >> 1;
-    const int bytes = piece_bytes(INT4, group_shift), at = 8 * bytes * piece;  // a tile's 8 rows' pieces
+    const int bytes = piece_bytes(INT4, group_shift), at = 8 * bytes * piece + 4 * t;  // a tile's 8 rows' pieces
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        copy_async(slots + 32 * h, wrow[h] + 32 * rec, 16);  // a tile's record: 8 rows x 4 lanes x 16 bytes
-        copy_async(slots + 32 * (2 + h), srow[h] + at, bytes);
+        copy_async(stage + 32 * h + lane, wrow[h] + 32 * rec, 16);  // a tile's record: 8 rows x 4 lanes x 16 bytes
+        if (4 * t < bytes) copy_async(reinterpret_cast<unsigned*>(stage + 64 + 8 * h + g) + t, srow[h] + at, 4);
     }
 }
 
@@ -159,8 +164,8 @@ __device__ __forceinline__ void record_scales(uint4 v, int rec, int group_shift,
     }
 }
 
-// out (N, O) (+)= [rmsnorm] x (N, I) @ W^T; NT tiles of 8 rows of x a block. scales: rows of `groups` groups.
-template <int NT, bool INT4, bool GAIN>
+// out (N, O) (+)= [rmsnorm] x (N, I) @ W^T; TILES tiles of 8 rows of x a block (0: one row). scales: rows of `groups` groups.
+template <int TILES, bool INT4, bool GAIN>
 __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16* __restrict__ x,
                                              const unsigned char* __restrict__ w,
                                              const unsigned short* __restrict__ scales, int N, int O, int I,
@@ -169,6 +174,10 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                                              int half, bf16* __restrict__ glu_out, const bf16* __restrict__ bias,
                                              QuantRope rope, int row_blocks) {
     constexpr int CHUNKS = INT4 ? 4 : 2;
+    // TILES 0: one row of x (N = 1), whose sums are the C fragment's even columns alone: the odd ones are not
+    // accumulated (the even ones' instructions are those of any N: the same bits)
+    constexpr int NT = TILES ? TILES : 1;
+    constexpr bool ONE = TILES == 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, split = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x / row_blocks, row0 = (blockIdx.x % row_blocks) * 8 * NT;
@@ -193,15 +202,16 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     }
     const int records = I / (32 * CHUNKS);
     const int first = warp * records / split, end = (warp + 1) * records / split;  // this warp's records
-    // QUANT_LOADS stages a warp, each 4 x 32 slots of 16 bytes (rows g and g + 8, their scales) a lane
-    // (dynamic shared memory: split x (QUANT_LOADS x 2,048 + 576) bytes; then the warps' sums, [W's row][x's
+    // QUANT_LOADS stages a warp of STAGE uint4 each (rows g and g + 8: 2 x 32 slots of 16 bytes, a lane's, and
+    // 2 x 8 of the rows' scales)
+    // (dynamic shared memory: split x (QUANT_LOADS x 1,280 + 576) bytes; then the warps' sums, [W's row][x's
     // row], the squares of x's row n at [n][8])
     extern __shared__ uint4 ring[];
-    uint4* const mine = ring + warp * QUANT_LOADS * 128 + lane;
-    float(*partial)[16][9] = reinterpret_cast<float(*)[16][9]>(ring + split * QUANT_LOADS * 128);
+    uint4* const mine = ring + warp * QUANT_LOADS * STAGE;
+    float(*partial)[16][9] = reinterpret_cast<float(*)[16][9]>(ring + split * QUANT_LOADS * STAGE);
 #pragma unroll
     for (int u = 0; u < QUANT_LOADS - 1; ++u) {  // before the wait: the weights are no kernel's output
-        if (first + u < end) copy_record<INT4>(mine + u * 128, wrow, srow, first + u, group_shift);
+        if (first + u < end) copy_record<INT4>(mine + u * STAGE, wrow, srow, first + u, group_shift);
         commit_copies();
     }
     let_next_launch();
@@ -220,14 +230,16 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     for (int rec = first, stage = 0; rec < end; ++rec, stage = stage == QUANT_LOADS - 1 ? 0 : stage + 1) {
         // the record QUANT_LOADS - 1 ahead into the stage the last record left (its reads are done: used)
         const int ahead = stage == 0 ? QUANT_LOADS - 1 : stage - 1;
-        if (rec + QUANT_LOADS - 1 < end) copy_record<INT4>(mine + ahead * 128, wrow, srow, rec + QUANT_LOADS - 1, group_shift);
+        __syncwarp();  // the warp's reads of that stage's scales are done before any lane copies into it
+        if (rec + QUANT_LOADS - 1 < end) copy_record<INT4>(mine + ahead * STAGE, wrow, srow, rec + QUANT_LOADS - 1, group_shift);
         commit_copies();
-        wait_copies<QUANT_LOADS - 1>();  // this record's copies are done (each lane reads its own slots)
-        const uint4* slots = mine + stage * 128;
-        const uint4 q[2] = {slots[0], slots[32]};
+        wait_copies<QUANT_LOADS - 1>();  // this record's copies are done, each lane's,
+        __syncwarp();                    // and every lane's: a row's scales come from its four lanes
+        const uint4* slots = mine + stage * STAGE;
+        const uint4 q[2] = {slots[lane], slots[32 + lane]};
         unsigned sc[2][CHUNKS];
-        record_scales<INT4>(slots[64], rec, group_shift, sc[0]);
-        record_scales<INT4>(slots[96], rec, group_shift, sc[1]);
+        record_scales<INT4>(slots[64 + g], rec, group_shift, sc[0]);
+        record_scales<INT4>(slots[72 + g], rec, group_shift, sc[1]);
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
             const int at = 32 * (rec * CHUNKS + c);  // the chunk's first element
@@ -265,14 +277,14 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                 }
                 // rounded as written, whatever the template (no contraction that could differ with NT)
                 acc[nt][0] = __fmaf_rn(d0, qx[0], acc[nt][0]);
-                acc[nt][1] = __fmaf_rn(d0, qx[1], acc[nt][1]);
+                if (!ONE) acc[nt][1] = __fmaf_rn(d0, qx[1], acc[nt][1]);
                 acc[nt][2] = __fmaf_rn(d1, qx[2], acc[nt][2]);
-                acc[nt][3] = __fmaf_rn(d1, qx[3], acc[nt][3]);
+                if (!ONE) acc[nt][3] = __fmaf_rn(d1, qx[3], acc[nt][3]);
                 if constexpr (INT4) {
                     acc[nt][0] = __fmaf_rn(m0, sx[0], acc[nt][0]);
-                    acc[nt][1] = __fmaf_rn(m0, sx[1], acc[nt][1]);
+                    if (!ONE) acc[nt][1] = __fmaf_rn(m0, sx[1], acc[nt][1]);
                     acc[nt][2] = __fmaf_rn(m1, sx[2], acc[nt][2]);
-                    acc[nt][3] = __fmaf_rn(m1, sx[3], acc[nt][3]);
+                    if (!ONE) acc[nt][3] = __fmaf_rn(m1, sx[3], acc[nt][3]);
                 }
             }
         }
@@ -356,7 +368,11 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                                      accumulate, gain, rstd, eps, half, glu_out, bias,                            \
                                      QuantRope{cos_t, sin_t, pos, T, pos_stride, rot}, row_blocks);               \
     }
-// quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in
+// quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in; t0: one row
+QUANT_MATMUL(0, quant_matmul_int4, true, false)
+QUANT_MATMUL(0, quant_matmul_int8, false, false)
+QUANT_MATMUL(0, quant_matmul_int4_norm, true, true)
+QUANT_MATMUL(0, quant_matmul_int8_norm, false, true)
 QUANT_MATMUL(1, quant_matmul_int4, true, false)
 QUANT_MATMUL(2, quant_matmul_int4, true, false)
 QUANT_MATMUL(1, quant_matmul_int8, false, false)
