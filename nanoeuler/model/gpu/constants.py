@@ -40,11 +40,12 @@ EMB_SEGMENT = 32
 
 # quantized products (kernels/quantized.cu): the most warps splitting a row's records (a block's warps; a
 # matrix's split set by its shape alone: the most, up to QUANT_SPLIT, that keep its warps within about one wave
-# of QUANT_WAVE_WARPS), the records a warp has in flight (cp.async stages), and the blocks of 32 x QUANT_SPLIT
-# threads an SM must hold (the registers a thread: 65,536 / that many threads)
+# of QUANT_WAVE_WARPS), the records a warp has in flight a type (cp.async stages: int4's records hold 4 chunks,
+# int8's 2, so int8 wants more of them in flight; docs/experiments.md has the sweep), and the blocks of 32 x
+# QUANT_SPLIT threads an SM must hold (the registers a thread: 65,536 / that many threads)
 QUANT_SPLIT = 8
 QUANT_WAVE_WARPS = 2048
-QUANT_LOADS = 6
+QUANT_LOADS = {"int4": 6, "int8": 10}
 QUANT_BLOCKS = 2
 # rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
 ROPE_HEADS = 4
@@ -141,7 +142,8 @@ def module_defines(name, variant=()):
         "decoding": {"SAMPLE_LOADS": SAMPLE_LOADS, "SAMPLE_BUCKETS": SAMPLE_BUCKETS, "SAMPLE_LIST": SAMPLE_LIST,
                      "SAMPLE_WEIGHT_BITS": SAMPLE_WEIGHT_BITS, **_hex_floats("SAMPLE_EXP2", SAMPLE_EXP2),
                      **_hex_floats("SAMPLE_LN", SAMPLE_LN)},
-        "quantized": {"QUANT_SPLIT": QUANT_SPLIT, "QUANT_LOADS": QUANT_LOADS, "QUANT_BLOCKS": QUANT_BLOCKS},
+        "quantized": {"QUANT_SPLIT": QUANT_SPLIT, "QUANT_BLOCKS": QUANT_BLOCKS,
+                      **{f"QUANT_LOADS_{kind.upper()}": n for kind, n in QUANT_LOADS.items()}},
         "rmsnorm": {"RMSNORM_ROWS_CHUNKS": RMSNORM_ROWS_CHUNKS,
                     **{f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)}},
     }.get(name, {})

@@ -25,7 +25,7 @@
 // acc), the minimum's term taking back the 128 (sum x an mma with a matrix of ones). A row's records are split
 // among the block's warps, contiguous runs set by the row length and the matrix's rows alone (QUANT_SPLIT at
 // most), and the warps' sums added in warp order: every output is summed in an order that does not depend on N
-// (batch invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS records in flight, copied
+// (batch invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS_<type> records in flight, copied
 // (cp.async) into its lanes' own slots of shared memory, the next one issued as each is used: many bytes in
 // flight without the registers to hold them.
 // Folded in as in matmul.cu: RMSNorm with a gain (x times the gain, rounded to bf16, is the B operand; the
@@ -37,8 +37,8 @@
 // rounded to act_t: the float32 engine's products (cuBLAS on the dequantized matrix) and the checks.
 #include "common.cuh"
 
-#if !defined(QUANT_SPLIT) || !defined(QUANT_LOADS) || !defined(QUANT_BLOCKS)
-#error "QUANT_SPLIT, QUANT_LOADS and QUANT_BLOCKS come from nanoeuler/model/gpu/constants.py"
+#if !defined(QUANT_SPLIT) || !defined(QUANT_LOADS_INT4) || !defined(QUANT_LOADS_INT8) || !defined(QUANT_BLOCKS)
+#error "QUANT_SPLIT, QUANT_LOADS_INT4, QUANT_LOADS_INT8 and QUANT_BLOCKS come from nanoeuler/model/gpu/constants.py"
 #endif
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
@@ -174,6 +174,7 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                                              int half, bf16* __restrict__ glu_out, const bf16* __restrict__ bias,
                                              QuantRope rope, int row_blocks) {
     constexpr int CHUNKS = INT4 ? 4 : 2;
+    constexpr int LOADS = INT4 ? QUANT_LOADS_INT4 : QUANT_LOADS_INT8;  // records in flight a warp
     // TILES 0: one row of x (N = 1), whose sums are the C fragment's even columns alone: the odd ones are not
     // accumulated (the even ones' instructions are those of any N: the same bits)
     constexpr int NT = TILES ? TILES : 1;
@@ -202,15 +203,15 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     }
     const int records = I / (32 * CHUNKS);
     const int first = warp * records / split, end = (warp + 1) * records / split;  // this warp's records
-    // QUANT_LOADS stages a warp of STAGE uint4 each (rows g and g + 8: 2 x 32 slots of 16 bytes, a lane's, and
+    // LOADS stages a warp of STAGE uint4 each (rows g and g + 8: 2 x 32 slots of 16 bytes, a lane's, and
     // 2 x 8 of the rows' scales)
-    // (dynamic shared memory: split x (QUANT_LOADS x 1,280 + 576) bytes; then the warps' sums, [W's row][x's
+    // (dynamic shared memory: split x (LOADS x 1,280 + 576) bytes; then the warps' sums, [W's row][x's
     // row], the squares of x's row n at [n][8])
     extern __shared__ uint4 ring[];
-    uint4* const mine = ring + warp * QUANT_LOADS * STAGE;
-    float(*partial)[16][9] = reinterpret_cast<float(*)[16][9]>(ring + split * QUANT_LOADS * STAGE);
+    uint4* const mine = ring + warp * LOADS * STAGE;
+    float(*partial)[16][9] = reinterpret_cast<float(*)[16][9]>(ring + split * LOADS * STAGE);
 #pragma unroll
-    for (int u = 0; u < QUANT_LOADS - 1; ++u) {  // before the wait: the weights are no kernel's output
+    for (int u = 0; u < LOADS - 1; ++u) {  // before the wait: the weights are no kernel's output
         if (first + u < end) copy_record<INT4>(mine + u * STAGE, wrow, srow, first + u, group_shift);
         commit_copies();
     }
@@ -227,13 +228,13 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[nt][j] = squares[nt][j] = 0.f;
-    for (int rec = first, stage = 0; rec < end; ++rec, stage = stage == QUANT_LOADS - 1 ? 0 : stage + 1) {
-        // the record QUANT_LOADS - 1 ahead into the stage the last record left (its reads are done: used)
-        const int ahead = stage == 0 ? QUANT_LOADS - 1 : stage - 1;
+    for (int rec = first, stage = 0; rec < end; ++rec, stage = stage == LOADS - 1 ? 0 : stage + 1) {
+        // the record LOADS - 1 ahead into the stage the last record left (its reads are done: used)
+        const int ahead = stage == 0 ? LOADS - 1 : stage - 1;
         __syncwarp();  // the warp's reads of that stage's scales are done before any lane copies into it
-        if (rec + QUANT_LOADS - 1 < end) copy_record<INT4>(mine + ahead * STAGE, wrow, srow, rec + QUANT_LOADS - 1, group_shift);
+        if (rec + LOADS - 1 < end) copy_record<INT4>(mine + ahead * STAGE, wrow, srow, rec + LOADS - 1, group_shift);
         commit_copies();
-        wait_copies<QUANT_LOADS - 1>();  // this record's copies are done, each lane's,
+        wait_copies<LOADS - 1>();  // this record's copies are done, each lane's,
         __syncwarp();                    // and every lane's: a row's scales come from its four lanes
         const uint4* slots = mine + stage * STAGE;
         const uint4 q[2] = {slots[lane], slots[32 + lane]};
