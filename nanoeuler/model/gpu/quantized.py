@@ -141,8 +141,8 @@ def dequantize(w, dtype=F32, out=None):
 
 
 def warp_smem(kind):
-    """A warp's shared memory in quant_matmul_<kind>: its QUANT_LOADS[kind] stages (kernels/quantized.cu's STAGE
-    uint4, 1,280 bytes) and its sums."""
+    """A warp's shared memory in quant_matmul_<kind>: its stages of QUANT_LOADS[kind] records in all (1,280 bytes a
+    record in kernels/quantized.cu's stages, whatever the records a stage) and its sums."""
     return QUANT_LOADS[kind] * 1280 + 16 * 9 * 4
 
 
