@@ -1,8 +1,8 @@
 """Decoding with quantized weights on the GPU: the device's time of one decoding step (graph replays, CUDA events)
 of bf16, int8 and int4 weights of a published model's shape, at 1, 16 and 64 rows, in one run; and the peak GPU
 memory of a quantized model decoding with an 8,192-token KV cache. A type is bf16 or a quantized type with its
-group after a colon and the heads' own type after a plus (groups of 32): int4 (the head int4 too), int4+int8
-(the head int8: what `quantize --type int4` writes), int4:64+int8.
+group after a colon (0: one group a row, int8 only) and the heads' own type after a plus (groups of 32): int4
+(the head int4 too), int4+int8 (the head int8: what `quantize --type int4` writes), int4:64+int8, int8:0.
 
 Random weights made on the device (no host copy of an 8B model): bf16 matrices normal(0, 0.02); quantized ones
 random bytes with scales that give the same spread (docs/quantization.md has the formats); the embedding and
@@ -18,6 +18,7 @@ CuPy's pool's high-water mark.
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --memory-only
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --products   # each product alone
     PYTHONPATH=. python3 benchmarks/bench_quantized.py --shape llama3-8b --types bf16 int4 int4+int8
+    PYTHONPATH=. python3 benchmarks/bench_quantized.py --types bf16 int4+int8 int8 --no-memory --steps-only
 
 --products: each of a layer's products (and the head) alone, int8 / int4 / int4:64 and bf16 (matmul_forward on
 random weights), at each --rows, as CUDA graphs of 20 calls: microseconds and the bytes of weights read a
@@ -51,9 +52,11 @@ def fill_floats(eng, seed):
 
 
 def random_quantized(kind, group, O, I, rng):
-    """A QuantizedMatrix of random bytes on the device whose values spread about as normal(0, 0.02)."""
+    """A QuantizedMatrix of random bytes on the device whose values spread about as normal(0, 0.02); group 0:
+    one group a row."""
     import cupy
     from nanoeuler.model.gpu.quantized import QuantizedMatrix, layout
+    group = group or I
     w_shape, scale_shape, _ = layout(kind, group, O, I)
     w = (rng.random(w_shape, dtype=np.float32) * 256).astype(np.uint8)
     d = cupy.full(scale_shape, 0.02 / (4 if kind == "int4" else 64), np.float16)
@@ -180,6 +183,9 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=1024, help="the KV cache's positions in the speed runs")
     ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--no-memory", action="store_true", help="the speed runs alone")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="the steps' times alone: no kernel times, no batch-invariance decode")
     ap.add_argument("--products", action="store_true", help="each product alone (see above)")
     args = ap.parse_args()
     import cupy
@@ -207,10 +213,11 @@ def main():
                           + (f"  ({base[rows] / ms[rows]:.2f}x bf16)" if rows in base and kind != "bf16" else ""),
                           flush=True)
                 from bench_decode import kernel_times
-                times = kernel_times(eng, 1, 130, 100)
-                print(f"{shape:<12} {kind:<7} a layer's kernels at 1 row (us): "
-                      + "; ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
-                if kind != "bf16" and 16 in args.rows:  # a row of a batch of 16 alone gives its tokens
+                times = {} if args.steps_only else kernel_times(eng, 1, 130, 100)
+                if times:
+                    print(f"{shape:<12} {kind:<7} a layer's kernels at 1 row (us): "
+                          + "; ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
+                if kind != "bf16" and 16 in args.rows and not args.steps_only:  # a row of 16 alone: its tokens
                     prompts = np.random.default_rng(3).integers(0, cfg.vocab_size, (16, 8)).tolist()
                     together = generate(eng, prompts, 12, temperature=0)
                     alone = [list(generate(eng, prompts[r], 12, temperature=0)) for r in (0, 9)]
@@ -221,13 +228,14 @@ def main():
                       f"{time.time() - t0:.0f} s", flush=True)
                 del eng
                 cupy.get_default_memory_pool().free_all_blocks()
-    cfg = dataclasses.replace(SHAPES["llama3-8b"], context=8192)
-    cupy.get_default_memory_pool().free_all_blocks()
-    peak, base, pool, n = memory_run(cfg, "int4", args.group, head=args.head)
-    print(f"memory: llama3-8b int4 (groups of {args.group}, the head {args.head}), one sequence, 8,192-token KV "
-          f"cache, {n} tokens decoded: "
-          f"peak GPU memory in use {peak / 2**30:.2f} GiB (total - free; {base / 2**30:.2f} GiB before the engine: "
-          f"the CUDA context), CuPy's pool {pool / 2**30:.2f} GiB", flush=True)
+    if not args.no_memory:
+        cfg = dataclasses.replace(SHAPES["llama3-8b"], context=8192)
+        cupy.get_default_memory_pool().free_all_blocks()
+        peak, base, pool, n = memory_run(cfg, "int4", args.group, head=args.head)
+        print(f"memory: llama3-8b int4 (groups of {args.group}, the head {args.head}), one sequence, 8,192-token KV "
+              f"cache, {n} tokens decoded: peak GPU memory in use {peak / 2**30:.2f} GiB (total - free; "
+              f"{base / 2**30:.2f} GiB before the engine: the CUDA context), CuPy's pool {pool / 2**30:.2f} GiB",
+              flush=True)
     print("\nshape        type   " + "  ".join(f"{r:>3} rows ms (tok/s)" for r in args.rows))
     for shape, kind, ms, _ in table:
         print(f"{shape:<12} {kind:<7}  " + "  ".join(f"{ms[r]:7.3f} ({1e3 * r / ms[r]:>8,.0f})" for r in args.rows))

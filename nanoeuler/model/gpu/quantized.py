@@ -141,14 +141,17 @@ def dequantize(w, dtype=F32, out=None):
     return out
 
 
-WARP_SMEM = QUANT_LOADS * 2048 + 16 * 9 * 4  # a warp's stages (a lane's 4 x 16 bytes each) and its sums
+def warp_smem(kind):
+    """A warp's shared memory in quant_matmul_<kind>: its stages of QUANT_LOADS[kind] records in all (1,280 bytes a
+    record in kernels/quantized.cu's stages, whatever the records a stage) and its sums."""
+    return QUANT_LOADS[kind] * 1280 + 16 * 9 * 4
 
 
 @functools.lru_cache(maxsize=None)
-def _most_warps(device):
+def _most_warps(device, kind):
     """The warps a block's shared memory holds on this GPU (227 KB a block on an H100 / H200, 99 KB on an RTX
     40x0)."""
-    return cupy.cuda.runtime.deviceGetAttribute(97, device) // WARP_SMEM  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    return cupy.cuda.runtime.deviceGetAttribute(97, device) // warp_smem(kind)  # MaxSharedMemoryPerBlockOptin
 
 
 def split(w):
@@ -156,10 +159,10 @@ def split(w):
     memory) alone, never the rows of x, so a row's sums run in the same order whatever N is. The most (a power
     of two, at most QUANT_SPLIT and the records a row) that keep the product's warps within QUANT_WAVE_WARPS:
     small products split their rows to fill the GPU, large ones give each warp whole rows, which keep its
-    QUANT_LOADS records streaming."""
+    QUANT_LOADS[kind] records streaming."""
     (O, I), records = w.shape, w.shape[1] // (128 if w.kind == "int4" else 64)
     tiles = -(-O // 16)  # 16 rows of W (8 pairs) a warp
-    most = min(QUANT_SPLIT, records, _most_warps(cupy.cuda.Device().id))
+    most = min(QUANT_SPLIT, records, _most_warps(cupy.cuda.Device().id, w.kind))
     ways = 1
     while ways * 2 <= most and tiles * ways * 2 <= QUANT_WAVE_WARPS:
         ways *= 2
@@ -193,8 +196,8 @@ def matmul(out, x, w, accumulate, tf32, gain=None, rstd=None, eps=0.0, glu_out=N
     ways = split(w)
     tiles = -(-(O // 2) // 8) if half else -(-O // 16)
     q, scales, pieces, shift, phase = w._args()
-    smem = ways * WARP_SMEM
-    name = f"quant_matmul_{w.kind}{'_norm' if gain is not None else ''}_t{tiles_x}"
+    smem = ways * warp_smem(w.kind)
+    name = f"quant_matmul_{w.kind}{'_norm' if gain is not None else ''}_t{0 if N == 1 else tiles_x}"  # t0: one row
     launch(kernel("quantized", name, ("ACT_BF16=1",), smem),
            (tiles * row_blocks,), (32 * ways,),
            (out, x, q, scales, np.int32(N), np.int32(O), np.int32(I), pieces, shift, phase,

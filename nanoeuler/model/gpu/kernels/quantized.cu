@@ -25,9 +25,11 @@
 // acc), the minimum's term taking back the 128 (sum x an mma with a matrix of ones). A row's records are split
 // among the block's warps, contiguous runs set by the row length and the matrix's rows alone (QUANT_SPLIT at
 // most), and the warps' sums added in warp order: every output is summed in an order that does not depend on N
-// (batch invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS records in flight, copied
-// (cp.async) into its lanes' own slots of shared memory, the next one issued as each is used: many bytes in
-// flight without the registers to hold them.
+// (batch invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS_<type> records in flight, copied
+// (cp.async) into its stages in shared memory (QUANT_STAGE_RECORDS_T<tiles> records a stage, a wait and a
+// __syncwarp each), the next stage issued as each is used: many bytes in flight without the registers to hold
+// them, and a stage's records' chains interleaved (every sum still in record order: the bits do not depend on
+// the records a stage).
 // Folded in as in matmul.cu: RMSNorm with a gain (x times the gain, rounded to bf16, is the B operand; the
 // squares of x on the tensor cores, the product scaled by rstd at the end), and with half > 0 W's rows taken in
 // pairs (i, i + half), rows g and g + 8 of a warp's 16, for SwiGLU (glu_out) or the rotary embedding, after a
@@ -38,8 +40,9 @@
 // checks. Bound by its writes (2 or 4 bytes a weight against 0.5 or 1 read): 16-byte loads and stores.
 #include "common.cuh"
 
-#if !defined(QUANT_SPLIT) || !defined(QUANT_LOADS) || !defined(QUANT_BLOCKS)
-#error "QUANT_SPLIT, QUANT_LOADS and QUANT_BLOCKS come from nanoeuler/model/gpu/constants.py"
+#if !defined(QUANT_SPLIT) || !defined(QUANT_LOADS_INT4) || !defined(QUANT_LOADS_INT8) || !defined(QUANT_BLOCKS) || \
+    !defined(QUANT_STAGE_RECORDS_T0) || !defined(QUANT_STAGE_RECORDS_T1) || !defined(QUANT_STAGE_RECORDS_T2)
+#error "QUANT_SPLIT, QUANT_LOADS_INT4/8, QUANT_STAGE_RECORDS_T0/1/2, QUANT_BLOCKS come from model/gpu/constants.py"
 #endif
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
@@ -120,33 +123,47 @@ struct QuantRope {
     int T, stride, rot;
 };
 
-// cp.async of 16, 8 or 4 bytes into this thread's slot of shared memory (16: past L1; the smaller ones through it)
-__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-    else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
-    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+// cp.async of 16 or 4 bytes to a shared-memory address (16: past L1; 4 through it)
+__device__ __forceinline__ void copy_async(unsigned dst, const void* src, int bytes) {
+    if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int PENDING>
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
 
-// A lane's record `rec` of its rows into its slots of a stage (4 x 32 uint4 apart): the 16 bytes of each row
-// (wrow: its record 0), and each row's piece of scales holding the record's chunks' (srow: its piece 0; int4:
-// pieces of 16 or 8 bytes a record (groups of 32, 64) or of 4 bytes a group; int8: 4 bytes, groups 2p, 2p + 1)
-template <bool INT4>
-__device__ __forceinline__ void copy_record(uint4* slots, const uint4* const (&wrow)[2],
-                                            const unsigned char* const (&srow)[2], int rec, int group_shift) {
-    const int piece = INT4 ? (4 * rec) >> max(group_shift, 2) : ((2 * rec) >> group_shift) >> 1;
-    const int bytes = piece_bytes(INT4, group_shift), at = 8 * bytes * piece;  // a tile's 8 rows' pieces
+// A warp's stage holds RECS records (QUANT_STAGE_RECORDS_T<tiles>: several records a wait and a __syncwarp,
+// whose chains the warp interleaves, where the registers allow), 80 RECS uint4: record j's weights at 64 j
+// (rows g and g + 8 of the warp's 16: 2 x 32 slots of 16 bytes, a lane's own), then its rows' scales at
+// 64 RECS + 16 j (8 slots a row of the two, each row's piece of scales holding the record's chunks': int4 pieces
+// of 16 or 8 bytes a record (groups of 32, 64) or of 4 bytes a group; int8 4 bytes, groups 2p, 2p + 1), 4 bytes
+// a lane: the four lanes of a row share its slot, so the scales take a quarter of the bytes they would copied
+// whole by each lane
+
+// Records rec0 .. rec0 + RECS - 1 (those below end) of a lane's rows into the stage at shared address `stage`:
+// the 16 bytes of each row (wrow: its record 0) and its 4 bytes of each row's piece of scales (srow: its piece 0)
+template <bool INT4, int RECS>
+__device__ __forceinline__ void copy_stage(unsigned stage, const uint4* const (&wrow)[2],
+                                           const unsigned char* const (&srow)[2], int rec0, int end,
+                                           int group_shift) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bytes = piece_bytes(INT4, group_shift);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        copy_async(slots + 32 * h, wrow[h] + 32 * rec, 16);  // a tile's record: 8 rows x 4 lanes x 16 bytes
-        copy_async(slots + 32 * (2 + h), srow[h] + at, bytes);
+    for (int j = 0; j < RECS; ++j) {
+        const int rec = rec0 + j;
+        if (j && rec >= end) break;  // the warp alike
+        const int piece = INT4 ? (4 * rec) >> max(group_shift, 2) : ((2 * rec) >> group_shift) >> 1;
+        const int at = 8 * bytes * piece + 4 * t;  // a tile's 8 rows' pieces
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // a tile's record: 8 rows x 4 lanes x 16 bytes
+            copy_async(stage + 16 * (64 * j + 32 * h + lane), wrow[h] + 32 * rec, 16);
+            if (4 * t < bytes) copy_async(stage + 16 * (64 * RECS + 16 * j + 8 * h + g) + 4 * t, srow[h] + at, 4);
+        }
     }
 }
 
-// The scales of a record's chunks, as copy_record left them: (d | m << 16) or d in the low 16 bits
+// The scales of a record's chunks, as copy_stage left them: (d | m << 16) or d in the low 16 bits
 template <bool INT4>
 __device__ __forceinline__ void record_scales(uint4 v, int rec, int group_shift, unsigned (&s)[INT4 ? 4 : 2]) {
     if constexpr (INT4) {
@@ -160,8 +177,8 @@ __device__ __forceinline__ void record_scales(uint4 v, int rec, int group_shift,
     }
 }
 
-// out (N, O) (+)= [rmsnorm] x (N, I) @ W^T; NT tiles of 8 rows of x a block. scales: rows of `groups` groups.
-template <int NT, bool INT4, bool GAIN>
+// out (N, O) (+)= [rmsnorm] x (N, I) @ W^T; TILES tiles of 8 rows of x a block (0: one row). scales: rows of `groups` groups.
+template <int TILES, bool INT4, bool GAIN>
 __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16* __restrict__ x,
                                              const unsigned char* __restrict__ w,
                                              const unsigned short* __restrict__ scales, int N, int O, int I,
@@ -170,6 +187,14 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                                              int half, bf16* __restrict__ glu_out, const bf16* __restrict__ bias,
                                              QuantRope rope, int row_blocks) {
     constexpr int CHUNKS = INT4 ? 4 : 2;
+    constexpr int LOADS = INT4 ? QUANT_LOADS_INT4 : QUANT_LOADS_INT8;  // records in flight a warp
+    constexpr int RECS = TILES == 0 ? QUANT_STAGE_RECORDS_T0
+                         : TILES == 1 ? QUANT_STAGE_RECORDS_T1 : QUANT_STAGE_RECORDS_T2;  // records a stage
+    constexpr int STAGE = 80 * RECS;  // uint4 a stage (copy_stage)
+    // TILES 0: one row of x (N = 1), whose sums are the C fragment's even columns alone: the odd ones are not
+    // accumulated (the even ones' instructions are those of any N: the same bits)
+    constexpr int NT = TILES ? TILES : 1;
+    constexpr bool ONE = TILES == 0;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, split = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x / row_blocks, row0 = (blockIdx.x % row_blocks) * 8 * NT;
@@ -194,15 +219,20 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     }
     const int records = I / (32 * CHUNKS);
     const int first = warp * records / split, end = (warp + 1) * records / split;  // this warp's records
-    // QUANT_LOADS stages a warp, each 4 x 32 slots of 16 bytes (rows g and g + 8, their scales) a lane
-    // (dynamic shared memory: split x (QUANT_LOADS x 2,048 + 576) bytes; then the warps' sums, [W's row][x's
+    // LOADS / RECS stages a warp of STAGE uint4 each (copy_stage)
+    // (dynamic shared memory: split x (LOADS x 1,280 + 576) bytes; then the warps' sums, [W's row][x's
     // row], the squares of x's row n at [n][8])
+    constexpr int STAGES = LOADS / RECS;
+    static_assert(STAGES * RECS == LOADS && STAGES >= 2, "whole stages, one in use while the next land");
     extern __shared__ uint4 ring[];
-    uint4* const mine = ring + warp * QUANT_LOADS * 128 + lane;
-    float(*partial)[16][9] = reinterpret_cast<float(*)[16][9]>(ring + split * QUANT_LOADS * 128);
+    uint4* const mine = ring + warp * STAGES * STAGE;
+    const unsigned shared_mine = (unsigned)__cvta_generic_to_shared(mine);
+    float(*partial)[16][9] = reinterpret_cast<float(*)[16][9]>(ring + split * STAGES * STAGE);
+    const int stages = (end - first + RECS - 1) / RECS;  // this warp's
 #pragma unroll
-    for (int u = 0; u < QUANT_LOADS - 1; ++u) {  // before the wait: the weights are no kernel's output
-        if (first + u < end) copy_record<INT4>(mine + u * 128, wrow, srow, first + u, group_shift);
+    for (int u = 0; u < STAGES - 1; ++u) {  // before the wait: the weights are no kernel's output
+        if (u < stages)
+            copy_stage<INT4, RECS>(shared_mine + 16 * u * STAGE, wrow, srow, first + RECS * u, end, group_shift);
         commit_copies();
     }
     let_next_launch();
@@ -218,17 +248,12 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[nt][j] = squares[nt][j] = 0.f;
-    for (int rec = first, stage = 0; rec < end; ++rec, stage = stage == QUANT_LOADS - 1 ? 0 : stage + 1) {
-        // the record QUANT_LOADS - 1 ahead into the stage the last record left (its reads are done: used)
-        const int ahead = stage == 0 ? QUANT_LOADS - 1 : stage - 1;
-        if (rec + QUANT_LOADS - 1 < end) copy_record<INT4>(mine + ahead * 128, wrow, srow, rec + QUANT_LOADS - 1, group_shift);
-        commit_copies();
-        wait_copies<QUANT_LOADS - 1>();  // this record's copies are done (each lane reads its own slots)
-        const uint4* slots = mine + stage * 128;
-        const uint4 q[2] = {slots[0], slots[32]};
+    // record `rec`, j-th of the stage at st: every product and sum in record order, chunk by chunk, whatever RECS
+    auto record = [&](const uint4* st, int j, int rec) {
+        const uint4 q[2] = {st[64 * j + lane], st[64 * j + 32 + lane]};
         unsigned sc[2][CHUNKS];
-        record_scales<INT4>(slots[64], rec, group_shift, sc[0]);
-        record_scales<INT4>(slots[96], rec, group_shift, sc[1]);
+        record_scales<INT4>(st[64 * RECS + 16 * j + g], rec, group_shift, sc[0]);
+        record_scales<INT4>(st[64 * RECS + 16 * j + 8 + g], rec, group_shift, sc[1]);
 #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
             const int at = 32 * (rec * CHUNKS + c);  // the chunk's first element
@@ -266,16 +291,37 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                 }
                 // rounded as written, whatever the template (no contraction that could differ with NT)
                 acc[nt][0] = __fmaf_rn(d0, qx[0], acc[nt][0]);
-                acc[nt][1] = __fmaf_rn(d0, qx[1], acc[nt][1]);
+                if (!ONE) acc[nt][1] = __fmaf_rn(d0, qx[1], acc[nt][1]);
                 acc[nt][2] = __fmaf_rn(d1, qx[2], acc[nt][2]);
-                acc[nt][3] = __fmaf_rn(d1, qx[3], acc[nt][3]);
+                if (!ONE) acc[nt][3] = __fmaf_rn(d1, qx[3], acc[nt][3]);
                 if constexpr (INT4) {
                     acc[nt][0] = __fmaf_rn(m0, sx[0], acc[nt][0]);
-                    acc[nt][1] = __fmaf_rn(m0, sx[1], acc[nt][1]);
+                    if (!ONE) acc[nt][1] = __fmaf_rn(m0, sx[1], acc[nt][1]);
                     acc[nt][2] = __fmaf_rn(m1, sx[2], acc[nt][2]);
-                    acc[nt][3] = __fmaf_rn(m1, sx[3], acc[nt][3]);
+                    if (!ONE) acc[nt][3] = __fmaf_rn(m1, sx[3], acc[nt][3]);
                 }
             }
+        }
+    };
+    for (int s = 0, stage = 0; s < stages; ++s, stage = stage == STAGES - 1 ? 0 : stage + 1) {
+        // the stage STAGES - 1 ahead into the one the last stage left (its reads are done: used)
+        const int ahead = stage == 0 ? STAGES - 1 : stage - 1;
+        __syncwarp();  // the warp's reads of that stage's scales are done before any lane copies into it
+        if (s + STAGES - 1 < stages)
+            copy_stage<INT4, RECS>(shared_mine + 16 * ahead * STAGE, wrow, srow, first + RECS * (s + STAGES - 1), end,
+                             group_shift);
+        commit_copies();
+        wait_copies<STAGES - 1>();  // this stage's copies are done, each lane's,
+        __syncwarp();               // and every lane's: a row's scales come from its four lanes
+        const uint4* st = mine + stage * STAGE;
+        const int rec0 = first + RECS * s;
+        if (rec0 + RECS <= end) {  // a whole stage: its records' chains interleaved
+#pragma unroll
+            for (int j = 0; j < RECS; ++j) record(st, j, rec0 + j);
+        } else {  // the warp's last stage, part full
+#pragma unroll
+            for (int j = 0; j < RECS; ++j)
+                if (rec0 + j < end) record(st, j, rec0 + j);
         }
     }
     wait_copies<0>();
@@ -357,7 +403,11 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                                      accumulate, gain, rstd, eps, half, glu_out, bias,                            \
                                      QuantRope{cos_t, sin_t, pos, T, pos_stride, rot}, row_blocks);               \
     }
-// quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in
+// quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in; t0: one row
+QUANT_MATMUL(0, quant_matmul_int4, true, false)
+QUANT_MATMUL(0, quant_matmul_int8, false, false)
+QUANT_MATMUL(0, quant_matmul_int4_norm, true, true)
+QUANT_MATMUL(0, quant_matmul_int8_norm, false, true)
 QUANT_MATMUL(1, quant_matmul_int4, true, false)
 QUANT_MATMUL(2, quant_matmul_int4, true, false)
 QUANT_MATMUL(1, quant_matmul_int8, false, false)
