@@ -22,6 +22,9 @@ MATMUL_ROWS_MIN_TILES = 1024
 MATMUL_ROWS_WARPS = 8
 MATMUL_ROWS_NT = 2
 MATMUL_ROWS_STAGES = 3
+# ... and at 4 tiles of x's rows (49 to 64 rows) a block's warps in this many groups, each taking its share of x's
+# tiles against MATMUL_ROWS_NT x this many tiles of w (the same registers; fewer shared-memory reads a stage)
+MATMUL_ROWS_XSPLIT = 2
 # ... a product of at least MATMUL_SPLIT_MIN_WEIGHTS weights whose tiles of w are too few for matmul_rows (9 to 64
 # rows) splits a row's virtual warps over blocks (matmul_split_t*: each group's sums into a scratch of at most
 # MATMUL_SPLIT_BYTES, added in virtual-warp order by matmul_split_finish, MATMUL_FINISH_THREADS a block); a split
@@ -138,7 +141,8 @@ def module_defines(name, variant=()):
                    "MATMUL_SMALL_LOADS": MATMUL_SMALL_LOADS,
                    "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS,
                    "MATMUL_ROWS_WARPS": MATMUL_ROWS_WARPS, "MATMUL_ROWS_NT": MATMUL_ROWS_NT,
-                   "MATMUL_ROWS_STAGES": MATMUL_ROWS_STAGES, "MATMUL_SPLIT_BLOCKS": MATMUL_SPLIT_BLOCKS,
+                   "MATMUL_ROWS_STAGES": MATMUL_ROWS_STAGES, "MATMUL_ROWS_XSPLIT": MATMUL_ROWS_XSPLIT,
+                   "MATMUL_SPLIT_BLOCKS": MATMUL_SPLIT_BLOCKS,
                    "MATMUL_FINISH_THREADS": MATMUL_FINISH_THREADS},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
         "embedding": {"EMB_SEGMENT": EMB_SEGMENT},

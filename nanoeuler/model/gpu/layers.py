@@ -39,7 +39,8 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
                                            ATT_THREADS, ATT_TILE, ATT_WARPS, ATT_WARPS_D128, EMB_SEGMENT,
                                            MATMUL_FEW_WARPS, MATMUL_FINISH_THREADS, MATMUL_PAIR, MATMUL_PAIR_WARPS,
                                            MATMUL_ROWS_MIN_TILES, MATMUL_ROWS_NT, MATMUL_ROWS_STAGES,
-                                           MATMUL_ROWS_WARPS, MATMUL_SMALL_LOADS, MATMUL_SMALL_WARPS,
+                                           MATMUL_ROWS_WARPS, MATMUL_ROWS_XSPLIT, MATMUL_SMALL_LOADS,
+                                           MATMUL_SMALL_WARPS,
                                            MATMUL_SPLIT_BLOCKS, MATMUL_SPLIT_BYTES, MATMUL_SPLIT_MIN_WEIGHTS,
                                            NORM_APART_WEIGHTS,
                                            RMSNORM_ROWS_CHUNKS, RMSNORM_ROWS_THREADS,
@@ -134,6 +135,8 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     smem, groups, parts = 0, 1, null
     split = _split_group(tiles, tiles_of_w, O, I, warps, pack, N) if packed else 0  # its kernels load whole chunks
     physical = _rows_warps(tiles_of_w, tiles) if tiles and tiles_of_w >= MATMUL_ROWS_MIN_TILES and not split else 0
+    if physical:  # a whole number of x's groups (matmul_rows' RowsSplit)
+        physical = max(physical, _rows_x_groups(tiles))
     if split:
         # a row's virtual warps in groups of `split` over grid.y, each one's sums into the scratch
         physical, groups, width = MATMUL_ROWS_WARPS, split, 8 * tiles_of_w
@@ -145,7 +148,7 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
     elif physical:
         smem = _rows_smem(tiles, physical)
         kern = kernel("matmul", f"matmul_rows_t{tiles}", _act_defines(x), dynamic_smem=smem)
-        grid = (_blocks(tiles_of_w, physical * MATMUL_ROWS_NT),)
+        grid = (_rows_blocks(_blocks(tiles_of_w, physical * MATMUL_ROWS_NT), kern, physical, smem + 64 * tiles),)
     else:
         kernel_of = lambda row_tiles, per_warp: kernel(
             "matmul", f"matmul_small_t{row_tiles}_n{per_warp}" if row_tiles else "matmul_small", _act_defines(x))
@@ -239,6 +242,20 @@ def _rows_smem(tiles, warps, stages=MATMUL_ROWS_STAGES):
     return stages * 16 * stage
 
 
+def _rows_blocks(groups, kern, warps, smem):
+    """The blocks of matmul_rows (kern: `warps` warps, smem bytes of shared memory a block) for `groups` groups of
+    tiles of w: a block a group where they are all resident at once, else as many as are, each walking its groups
+    in turn (blockIdx.x, + gridDim.x, ...) with its stages' pipeline running on from one group's last stage into
+    the next one's first, so that no block starts or ends a wave. The same bits whichever."""
+    device = cupy.cuda.Device()
+    per_sm = cupy.cuda.runtime.deviceGetAttribute(81, device.id)  # cudaDevAttrMaxSharedMemoryPerMultiprocessor
+    registers = device.attributes["MaxRegistersPerMultiprocessor"]
+    resident = min(per_sm // (smem + 1024),  # + the block's reserved shared memory
+                   registers // (32 * warps * -(-kern.num_regs // 8) * 8),  # registers go to a warp 256 at a time
+                   cupy.cuda.runtime.deviceGetAttribute(39, device.id) // (32 * warps))  # threads an SM
+    return min(groups, sm_count() * max(1, resident))
+
+
 def _split_group(tiles, tiles_of_w, O, I, vwarps, pack, N):
     """The virtual warps a block of matmul_split_t<tiles> takes (consecutive ones; grid.y their groups), or 0
     where the product does not split: up to 8 rows, products under MATMUL_SPLIT_MIN_WEIGHTS weights (the tile
@@ -261,14 +278,21 @@ def _split_group(tiles, tiles_of_w, O, I, vwarps, pack, N):
     return vwarps
 
 
+def _rows_x_groups(tiles):
+    """The groups a block of matmul_rows_t<tiles> splits its warps in, each taking its share of x's tiles
+    (matmul.cu's RowsSplit): MATMUL_ROWS_XSPLIT at 4 tiles, else 1; a block's warps are a multiple of it."""
+    return MATMUL_ROWS_XSPLIT if tiles == 4 else 1
+
+
 def _rows_warps(tiles_of_w, tiles):
     """The warps a block of matmul_rows (each MATMUL_ROWS_NT tiles of w) for a product of tiles_of_w tiles of w
-    and `tiles` tiles of x: the most, up to MATMUL_ROWS_WARPS, whose stages fit a block's shared memory on this
-    GPU and that still give nearly every SM a block (each block reads all of x's rows from L2 once); 0 where
-    none fits (the tile kernels then). The same bits whichever."""
+    and `tiles` tiles of x: the most, up to MATMUL_ROWS_WARPS and a multiple of x's groups (_rows_x_groups), whose
+    stages fit a block's shared memory on this GPU and that still give nearly every SM a block (each block reads
+    all of x's rows from L2 once); 0 where none fits (the tile kernels then). The same bits whichever."""
     limit = cupy.cuda.runtime.deviceGetAttribute(97, cupy.cuda.Device().id)  # cudaDevAttrMaxSharedMemoryPerBlockOptin
     fits = [w for w in (MATMUL_ROWS_WARPS, MATMUL_ROWS_WARPS // 2, MATMUL_ROWS_WARPS // 4, 1)
-            if _rows_smem(tiles, w) + 64 * 4 <= limit]  # and the rows' sums of squares (static)
+            if _rows_smem(tiles, w) + 64 * 4 <= limit  # and the rows' sums of squares (static)
+            and w % _rows_x_groups(tiles) == 0]
     filling = [w for w in fits if _blocks(tiles_of_w, w * MATMUL_ROWS_NT) >= 0.9 * sm_count()]
     return filling[0] if filling else (fits[-1] if fits else 0)
 

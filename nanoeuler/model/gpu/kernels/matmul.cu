@@ -14,7 +14,8 @@
 
 #if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS) || !defined(MATMUL_PAIR) || \
     !defined(MATMUL_PAIR_WARPS) || !defined(MATMUL_ROWS_WARPS) || !defined(MATMUL_ROWS_NT) ||                   \
-    !defined(MATMUL_ROWS_STAGES) || !defined(MATMUL_SPLIT_BLOCKS) || !defined(MATMUL_FINISH_THREADS)
+    !defined(MATMUL_ROWS_STAGES) || !defined(MATMUL_ROWS_XSPLIT) || !defined(MATMUL_SPLIT_BLOCKS) ||             \
+    !defined(MATMUL_FINISH_THREADS)
 #error "FEW_ROWS, MATMUL_SMALL_*, MATMUL_PAIR*, MATMUL_ROWS_*, MATMUL_SPLIT_*, MATMUL_FINISH_* come from constants.py"
 #endif
 static_assert(FEW_ROWS <= 64, "x's rows are at most 4 tiles of the mma fragments' 16 rows");
@@ -378,26 +379,64 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 }
 
 // Products of 9 to 64 rows with many tiles of w (matmul_rows_t<XT>): a row's bits are matmul_small's. A block
-// takes all of x's rows (XT tiles of 16) and warps x NT tiles of 8 rows of w (NT a warp, its B operands, x's
-// tiles its A operands: x's fragments read once for NT tiles), and walks the row's virtual warps in order, each one's
-// rounds in order: a stage is one round of one virtual warp, the same k-range and the same chunks a thread of
-// that virtual warp loads in matmul_small (thread (g, t): 16 bytes of x's rows g and g + 8 and of w's row g
-// at element r0 + own + p * step). A stage's x, w and gain chunks are copied into shared memory in the
-// fragments' order (cp.async, MATMUL_ROWS_STAGES stages in flight), so x's rows come from L2 once a block, not
-// once a tile of w. Each warp sums a virtual warp's products from 0 in registers through the same mma_chunk
-// calls, then adds them to its running total (from 0.f, as matmul_small's `v += partial[j]`); the squares of
-// x's tile j are summed the same way by warp j % warps. No reduction across warps: each thread finishes its own
-// (row, column pair) items (finish_item).
+// takes all of x's rows (XT tiles of 16) and warps x NT tiles of 8 rows of w, and walks the row's virtual warps
+// in order, each one's rounds in order: a stage is one round of one virtual warp, the same k-range and the same
+// chunks a thread of that virtual warp loads in matmul_small (thread (g, t): 16 bytes of x's rows g and g + 8
+// and of w's row g at element r0 + own + p * step). A stage's x, w and gain chunks are copied into shared
+// memory in the fragments' order (cp.async, MATMUL_ROWS_STAGES stages in flight), so x's rows come from L2 once
+// a block, not once a tile of w. A warp takes a group of x's tiles (RowsSplit: at 4 tiles, MATMUL_ROWS_XSPLIT
+// groups of 2, the block's warps in that many groups) and the block's tiles of w a group's share (NT x the
+// groups: x's A operands and w's B operands read from shared memory once for that many products; the fewest
+// bytes read a stage). Each warp sums a virtual warp's products from 0 in registers through the same mma_chunk
+// calls, then adds them to its running total (from 0.f, as matmul_small's `v += partial[j]`); the squares of x's
+// row halves (tile c / 2, rows g or g + 8: chain c) are summed the same way by warp c % warps. No reduction
+// across warps: each thread finishes its own (row, column pair) items (finish_item).
+template <int XT>
+struct RowsSplit {
+    static constexpr int groups = XT == 4 ? MATMUL_ROWS_XSPLIT : 1, tiles = XT / groups;
+};
+static_assert(MATMUL_ROWS_XSPLIT == 1 || MATMUL_ROWS_XSPLIT == 2 || MATMUL_ROWS_XSPLIT == 4,
+              "x's 4 tiles in groups of whole tiles");
+
+// Copy 16 bytes at element i of a row into shared memory: packed, one cp.async (zeros past n or where not live);
+// else an element at a time (load_chunk), stored.
 template <bool PACKED>
-__device__ __forceinline__ void stage_chunk(uint4* to, const act_t* base, long long at, int i, int n, bool live) {
+__device__ __forceinline__ void stage_chunk(uint4* to, const act_t* row, int i, int n, bool live) {
     if constexpr (PACKED) {  // a whole chunk or none (zeros)
         const bool in = live && i < n;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)__cvta_generic_to_shared(to)),
-                     "l"(in ? base + at + i : base), "r"(in ? 16 : 0)
+                     "l"(in ? row + i : row), "r"(in ? 16 : 0)
                      : "memory");
     } else {
-        *to = live ? load_chunk<false>(base + at, i, n) : make_uint4(0u, 0u, 0u, 0u);
+        *to = live ? load_chunk<false>(row, i, n) : make_uint4(0u, 0u, 0u, 0u);
     }
+}
+
+// A chain of the squares of x (matmul_rows): a round's squares of x's rows g (UPPER false) or g + 8 added to ss,
+// from chunk(p, a, a8) (p < MATMUL_SMALL_LOADS, in order): add_squares' arithmetic for one of its two sums (the
+// same mma_chunk calls, or a thread's own elements in float32), so that two warps can take a tile's two halves.
+template <class Chunk>
+__device__ __forceinline__ void add_square_chain(float& ss, bool upper, int g, const Chunk& chunk) {
+#if ACT_BF16
+    float sq[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
+        uint4 a, a8;
+        chunk(p, a, a8);
+        mma_chunk(sq, a, a8, upper ? a8 : a);
+    }
+    ss += upper ? (g & 1 ? sq[3] : sq[2]) : (g & 1 ? sq[1] : sq[0]);
+#else
+#pragma unroll
+    for (int p = 0; p < MATMUL_SMALL_LOADS; ++p) {
+        uint4 a, a8;
+        chunk(p, a, a8);
+        float xv[PACK];
+        unpack16(xv, upper ? a8 : a);
+#pragma unroll
+        for (int e = 0; e < PACK; ++e) ss += xv[e] * xv[e];
+    }
+#endif
 }
 
 // The split's scratch (matmul_split_t*): a virtual warp's sums of row r, column c (the mma's: a tile's 8, pairs
@@ -407,6 +446,20 @@ __device__ __forceinline__ int split_width(int O, int half) {
     return half ? (O / 2 + 3) / 4 * 8 : (O + 7) / 8 * 8;  // layers._matmul_small's 8 x tiles_of_w
 }
 
+// A block's stages in order (matmul_rows): round r of virtual warp v at k = r * stride + v * LOADS * step, kept
+// as counters (no division a stage).
+struct StageWalk {
+    int round, k, first;  // the stage's round, its k, its virtual warp's k
+    __device__ __forceinline__ bool next(int rounds, int stride, int vstep) {  // true where a virtual warp ends
+        if (++round < rounds) {
+            k += stride;
+            return false;
+        }
+        round = 0, first += vstep, k = first;
+        return true;
+    }
+};
+
 // SPLIT (matmul_split_t<XT>): block (x, y) runs virtual warps y * group .. + group - 1 only, storing each one's
 // sums (and block x 0 the squares) in the scratch `parts` instead of adding them up; matmul_split_finish adds
 // them in virtual-warp order and finishes the items.
@@ -415,58 +468,78 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
                                             int N, int vwarps, uint4* __restrict__ stages,
                                             float* __restrict__ squares, float* __restrict__ parts, int group) {
     constexpr int LOADS = MATMUL_SMALL_LOADS, STAGES = MATMUL_ROWS_STAGES, step = 4 * PACK;
+    constexpr int XG = RowsSplit<XT>::groups, XW = RowsSplit<XT>::tiles, NW = NT * XG;  // x's tiles, w's a warp
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5, I = f.I, half = f.half, cols = f.O / W;
-    const int tiles = warps * NT, tile0 = blockIdx.x * tiles;
+    const int xtile0 = warp % XG * XW, wslot0 = warp / XG * NW;  // this warp's first tile of x, of w (in the block)
+    // the block's groups of tiles of w (warps x NT tiles each): blockIdx.x, + gridDim.x, ... (a split block: one)
+    const int tiles = warps * NT, groups_all = ((W == 1 ? (cols + 7) / 8 : (cols + 3) / 4) + tiles - 1) / tiles;
+    const int group_step = SPLIT ? groups_all : gridDim.x;
+    const int groups = (int)blockIdx.x < groups_all ? (groups_all - 1 - blockIdx.x) / group_step + 1 : 0;
     // a stage in uint4: x (XT tiles x LOADS x 2 halves x 32 lanes), the gain (LOADS x 4), w (tiles x LOADS x 32)
     const int x_size = XT * LOADS * 64, gain_at = x_size, w_at = x_size + LOADS * 4;
     const int stage_size = w_at + tiles * LOADS * 32;
-    const int stride = vwarps * LOADS * step, rounds = (I + stride - 1) / stride;
+    const int stride = vwarps * LOADS * step, rounds = (I + stride - 1) / stride, vstep = LOADS * step;
     const int v0 = SPLIT ? blockIdx.y * group : 0, S = ((SPLIT ? min(vwarps, v0 + group) : vwarps) - v0) * rounds;
-    const auto k_of = [&](int s) {  // r0 + warp_own of the block's stage s
-        s += v0 * rounds;
-        return s % rounds * stride + s / rounds * LOADS * step;
-    };
     const int width = split_width(f.O, half);
     float* const split_squares = parts + (long long)vwarps * N * width;
-    // the rows of w this thread copies: column g of the block's tiles warp, warp + warps, ... (NT of them)
-    long long w_row[NT];
+    // the rows of w this thread copies for the group of tiles from tile0: column g of the block's tiles warp,
+    // warp + warps, ... (NT of them), into those tiles' slots of a stage (which the warps that use them read
+    // after the stage's barrier)
+    const act_t* w_row[NT];
     bool w_live[NT];
+    const auto rows_of_w = [&](int tile0) {
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
-        const int tile = tile0 + warp + i * warps;
-        const int lcol = W == 1 ? tile * 8 + g : tile * 4 + g / 2;
-        const int lrow = W == 1 ? lcol : lcol / half * 2 * half + lcol % half + (g & 1) * half;
-        w_row[i] = (long long)lrow * I, w_live[i] = lcol < cols;
-    }
-    const auto copy_w = [&](int s) {  // and the gain's
-        uint4* st = stages + s % STAGES * stage_size;
-        const int k0 = k_of(s);
+        for (int i = 0; i < NT; ++i) {
+            const int tile = tile0 + warp + i * warps;
+            const int lcol = W == 1 ? tile * 8 + g : tile * 4 + g / 2;
+            const int lrow = W == 1 ? lcol : lcol / half * 2 * half + lcol % half + (g & 1) * half;
+            w_live[i] = lcol < cols;
+            w_row[i] = w_live[i] ? w + (long long)lrow * I : w;
+        }
+    };
+    const int kt = t * PACK;  // a thread's element in a k-block of 4 x PACK
+    const auto copy_w = [&](int s, int k0) {  // and the gain's
+        uint4* st = stages + s % STAGES * stage_size + w_at + warp * LOADS * 32 + lane;
 #pragma unroll
         for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int p = 0; p < LOADS; ++p)
-                stage_chunk<PACKED>(st + w_at + ((warp + i * warps) * LOADS + p) * 32 + lane, w, w_row[i],
-                                    k0 + p * step + t * PACK, I, w_live[i]);
+                stage_chunk<PACKED>(st + (i * warps * LOADS + p) * 32, w_row[i], k0 + p * step + kt, I, w_live[i]);
         if (f.gain && (int)threadIdx.x < LOADS * 4)
-            stage_chunk<PACKED>(st + gain_at + threadIdx.x, f.gain, 0,
+            stage_chunk<PACKED>(stages + s % STAGES * stage_size + gain_at + threadIdx.x, f.gain,
                                 k0 + (threadIdx.x >> 2) * step + (threadIdx.x & 3) * PACK, I, true);
     };
-    const auto copy_x = [&](int s) {
+    const auto copy_x = [&](int s, int k0) {
         uint4* st = stages + s % STAGES * stage_size;
-        const int k0 = k_of(s);
         for (int c = threadIdx.x; c < x_size; c += blockDim.x) {
             const int l = c & 31, jp = c >> 6, row = 16 * (jp / LOADS) + 8 * ((c >> 5) & 1) + (l >> 2);
-            stage_chunk<PACKED>(st + c, x, (long long)row * I, k0 + jp % LOADS * step + (l & 3) * PACK, I,
-                                row < N);
+            stage_chunk<PACKED>(st + c, x + (long long)(row < N ? row : 0) * I, k0 + jp % LOADS * step + (l & 3) * PACK,
+                                I, row < N);
         }
     };
     const auto commit = [] { asm volatile("cp.async.commit_group;\n" ::: "memory"); };
+    // the stages' walk over the block's groups (S stages each), the copies' STAGES - 1 ahead of the products'
+    const StageWalk start{0, v0 * vstep, v0 * vstep};
+    StageWalk copying = start, summing = start;
+    int copy_stage = 0, copy_tile0 = blockIdx.x * tiles;  // the copies' stage in its group, and its group
+    const auto copied = [&] {  // the copies' walk one stage on
+        copying.next(rounds, stride, vstep);
+        if (++copy_stage == S) copy_stage = 0, copying = start, copy_tile0 += group_step * tiles, rows_of_w(copy_tile0);
+    };
+    const int all = groups * S;  // the block's stages
+    int first_k[STAGES - 1];
+    rows_of_w(copy_tile0);
     let_next_launch();
-    for (int s = 0; s < STAGES - 1 && s < S; ++s) copy_w(s);  // before the wait: w and the gain are no one's output
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {  // before the wait: w and the gain are no one's output
+        first_k[s] = copying.k;
+        if (s < all) copy_w(s, copying.k), copied();
+    }
     wait_for_inputs();
+#pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < S) copy_x(s);
+        if (s < all) copy_x(s, first_k[s]);
         commit();
     }
 #if ACT_BF16
@@ -474,112 +547,136 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
 #else
     const int ss_lane = 0;
 #endif
-    float acc[NT][XT][4], total[NT][XT][4], ss[XT][2], ss_total[XT][2];
+    // acc: a virtual warp's sums (w's tile n, x's tile xtile0 + j); ss: its squares' chains (x's tile c / 2, the
+    // rows g or g + 8 of c % 2), chain c by warp c % warps; total, ss_total: from 0.f, a virtual warp's added in turn
+    float acc[NW][XW][4], total[NW][XW][4], ss[2 * XT], ss_total[2 * XT];
 #pragma unroll
-    for (int j = 0; j < XT; ++j) {
-        ss[j][0] = ss[j][1] = ss_total[j][0] = ss_total[j][1] = 0.f;
+    for (int c = 0; c < 2 * XT; ++c) ss[c] = ss_total[c] = 0.f;
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+    for (int n = 0; n < NW; ++n)
+#pragma unroll
+        for (int j = 0; j < XW; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[n][j][i] = total[n][j][i] = 0.f;
-    }
-    for (int s = 0; s < S; ++s) {
+    // the squares: in the block's first group only (x's rows are every group's); a split's by one block of each
+    // virtual warp
+    bool squares_here = f.gain && (!SPLIT || blockIdx.x == 0);
+    int stage = 0, tile0 = blockIdx.x * tiles;  // the products' stage in its group, and its group
+    for (int s = 0; s < all; ++s) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 2) : "memory");  // stage s has landed
         __syncthreads();  // everyone's copies of it, and everyone is done with stage s - 1, whose buffer is next
-        if (s + STAGES - 1 < S) copy_w(s + STAGES - 1), copy_x(s + STAGES - 1);
+        if (s + STAGES - 1 < all) copy_w(s + STAGES - 1, copying.k), copy_x(s + STAGES - 1, copying.k), copied();
         commit();
         const uint4* st = stages + s % STAGES * stage_size;
-        const int k0 = k_of(s);
+        const int k0 = summing.k;
         const auto x_at = [&](int j, int p, int h) { return st[((j * LOADS + p) * 2 + h) * 32 + lane]; };
 #pragma unroll
         for (int p = 0; p < LOADS; ++p) {
             if (k0 + p * step >= I) break;  // the virtual warp holds no more of I
-            uint4 wf[NT];
+            uint4 wf[NW];
             const uint4 gr = f.gain ? st[gain_at + p * 4 + t] : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                wf[n] = st[w_at + ((warp * NT + n) * LOADS + p) * 32 + lane];
+            for (int n = 0; n < NW; ++n) {
+                wf[n] = st[w_at + ((wslot0 + n) * LOADS + p) * 32 + lane];
                 if (f.gain) wf[n] = gained(wf[n], gr);
             }
 #pragma unroll
-            for (int j = 0; j < XT; ++j) {
-                const uint4 a = x_at(j, p, 0), a8 = x_at(j, p, 1);
+            for (int j = 0; j < XW; ++j) {
+                const uint4 a = x_at(xtile0 + j, p, 0), a8 = x_at(xtile0 + j, p, 1);
 #pragma unroll
-                for (int n = 0; n < NT; ++n) mma_chunk(acc[n][j], a, a8, wf[n]);
+                for (int n = 0; n < NW; ++n) mma_chunk(acc[n][j], a, a8, wf[n]);
             }
         }
-        if (f.gain && (!SPLIT || blockIdx.x == 0))  // a split's squares: one block's of each virtual warp
+        if (squares_here)
 #pragma unroll
-            for (int j = 0; j < XT; ++j)
-                if (j % warps == warp)
-                    add_squares<true>(ss[j], g, [&](int p, uint4& a, uint4& a8) {
-                        a = x_at(j, p, 0), a8 = x_at(j, p, 1);
+            for (int c = 0; c < 2 * XT; ++c)
+                if (c % warps == warp)
+                    add_square_chain(ss[c], c & 1, g, [&](int p, uint4& a, uint4& a8) {
+                        a = x_at(c >> 1, p, 0), a8 = x_at(c >> 1, p, 1);
                     });
-        if ((s + 1) % rounds == 0) {  // the virtual warp's last round: its sums onto the totals, in order
-#pragma unroll
-            for (int j = 0; j < XT; ++j) {
+        if (summing.next(rounds, stride, vstep)) {  // the virtual warp's last round: its sums onto the totals, in order
 #if !ACT_BF16
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 1);
-                    ss[j][h] += __shfl_xor_sync(FULL_MASK, ss[j][h], 2);
-                }
+            for (int c = 0; c < 2 * XT; ++c) {
+                ss[c] += __shfl_xor_sync(FULL_MASK, ss[c], 1);
+                ss[c] += __shfl_xor_sync(FULL_MASK, ss[c], 2);
+            }
 #endif
-                if constexpr (SPLIT) {  // this virtual warp's sums into the scratch
-                    const int vw = v0 + s / rounds;
-                    if (f.gain && blockIdx.x == 0 && j % warps == warp && t == ss_lane)
+            if constexpr (SPLIT) {  // this virtual warp's sums into the scratch
+                const int vw = v0 + stage / rounds;
+                if (f.gain && blockIdx.x == 0 && t == ss_lane)
 #pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            if (16 * j + 8 * h + g < N) split_squares[vw * N + 16 * j + 8 * h + g] = ss[j][h];
+                    for (int c = 0; c < 2 * XT; ++c) {
+                        const int row = 8 * c + g;  // x's tile c / 2, half c % 2
+                        if (c % warps == warp && row < N) split_squares[vw * N + row] = ss[c];
+                    }
 #pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-                        const int tile = tile0 + warp * NT + n;
-                        if (tile * 8 / W >= cols) break;  // past the end
+                for (int n = 0; n < NW; ++n) {
+                    const int tile = tile0 + wslot0 + n;
+                    if (tile * 8 / W >= cols) break;  // past the end
+#pragma unroll
+                    for (int j = 0; j < XW; ++j)
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
-                            const int row = 16 * j + 8 * h + g;
+                            const int row = 16 * (xtile0 + j) + 8 * h + g;
                             const long long at = ((long long)vw * N + row) * width + tile * 8 + 2 * t;
                             if (row < N)
                                 *reinterpret_cast<float2*>(parts + at) =
                                     make_float2(acc[n][j][2 * h], acc[n][j][2 * h + 1]);
                         }
-                    }
-                } else {
-                    ss_total[j][0] += ss[j][0], ss_total[j][1] += ss[j][1];
+                }
+            } else {
 #pragma unroll
-                    for (int n = 0; n < NT; ++n)
+                for (int c = 0; c < 2 * XT; ++c) ss_total[c] += ss[c];
+#pragma unroll
+                for (int n = 0; n < NW; ++n)
+#pragma unroll
+                    for (int j = 0; j < XW; ++j)
 #pragma unroll
                         for (int i = 0; i < 4; ++i) total[n][j][i] += acc[n][j][i];
-                }
-                ss[j][0] = ss[j][1] = 0.f;
+            }
 #pragma unroll
-                for (int n = 0; n < NT; ++n)
+            for (int c = 0; c < 2 * XT; ++c) ss[c] = 0.f;
+#pragma unroll
+            for (int n = 0; n < NW; ++n)
+#pragma unroll
+                for (int j = 0; j < XW; ++j)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[n][j][i] = 0.f;
-            }
         }
-    }
-    if constexpr (SPLIT) return;
-    if (f.gain && t == ss_lane)
+        if (++stage < S || SPLIT) continue;
+        // the group's last stage: its items finished (the next group's first stages are in flight meanwhile)
+        if (squares_here) {  // the rows' squares, for this group and the later ones
+            if (t == ss_lane)
 #pragma unroll
-        for (int j = 0; j < XT; ++j)
-            if (j % warps == warp) squares[16 * j + g] = ss_total[j][0], squares[16 * j + g + 8] = ss_total[j][1];
-    __syncthreads();
-    const float none[2] = {0.f, 0.f};
+                for (int c = 0; c < 2 * XT; ++c)
+                    if (c % warps == warp) squares[8 * c + g] = ss_total[c];
+            squares_here = false;
+        }
+        if (s < S) __syncthreads();  // the first group: every warp's squares stored
+        const float none[2] = {0.f, 0.f};
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int tile = tile0 + warp * NT + n, fcol = W == 1 ? tile * 8 + 2 * t : tile * 4 + t;
-        if (fcol >= cols) break;
+        for (int n = 0; n < NW; ++n) {
+            const int tile = tile0 + wslot0 + n, fcol = W == 1 ? tile * 8 + 2 * t : tile * 4 + t;
+            if (fcol >= cols) break;
 #pragma unroll
-        for (int j = 0; j < XT; ++j)
+            for (int j = 0; j < XW; ++j)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = 16 * j + 8 * h + g;
-                if (row >= N) continue;
-                float v[2] = {total[n][j][2 * h], total[n][j][2 * h + 1]};
-                finish_item<W>(f, v, f.gain ? squares[row] : 0.f, row, fcol, tile == 0 && t == 0, false, none,
-                               1.f, 0.f);
-            }
+                for (int h = 0; h < 2; ++h) {
+                    const int row = 16 * (xtile0 + j) + 8 * h + g;
+                    if (row >= N) continue;
+                    float v[2] = {total[n][j][2 * h], total[n][j][2 * h + 1]};
+                    finish_item<W>(f, v, f.gain ? squares[row] : 0.f, row, fcol, tile == 0 && t == 0, false, none,
+                                   1.f, 0.f);
+                }
+        }
+#pragma unroll
+        for (int n = 0; n < NW; ++n)
+#pragma unroll
+            for (int j = 0; j < XW; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) total[n][j][i] = 0.f;
+        stage = 0, tile0 += group_step * tiles, summing = start;
     }
 }
 
@@ -589,8 +686,8 @@ __device__ __forceinline__ void matmul_rows(const Finish& f, const act_t* __rest
 // matmul_small (rows up to 8, registers held to 80 so that the largest product of `base` runs in one wave;
 // CUDA 12.4+, older compilers bound the block size only), and matmul_small_t{1..4}_n{1, MATMUL_PAIR} (1 to 4
 // tiles of 16 rows a block, NT tiles of w a warp). They run one template: a row's arithmetic is the same in each.
-// matmul_rows_t{1..4} (below) take the same arguments (groups unused), their grid ceil(tiles of w / (warps x
-// MATMUL_ROWS_NT)) blocks.
+// matmul_rows_t{1..4} (below) take the same arguments (groups unused), their grid at most ceil(tiles of w /
+// (warps x MATMUL_ROWS_NT)) blocks (fewer: each walks several groups of tiles of w; layers._rows_blocks).
 #if defined(__CUDACC_VER_MAJOR__) && __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ >= 1204
 #define MATMUL_SMALL_BOUNDS __maxnreg__(80)
 #else
@@ -637,11 +734,12 @@ MATMUL_SMALL_TILES(1, MATMUL_PAIR)
 MATMUL_SMALL_TILES(2, MATMUL_PAIR)
 MATMUL_SMALL_TILES(3, MATMUL_PAIR)
 MATMUL_SMALL_TILES(4, MATMUL_PAIR)
-// matmul_rows_t<XT>: 9 to 64 rows (XT tiles of 16), MATMUL_ROWS_NT tiles of w a warp, 1 to MATMUL_ROWS_WARPS
-// warps a block; dynamic shared memory: MATMUL_ROWS_STAGES stages (layers._matmul_small). matmul_split_t<XT>:
-// the same blocks, grid.y groups of `groups` consecutive virtual warps each (its stages only: fewer than
-// MATMUL_ROWS_STAGES need that many buffers only), their sums into the scratch parts, MATMUL_SPLIT_BLOCKS blocks
-// an SM, rows of whole 16-byte chunks only (packed); then matmul_split_finish.
+// matmul_rows_t<XT>: 9 to 64 rows (XT tiles of 16), MATMUL_ROWS_NT x RowsSplit<XT>::groups tiles of w a warp, 1
+// to MATMUL_ROWS_WARPS warps a block (a multiple of those groups); dynamic shared memory: MATMUL_ROWS_STAGES
+// stages (layers._matmul_small). matmul_split_t<XT>: the same blocks, grid.y groups of `groups` consecutive
+// virtual warps each (its stages only: fewer than MATMUL_ROWS_STAGES need that many buffers only), their sums
+// into the scratch parts, MATMUL_SPLIT_BLOCKS blocks an SM, rows of whole 16-byte chunks only (packed); then
+// matmul_split_finish.
 #define MATMUL_ROWS_CALL(W, PACKED, XT, NT, SPLIT) \
     matmul_rows<W, PACKED, XT, NT, SPLIT>(f, x, w, N, vwarps, stages, squares, parts, groups)
 #define MATMUL_ROWS_KERNEL(NAME, XT, NT, SPLIT, BLOCKS) MATMUL_ROWS_KERNEL_(NAME, XT, NT, SPLIT, BLOCKS)
