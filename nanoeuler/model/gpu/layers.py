@@ -592,12 +592,13 @@ class Layers:
 
     # --------------------------------------------------------------------------------------- embedding
     def embedding_forward(self, out, tokens, emb):
-        """out (N, C) = emb (V, C)[tokens (N,)]"""
+        """out (N, C) = emb (V, C)[tokens (N,)] (dependent launch: a recorded decoding step's first kernel lets
+        the first product load its weights meanwhile)"""
         _check(out, emb, act=emb)
         N, C = out.shape
         tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
-        kernel("embedding", "embedding_forward", _act_defines(emb))((_blocks(N * C, 256),), (256,),
-                                                                    (out, tokens, emb, _i32(N), _i32(C)))
+        launch(kernel("embedding", "embedding_forward", _act_defines(emb)), (_blocks(N * C, 256),), (256,),
+               (out, tokens, emb, _i32(N), _i32(C)))
 
     def embedding_backward(self, demb, dout, tokens):
         """demb (V, C) += dout (N, C) scattered by token; each token's rows summed in position order in pieces
