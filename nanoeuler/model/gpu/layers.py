@@ -840,17 +840,22 @@ class Layers:
         return partial.sum()
 
     # ---------------------------------------------------------------------------------------- decoding
-    def argmax(self, ids, logits, log=None, pos=None):
+    def argmax(self, ids, logits, log=None, pos=None, advance=0):
         """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32.
-        With log (S, R) int32 and pos, also log[pos[0]] = ids."""
+        With log (S, R) int32 and pos, also log[pos[0]] = ids; then pos[0] += advance (a greedy step's end: one
+        row's last block does it, so a step of one row has no advance_position kernel)."""
         _check(logits)
         assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
+        assert pos is not None or (log is None and not advance)
         null = np.uint64(0)
         (R, V), nb = logits.shape, _argmax_slices(logits.shape[1])
         part_v, part_i, done = _argmax_scratch(cupy.cuda.Device().id, R, nb)
+        folded = advance if R == 1 else 0  # more rows: their blocks read the position, so it moves after them
         launch(kernel("decoding", "argmax_rows"), (nb, R), (ARGMAX_THREADS,),
-               (ids, logits, _i32(V), null if log is None else log, null if log is None else _position(pos),
-                part_v, part_i, done))
+               (ids, logits, _i32(V), null if log is None else log, null if pos is None else _position(pos),
+                part_v, part_i, done, _i32(folded)))
+        if advance and not folded:
+            self.advance_position(pos, advance)
 
     def advance_position(self, pos, n):
         """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""
