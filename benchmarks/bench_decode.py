@@ -8,8 +8,10 @@ included) over the tokens. Hugging Face runs `LlamaForCausalLM` built from our e
 lm_head, export.hf_tensors) with its KV cache: eagerly, and on the GPU also with a static cache and
 torch.compile, in the precision ours runs in (bf16 or float32). On the GPU "plain" is ours with each step's
 kernels launched one by one from Python, "graph" the same steps replayed as CUDA graphs (the default).
-Speculative decoding on random weights accepts few drafts (the heads were never trained to agree): it
-measures the machinery's overhead, not its gain; a trained checkpoint (--ckpt; --prompt to continue text of
+On the GPU the run ends with the greedy step of one row kernel by kernel (`step_table`: each kernel's time,
+count a step and share of the copy's bandwidth, one layer's kernels in turn, and what the step spends between
+its kernels). Speculative decoding on random weights accepts few drafts (the heads were never trained to
+agree): it measures the machinery's overhead, not its gain; a trained checkpoint (--ckpt; --prompt to continue text of
 its own rather than random tokens) shows the gain, and the acceptance rate of each head. --temperature T
 times sampling (top-p 0.95, as `infer`) instead, ours only.
 
@@ -204,6 +206,8 @@ def main():
         report(row, rows[0], n)
     if cfg.mtp_heads > 1:
         print(f"--speculative: {rows[-2][1] / rows[-1][1]:.2f}x the tokens/s of {rows[-2][0]}", flush=True)
+    if args.device == "gpu":
+        step_table(eng, position, device, ceiling)
     if not args.no_hf and T == 0:
         bf16 = precision == "bf16"
         if not args.no_eager:
@@ -387,9 +391,15 @@ def kernel_times(eng, rows, position, repeats=100):
                                                                     *settings[1:]),
         "sample, top-p 0.95, a flat row": lambda: layers.sample_rows(ids, logits, *settings),
     }
-    out = {}
+    return timed(eng, calls, repeats)
+
+
+def timed(eng, calls, repeats):
+    """{name: us} of each call of calls {name: call}: recorded 20 times over as a CUDA graph, the replays timed
+    by CUDA events (launch included)."""
+    cp, out = eng.xp, {}
     for name, call in calls.items():
-        replay = layers.graph(lambda: [call() for _ in range(20)])
+        replay = eng.layers.graph(lambda: [call() for _ in range(20)])
         replay()  # records
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
@@ -399,6 +409,71 @@ def kernel_times(eng, rows, position, repeats=100):
         end.synchronize()
         out[name] = 1e3 * cp.cuda.get_elapsed_time(start, end) / (repeats // 20 * 20)
     return out
+
+
+def step_table(eng, position, device, ceiling, repeats=200):
+    """The greedy step of one row kernel by kernel, printed: each kernel of the step (one layer's, at `position`)
+    timed as kernel_times does, its count a step and its bytes' share of the copy's rate; one layer's kernels
+    recorded in turn (as the step runs them: each waits for the one before), and the sum of the step's kernels
+    against the device's step: what is left is the time between the kernels that neither shows."""
+    from nanoeuler.model.gpu import layers as gpu_layers  # the gate|up product's norm apart: its two kernels
+
+    cp, layers, cfg, p = eng.xp, eng.layers, eng.cfg, eng.p
+    H, G, D, C, F, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim, cfg.hidden, cfg.vocab_size
+    e = lambda *shape: cp.zeros(shape, dtype=eng.act)
+    x, qkv, att, gate_up, sw = e(1, C), e(1, 1, H + 2 * G, D), e(1, 1, H, D), e(1, 2 * F), e(1, F)
+    rstd, lse, logits = cp.zeros(1, np.float32), cp.zeros((1, H, 1), np.float32), cp.zeros((1, V), np.float32)
+    kv, pos = e(1, cfg.context, 2 * G, D), cp.full(1, position, np.int32)
+    tokens, ids, moving = cp.zeros(1, np.int32), cp.zeros(1, np.int32), cp.zeros(1, np.int32)
+    log = cp.zeros((1024, 1), np.int32)  # the argmax's ids logged at the position it moves on (120 replays)
+    w, eps = "layers.0.", cfg.norm_eps
+    apart = gpu_layers._norm_apart(p[w + "w_gate_up"], x, None)
+    itemsize = np.dtype(eng.act).itemsize
+    kv_bytes = 2 * G * D * (position + 1) * itemsize
+    nbytes = lambda *names: sum(p[k].nbytes for k in names)
+    kernels = {  # name: (call, kernels of it a step, bytes it must read)
+        "embedding": (lambda: layers.embedding_forward(x, tokens, p["tok_emb"]), 1, C * itemsize),
+        "qkv + norm + rope": (lambda: layers.rmsnorm_matmul_rope_forward(
+            qkv, rstd, x, p[w + "attn_norm"], p[w + "wqkv"], eps, None, eng.cos, eng.sin, H + G, pos),
+            cfg.n_layers, nbytes(w + "wqkv")),
+        f"attention at {position}": (lambda: layers.attention_cached(att, lse, qkv, kv, H, G, pos), cfg.n_layers,
+                                     kv_bytes),
+        "wo, +=": (lambda: layers.matmul_forward(x, att.reshape(1, -1), p[w + "wo"], accumulate=True),
+                   cfg.n_layers, nbytes(w + "wo")),
+    }
+    if apart:  # the step's two kernels: rmsnorm_rows into its kept scratch, then the product
+        norm = lambda: gpu_layers._normed_rows(rstd, x, p[w + "ffn_norm"], eps, None)
+        normed = norm()
+        kernels["gate|up's norm (rmsnorm_rows)"] = (norm, cfg.n_layers, 0)
+        kernels["gate|up + swiglu"] = (lambda: gpu_layers._matmul_small(
+            gate_up, normed, p[w + "w_gate_up"], False, glu_out=sw), cfg.n_layers, nbytes(w + "w_gate_up"))
+    else:
+        kernels["gate|up + norm + swiglu"] = (lambda: layers.rmsnorm_matmul_swiglu_forward(
+            sw, gate_up, rstd, x, p[w + "ffn_norm"], p[w + "w_gate_up"], eps, None), cfg.n_layers,
+            nbytes(w + "w_gate_up"))
+    kernels["down, +="] = (lambda: layers.matmul_forward(x, sw, p[w + "w_down"], accumulate=True), cfg.n_layers,
+                           nbytes(w + "w_down"))
+    kernels["head 0 + final norm, float32"] = (lambda: layers.rmsnorm_matmul_forward(
+        logits, rstd, x, p["final_norm"], p["heads.0"], eps, None), 1, nbytes("heads.0") + 4 * V)
+    kernels["argmax + the position's advance"] = (lambda: layers.argmax(ids, logits, log, moving, 1), 1, 4 * V)
+    layer = [name for name, (_, count, _) in kernels.items() if count == cfg.n_layers]
+    times = timed(eng, {name: call for name, (call, _, _) in kernels.items()}, repeats)
+    chain = timed(eng, {"layer": lambda: [kernels[name][0]() for name in layer]}, repeats)["layer"]
+    moving[...] = 0
+    print(f"the greedy step of one row, kernel by kernel (each recorded 20 times over in a graph and replayed, "
+          f"CUDA events, launch included; % of the copy's {ceiling / 1e12:.2f} TB/s):")
+    print(f"{'kernel':<34} {'us':>7} {'a step':>7} {'us a step':>10} {'bytes':>10} {'% of copy':>9}")
+    total = 0.0
+    for name, (_, count, read) in kernels.items():
+        total += times[name] * count
+        share = f"{read / (times[name] * 1e-6) / ceiling:.0%}" if read else ""
+        print(f"{name:<34} {times[name]:7.1f} {count:7d} {times[name] * count:10.1f} {read / 1e6:9.2f}M {share:>9}")
+    print(f"{'the sum':<34} {'':7} {sum(c for _, c, _ in kernels.values()):7d} {total:10.1f}")
+    print(f"{'a layer its kernels in turn':<34} {chain:7.1f} {cfg.n_layers:7d} {chain * cfg.n_layers:10.1f}  "
+          f"(the kernels alone: {sum(times[k] for k in layer):.1f} us a layer)")
+    print(f"{'the device step':<34} {'':7} {'':7} {1e6 * device:10.1f}  between the kernels: "
+          f"{1e6 * device - total:.1f} us ({(1e6 * device - total) / sum(c for _, c, _ in kernels.values()):.2f} "
+          f"a kernel)", flush=True)
 
 
 def step_bytes(eng, position):

@@ -187,6 +187,18 @@ def test_attention_over_the_kv_cache_matches_full():
     assert np.allclose(cache[:, :T], rotated[:, :, H:]) and np.isnan(cache[:, T:]).all()
 
 
+def test_argmax_logs_at_the_position_and_moves_it_on():
+    """A greedy step's end: argmax's ids (the first of equal ones) logged at the position, which then moves on by
+    `advance` (advance_position's work; 0 leaves it)."""
+    logits = rng.normal(size=(3, 11))
+    logits[1, [2, 7]] = logits[1].max() + 1
+    ids, log, pos = np.empty(3, np.int32), np.full((9, 3), -1, np.int32), np.full(1, 2, np.int32)
+    for advance, at in ((3, 2), (0, 5), (2, 5)):
+        cpu_layers.argmax(ids, logits, log, pos, advance)
+        assert ids.tolist() == logits.argmax(axis=1).tolist() and ids[1] == 2 and log[at].tolist() == ids.tolist()
+    assert pos[0] == 7 and (log[[0, 1, 3, 4, 6, 7, 8]] == -1).all()
+
+
 def test_normed_product_is_the_layers_in_turn():
     """rmsnorm_matmul_forward (one GPU kernel for decoding's few rows) is RMSNorm, then the product."""
     N, C, O = 3, 10, 7

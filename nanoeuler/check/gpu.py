@@ -550,6 +550,18 @@ def check_argmax(case, gpu_layers, cpu_layers):
         right = np.array_equal(got.get(), ref)
         out.append(("argmax rows=3 V=50021 (ties across blocks, a row of -inf)", 0.0 if right else math.inf,
                     case.tol))
+    # a greedy step's end: logged at the position, which then moves on (one row: in the argmax's kernel; more:
+    # advance_position after it), twice
+    for R in (1, 3):
+        ref, ref_log, ref_pos = np.empty(R, np.int32), np.full((9, R), -1, np.int32), np.full(1, 2, np.int32)
+        got, log, pos = case.cp.full(R, -1, np.int32), case.cp.full((9, R), -1, np.int32), case.cp.full(1, 2, np.int32)
+        for _ in range(2):
+            cpu_layers.argmax(ref, logits[:R], ref_log, ref_pos, 3)
+            gpu_layers.argmax(got, case.dev32(logits[:R]), log, pos, 3)
+        right = (np.array_equal(got.get(), ref) and np.array_equal(log.get(), ref_log)
+                 and int(pos.get()[0]) == int(ref_pos[0]) == 8)
+        out.append((f"argmax rows={R} V=50021 logged at positions 2 and 5, the position advanced by 3 each",
+                    0.0 if right else math.inf, case.tol))
     return out
 
 

@@ -318,8 +318,9 @@ class Step:
             layers.argmax(self.ids, self.logits.reshape(-1, V))
             layers.accept_drafts(self.tokens.reshape(T), self.ids, self.log, self.position)
             return
-        if self.kind == "greedy":
-            layers.argmax(self.ids, self.logits.reshape(-1, V), self.log, self.position)
+        if self.kind == "greedy":  # the position moves on with the argmax (one row: in its kernel)
+            layers.argmax(self.ids, self.logits.reshape(-1, V), self.log, self.position, T)
+            return
         layers.advance_position(self.position, T)
 
     def __call__(self, state, steps=1):

@@ -760,12 +760,15 @@ def add_sum_squares(out, a, b):
 
 
 # ------------------------------------------------------------------------------------------- decoding
-def argmax(ids, logits, log=None, pos=None):
+def argmax(ids, logits, log=None, pos=None, advance=0):
     """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V).
-    With log (S, R) int32 and pos, also log[pos[0]] = ids: consecutive steps' ids, read back together."""
+    With log (S, R) int32 and pos, also log[pos[0]] = ids: consecutive steps' ids, read back together; then
+    pos[0] += advance (advance_position's work: a greedy step's end)."""
     ids[:] = np.argmax(logits, axis=1)
     if log is not None:
         log[pos[0]] = ids
+    if advance:
+        advance_position(pos, advance)
 
 
 def advance_position(pos, n):

@@ -616,12 +616,13 @@ class Layers:
 
     # --------------------------------------------------------------------------------------- embedding
     def embedding_forward(self, out, tokens, emb):
-        """out (N, C) = emb (V, C)[tokens (N,)]"""
+        """out (N, C) = emb (V, C)[tokens (N,)] (dependent launch: a recorded decoding step's first kernel lets
+        the first product load its weights meanwhile)"""
         _check(out, emb, act=emb)
         N, C = out.shape
         tokens = cupy.ascontiguousarray(tokens, dtype=np.int32)
-        kernel("embedding", "embedding_forward", _act_defines(emb))((_blocks(N * C, 256),), (256,),
-                                                                    (out, tokens, emb, _i32(N), _i32(C)))
+        launch(kernel("embedding", "embedding_forward", _act_defines(emb)), (_blocks(N * C, 256),), (256,),
+               (out, tokens, emb, _i32(N), _i32(C)))
 
     def embedding_backward(self, demb, dout, tokens):
         """demb (V, C) += dout (N, C) scattered by token; each token's rows summed in position order in pieces
@@ -866,17 +867,22 @@ class Layers:
         return partial.sum()
 
     # ---------------------------------------------------------------------------------------- decoding
-    def argmax(self, ids, logits, log=None, pos=None):
+    def argmax(self, ids, logits, log=None, pos=None, advance=0):
         """ids (R,) int32 = the index of each row's largest logit (the first of equal ones); logits (R, V) float32.
-        With log (S, R) int32 and pos, also log[pos[0]] = ids."""
+        With log (S, R) int32 and pos, also log[pos[0]] = ids; then pos[0] += advance (a greedy step's end: one
+        row's last block does it, so a step of one row has no advance_position kernel)."""
         _check(logits)
         assert ids.dtype == np.int32 and ids.shape == logits.shape[:1]
+        assert pos is not None or (log is None and not advance)
         null = np.uint64(0)
         (R, V), nb = logits.shape, _argmax_slices(logits.shape[1])
         part_v, part_i, done = _argmax_scratch(cupy.cuda.Device().id, R, nb)
+        folded = advance if R == 1 else 0  # more rows: their blocks read the position, so it moves after them
         launch(kernel("decoding", "argmax_rows"), (nb, R), (ARGMAX_THREADS,),
-               (ids, logits, _i32(V), null if log is None else log, null if log is None else _position(pos),
-                part_v, part_i, done))
+               (ids, logits, _i32(V), null if log is None else log, null if pos is None else _position(pos),
+                part_v, part_i, done, _i32(folded)))
+        if advance and not folded:
+            self.advance_position(pos, advance)
 
     def advance_position(self, pos, n):
         """pos[0] += n on the device: the KV cache's position after a decoding step of n tokens."""

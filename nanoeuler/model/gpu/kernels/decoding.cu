@@ -69,11 +69,12 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* sv, int* s
 // row's last block to finish (done[r] counts them, and is set back to 0 for the next step) takes the nb
 // results. The largest value and the lowest id among equal ones do not depend on the order they are met in,
 // so the result is the one-block scan's, whichever block finishes last; a row spread over many SMs takes a
-// few microseconds where one block took tens.
+// few microseconds where one block took tens. advance > 0 (one row only: no other row's block then reads the
+// position): *pos += advance after the log, advance_position's work without a kernel of its own.
 extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __restrict__ logits, int V,
-                                       int* __restrict__ log, const int* __restrict__ pos,
+                                       int* __restrict__ log, int* __restrict__ pos,
                                        float* __restrict__ part_v, int* __restrict__ part_i,
-                                       unsigned* __restrict__ done) {
+                                       unsigned* __restrict__ done, int advance) {
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ bool last;
@@ -108,6 +109,7 @@ extern "C" __global__ void argmax_rows(int* __restrict__ ids, const float* __res
         bi = bi == 0x7fffffff ? 0 : bi;  // a row of NaNs: 0
         ids[r] = bi;
         if (log) log[(long long)*pos * gridDim.y + r] = bi;
+        if (advance) *pos += advance;
         done[r] = 0u;
     }
 }

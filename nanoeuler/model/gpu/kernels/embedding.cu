@@ -6,9 +6,12 @@
 // sums then added in order, so no block walks more than EMB_SEGMENT rows plus one sum a piece.
 #include "common.cuh"
 
-// out (N, C) = emb (V, C)[tokens (N,)]; one thread per output element.
+// out (N, C) = emb (V, C)[tokens (N,)]; one thread per output element. A decoding step's first kernel: it lets
+// the next one (the first qkv product) start at once, to load its weights while the rows are gathered.
 extern "C" __global__ void embedding_forward(act_t* __restrict__ out, const int* __restrict__ tokens,
                                              const act_t* __restrict__ emb, int N, int C) {
+    let_next_launch();
+    wait_for_inputs();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * C) return;
     const long long n = i / C, c = i % C;
