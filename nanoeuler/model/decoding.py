@@ -296,8 +296,8 @@ class Step:
             else:
                 a["last"][...] = x.reshape(B, T, -1)[:, -1]
             x = a["last"]
-        # the final norm of the rows, then the head product: one product, into which the GPU folds the norm
-        # (Engine.forward_layers leaves the final norm to decoding)
+        # the final norm of the rows, then the head product (Engine.forward_layers leaves the final norm to
+        # decoding)
         w = eng.p["heads"] if self.heads > 1 else eng.p["heads.0"]
         layers.rmsnorm_matmul_forward(self.logits, a["rstdf"][:x.shape[0]], x, eng.p["final_norm"], w,
                                       eng.cfg.norm_eps, None if a["xnf"] is None else a["xnf"][:x.shape[0]])

@@ -81,8 +81,8 @@ SAMPLE_BUCKETS = 2048
 SAMPLE_LIST = 16384
 # rmsnorm.cu: the K of the kernels that hold a row in registers (K 16-byte chunks a lane, at most 32 elements)
 RMSNORM_CHUNKS = (1, 2, 3, 4, 6, 8)
-# ... and rmsnorm_rows (decoding's normed rows, a block a row): it takes the norm of a gate|up product of at
-# least NORM_APART_WEIGHTS weights (Python's choice alone: a folded norm costs a product a share of its time, a
+# ... and rmsnorm_rows (decoding's normed rows, a block a row): it takes the norm of a gate|up or head product
+# of at least NORM_APART_WEIGHTS weights (Python's choice alone: a folded norm costs a product a share of its time, a
 # kernel of its own a few microseconds, so small products keep it folded)
 NORM_APART_WEIGHTS = 1 << 24
 # rmsnorm_rows: a block's threads, and the 16-byte chunks a

@@ -341,8 +341,8 @@ def _rmsnorm_forward(out, rstd, x, w, eps, skip):
 
 
 def _norm_apart(w, x, xn):
-    """Whether a gate|up product of a few rows (decoding's) takes its normed input from rmsnorm_rows rather than
-    folding the norm in: folded, each of the product's many blocks also sums the squares of x and multiplies
+    """Whether a large product of a few rows (decoding's gate|up and head) takes its normed input from
+    rmsnorm_rows rather than folding the norm in: folded, each of the product's many blocks also sums the squares of x and multiplies
     its w by the gain, which costs a product of NORM_APART_WEIGHTS or more more than a kernel of its own does
     (docs/decoding.md has both measured). The choice follows the shape alone, never the rows."""
     return (xn is None and x.shape[0] <= FEW_ROWS and w.shape[0] * w.shape[1] >= NORM_APART_WEIGHTS
@@ -544,10 +544,18 @@ class Layers:
         (what the backward multiplies with), or is None where nobody reads it. skip (N, C), where given, receives
         a copy of x: the next buffer of the residual stream, which the sublayer's output is then added to; the copy
         rides on the norm's read of x. A few rows without xn (decoding) take one kernel that normalises its input
-        on the way; else the norm into xn, then the product (a quantized w of more than FEW_ROWS rows: its
+        on the way, or for a large w (_norm_apart: the head) the norm's kernel, then the product; else the norm into xn, then the product (a quantized w of more than FEW_ROWS rows: its
         dequantized copy's, _dequantized)."""
         w = _dequantized(w, x)
         packed = isinstance(w, quantized.QuantizedMatrix)
+        if _norm_apart(w, x, xn):  # decoding's head: the norm a kernel of its own, as gate|up's
+            normed = _normed_rows(rstd, x, norm_w, eps, skip)
+            if packed:
+                quantized.matmul(out, normed, w, False, self.tf32)
+            else:
+                _check(out, w, act=x)
+                _matmul_small(out, normed, w, False)
+            return
         if _folds_quantized(w, x, xn):  # one kernel, the norm folded in
             _copy_skip(skip, x)
             quantized.matmul(out, x, w, False, self.tf32, gain=norm_w, rstd=rstd, eps=eps)
