@@ -244,7 +244,7 @@ def check_matmul(case, gpu_layers, cpu_layers):
     cos, sin = (case.dev32(_f32(t)) for t in rope_tables(D, 16, 10000.0, np.float64))
     pos = case.rng.integers(0, 16, FEW_ROWS).astype(np.int32)
     for I, big, split in ((1000, False, False), (256, False, False), (256, True, False), (1000, False, True)):
-        # big: a gate|up product whose norm is apart
+        # big: a gate|up or head product whose norm is apart
         O = NORM_APART_WEIGHTS // I if big else D * -(-MATMUL_SPLIT_MIN_WEIGHTS // (I * D)) if split else 6 * D
         NH = O // D
         x, w = case.act(case.normal(FEW_ROWS, I)), case.act(case.normal(O, I))
@@ -278,7 +278,19 @@ def check_matmul(case, gpu_layers, cpu_layers):
                                                    sin, 4, case.cp.asarray(pos[rows]))
             return g, grstd
 
-        products = ((("rmsnorm_matmul_swiglu_forward, its norm apart", swiglu),) if big else (
+        def logits(rows):  # the head's product: float32 out
+            g, grstd = case.poisoned32(len(rows), O), case.poisoned32(len(rows))
+            gpu_layers.rmsnorm_matmul_forward(g, grstd, dx[case.cp.asarray(rows)], dgain, dw, 1e-5, None)
+            return g, grstd
+
+        if big:  # the norm apart against the CPU engine's values, then the bits below
+            ref, rows = np.empty((3, O)), np.arange(3)
+            cpu_layers.rmsnorm_matmul_forward(ref, np.empty(3), x[rows], gain, w, 1e-5, None)
+            out.append((f"rmsnorm_matmul_forward{case.tag} its norm apart, float32 out, 3x{O}x{I}",
+                        rel_err(case.get(logits(rows)[0]), ref), case.tol))
+        products = ((("rmsnorm_matmul_swiglu_forward, its norm apart", swiglu),
+                     ("rmsnorm_matmul_forward, its norm apart", normed),
+                     ("rmsnorm_matmul_forward, its norm apart, float32 out", logits)) if big else (
             ("matmul_forward", plain), ("matmul_forward +=", accumulating), ("rmsnorm_matmul_forward", normed),
             ("rmsnorm_matmul_swiglu_forward", swiglu), ("rmsnorm_matmul_rope_forward", rotated)))
         for name, product in products:

@@ -553,7 +553,7 @@ class Layers:
             if packed:
                 quantized.matmul(out, normed, w, False, self.tf32)
             else:
-                _check(out, w, act=x)
+                _check(w, act=x)
                 _matmul_small(out, normed, w, False)
             return
         if _folds_quantized(w, x, xn):  # one kernel, the norm folded in
