@@ -697,14 +697,14 @@ def check_quantized_matmul(case, gpu_layers, cpu_layers):
             out.append((f"quantized matmul{case.tag} {what} {N} rows, +=", rel_err(case.get(g), ref), case.tol))
             out.append((f"quantized matmul{case.tag} {what} {N} rows, float32 out", rel_err(case.get(g32), ref32),
                         case.tol))
-            if case.precision == "bf16" and N == 64:  # each row's bits those of its product alone
+            if case.precision == "bf16" and N in (37, 64):  # each row's bits those of its product alone
                 rows = g32.get()
                 alone = case.poisoned32(1, O)
                 same = True
-                for r in (0, 17, 63):
+                for r in (0, 17, 33, N - 1):
                     gpu_layers.matmul_forward(alone, case.dev(x[r:r + 1]), w)
                     same &= np.array_equal(alone.get()[0], rows[r])
-                out.append((f"quantized matmul{case.tag} {what}: a row of 64 = the row alone", 0.0 if same else math.inf,
+                out.append((f"quantized matmul{case.tag} {what}: a row of {N} = the row alone", 0.0 if same else math.inf,
                             0.0))
     # a row slice (an engine's heads.0 of its heads) reads its own rows' scales
     qt = quantize(case.normal(2 * O, I).astype(np.float32), "int4", 32)
@@ -723,7 +723,7 @@ def _quantized_folded(case, gpu_layers, cpu_layers):
     """bf16 quantized products with RMSNorm folded in (decoding's and any unnormed-input forward's): plain, with
     SwiGLU, with a bias and the rotary embedding of 3 of 5 heads (a row at its own position), at 1, 13 and 64
     rows against the CPU layers on the dequantized matrix, and at 100 (dequantized into bf16, then the separate
-    kernels); and a row's bits in 64 rows those of the row alone."""
+    kernels); and a row's bits in 37 and 64 rows those of the row alone."""
     from nanoeuler.model.gpu.quantized import QuantizedMatrix
     from nanoeuler.model.quantize import dequantize, quantize
     I, NH, D = 256, 5, 16
@@ -771,14 +771,15 @@ def _quantized_folded(case, gpu_layers, cpu_layers):
             cpu_layers.rmsnorm_matmul_rope_forward(ref, rstd, x, gain, w64, 1e-5, xn, cos, sin, 3, pos, bias=bias)
             out.append((f"quantized rmsnorm_matmul_rope_forward{case.tag} {what} {N} rows, a bias, 3 of 5 heads",
                         rel_err(case.get(rotated(x, pos)[0]), ref), case.tol))
-        same, x, pos = True, x[:64], pos[:64]  # 64 rows: the few-row products
-        for product in (normed, swiglu, rotated):
-            together = [a.get() for a in product(x, pos)]
-            for r in (0, 17, 63):
-                alone = [a.get() for a in product(x[r:r + 1], pos[r:r + 1])]
-                same &= all(np.array_equal(a[0], b[r]) for a, b in zip(alone, together))
-        out.append((f"quantized folded products{case.tag} {what}: a row of 64 = the row alone (norm, SwiGLU, rotary)",
-                    0.0 if same else math.inf, 0.0))
+        same = True
+        for n in (37, 64):  # the few-row products: 37 rows end in a part-full block of x's rows
+            for product in (normed, swiglu, rotated):
+                together = [a.get() for a in product(x[:n], pos[:n])]
+                for r in (0, 17, 33, n - 1):
+                    alone = [a.get() for a in product(x[r:r + 1], pos[r:r + 1])]
+                    same &= all(np.array_equal(a[0], b[r]) for a, b in zip(alone, together))
+        out.append((f"quantized folded products{case.tag} {what}: a row of 37 or 64 = the row alone (norm, SwiGLU, "
+                    "rotary)", 0.0 if same else math.inf, 0.0))
     return out
 
 
