@@ -676,16 +676,18 @@ def check_quantized_matmul(case, gpu_layers, cpu_layers):
     from nanoeuler.model.quantize import dequantize, quantize
     I, O = 384, 77  # O not a multiple of the kernels' 8 rows
     out = []
-    for kind, group in QUANT_FORMATS:
-        qt = quantize(case.normal(O, I).astype(np.float32), kind, group)
+    # int4/32 in rows of 1,024 too: QUANT_SPLIT warps split its rows, so more than 16 rows take 4 tiles of x a
+    # block (gpu.quantized.x_tiles; int8 takes them at any split)
+    for kind, group, cols in (*((k, g, I) for k, g in QUANT_FORMATS), ("int4", 32, 1024)):
+        qt = quantize(case.normal(O, cols).astype(np.float32), kind, group)
         w = QuantizedMatrix.of(qt)
-        what = f"{kind}/{group or 'row'}"
+        what = f"{kind}/{group or 'row'}" + (f" in rows of {cols}" if cols != I else "")
         if case.precision == "fp32":
             exact = np.array_equal(gpu_dequantize(w).get(), dequantize(qt))
             out.append((f"quantized dequantize {what} (bit for bit)", 0.0 if exact else math.inf, 0.0))
         w64 = dequantize(qt).astype(np.float64)
         for N in (1, 5, 16, 37, 64, 100):
-            x, base = case.act(case.normal(N, I)), case.act(case.normal(N, O))
+            x, base = case.act(case.normal(N, cols)), case.act(case.normal(N, O))
             ref = base.copy()
             cpu_layers.matmul_forward(ref, x, w64, accumulate=True)
             g = case.dev(base)
@@ -726,7 +728,7 @@ def _quantized_folded(case, gpu_layers, cpu_layers):
     kernels); and a row's bits in 37 and 64 rows those of the row alone."""
     from nanoeuler.model.gpu.quantized import QuantizedMatrix
     from nanoeuler.model.quantize import dequantize, quantize
-    I, NH, D = 256, 5, 16
+    I, NH, D = 1024, 5, 16  # rows of 8 records or more: QUANT_SPLIT warps split them, more than 16 rows 4 tiles
     O = NH * D  # not a multiple of the kernels' 16 rows (8 pairs)
     gain, bias = case.act(1 + case.normal(I, scale=0.3)), case.act(case.normal(O))
     cos, sin = (_f32(t) for t in rope_tables(D, 64, 10000.0, np.float64))

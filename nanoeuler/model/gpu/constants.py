@@ -54,6 +54,10 @@ QUANT_WAVE_WARPS = 2048
 QUANT_LOADS = {"int4": 6, "int8": 10}
 QUANT_STAGE_RECORDS = {0: 2, 1: 2, 2: 1, 4: 1}
 QUANT_BLOCKS = 2
+# ... products of more than 16 rows take 4 tiles of x a block (quant_matmul_*_t4: 32 rows), int4 only where at least
+# this many warps split a row (measured on an H200, docs/quantization.md: int4's t4, at 128 registers with
+# spills, is slower than blocks of 2 tiles where a warp walks a long row: gate|up, the head; faster for wo, down)
+QUANT_T4_INT4_SPLIT = 8
 # rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
 ROPE_HEADS = 4
 # attention.cu
