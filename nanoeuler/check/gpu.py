@@ -706,8 +706,8 @@ def check_quantized_matmul(case, gpu_layers, cpu_layers):
                 for r in (0, 17, 33, N - 1):
                     gpu_layers.matmul_forward(alone, case.dev(x[r:r + 1]), w)
                     same &= np.array_equal(alone.get()[0], rows[r])
-                out.append((f"quantized matmul{case.tag} {what}: a row of {N} = the row alone", 0.0 if same else math.inf,
-                            0.0))
+                out.append((f"quantized matmul{case.tag} {what}: a row of {N} = the row alone",
+                            0.0 if same else math.inf, 0.0))
     # a row slice (an engine's heads.0 of its heads) reads its own rows' scales
     qt = quantize(case.normal(2 * O, I).astype(np.float32), "int4", 32)
     x = case.act(case.normal(3, I))
