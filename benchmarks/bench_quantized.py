@@ -22,7 +22,9 @@ CuPy's pool's high-water mark.
 
 --products: each of a layer's products (and the head) alone, int8 / int4 / int4:64 and bf16 (matmul_forward on
 random weights), at each --rows, as CUDA graphs of 20 calls: microseconds and the bytes of weights read a
-second.
+second; with --x-tiles 2 or 4 the quantized kernels' blocks of x's rows set for every matrix (of more than 16 rows).
+
+    PYTHONPATH=. python3 benchmarks/bench_quantized.py --products --shape llama3-8b --rows 32 64 --x-tiles 2
 """
 import argparse
 import dataclasses
@@ -187,8 +189,15 @@ def main():
     ap.add_argument("--steps-only", action="store_true",
                     help="the steps' times alone: no kernel times, no batch-invariance decode")
     ap.add_argument("--products", action="store_true", help="each product alone (see above)")
+    ap.add_argument("--x-tiles", type=int, choices=(2, 4),
+                    help="the quantized products of more than 16 rows in blocks of this many tiles of 8 rows of x "
+                    "whatever the matrix (default: gpu.quantized.x_tiles' choice), to compare the kernels")
     args = ap.parse_args()
     import cupy
+    if args.x_tiles:
+        from nanoeuler.model.gpu import quantized
+        choose = quantized.x_tiles
+        quantized.x_tiles = lambda N, w: choose(N, w) if N <= 16 else args.x_tiles
     from nanoeuler.model.gpu import device_name
     print(f"{device_name()}: decoding steps as CUDA graphs, random weights", flush=True)
     table = []

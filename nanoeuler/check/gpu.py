@@ -676,16 +676,18 @@ def check_quantized_matmul(case, gpu_layers, cpu_layers):
     from nanoeuler.model.quantize import dequantize, quantize
     I, O = 384, 77  # O not a multiple of the kernels' 8 rows
     out = []
-    for kind, group in QUANT_FORMATS:
-        qt = quantize(case.normal(O, I).astype(np.float32), kind, group)
+    # int4/32 in rows of 1,024 too: QUANT_SPLIT warps split its rows, so more than 16 rows take 4 tiles of x a
+    # block (gpu.quantized.x_tiles; int8 takes them at any split)
+    for kind, group, cols in (*((k, g, I) for k, g in QUANT_FORMATS), ("int4", 32, 1024)):
+        qt = quantize(case.normal(O, cols).astype(np.float32), kind, group)
         w = QuantizedMatrix.of(qt)
-        what = f"{kind}/{group or 'row'}"
+        what = f"{kind}/{group or 'row'}" + (f" in rows of {cols}" if cols != I else "")
         if case.precision == "fp32":
             exact = np.array_equal(gpu_dequantize(w).get(), dequantize(qt))
             out.append((f"quantized dequantize {what} (bit for bit)", 0.0 if exact else math.inf, 0.0))
         w64 = dequantize(qt).astype(np.float64)
         for N in (1, 5, 16, 37, 64, 100):
-            x, base = case.act(case.normal(N, I)), case.act(case.normal(N, O))
+            x, base = case.act(case.normal(N, cols)), case.act(case.normal(N, O))
             ref = base.copy()
             cpu_layers.matmul_forward(ref, x, w64, accumulate=True)
             g = case.dev(base)
@@ -697,15 +699,15 @@ def check_quantized_matmul(case, gpu_layers, cpu_layers):
             out.append((f"quantized matmul{case.tag} {what} {N} rows, +=", rel_err(case.get(g), ref), case.tol))
             out.append((f"quantized matmul{case.tag} {what} {N} rows, float32 out", rel_err(case.get(g32), ref32),
                         case.tol))
-            if case.precision == "bf16" and N == 64:  # each row's bits those of its product alone
+            if case.precision == "bf16" and N in (37, 64):  # each row's bits those of its product alone
                 rows = g32.get()
                 alone = case.poisoned32(1, O)
                 same = True
-                for r in (0, 17, 63):
+                for r in (0, 17, 33, N - 1):
                     gpu_layers.matmul_forward(alone, case.dev(x[r:r + 1]), w)
                     same &= np.array_equal(alone.get()[0], rows[r])
-                out.append((f"quantized matmul{case.tag} {what}: a row of 64 = the row alone", 0.0 if same else math.inf,
-                            0.0))
+                out.append((f"quantized matmul{case.tag} {what}: a row of {N} = the row alone",
+                            0.0 if same else math.inf, 0.0))
     # a row slice (an engine's heads.0 of its heads) reads its own rows' scales
     qt = quantize(case.normal(2 * O, I).astype(np.float32), "int4", 32)
     x = case.act(case.normal(3, I))
@@ -723,10 +725,10 @@ def _quantized_folded(case, gpu_layers, cpu_layers):
     """bf16 quantized products with RMSNorm folded in (decoding's and any unnormed-input forward's): plain, with
     SwiGLU, with a bias and the rotary embedding of 3 of 5 heads (a row at its own position), at 1, 13 and 64
     rows against the CPU layers on the dequantized matrix, and at 100 (dequantized into bf16, then the separate
-    kernels); and a row's bits in 64 rows those of the row alone."""
+    kernels); and a row's bits in 37 and 64 rows those of the row alone."""
     from nanoeuler.model.gpu.quantized import QuantizedMatrix
     from nanoeuler.model.quantize import dequantize, quantize
-    I, NH, D = 256, 5, 16
+    I, NH, D = 1024, 5, 16  # rows of 8 records or more: QUANT_SPLIT warps split them, more than 16 rows 4 tiles
     O = NH * D  # not a multiple of the kernels' 16 rows (8 pairs)
     gain, bias = case.act(1 + case.normal(I, scale=0.3)), case.act(case.normal(O))
     cos, sin = (_f32(t) for t in rope_tables(D, 64, 10000.0, np.float64))
@@ -771,14 +773,15 @@ def _quantized_folded(case, gpu_layers, cpu_layers):
             cpu_layers.rmsnorm_matmul_rope_forward(ref, rstd, x, gain, w64, 1e-5, xn, cos, sin, 3, pos, bias=bias)
             out.append((f"quantized rmsnorm_matmul_rope_forward{case.tag} {what} {N} rows, a bias, 3 of 5 heads",
                         rel_err(case.get(rotated(x, pos)[0]), ref), case.tol))
-        same, x, pos = True, x[:64], pos[:64]  # 64 rows: the few-row products
-        for product in (normed, swiglu, rotated):
-            together = [a.get() for a in product(x, pos)]
-            for r in (0, 17, 63):
-                alone = [a.get() for a in product(x[r:r + 1], pos[r:r + 1])]
-                same &= all(np.array_equal(a[0], b[r]) for a, b in zip(alone, together))
-        out.append((f"quantized folded products{case.tag} {what}: a row of 64 = the row alone (norm, SwiGLU, rotary)",
-                    0.0 if same else math.inf, 0.0))
+        same = True
+        for n in (37, 64):  # the few-row products: 37 rows end in a part-full block of x's rows
+            for product in (normed, swiglu, rotated):
+                together = [a.get() for a in product(x[:n], pos[:n])]
+                for r in (0, 17, 33, n - 1):
+                    alone = [a.get() for a in product(x[r:r + 1], pos[r:r + 1])]
+                    same &= all(np.array_equal(a[0], b[r]) for a, b in zip(alone, together))
+        out.append((f"quantized folded products{case.tag} {what}: a row of 37 or 64 = the row alone (norm, SwiGLU, "
+                    "rotary)", 0.0 if same else math.inf, 0.0))
     return out
 
 

@@ -46,14 +46,18 @@ EMB_SEGMENT = 32
 # of QUANT_WAVE_WARPS), the records a warp has in flight a type (cp.async stages: int4's records hold 4 chunks,
 # int8's 2, so int8 wants more of them in flight; docs/experiments.md has the sweep), the records a stage (a
 # wait and a __syncwarp each, their chains interleaved; those in flight a multiple of it) by the tiles of x's
-# rows a block (quant_matmul_*_t0: one row, t1, t2: 2 records a stage where they fit the registers without
+# rows a block (quant_matmul_*_t0: one row, t1, t2, t4: 2 records a stage where they fit the registers without
 # spills in the loop), and the blocks of 32 x QUANT_SPLIT threads an SM must hold (the registers a thread:
 # 65,536 / that many threads)
 QUANT_SPLIT = 8
 QUANT_WAVE_WARPS = 2048
 QUANT_LOADS = {"int4": 6, "int8": 10}
-QUANT_STAGE_RECORDS = (2, 2, 1)
+QUANT_STAGE_RECORDS = {0: 2, 1: 2, 2: 1, 4: 1}
 QUANT_BLOCKS = 2
+# ... products of more than 16 rows take 4 tiles of x a block (quant_matmul_*_t4: 32 rows), int4 only where at least
+# this many warps split a row (measured on an H200, docs/quantization.md: int4's t4, at 128 registers with
+# spills, is slower than blocks of 2 tiles where a warp walks a long row: gate|up, the head; faster for wo, down)
+QUANT_T4_INT4_SPLIT = 8
 # rope.cu: the heads a thread of rope_rotate_rows rotates, reading the position's cos and sin once for them
 ROPE_HEADS = 4
 # attention.cu
@@ -96,7 +100,7 @@ assert SAMPLE_BUCKETS % SAMPLE_THREADS == 0 and SAMPLE_THREADS % 256 == 0 and SA
     "block_first gives a thread whole runs of the 2^8 digits and the buckets"
 assert FEW_ROWS <= 64, "matmul_small_t<n>_*, matmul_rows_t<n> take x's rows as up to 4 tiles of the mma's 16 rows"
 assert MATMUL_ROWS_STAGES >= 2, "a stage in use while the next ones land"
-assert all(n % r == 0 and n >= 2 * r for n in QUANT_LOADS.values() for r in QUANT_STAGE_RECORDS), \
+assert all(n % r == 0 and n >= 2 * r for n in QUANT_LOADS.values() for r in QUANT_STAGE_RECORDS.values()), \
     "quant_matmul's stages hold QUANT_STAGE_RECORDS[tiles] records each, one in use while the next ones land"
 assert ATT_THREADS == 32 * ATT_TILE // 16, "a warp of the training attention kernels owns 16 rows of a tile"
 assert ATT_WARPS % ATT_CACHED_WARPS_MANY == 0 and ATT_CACHED_WARPS_MANY >= 2, "warp 1 appends k and v"
@@ -153,7 +157,7 @@ def module_defines(name, variant=()):
                      "SAMPLE_WEIGHT_BITS": SAMPLE_WEIGHT_BITS, **_hex_floats("SAMPLE_EXP2", SAMPLE_EXP2),
                      **_hex_floats("SAMPLE_LN", SAMPLE_LN)},
         "quantized": {"QUANT_SPLIT": QUANT_SPLIT, "QUANT_BLOCKS": QUANT_BLOCKS,
-                      **{f"QUANT_STAGE_RECORDS_T{tiles}": n for tiles, n in enumerate(QUANT_STAGE_RECORDS)},
+                      **{f"QUANT_STAGE_RECORDS_T{tiles}": n for tiles, n in QUANT_STAGE_RECORDS.items()},
                       **{f"QUANT_LOADS_{kind.upper()}": n for kind, n in QUANT_LOADS.items()}},
         "rmsnorm": {"RMSNORM_ROWS_CHUNKS": RMSNORM_ROWS_CHUNKS,
                     **{f"RMSNORM_BACKWARD_BLOCKS_K{k}": rmsnorm_backward_blocks(k, bf16) for k in rmsnorm_chunks(bf16)}},

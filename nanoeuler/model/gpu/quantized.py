@@ -6,9 +6,9 @@ file's header: 64-byte records a row, four lanes' 16-byte loads; tiles of 8 rows
 bits a weight plus its group's float16 scale (and minimum), never a kept float copy. `matmul` is the product the
 GPU Layers take for such a w in products of at most FEW_ROWS rows (decoding, prefill's chunks):
 
-- bf16 activations: quant_matmul_* on the tensor cores (8 or 16 rows a block; more in more blocks, which read
-  the weights from L2), batch-invariant, with RMSNorm, SwiGLU, the rotary embedding and a bias folded in where
-  asked (as the bf16 few-row products);
+- bf16 activations: quant_matmul_* on the tensor cores (8, 16 or 32 rows a block, `x_tiles`; more in more
+  blocks, which read the weights from L2), batch-invariant, with RMSNorm, SwiGLU, the rotary embedding and a
+  bias folded in where asked (as the bf16 few-row products);
 - float32 activations (fp32, tf32): the matrix dequantized into a float32 scratch of its size (exact), then
   cuBLAS, as for float weights.
 
@@ -26,7 +26,7 @@ import cupy
 import numpy as np
 
 from nanoeuler.model.gpu import runtime
-from nanoeuler.model.gpu.constants import QUANT_LOADS, QUANT_SPLIT, QUANT_WAVE_WARPS
+from nanoeuler.model.gpu.constants import QUANT_LOADS, QUANT_SPLIT, QUANT_T4_INT4_SPLIT, QUANT_WAVE_WARPS
 from nanoeuler.model.gpu.quantized_layout import CHUNK, TILE, group_shift, layout, pack, packed_scales
 from nanoeuler.model.gpu.runtime import BF16, F32, kernel, launch
 
@@ -169,6 +169,16 @@ def split(w):
     return ways
 
 
+def x_tiles(N, w):
+    """The tiles of 8 rows of x a block of quant_matmul_* takes for a product of N rows by w (more rows: more
+    blocks, which read the weights again from L2): a block's tiles share each record's dequantized weights, so
+    more than 16 rows take 4 (32 rows a block), int4 only where QUANT_T4_INT4_SPLIT warps or more split a row
+    (constants.py); the kernels' sums do not depend on it (batch invariance)."""
+    if N <= 16:
+        return 1 if N <= 8 else 2
+    return 4 if w.kind == "int8" or split(w) >= QUANT_T4_INT4_SPLIT else 2
+
+
 def matmul(out, x, w, accumulate, tf32, gain=None, rstd=None, eps=0.0, glu_out=None, rope=None, bias=None):
     """out (N, O) (+)= x (N, I) @ W.T for a QuantizedMatrix W; out float32 or x's type. bf16 x may take
     RMSNorm with the gain (N,) (rstd (N,) receives 1 / the rows' rms), then SwiGLU into glu_out (N, O / 2) or
@@ -191,7 +201,7 @@ def matmul(out, x, w, accumulate, tf32, gain=None, rstd=None, eps=0.0, glu_out=N
     pos_stride = int(rope is not None and pos.size > 1)  # a position a sequence, or one for all
     if glu_out is not None:
         half = O // 2
-    tiles_x = 1 if N <= 8 else 2  # tiles of 8 rows of x a block (more rows: more blocks)
+    tiles_x = x_tiles(N, w)
     row_blocks = -(-N // (8 * tiles_x))
     ways = split(w)
     tiles = -(-(O // 2) // 8) if half else -(-O // 16)

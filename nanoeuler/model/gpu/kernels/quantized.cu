@@ -16,16 +16,18 @@
 //
 // quant_matmul_*: tensor cores (mma m16n8k16, bf16, float32 accumulators) with W as the A operand: a warp takes
 // 16 rows of W (lane (g, t) loads rows g and g + 8: its own rows' weights and scales) and x's rows as the B
-// operand, 8 a tile (NT tiles: up to 8 or 16 rows a block; more rows in more blocks of 16, next to each other so
-// that they read the weights from L2). The mma's k order is permuted within a chunk alike for W and x: lane t's
-// k = 2t, 2t+1, 2t+8, 2t+9 of the chunk's first k-step are its elements 0..3, of the second 4..7, so x comes
-// as one 16-byte load a chunk. The A operand is exact bf16 integers: int8's q (three instructions a pair), int4's
-// 128 + q (one lop3 a pair: the nibble masked into the bf16 128's mantissa); per chunk, with the chunk's scale,
-// acc = fma(d, sum q x, acc), and for int4 acc = fma(d, sum (128 + q) x, acc) then acc = fma(m - 128 d, sum x,
-// acc), the minimum's term taking back the 128 (sum x an mma with a matrix of ones). A row's records are split
-// among the block's warps, contiguous runs set by the row length and the matrix's rows alone (QUANT_SPLIT at
-// most), and the warps' sums added in warp order: every output is summed in an order that does not depend on N
-// (batch invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS_<type> records in flight, copied
+// operand, 8 a tile (NT tiles: up to 8, 16 or 32 rows a block, by N; more rows in more blocks, next to each
+// other so that they read the weights from L2; a block's tiles share each record's dequantized A fragments, so
+// many rows take 4 tiles: 64 rows dequantize the weights twice, not four times as in blocks of 16). The mma's
+// k order is permuted within a chunk alike for W and x: lane t's k = 2t, 2t+1, 2t+8, 2t+9 of the chunk's first
+// k-step are its elements 0..3, of the second 4..7, so x comes as one 16-byte load a chunk. The A operand is
+// exact bf16 integers: int8's q (three instructions a pair), int4's 128 + q (one lop3 a pair: the nibble masked
+// into the bf16 128's mantissa); per chunk, with the chunk's scale, acc = fma(d, sum q x, acc), and for int4
+// acc = fma(d, sum (128 + q) x, acc) then acc = fma(m - 128 d, sum x, acc), the minimum's term taking back the
+// 128 (sum x an mma with a matrix of ones). A row's records are split among the block's warps, contiguous runs
+// set by the row length and the matrix's rows alone (QUANT_SPLIT at most), and the warps' sums added in warp
+// order: every output is summed in an order that does not depend on N (nor on the tiles a block: batch
+// invariance, as the bf16 products of matmul.cu). Each warp keeps QUANT_LOADS_<type> records in flight, copied
 // (cp.async) into its stages in shared memory (QUANT_STAGE_RECORDS_T<tiles> records a stage, a wait and a
 // __syncwarp each), the next stage issued as each is used: many bytes in flight without the registers to hold
 // them, and a stage's records' chains interleaved (every sum still in record order: the bits do not depend on
@@ -41,8 +43,9 @@
 #include "common.cuh"
 
 #if !defined(QUANT_SPLIT) || !defined(QUANT_LOADS_INT4) || !defined(QUANT_LOADS_INT8) || !defined(QUANT_BLOCKS) || \
-    !defined(QUANT_STAGE_RECORDS_T0) || !defined(QUANT_STAGE_RECORDS_T1) || !defined(QUANT_STAGE_RECORDS_T2)
-#error "QUANT_SPLIT, QUANT_LOADS_INT4/8, QUANT_STAGE_RECORDS_T0/1/2, QUANT_BLOCKS come from model/gpu/constants.py"
+    !defined(QUANT_STAGE_RECORDS_T0) || !defined(QUANT_STAGE_RECORDS_T1) || !defined(QUANT_STAGE_RECORDS_T2) || \
+    !defined(QUANT_STAGE_RECORDS_T4)
+#error "QUANT_SPLIT, QUANT_LOADS_INT4/8, QUANT_STAGE_RECORDS_T0/1/2/4, QUANT_BLOCKS come from model/gpu/constants.py"
 #endif
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
@@ -188,8 +191,10 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                                              QuantRope rope, int row_blocks) {
     constexpr int CHUNKS = INT4 ? 4 : 2;
     constexpr int LOADS = INT4 ? QUANT_LOADS_INT4 : QUANT_LOADS_INT8;  // records in flight a warp
-    constexpr int RECS = TILES == 0 ? QUANT_STAGE_RECORDS_T0
-                         : TILES == 1 ? QUANT_STAGE_RECORDS_T1 : QUANT_STAGE_RECORDS_T2;  // records a stage
+    constexpr int RECS = TILES == 0   ? QUANT_STAGE_RECORDS_T0
+                         : TILES == 1 ? QUANT_STAGE_RECORDS_T1
+                         : TILES == 2 ? QUANT_STAGE_RECORDS_T2
+                                      : QUANT_STAGE_RECORDS_T4;  // records a stage
     constexpr int STAGE = 80 * RECS;  // uint4 a stage (copy_stage)
     // TILES 0: one row of x (N = 1), whose sums are the C fragment's even columns alone: the odd ones are not
     // accumulated (the even ones' instructions are those of any N: the same bits)
@@ -238,10 +243,10 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
     let_next_launch();
     wait_for_inputs();
     // x's row of this lane in each tile (past N: the last row; an mma's columns are independent, and those
-    // columns' sums are never stored)
-    const bf16* xrow[NT];
+    // columns' sums are never stored), as 32-bit offsets from x (N <= 64: no overflow), half a pointer's registers
+    int xrow[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xrow[nt] = x + (long long)min(row0 + 8 * nt + g, N - 1) * I + 8 * t;
+    for (int nt = 0; nt < NT; ++nt) xrow[nt] = min(row0 + 8 * nt + g, N - 1) * I + 8 * t;
     const unsigned ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
     float acc[NT][4], squares[NT][4];
 #pragma unroll
@@ -271,7 +276,7 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
             const float m1 = INT4 ? __fmaf_rn(-128.f, d1, half_to_float(sc[1][c] >> 16)) : 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                const uint4 xv = *reinterpret_cast<const uint4*>(xrow[nt] + at);
+                const uint4 xv = *reinterpret_cast<const uint4*>(x + xrow[nt] + at);
                 const uint4 bv = GAIN ? make_uint4(mul_bf16x2(xv.x, gv.x), mul_bf16x2(xv.y, gv.y),
                                                    mul_bf16x2(xv.z, gv.z), mul_bf16x2(xv.w, gv.w))
                                       : xv;
@@ -403,7 +408,8 @@ __device__ __forceinline__ void quant_matmul(void* __restrict__ out, const bf16*
                                      accumulate, gain, rstd, eps, half, glu_out, bias,                            \
                                      QuantRope{cos_t, sin_t, pos, T, pos_stride, rot}, row_blocks);               \
     }
-// quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in; t0: one row
+// quant_matmul_<type>[_norm]_t<tiles of x>: with and without RMSNorm folded in; t0: one row, t1, t2, t4: up to 8,
+// 16, 32 rows a block (every output's sums the same instructions in the same order whatever the tiles)
 QUANT_MATMUL(0, quant_matmul_int4, true, false)
 QUANT_MATMUL(0, quant_matmul_int8, false, false)
 QUANT_MATMUL(0, quant_matmul_int4_norm, true, true)
@@ -416,6 +422,10 @@ QUANT_MATMUL(1, quant_matmul_int4_norm, true, true)
 QUANT_MATMUL(2, quant_matmul_int4_norm, true, true)
 QUANT_MATMUL(1, quant_matmul_int8_norm, false, true)
 QUANT_MATMUL(2, quant_matmul_int8_norm, false, true)
+QUANT_MATMUL(4, quant_matmul_int4, true, false)
+QUANT_MATMUL(4, quant_matmul_int8, false, false)
+QUANT_MATMUL(4, quant_matmul_int4_norm, true, true)
+QUANT_MATMUL(4, quant_matmul_int8_norm, false, true)
 #endif
 
 // An integer 0 <= u < 2^23 as the exact float u - bias: 2^23 + u from its bits, less 2^23 + bias (an or and an
