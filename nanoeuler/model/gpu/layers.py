@@ -342,9 +342,9 @@ def _rmsnorm_forward(out, rstd, x, w, eps, skip):
 
 def _norm_apart(w, x, xn):
     """Whether a large product of a few rows (decoding's gate|up and head) takes its normed input from
-    rmsnorm_rows rather than folding the norm in: folded, each of the product's many blocks also sums the squares of x and multiplies
-    its w by the gain, which costs a product of NORM_APART_WEIGHTS or more more than a kernel of its own does
-    (docs/decoding.md has both measured). The choice follows the shape alone, never the rows."""
+    rmsnorm_rows rather than folding the norm in: folded, each of the product's many blocks also sums the squares
+    of x and multiplies its w by the gain, which costs a product of NORM_APART_WEIGHTS or more more than a kernel
+    of its own does (docs/decoding.md has both measured). The choice follows the shape alone, never the rows."""
     return (xn is None and x.shape[0] <= FEW_ROWS and w.shape[0] * w.shape[1] >= NORM_APART_WEIGHTS
             and (x.dtype == BF16 or not isinstance(w, quantized.QuantizedMatrix)))
 
@@ -539,22 +539,27 @@ class Layers:
         except ValueError as e:
             raise UserError(str(e)) from None
 
+    def _apart_product(self, out, normed, w, glu_out=None):
+        """out (N, O) = normed (N, C) @ w.T (then SwiGLU into glu_out, where given): the product after a norm
+        apart (_norm_apart), on the few-row kernels of w's kind."""
+        if isinstance(w, quantized.QuantizedMatrix):
+            quantized.matmul(out, normed, w, False, self.tf32, glu_out=glu_out)
+        else:
+            _check(w, act=normed)
+            _matmul_small(out, normed, w, False, glu_out=glu_out)
+
     def rmsnorm_matmul_forward(self, out, rstd, x, norm_w, w, eps, xn, skip=None):
         """out (N, O) = rmsnorm(x (N, C)) * norm_w @ w (O, C).T, rstd (N,); xn (N, C) receives the normed input
         (what the backward multiplies with), or is None where nobody reads it. skip (N, C), where given, receives
         a copy of x: the next buffer of the residual stream, which the sublayer's output is then added to; the copy
         rides on the norm's read of x. A few rows without xn (decoding) take one kernel that normalises its input
-        on the way, or for a large w (_norm_apart: the head) the norm's kernel, then the product; else the norm into xn, then the product (a quantized w of more than FEW_ROWS rows: its
-        dequantized copy's, _dequantized)."""
+        on the way, or for a large w (_norm_apart: the head) the norm's kernel, then the product; else the norm
+        into xn, then the product (a quantized w of more than FEW_ROWS rows: its dequantized copy's,
+        _dequantized)."""
         w = _dequantized(w, x)
         packed = isinstance(w, quantized.QuantizedMatrix)
         if _norm_apart(w, x, xn):  # decoding's head: the norm a kernel of its own, as gate|up's
-            normed = _normed_rows(rstd, x, norm_w, eps, skip)
-            if packed:
-                quantized.matmul(out, normed, w, False, self.tf32)
-            else:
-                _check(w, act=x)
-                _matmul_small(out, normed, w, False)
+            self._apart_product(out, _normed_rows(rstd, x, norm_w, eps, skip), w)
             return
         if _folds_quantized(w, x, xn):  # one kernel, the norm folded in
             _copy_skip(skip, x)
@@ -603,12 +608,8 @@ class Layers:
         norm (_normed_rows), then the product and SwiGLU."""
         w = _dequantized(w, x)
         if _norm_apart(w, x, xn):
-            normed = _normed_rows(rstd, x, norm_w, eps, skip)
-            if isinstance(w, quantized.QuantizedMatrix):
-                quantized.matmul(gate_up, normed, w, False, self.tf32, glu_out=out)
-            else:
-                _check(out, gate_up, w, act=x)
-                _matmul_small(gate_up, normed, w, False, glu_out=out)
+            _check(out, gate_up, act=x)
+            self._apart_product(gate_up, _normed_rows(rstd, x, norm_w, eps, skip), w, glu_out=out)
             return
         if _folds_quantized(w, x, xn):
             _copy_skip(skip, x)
