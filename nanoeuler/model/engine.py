@@ -464,8 +464,6 @@ class Engine:
         skip = None if in_place else resid_mid
         resid_next = acts["resid"][i + 1]
         position = self.zero_position if cache is None else cache.position
-        if cache is not None:  # decoding: gate|up's weights asked into L2 while the attention block runs
-            layers.prefetch_weights(p[w + "w_gate_up"])
         if ad is not None and ad.targets("q", "k", "v"):
             xn, rows = acts["xn1"][j], qkv.reshape(N, -1)
             xn = ad.normed_input(N) if xn is None else xn

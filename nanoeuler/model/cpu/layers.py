@@ -949,11 +949,6 @@ def feed_back(tokens, ids, pos, index, log, counter, context):
     counter[0] += 1
 
 
-def prefetch_weights(w):
-    """The GPU asks its L2 cache for the start of w (a layer's gate|up weights) ahead of the product; the CPU has
-    nothing to do."""
-
-
 def graph(step):
     """The GPU records a decoding step as a CUDA graph and replays it; the CPU runs the step as it is."""
     return step
@@ -1052,5 +1047,4 @@ class Layers:
     accept_drafts = staticmethod(accept_drafts)
     sample_rows = staticmethod(sample_rows)
     feed_back = staticmethod(feed_back)
-    prefetch_weights = staticmethod(prefetch_weights)
     graph = staticmethod(graph)

@@ -94,12 +94,6 @@ NORM_APART_WEIGHTS = 1 << 24
 # kernel)
 RMSNORM_ROWS_THREADS = 256
 RMSNORM_ROWS_CHUNKS = 4
-# decoding.cu's prefetch_l2 (layers.prefetch_weights): the first PREFETCH_BYTES of a layer's gate|up weights asked
-# into L2 on a branch of a recorded step, while the latency-bound kernels before the product run; PREFETCH_BLOCKS
-# blocks of 32 threads, each thread one span of the bytes (sm_90: one bulk prefetch); PREFETCH_MODE: decoding.cu's
-PREFETCH_BYTES = 16 << 20
-PREFETCH_BLOCKS = 16
-PREFETCH_MODE = 0
 
 assert len(SAMPLE_EXP2) == 7 and len(SAMPLE_LN) == 9, "decoding.cu names each polynomial's coefficients"
 assert SAMPLE_BUCKETS % SAMPLE_THREADS == 0 and SAMPLE_THREADS % 256 == 0 and SAMPLE_THREADS <= 1024, \

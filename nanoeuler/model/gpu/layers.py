@@ -42,7 +42,7 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
                                            MATMUL_ROWS_WARPS, MATMUL_ROWS_XSPLIT, MATMUL_SMALL_LOADS,
                                            MATMUL_SMALL_WARPS,
                                            MATMUL_SPLIT_BLOCKS, MATMUL_SPLIT_BYTES, MATMUL_SPLIT_MIN_WEIGHTS,
-                                           NORM_APART_WEIGHTS, PREFETCH_BLOCKS, PREFETCH_BYTES, PREFETCH_MODE,
+                                           NORM_APART_WEIGHTS,
                                            RMSNORM_ROWS_CHUNKS, RMSNORM_ROWS_THREADS,
                                            ROPE_HEADS, SAMPLE_BUCKETS, SAMPLE_LIST, SAMPLE_LOADS,
                                            SAMPLE_THREADS, ARGMAX_THREADS, ARGMAX_LOADS,
@@ -933,20 +933,6 @@ class Layers:
         assert tokens.size == pos.size == index.size == B and log.shape[1] == B and B <= 1024
         launch(kernel("decoding", "feed_back"), (1,), (B,),
                (tokens, ids, pos, index, log, counter, _i32(context)))
-
-    def prefetch_weights(self, w):
-        """Decoding: the first PREFETCH_BYTES of w (a layer's gate|up weights, asked for where the layer starts)
-        into L2 ahead of its product, on a branch of the step's CUDA graph (runtime.launch_aside; decoding.cu's
-        prefetch_l2): it runs while the latency-bound kernels before the product leave the memory mostly idle,
-        and the product, which streams w, then finds that part in L2. A hint: no output depends on it. Only in
-        a recorded step (elsewhere nothing), for a plain matrix of the activations' kind."""
-        nbytes = min(PREFETCH_BYTES, w.nbytes) // 16 * 16 if isinstance(w, cupy.ndarray) else 0
-        if nbytes == 0 or w.data.ptr % 16:
-            return
-        threads = 32 * PREFETCH_BLOCKS
-        span = -(-nbytes // (threads * 16)) * 16  # a thread's bytes, whole 16-byte units
-        runtime.launch_aside(kernel("decoding", "prefetch_l2"), (PREFETCH_BLOCKS,), (32,),
-                             (w, np.int64(nbytes), _i32(span), _i32(PREFETCH_MODE)))
 
     def graph(self, step):
         """step (a decoding step) as a function that replays it as one CUDA graph (runtime.graph: the first call

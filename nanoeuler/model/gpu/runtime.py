@@ -9,7 +9,6 @@ no layer of its own:
   ask for);
 - `gemm`: a cuBLAS GemmEx on a handle of our own through NVIDIA's nvmath-python bindings, so that the
   products too can be recorded into a CUDA graph;
-- `launch_aside`: a kernel on a branch of the graph being recorded, which nothing waits for (an L2 prefetch);
 - `graph`: a decoding step recorded once as a CUDA graph and replayed.
 
 It keeps no mode: what it is asked to do comes in the arguments (tf32, dependent), and whether a launch is
@@ -112,37 +111,6 @@ def launch(kernel, grid, block, args, shared_mem=0, dependent=True):
         raise RuntimeError(f"cuLaunchKernelEx failed: {status.name}")
 
 
-@functools.lru_cache(maxsize=None)
-def _aside(device):
-    """The device's side branch: a stream of its own and the events that fork it from a recording and join it
-    back (made before any recording: the step's first, unrecorded run asks for them)."""
-    return cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(
-        disable_timing=True)
-
-
-def launch_aside(kernel, grid, block, args):
-    """kernel(grid, block, args) on a branch of the CUDA graph being recorded on the current stream, forked here:
-    it starts once the kernels recorded before it have finished (a full edge), runs beside the ones recorded
-    after it, and nothing waits for it until the recording ends (`graph` joins the branch there). For a kernel
-    whose work no other kernel reads (an L2 prefetch). Outside a recording nothing runs."""
-    stream = cupy.cuda.get_current_stream()
-    side, fork, _ = _aside(cupy.cuda.Device().id)
-    if not stream.is_capturing():
-        return
-    fork.record(stream)
-    side.wait_event(fork)
-    with side:
-        kernel(grid, block, args)
-
-
-def _join_aside(stream):
-    """The side branch, where the recording on stream forked it, joined back before the recording ends."""
-    side, _, join = _aside(cupy.cuda.Device().id)
-    if side.is_capturing():
-        join.record(side)
-        stream.wait_event(join)
-
-
 # ---------------------------------------------------------------------------------------------- cuBLAS
 class _Cublas:
     """A cuBLAS handle of our own, called through nvmath-python's low-level bindings (nvmath.bindings.cublas),
@@ -220,7 +188,6 @@ def graph(step):
             stream.begin_capture()
             try:
                 step()
-                _join_aside(stream)
             finally:
                 recording = stream.end_capture()
         recorded.append(recording)

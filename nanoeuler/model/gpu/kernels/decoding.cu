@@ -564,36 +564,3 @@ extern "C" __global__ void feed_back(int* __restrict__ tokens, const int* __rest
     __syncthreads();
     if (b == 0) *counter = step + 1;
 }
-
-// The first `bytes` of a product's weights w asked into L2 ahead of the product (layers.prefetch_weights): a
-// kernel of a decoding step's side branch, forked where a layer starts, so that while the latency-bound kernels
-// before the product (qkv, the attention, wo, the norm) leave the memory mostly idle, that part of w is read
-// into L2 and the product, which streams w, finds it there. It reads nothing into registers and writes nothing:
-// a hint, no output's bits depend on it. Thread i asks for spans i, i + threads, ... of `span` bytes (16-byte
-// multiples): sm_90 one bulk prefetch a span (the copy engine walks it), earlier GPUs a prefetch a 128-byte line.
-// mode bit 0: a prefetch a line on sm_90 too; bit 1: no eviction-priority hint (else the lines are kept as
-// evict_last, so that the streaming reads of the kernels in between do not displace them first).
-extern "C" __global__ void prefetch_l2(const unsigned char* __restrict__ w, long long bytes, int span, int mode) {
-    const bool hinted = !(mode & 2);
-    const long long stride = (long long)gridDim.x * blockDim.x * span;
-    for (long long at = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * span; at < bytes; at += stride) {
-        const int n = (int)min((long long)span, bytes - at);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        if (!(mode & 1)) {
-            unsigned long long policy;
-            asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-            if (hinted)
-                asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(w + at), "r"(n),
-                             "l"(policy)
-                             : "memory");
-            else
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + at), "r"(n) : "memory");
-            continue;
-        }
-#endif
-        for (int o = 0; o < n; o += 128) {
-            if (hinted) asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(w + at + o));
-            else asm volatile("prefetch.global.L2 [%0];" ::"l"(w + at + o));
-        }
-    }
-}
