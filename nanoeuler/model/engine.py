@@ -469,9 +469,8 @@ class Engine:
             xn = ad.normed_input(N) if xn is None else xn
             layers.rmsnorm_matmul_forward(rows, acts["rstd1"][j], resid, p[w + "attn_norm"], p[w + "wqkv"],
                                           cfg.norm_eps, xn, skip)
-            for t, cols in (("q", slice(0, H * D)), ("k", slice(H * D, (H + G) * D)),
-                            ("v", slice((H + G) * D, (H + 2 * G) * D))):
-                ad.forward(i, t, low_rank, rows[:, cols], xn, cache is None)
+            cols = (slice(0, H * D), slice(H * D, (H + G) * D), slice((H + G) * D, (H + 2 * G) * D))
+            ad.forward_group(i, ("q", "k", "v"), low_rank, [rows[:, c] for c in cols], xn, cache is None)
             if cfg.qkv_bias:
                 layers.bias_add(rows, p[w + "bqkv"])
             layers.rope_forward(qkv, self.cos, self.sin, H + G, position)
@@ -507,8 +506,7 @@ class Engine:
             xn = ad.normed_input(N) if xn is None else xn
             layers.rmsnorm_matmul_forward(gate_up, acts["rstd2"][j], resid_mid, p[w + "ffn_norm"],
                                           p[w + "w_gate_up"], cfg.norm_eps, xn, skip)
-            ad.forward(i, "gate", low_rank, gate_up[:, :F], xn, dropout)
-            ad.forward(i, "up", low_rank, gate_up[:, F:], xn, dropout)
+            ad.forward_group(i, ("gate", "up"), low_rank, [gate_up[:, :F], gate_up[:, F:]], xn, dropout)
             layers.swiglu_forward(acts["sw"][j], gate_up)
         else:
             layers.rmsnorm_matmul_swiglu_forward(acts["sw"][j], acts["gate_up"][j], acts["rstd2"][j], resid_mid,
@@ -687,8 +685,8 @@ class Engine:
             layers.swiglu_backward(acts["dgate_up"], acts["dsw"], acts["gate_up"][i])
             layers.matmul_backward(dxn, gw(w + "w_gate_up"), acts["dgate_up"], acts["xn2"][i], p[w + "w_gate_up"])
             if ad is not None:
-                ad.backward(i, "gate", lr, dxn, acts["dgate_up"][:, :F], acts["xn2"][i])
-                ad.backward(i, "up", lr, dxn, acts["dgate_up"][:, F:], acts["xn2"][i])
+                ad.backward_group(i, ("gate", "up"), lr, dxn, [acts["dgate_up"][:, :F], acts["dgate_up"][:, F:]],
+                                  acts["xn2"][i])
             layers.rmsnorm_backward(dresid, gn(w + "ffn_norm"), dxn, acts["resid_mid"][i], p[w + "ffn_norm"],
                                     acts["rstd2"][i])
             # attention block; dresid is now d(resid_mid) and, through the skip, d(resid[i])
@@ -701,9 +699,8 @@ class Engine:
             dqkv = acts["dqkv"].reshape(N, -1)
             layers.matmul_backward(dxn, gw(w + "wqkv"), dqkv, acts["xn1"][i], p[w + "wqkv"], gb(w + "bqkv"))
             if ad is not None:
-                for t, cols in (("q", slice(0, H * D)), ("k", slice(H * D, (H + G) * D)),
-                                ("v", slice((H + G) * D, (H + 2 * G) * D))):
-                    ad.backward(i, t, lr, dxn, dqkv[:, cols], acts["xn1"][i])
+                cols = (slice(0, H * D), slice(H * D, (H + G) * D), slice((H + G) * D, (H + 2 * G) * D))
+                ad.backward_group(i, ("q", "k", "v"), lr, dxn, [dqkv[:, c] for c in cols], acts["xn1"][i])
             if frozen and i == 0:
                 break  # the frozen embedding wants no gradient: the stream's below the first layer is unused
             layers.rmsnorm_backward(dresid, gn(w + "attn_norm"), dxn, acts["resid"][i], p[w + "attn_norm"],
