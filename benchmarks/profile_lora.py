@@ -41,7 +41,8 @@ class Profiler:
     def __init__(self):
         import cupy
         self.cupy = cupy
-        self.phase = "forward"
+        self.phase = "step"
+        self.host = collections.defaultdict(float)  # phase -> host seconds issuing it (nested phases apart)
         self.stack = []
         self.done = []
         self.enabled = False
@@ -75,6 +76,8 @@ class Profiler:
     def wrap(self, fn, kind, flops=None):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            if not self.enabled:  # the steps timed without events: the call alone
+                return fn(*args, **kwargs)
             with self.interval(kind, 0.0 if flops is None else flops(*args)):
                 return fn(*args, **kwargs)
         return timed
@@ -83,9 +86,13 @@ class Profiler:
         @functools.wraps(fn)
         def phased(*args, **kwargs):
             before, self.phase = self.phase, phase
+            start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                spent = time.perf_counter() - start
+                self.host[phase] += spent
+                self.host[before] -= spent  # the enclosing phase's own host time excludes this one
                 self.phase = before
         return phased
 
@@ -200,10 +207,12 @@ def main():
     for _ in range(args.warmup):
         step()
     plain = []
+    prof.host.clear()
     for _ in range(args.steps):  # without events
         t = time.perf_counter()
         step()
         plain.append(1e3 * (time.perf_counter() - t))
+    host = {p: 1e3 * t / args.steps for p, t in prof.host.items()}
     prof.enabled = True
     total = collections.defaultdict(lambda: [0.0, 0.0])
     walls = []
@@ -218,6 +227,12 @@ def main():
             total[row][0] += ms / args.steps
             total[row][1] += flops / args.steps
     wall = sum(walls) / len(walls)
+    gpu_phase = collections.defaultdict(float)
+    for row, (ms, _) in total.items():
+        phase = next((p for p in ("forward", "recompute", "backward") if row.endswith(", " + p)), None)
+        phase = phase or ("head" if row.startswith("head") else "adamw" if row == "AdamW" else None)
+        if phase:
+            gpu_phase[phase] += ms
     label = f"QLoRA {args.quant}" if args.quant else "LoRA, bf16 base"
     print(f"{device_name()}: {args.shape} {label}, r {args.rank} on all seven, {B} x {T}, --recompute "
           f"{args.recompute}: {sorted(plain)[len(plain) // 2]:.1f} ms/step without events, {wall:.1f} ms with them "
@@ -230,6 +245,12 @@ def main():
         print(f"{row:<52} {ms:8.2f} {100 * ms / wall:6.1f} {rate:>8}")
     print(f"{'not covered by events (launch gaps, host waits)':<52} {wall - covered:8.2f} "
           f"{100 * (wall - covered) / wall:6.1f}")
+    # where the host takes about as long to issue a phase as the device to run it, the phase is launch-bound
+    print("host time issuing each phase (without the events), ms/step: " + ", ".join(
+        f"{p} {host.get(p, 0.0):.1f}" for p in ("forward", "recompute", "backward", "head", "adamw"))
+        + f"; outside them (the host's waits included) {host.get('step', 0.0):.1f}")
+    print("device time of the rows named by phase, ms/step: " + ", ".join(
+        f"{p} {gpu_phase[p]:.1f}" for p in ("forward", "recompute", "backward", "head", "adamw")))
 
 
 if __name__ == "__main__":
