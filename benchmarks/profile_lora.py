@@ -8,7 +8,12 @@ forward pass, the backward pass's recomputation, the backward pass, the head wit
 its row where it matters: the base's cuBLAS products forward / recomputed / backward, the adapters' thin products
 (x A^T and h B^T, their gradients) the same. Attention and the products get their rate (TFLOP/s, the attention's
 FLOPs counted causal: 4 B H T^2 D / 2 forward, 2.5 times that backward). The events cost a little host time a
-call; the step is timed without them too, and what the events do not cover (launch gaps) is the last row.
+call; the step is timed without them too, and what the events do not cover (launch gaps) is the last row. The
+events' host time can starve the device where it runs many small calls: the interval that then waits for the
+host (one row, a different one from run to run) grows by about the difference between the step's time with the
+events and without; the other rows are the device's. Last, the host's time issuing each phase without events
+(a phase whose host time nears its device time is launch-bound; a host that runs ahead waits once CUDA's launch
+queue is full, and that wait counts as host time).
 
     PYTHONPATH=. python3 benchmarks/profile_lora.py --shape llama3-8b --quant int4+int8 --recompute products
     PYTHONPATH=. python3 benchmarks/profile_lora.py --shape llama3.2-1b --recompute mlp     # LoRA, bf16 base
@@ -212,7 +217,8 @@ def main():
         t = time.perf_counter()
         step()
         plain.append(1e3 * (time.perf_counter() - t))
-    host = {p: 1e3 * t / args.steps for p, t in prof.host.items()}
+    host = {p: 1e3 * t / args.steps for p, t in prof.host.items() if p != "step"}
+    host["step"] = sum(plain) / len(plain) - sum(host.values())  # the rest of the step, its final wait included
     prof.enabled = True
     total = collections.defaultdict(lambda: [0.0, 0.0])
     walls = []
@@ -248,7 +254,7 @@ def main():
     # where the host takes about as long to issue a phase as the device to run it, the phase is launch-bound
     print("host time issuing each phase (without the events), ms/step: " + ", ".join(
         f"{p} {host.get(p, 0.0):.1f}" for p in ("forward", "recompute", "backward", "head", "adamw"))
-        + f"; outside them (the host's waits included) {host.get('step', 0.0):.1f}")
+        + f"; the rest of the step, its final wait for the device included, {host['step']:.1f}")
     print("device time of the rows named by phase, ms/step: " + ", ".join(
         f"{p} {gpu_phase[p]:.1f}" for p in ("forward", "recompute", "backward", "head", "adamw")))
 
