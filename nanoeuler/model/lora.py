@@ -15,10 +15,13 @@ update to the product's output (for q, k and v a column slice of the fused q|k|v
 embedding; for gate and up one of gate|up, before SwiGLU), `backward` adds the update's input gradient to the
 product's and accumulates the gradients of A and B. The arithmetic is the layers' `lora_forward`,
 `lora_backward` and `dropout_forward`, the same functions on both engines. The low-rank activation x A^T
-(N, r) of every target is kept for the backward pass (r columns: small); dropout's mask is not kept but drawn
-again from a counter-based hash of (key, layer, target, element), so the backward pass sees the forward's
-mask and the CPU and GPU draw the same one. The key is set by the training loop each micro-batch
-(`dropout_key`), so a resumed run draws what the uninterrupted one would have.
+(N, r) of every target is kept for the backward pass (r columns: small). Targets that share an input (q, k and
+v; gate and up) take it together where no dropout is drawn (`forward_group`, `backward_group` on the layers'
+`lora_forward_group` and `lora_backward_group`): their A matrices stacked, one product x A^T for all of them
+and one each for dA and dx, so the input and its gradient are read once a group, not once a target. Dropout's
+mask is not kept but drawn again from a counter-based hash of (key, layer, target, element), so the backward
+pass sees the forward's mask and the CPU and GPU draw the same one. The key is set by the training loop each
+micro-batch (`dropout_key`), so a resumed run draws what the uninterrupted one would have.
 
 Adapters keep flat buffers as the engine does: `params` (float32 master weights), `weights` (the compute
 copy, bf16 on the GPU's mixed precision, else params itself) and `grads`; AdamW (model/optimizer.py) steps
@@ -318,7 +321,6 @@ class Adapters:
             dxd = self._buffer(("dxd", x.shape), x.shape, self.act)
             layers.lora_backward(dxd, da, db, dh, dout, xd, h, a, b, self.spec.scale, False)
             layers.dropout_forward(dx, dxd, self.spec.dropout, key, True)
-
 
     def _grouped(self, ts, dropout):
         """The targets of ts with adapters, where two or more of them share their input unchanged (no dropout
