@@ -160,7 +160,8 @@ def test_recompute_gradients_are_bit_identical(with_adapters, pieces, mode):
 def test_grouped_adapters_equal_one_target_at_a_time(monkeypatch):
     """Without dropout the targets sharing an input (q|k|v, gate|up) take one stacked x A^T and one dA and dx
     product (lora_forward_group, lora_backward_group): the gradients of one target at a time up to float64
-    rounding, and every --recompute mode's bits equal the stored path's."""
+    rounding, and every --recompute mode's bits equal the stored path's (products and mlp add the updates
+    again from the x A^T kept a layer each: no x given)."""
     cfg = CHECK_CONFIGS[3]
     rng = np.random.default_rng(6)
     flat, inputs, targets = random_problem(cfg, rng)
@@ -171,15 +172,18 @@ def test_grouped_adapters_equal_one_target_at_a_time(monkeypatch):
     calls = []
     for name in ("lora_forward_group", "lora_backward_group"):
         layer = getattr(eng.layers, name)
-        monkeypatch.setattr(eng.layers, name, lambda *a, layer=layer, name=name: (calls.append(name), layer(*a)))
+        monkeypatch.setattr(eng.layers, name, lambda *a, layer=layer, name=name: (
+            calls.append(name if a[-4] is not None else name + " kept"), layer(*a)))
     losses = cross_entropy_backward(eng, inputs, targets)
     grouped = ad.grads.copy()
     # q|k|v and gate|up a layer, forward and backward
     assert calls.count("lora_forward_group") == calls.count("lora_backward_group") == 2 * cfg.n_layers
-    for mode in ("layer", "products", "mlp"):
+    for mode, kept in (("layer", 0), ("products", 2), ("mlp", 1)):  # groups a layer whose x A^T is kept
         eng.recompute = mode
+        calls.clear()
         assert cross_entropy_backward(eng, inputs, targets) == losses
         assert np.array_equal(ad.grads, grouped), mode
+        assert calls.count("lora_forward_group kept") == kept * cfg.n_layers, mode
     eng.recompute = False
     monkeypatch.setattr(ad, "_grouped", lambda ts, dropout: None)  # one target at a time
     assert np.allclose(cross_entropy_backward(eng, inputs, targets), losses, rtol=1e-12, atol=0)

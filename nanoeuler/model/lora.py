@@ -293,14 +293,15 @@ class Adapters:
         return _mix64((self.dropout_key << 16) + i * 8 + self.index[t] + 1)
 
     # --------------------------------------------------------------------------------- forward, backward
-    def forward(self, i, t, h, out, x, dropout=True):
+    def forward(self, i, t, h, out, x, dropout=True, kept=False):
         """out (N, out) += scale * dropout(x) (N, in) A^T B^T for target t of layer i (nothing where t has no
-        adapter); h (targets, N, r), the layer's slot of low_rank, keeps x A^T (out None: that alone, for a
-        recomputation whose out is kept). dropout False: none whatever dropout_on says (decoding)."""
-        if t not in self.index:
+        adapter); h (N, targets * r), the layer's slot of low_rank, keeps x A^T (out None: that alone, for a
+        recomputation whose out is kept). dropout False: none whatever dropout_on says (decoding). kept: h
+        holds this pass's x A^T already (a recomputation where the slots are a layer's): the update alone."""
+        if t not in self.index or (kept and out is None):
             return
         name = f"layers.{i}.{t}."
-        xd = self._dropped(x, self._key(i, t), dropout)
+        xd = None if kept else self._dropped(x, self._key(i, t), dropout)
         self.eng.layers.lora_forward(out, self._columns(h, (t,)), xd, self.p[name + "lora_a"],
                                      self.p[name + "lora_b"], self.spec.scale)
 
@@ -339,19 +340,21 @@ class Adapters:
             out[j * rows:(j + 1) * rows] = part
         return out
 
-    def forward_group(self, i, ts, h, outs, x, dropout=True):
-        """forward(i, t, h, out, x, dropout) for each target t of ts with its out of outs, all sharing the input
-        x: where two or more have adapters and no dropout is drawn, x A^T of them all in one product
-        (lora_forward_group: the A matrices stacked), else one target at a time."""
-        group = self._grouped(ts, dropout)
+    def forward_group(self, i, ts, h, outs, x, dropout=True, kept=False):
+        """forward(i, t, h, out, x, dropout, kept) for each target t of ts with its out of outs, all sharing the
+        input x: where two or more have adapters and no dropout is drawn (or kept: h holds their x A^T already),
+        x A^T of them all in one product (lora_forward_group: the A matrices stacked), else one target at a
+        time."""
+        group = self._grouped(ts, dropout and not kept)
         if group is None:
             for t, out in zip(ts, outs):
-                self.forward(i, t, h, out, x, dropout)
+                self.forward(i, t, h, out, x, dropout, kept)
             return
         outs = [out for t, out in zip(ts, outs) if t in self.index]
         b = [self.p[f"layers.{i}.{t}.lora_b"] for t in group]
-        a = self._stacked(i, group, "lora_a", self.p)
-        self.eng.layers.lora_forward_group(outs, self._columns(h, group), x, a, b, self.spec.scale)
+        a = None if kept else self._stacked(i, group, "lora_a", self.p)
+        self.eng.layers.lora_forward_group(outs, self._columns(h, group), None if kept else x, a, b,
+                                           self.spec.scale)
 
     def backward_group(self, i, ts, h, dx, douts, x):
         """backward(i, t, h, dx, dout, x) for each target t of ts with its dout of douts, all sharing x; grouped

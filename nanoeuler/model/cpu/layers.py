@@ -203,8 +203,9 @@ def matmul_backward(dx, dw, dout, x, w, dbias=None):
 # A frozen product's low-rank update (model/lora.py): out += scale * (x A^T) B^T, x possibly after dropout.
 def lora_forward(out, h, x, a, b, scale):
     """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T; out may be a column slice
-    of a wider product (q of q|k|v), or None: h alone."""
-    np.matmul(x, a.T, out=h)
+    of a wider product (q of q|k|v), or None: h alone; x None: h as it is (kept from the forward pass)."""
+    if x is not None:
+        np.matmul(x, a.T, out=h)
     if out is not None:
         out += scale * (h @ b.T)
 
@@ -225,8 +226,10 @@ def lora_backward(dx, da, db, dh, dout, x, h, a, b, scale, accumulate):
 def lora_forward_group(outs, h, x, a, b, scale):
     """The updates of k targets sharing the input x (q, k, v; gate, up) with one pass over it: h (N, k r) =
     x (N, I) @ a (k r, I).T, a their A matrices stacked; then outs[j] (N, O_j) += scale * h_j @ b[j] (O_j, r).T,
-    h_j h's columns j r..(j + 1) r (h may be a column slice of a wider buffer)."""
-    np.matmul(x, a.T, out=h)
+    h_j h's columns j r..(j + 1) r (h may be a column slice of a wider buffer); x None: h as it is (kept from
+    the forward pass), a unused."""
+    if x is not None:
+        np.matmul(x, a.T, out=h)
     r = b[0].shape[1]
     for j, (out, bj) in enumerate(zip(outs, b)):
         out += scale * (h[:, j * r:(j + 1) * r] @ bj.T)

@@ -765,14 +765,16 @@ class Layers:
     def lora_forward(self, out, h, x, a, b, scale):
         """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T, both on cuBLAS (the
         scale its alpha); out may be a column slice of a wider product (its rows' stride is cuBLAS's ldc), h a
-        column slice of the kept low-rank products, or out None: h alone."""
-        _check(x, a, b, act=x)
-        ldh = _row_stride(h, x.dtype)
-        (N, I), r, O = x.shape, a.shape[0], b.shape[0]
-        runtime.gemm(True, False, r, N, I, a, I, x, I, h, ldh, False, self.tf32)
+        column slice of the kept low-rank products, or out None: h alone; x None: h as it is (kept from the
+        forward pass)."""
+        _check(a, b, *(() if x is None else (x,)), act=h)
+        ldh = _row_stride(h, h.dtype)
+        N, (r, I), O = h.shape[0], a.shape, b.shape[0]
+        if x is not None:
+            runtime.gemm(True, False, r, N, I, a, I, x, I, h, ldh, False, self.tf32)
         if out is None:
             return
-        ldo = _row_stride(out, x.dtype)
+        ldo = _row_stride(out, h.dtype)
         runtime.gemm(True, False, O, N, r, b, r, h, ldh, out, ldo, True, self.tf32, alpha=scale)
 
     def lora_backward(self, dx, da, db, dh, dout, x, h, a, b, scale, accumulate):
@@ -792,13 +794,17 @@ class Layers:
         """The updates of k targets sharing the input x (q, k, v; gate, up) with one pass over it: h (N, k r) =
         x (N, I) @ a (k r, I).T, a their A matrices stacked; then outs[j] (N, O_j) += scale * h_j @ b[j] (O_j,
         r).T, h_j h's columns j r..(j + 1) r (h a column slice of the kept low-rank products, outs column
-        slices of a wider product); 1 + k cuBLAS products."""
-        _check(x, a, *b, act=x)
-        ldh = _row_stride(h, x.dtype)
-        (N, I), R, r = x.shape, a.shape[0], b[0].shape[1]
-        runtime.gemm(True, False, R, N, I, a, I, x, I, h, ldh, False, self.tf32)
+        slices of a wider product); 1 + k cuBLAS products. x None: h as it is (kept from the forward pass), a
+        unused: the k updates alone."""
+        _check(*b, act=h)
+        ldh = _row_stride(h, h.dtype)
+        N, r = h.shape[0], b[0].shape[1]
+        if x is not None:
+            _check(x, a, act=h)
+            (_, I), R = x.shape, a.shape[0]
+            runtime.gemm(True, False, R, N, I, a, I, x, I, h, ldh, False, self.tf32)
         for j, (out, bj) in enumerate(zip(outs, b)):
-            runtime.gemm(True, False, bj.shape[0], N, r, bj, r, h[:, j * r:], ldh, out, _row_stride(out, x.dtype),
+            runtime.gemm(True, False, bj.shape[0], N, r, bj, r, h[:, j * r:], ldh, out, _row_stride(out, h.dtype),
                          True, self.tf32, alpha=scale)
 
     def lora_backward_group(self, dx, da, db, dh, douts, x, h, a, b, scale):
