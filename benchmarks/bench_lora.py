@@ -176,8 +176,9 @@ def main():
                     "a group after a colon (default 32), the heads' type after a + (default the layers'), e.g. "
                     "int4:64 or int4+int8 (quantize's default)")
     ap.add_argument("--quant-only", action="store_true", help="the QLoRA rows of --quant alone")
-    ap.add_argument("--recompute", nargs="+", default=["mlp", "layer"], choices=("mlp", "products", "layer"),
-                    help="our --recompute rows' modes (default both)")
+    ap.add_argument("--recompute", nargs="+", default=["mlp", "layer"],
+                    choices=("mlp", "products", "layer", "none"),
+                    help="our --recompute rows' modes (default mlp and layer; none: without recomputation)")
     ap.add_argument("--no-peft", action="store_true", help="leave out PEFT's rows (ours alone)")
     args = ap.parse_args()
     if args.quant_only and not args.quant:
@@ -200,11 +201,13 @@ def main():
         peer = lambda compile, cfg=cfg, inputs=inputs, targets=targets: bench_peft(cfg, inputs, targets, args, compile)
         if args.quant:  # first: what --quant asks for
             tiers[0].extend((name, B, f"ours QLoRA {args.quant} --recompute {mode}",
-                             lambda run=run, mode=mode: run("qlora", mode)) for mode in args.recompute)
+                             lambda run=run, mode=mode: run("qlora", False if mode == "none" else mode))
+                            for mode in args.recompute)
             if args.quant_only:
                 continue
-        tiers[0].extend((name, B, f"ours LoRA --recompute {mode}", lambda run=run, mode=mode: run("lora", mode))
-                        for mode in args.recompute)
+        tiers[0].extend((name, B, f"ours LoRA --recompute {mode}",
+                         lambda run=run, mode=mode: run("lora", False if mode == "none" else mode))
+                        for mode in args.recompute if mode != "none")
         if not args.no_peft:
             tiers[0].append((name, B, "PEFT + transformers eager, SDPA, ckpt", lambda peer=peer: peer(False)))
         tiers[1].append((name, B, "ours LoRA", lambda run=run: run("lora")))

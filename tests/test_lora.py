@@ -157,6 +157,39 @@ def test_recompute_gradients_are_bit_identical(with_adapters, pieces, mode):
     assert_recomputed(eng, mode)
 
 
+def test_grouped_adapters_equal_one_target_at_a_time(monkeypatch):
+    """Without dropout the targets sharing an input (q|k|v, gate|up) take one stacked x A^T and one dA and dx
+    product (lora_forward_group, lora_backward_group): the gradients of one target at a time up to float64
+    rounding, and every --recompute mode's bits equal the stored path's (products and mlp add the updates
+    again from the x A^T kept a layer each: no x given)."""
+    cfg = CHECK_CONFIGS[3]
+    rng = np.random.default_rng(6)
+    flat, inputs, targets = random_problem(cfg, rng)
+    eng = make_engine(cfg, "cpu", dtype=np.float64, training=False)
+    eng.load_params(flat)
+    ad = lora.attach(eng, lora.make_spec(cfg, 4, 8.0))
+    ad.load(rng.normal(0, 0.1, ad.size))
+    calls = []
+    for name in ("lora_forward_group", "lora_backward_group"):
+        layer = getattr(eng.layers, name)
+        monkeypatch.setattr(eng.layers, name, lambda *a, layer=layer, name=name: (
+            calls.append(name if a[-4] is not None else name + " kept"), layer(*a)))
+    losses = cross_entropy_backward(eng, inputs, targets)
+    grouped = ad.grads.copy()
+    # q|k|v and gate|up a layer, forward and backward
+    assert calls.count("lora_forward_group") == calls.count("lora_backward_group") == 2 * cfg.n_layers
+    for mode, kept in (("layer", 0), ("products", 2), ("mlp", 1)):  # groups a layer whose x A^T is kept
+        eng.recompute = mode
+        calls.clear()
+        assert cross_entropy_backward(eng, inputs, targets) == losses
+        assert np.array_equal(ad.grads, grouped), mode
+        assert calls.count("lora_forward_group kept") == kept * cfg.n_layers, mode
+    eng.recompute = False
+    monkeypatch.setattr(ad, "_grouped", lambda ts, dropout: None)  # one target at a time
+    assert np.allclose(cross_entropy_backward(eng, inputs, targets), losses, rtol=1e-12, atol=0)
+    assert np.allclose(ad.grads, grouped, rtol=1e-9, atol=1e-12)
+
+
 def test_bare_recompute_keeps_the_attention_where_it_fits(monkeypatch):
     """recompute True (the bare --recompute): "mlp" where all its activations fit the free memory with
     AUTO_RESERVE to spare, else "products" where its do, else "layer"; each gives the stored path's bits."""

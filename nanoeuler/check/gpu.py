@@ -814,9 +814,44 @@ def check_lora(case, gpu_layers, cpu_layers):
             (f"dropout_forward{case.tag} p 0.3", rel_err(case.get(gd), rd), case.tol)]
 
 
+@_precisions("fp32", "tf32", "bf16")
+def check_lora_group(case, gpu_layers, cpu_layers):
+    """LoRA's grouped layers (the targets that share an input, q|k|v): three updates into column slices of a
+    wider output from one stacked A, x A^T into a column slice of a wider kept buffer, and their backward pass."""
+    N, I, r, wide, scale = 71, 93, 5, 100, 1.75
+    outs = ((3, 37), (40, 11), (51, 11))  # (first column, width) of each target in the wide output
+    x, a = case.act(case.normal(N, I)), case.act(case.normal(3 * r, I, scale=0.3))
+    b = [case.act(case.normal(O, r, scale=0.3)) for _, O in outs]
+    base, dout = case.act(case.normal(N, wide)), case.act(case.normal(N, wide))
+    cols = [slice(at, at + O) for at, O in outs]
+    ref_out, ref_h = base.copy(), np.empty((N, 5 * r))
+    cpu_layers.lora_forward_group([ref_out[:, c] for c in cols], ref_h[:, r:4 * r], x, a, b, scale)
+    g_out, g_h = case.dev(base), case.poisoned(N, 5 * r)
+    gpu_layers.lora_forward_group([g_out[:, c] for c in cols], g_h[:, r:4 * r], case.dev(x), case.dev(a),
+                                  [case.dev(m) for m in b], scale)
+    h = case.act(ref_h[:, r:4 * r])  # the backward pass reads the kept product as the GPU rounded it
+    dx0 = case.act(case.normal(N, I))
+    rdx, rda, rdh = dx0.copy(), np.zeros((3 * r, I)), np.empty((N, 3 * r))
+    rdb = [np.zeros((O, r)) for _, O in outs]
+    cpu_layers.lora_backward_group(rdx, rda, rdb, rdh, [dout[:, c] for c in cols], x, h, a, b, scale)
+    g_hbuf = case.dev(np.concatenate([np.zeros((N, r)), h, np.zeros((N, r))], axis=1))
+    gdx, gda, gdh = case.dev(dx0), case.dev32(np.zeros((3 * r, I))), case.poisoned(N, 3 * r)
+    gdb = [case.dev32(np.zeros((O, r))) for _, O in outs]
+    g_dout = case.dev(dout)
+    gpu_layers.lora_backward_group(gdx, gda, gdb, gdh, [g_dout[:, c] for c in cols], case.dev(x), g_hbuf[:, r:4 * r],
+                                   case.dev(a), [case.dev(m) for m in b], scale)
+    return [(f"lora_forward_group{case.tag} into 3 column slices", rel_err(case.get(g_out), ref_out), case.tol),
+            (f"lora_forward_group{case.tag}: kept x A^T (a column slice)",
+             rel_err(case.get(g_h)[:, r:4 * r], ref_h[:, r:4 * r]), case.tol),
+            (f"lora_backward_group{case.tag}: dx (added)", rel_err(case.get(gdx), rdx), case.tol),
+            (f"lora_backward_group{case.tag}: dA, dB", max([rel_err(gda.get(), rda)]
+                                                            + [rel_err(g.get(), r_) for g, r_ in zip(gdb, rdb)]),
+             case.tol)]
+
+
 KERNEL_CHECKS = [check_matmul, check_embedding, check_rmsnorm, check_rope, check_attention, check_swiglu,
                  check_crossentropy, check_adamw, check_argmax, check_sample_rows, check_quantized_matmul,
-                 check_lora]
+                 check_lora, check_lora_group]
 
 # a quantized model: every row length a multiple of the int4 kernels' 128
 QUANT_CONFIG = dataclasses.replace(MODEL_CONFIG, hidden=384)

@@ -451,12 +451,14 @@ class Engine:
         (q|k|v, gate|up), the product is computed plain, the update added, then the bias, rotary embedding or
         SwiGLU that follows. recompute "layer" or "products": the backward pass's recomputation (_recompute_layer),
         which leaves resid[i + 1] as the forward pass made it (no down product: only its adapter's x A^T) and with
-        "products" the attention's output and log-sum-exp too (no attention)."""
+        "products" the attention's output and log-sum-exp too (no attention), and the adapters' x A^T, kept a
+        layer each (_low_rank): their updates alone are added again."""
         cfg, layers, p = self.cfg, self.layers, self.p
         H, G, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
         N = B * T
         in_place = acts.get("in_place", False)
         ad = self.adapters if low_rank is not None else None
+        kept = recompute == "products"  # the adapters' x A^T kept a layer each (_low_rank): not computed again
         w = f"layers.{i}."
         resid, resid_mid = acts["resid"][i], acts["resid_mid"][j]
         qkv, att = acts["qkv"][j], acts["att"][j]
@@ -469,9 +471,8 @@ class Engine:
             xn = ad.normed_input(N) if xn is None else xn
             layers.rmsnorm_matmul_forward(rows, acts["rstd1"][j], resid, p[w + "attn_norm"], p[w + "wqkv"],
                                           cfg.norm_eps, xn, skip)
-            for t, cols in (("q", slice(0, H * D)), ("k", slice(H * D, (H + G) * D)),
-                            ("v", slice((H + G) * D, (H + 2 * G) * D))):
-                ad.forward(i, t, low_rank, rows[:, cols], xn, cache is None)
+            cols = (slice(0, H * D), slice(H * D, (H + G) * D), slice((H + G) * D, (H + 2 * G) * D))
+            ad.forward_group(i, ("q", "k", "v"), low_rank, [rows[:, c] for c in cols], xn, cache is None, kept)
             if cfg.qkv_bias:
                 layers.bias_add(rows, p[w + "bqkv"])
             layers.rope_forward(qkv, self.cos, self.sin, H + G, position)
@@ -486,19 +487,20 @@ class Engine:
             layers.attention_cached(att, acts["lse"][j], qkv, cache.kv[i], H, G, cache.position, cache.slots)
         layers.matmul_forward(resid_mid, att.reshape(N, -1), p[w + "wo"], accumulate=True)
         if ad is not None:
-            ad.forward(i, "o", low_rank, resid_mid, att.reshape(N, -1), cache is None)
+            ad.forward(i, "o", low_rank, resid_mid, att.reshape(N, -1), cache is None, kept)
         # feed-forward block: (N, C) -> gate|up (N, 2F) -> (N, F) -> (N, C)
-        self._swiglu_forward(i, j, acts, N, None if in_place or recompute else resid_next, low_rank, cache is None)
+        self._swiglu_forward(i, j, acts, N, None if in_place or recompute else resid_next, low_rank, cache is None,
+                             kept)
         if not recompute:
             layers.matmul_forward(resid_next, acts["sw"][j], p[w + "w_down"], accumulate=True)
-        if ad is not None:  # recomputing: its x A^T alone (low_rank's slot may be every layer's)
-            ad.forward(i, "down", low_rank, None if recompute else resid_next, acts["sw"][j], cache is None)
+        if ad is not None:  # recomputing: its x A^T alone where low_rank's slot is every layer's, else nothing
+            ad.forward(i, "down", low_rank, None if recompute else resid_next, acts["sw"][j], cache is None, kept)
 
-    def _swiglu_forward(self, i, j, acts, N, skip, low_rank, dropout=True):
+    def _swiglu_forward(self, i, j, acts, N, skip, low_rank, dropout=True, kept=False):
         """Layer i's feed-forward block up to its SwiGLU output: rmsnorm(resid_mid) into xn2 and rstd2, the
         gate|up product (with the gate and up adapters' updates where low_rank is given) into gate_up, SwiGLU
         into sw, slot j; skip as rmsnorm_matmul_forward (None: the residual stream is not copied, as in
-        the backward pass's recomputation)."""
+        the backward pass's recomputation); kept: low_rank holds the adapters' x A^T already (Adapters.forward)."""
         cfg, layers, p = self.cfg, self.layers, self.p
         w, F, resid_mid = f"layers.{i}.", cfg.hidden, acts["resid_mid"][j]
         ad = self.adapters if low_rank is not None else None
@@ -507,8 +509,7 @@ class Engine:
             xn = ad.normed_input(N) if xn is None else xn
             layers.rmsnorm_matmul_forward(gate_up, acts["rstd2"][j], resid_mid, p[w + "ffn_norm"],
                                           p[w + "w_gate_up"], cfg.norm_eps, xn, skip)
-            ad.forward(i, "gate", low_rank, gate_up[:, :F], xn, dropout)
-            ad.forward(i, "up", low_rank, gate_up[:, F:], xn, dropout)
+            ad.forward_group(i, ("gate", "up"), low_rank, [gate_up[:, :F], gate_up[:, F:]], xn, dropout, kept)
             layers.swiglu_forward(acts["sw"][j], gate_up)
         else:
             layers.rmsnorm_matmul_swiglu_forward(acts["sw"][j], acts["gate_up"][j], acts["rstd2"][j], resid_mid,
@@ -528,7 +529,7 @@ class Engine:
             cfg = self.cfg
             self.layers.rmsnorm_forward(acts["xn1"][i], acts["rstd1"][i], acts["resid"][i],
                                         self.p[f"layers.{i}.attn_norm"], cfg.norm_eps)
-            self._swiglu_forward(i, i, acts, B * T, None, low_rank)
+            self._swiglu_forward(i, i, acts, B * T, None, low_rank, kept=True)  # x A^T kept a layer each
 
     def _tokens(self, inputs):
         """inputs as a (B, T) int32 array of the engine's library; refuses what does not fit the context (the
@@ -687,8 +688,8 @@ class Engine:
             layers.swiglu_backward(acts["dgate_up"], acts["dsw"], acts["gate_up"][i])
             layers.matmul_backward(dxn, gw(w + "w_gate_up"), acts["dgate_up"], acts["xn2"][i], p[w + "w_gate_up"])
             if ad is not None:
-                ad.backward(i, "gate", lr, dxn, acts["dgate_up"][:, :F], acts["xn2"][i])
-                ad.backward(i, "up", lr, dxn, acts["dgate_up"][:, F:], acts["xn2"][i])
+                ad.backward_group(i, ("gate", "up"), lr, dxn, [acts["dgate_up"][:, :F], acts["dgate_up"][:, F:]],
+                                  acts["xn2"][i])
             layers.rmsnorm_backward(dresid, gn(w + "ffn_norm"), dxn, acts["resid_mid"][i], p[w + "ffn_norm"],
                                     acts["rstd2"][i])
             # attention block; dresid is now d(resid_mid) and, through the skip, d(resid[i])
@@ -701,9 +702,8 @@ class Engine:
             dqkv = acts["dqkv"].reshape(N, -1)
             layers.matmul_backward(dxn, gw(w + "wqkv"), dqkv, acts["xn1"][i], p[w + "wqkv"], gb(w + "bqkv"))
             if ad is not None:
-                for t, cols in (("q", slice(0, H * D)), ("k", slice(H * D, (H + G) * D)),
-                                ("v", slice((H + G) * D, (H + 2 * G) * D))):
-                    ad.backward(i, t, lr, dxn, dqkv[:, cols], acts["xn1"][i])
+                cols = (slice(0, H * D), slice(H * D, (H + G) * D), slice((H + G) * D, (H + 2 * G) * D))
+                ad.backward_group(i, ("q", "k", "v"), lr, dxn, [dqkv[:, c] for c in cols], acts["xn1"][i])
             if frozen and i == 0:
                 break  # the frozen embedding wants no gradient: the stream's below the first layer is unused
             layers.rmsnorm_backward(dresid, gn(w + "attn_norm"), dxn, acts["resid"][i], p[w + "attn_norm"],

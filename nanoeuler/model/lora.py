@@ -15,10 +15,13 @@ update to the product's output (for q, k and v a column slice of the fused q|k|v
 embedding; for gate and up one of gate|up, before SwiGLU), `backward` adds the update's input gradient to the
 product's and accumulates the gradients of A and B. The arithmetic is the layers' `lora_forward`,
 `lora_backward` and `dropout_forward`, the same functions on both engines. The low-rank activation x A^T
-(N, r) of every target is kept for the backward pass (r columns: small); dropout's mask is not kept but drawn
-again from a counter-based hash of (key, layer, target, element), so the backward pass sees the forward's
-mask and the CPU and GPU draw the same one. The key is set by the training loop each micro-batch
-(`dropout_key`), so a resumed run draws what the uninterrupted one would have.
+(N, r) of every target is kept for the backward pass (r columns: small). Targets that share an input (q, k and
+v; gate and up) take it together where no dropout is drawn (`forward_group`, `backward_group` on the layers'
+`lora_forward_group` and `lora_backward_group`): their A matrices stacked, one product x A^T for all of them
+and one each for dA and dx, so the input and its gradient are read once a group, not once a target. Dropout's
+mask is not kept but drawn again from a counter-based hash of (key, layer, target, element), so the backward
+pass sees the forward's mask and the CPU and GPU draw the same one. The key is set by the training loop each
+micro-batch (`dropout_key`), so a resumed run draws what the uninterrupted one would have.
 
 Adapters keep flat buffers as the engine does: `params` (float32 master weights), `weights` (the compute
 copy, bf16 on the GPU's mixed precision, else params itself) and `grads`; AdamW (model/optimizer.py) steps
@@ -199,7 +202,7 @@ class Adapters:
         self.dropout_on = spec.dropout > 0
         self.dropout_key = 0
         self.index = {t: k for k, t in enumerate(spec.targets)}
-        self._low_rank = {}  # (slots, N) -> (slots, targets, N, r) kept x A^T
+        self._low_rank = {}  # (slots, N) -> (slots, N, targets * r) kept x A^T
         self._scratch = {}
 
     def _views(self, flat):
@@ -259,13 +262,19 @@ class Adapters:
         return buf
 
     def low_rank(self, slots, N):
-        """(slots, targets, N, r): the kept x A^T of each target, a slot a layer (one where the layers are
-        recomputed, or for decoding). Kept for every shape asked (a few: training's, evaluation's, decoding's
-        steps, whose recorded graphs keep reading theirs)."""
+        """(slots, N, targets * r): the kept x A^T of each target (its r columns, in spec.targets' order: the
+        targets that share an input side by side, as lora_forward_group writes them), a slot a layer (one where
+        the layers are recomputed, or for decoding). Kept for every shape asked (a few: training's,
+        evaluation's, decoding's steps, whose recorded graphs keep reading theirs)."""
         key = (slots, N)
         if key not in self._low_rank:
-            self._low_rank[key] = self.xp.empty((slots, len(self.spec.targets), N, self.spec.rank), dtype=self.act)
+            self._low_rank[key] = self.xp.empty((slots, N, len(self.spec.targets) * self.spec.rank), dtype=self.act)
         return self._low_rank[key]
+
+    def _columns(self, h, ts):
+        """The columns of a slot h (N, targets * r) that targets ts (consecutive in spec.targets) keep."""
+        r = self.spec.rank
+        return h[:, self.index[ts[0]] * r:(self.index[ts[-1]] + 1) * r]
 
     def normed_input(self, N):
         """A buffer for a sublayer's normed input where the activations keep none (decoding): the update reads it."""
@@ -284,16 +293,17 @@ class Adapters:
         return _mix64((self.dropout_key << 16) + i * 8 + self.index[t] + 1)
 
     # --------------------------------------------------------------------------------- forward, backward
-    def forward(self, i, t, h, out, x, dropout=True):
+    def forward(self, i, t, h, out, x, dropout=True, kept=False):
         """out (N, out) += scale * dropout(x) (N, in) A^T B^T for target t of layer i (nothing where t has no
-        adapter); h (targets, N, r), the layer's slot of low_rank, keeps x A^T (out None: that alone, for a
-        recomputation whose out is kept). dropout False: none whatever dropout_on says (decoding)."""
-        if t not in self.index:
+        adapter); h (N, targets * r), the layer's slot of low_rank, keeps x A^T (out None: that alone, for a
+        recomputation whose out is kept). dropout False: none whatever dropout_on says (decoding). kept: h
+        holds this pass's x A^T already (a recomputation where the slots are a layer's): the update alone."""
+        if t not in self.index or (kept and out is None):
             return
         name = f"layers.{i}.{t}."
-        xd = self._dropped(x, self._key(i, t), dropout)
-        self.eng.layers.lora_forward(out, h[self.index[t]], xd, self.p[name + "lora_a"], self.p[name + "lora_b"],
-                                     self.spec.scale)
+        xd = None if kept else self._dropped(x, self._key(i, t), dropout)
+        self.eng.layers.lora_forward(out, self._columns(h, (t,)), xd, self.p[name + "lora_a"],
+                                     self.p[name + "lora_b"], self.spec.scale)
 
     def backward(self, i, t, h, dx, dout, x):
         """dx (N, in) += the update's input gradient given dout (N, out); the gradients of A and B accumulate;
@@ -305,13 +315,67 @@ class Adapters:
         xd = self._dropped(x, key, True)
         dh = self._buffer(("dh", N), (N, self.spec.rank), self.act)
         layers, a, b = self.eng.layers, self.p[name + "lora_a"], self.p[name + "lora_b"]
-        da, db, h = self.g[name + "lora_a"], self.g[name + "lora_b"], h[self.index[t]]
+        da, db, h = self.g[name + "lora_a"], self.g[name + "lora_b"], self._columns(h, (t,))
         if xd is x:
             layers.lora_backward(dx, da, db, dh, dout, x, h, a, b, self.spec.scale, True)
         else:  # the input gradient through the same mask: into scratch, then masked and added
             dxd = self._buffer(("dxd", x.shape), x.shape, self.act)
             layers.lora_backward(dxd, da, db, dh, dout, xd, h, a, b, self.spec.scale, False)
             layers.dropout_forward(dx, dxd, self.spec.dropout, key, True)
+
+    def _grouped(self, ts, dropout):
+        """The targets of ts with adapters, where two or more of them share their input unchanged (no dropout
+        drawn): lora_forward_group then reads it once for all; else None."""
+        ts = tuple(t for t in ts if t in self.index)
+        drops = dropout and self.dropout_on and self.spec.dropout > 0
+        return ts if len(ts) > 1 and not drops else None
+
+    def _stacked(self, i, ts, kind, views):
+        """The matrices `kind` (lora_a) of layer i's targets ts stacked, (k r, in): one buffer a group, refilled
+        at each use (the weights change at every optimizer step)."""
+        parts = [views[f"layers.{i}.{t}.{kind}"] for t in ts]
+        rows = parts[0].shape[0]
+        out = self._buffer(("stack", ts, kind), (len(parts) * rows,) + parts[0].shape[1:], parts[0].dtype)
+        for j, part in enumerate(parts):
+            out[j * rows:(j + 1) * rows] = part
+        return out
+
+    def forward_group(self, i, ts, h, outs, x, dropout=True, kept=False):
+        """forward(i, t, h, out, x, dropout, kept) for each target t of ts with its out of outs, all sharing the
+        input x: where two or more have adapters and no dropout is drawn (or kept: h holds their x A^T already),
+        x A^T of them all in one product (lora_forward_group: the A matrices stacked), else one target at a
+        time."""
+        group = self._grouped(ts, dropout and not kept)
+        if group is None:
+            for t, out in zip(ts, outs):
+                self.forward(i, t, h, out, x, dropout, kept)
+            return
+        outs = [out for t, out in zip(ts, outs) if t in self.index]
+        b = [self.p[f"layers.{i}.{t}.lora_b"] for t in group]
+        a = None if kept else self._stacked(i, group, "lora_a", self.p)
+        self.eng.layers.lora_forward_group(outs, self._columns(h, group), None if kept else x, a, b,
+                                           self.spec.scale)
+
+    def backward_group(self, i, ts, h, dx, douts, x):
+        """backward(i, t, h, dx, dout, x) for each target t of ts with its dout of douts, all sharing x; grouped
+        as forward_group groups them (one pass over x and one over dx for the group): dA of the stacked A
+        matrices into a zeroed float32 scratch, then added to each target's."""
+        group = self._grouped(ts, True)
+        if group is None:
+            for t, dout in zip(ts, douts):
+                self.backward(i, t, h, dx, dout, x)
+            return
+        douts = [dout for t, dout in zip(ts, douts) if t in self.index]
+        N, r = x.shape[0], self.spec.rank
+        dh = self._buffer(("dh", N, len(group)), (N, len(group) * r), self.act)
+        a = self._stacked(i, group, "lora_a", self.p)
+        da = self._buffer(("da", a.shape), a.shape, self.dtype)
+        da.fill(0)
+        b = [self.p[f"layers.{i}.{t}.lora_b"] for t in group]
+        db = [self.g[f"layers.{i}.{t}.lora_b"] for t in group]
+        self.eng.layers.lora_backward_group(dx, da, db, dh, douts, x, self._columns(h, group), a, b, self.spec.scale)
+        for j, t in enumerate(group):
+            self.g[f"layers.{i}.{t}.lora_a"] += da[j * r:(j + 1) * r]
 
 
 def attach(eng, spec, flat=None, seed=0, training=True):

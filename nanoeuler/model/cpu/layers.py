@@ -203,8 +203,9 @@ def matmul_backward(dx, dw, dout, x, w, dbias=None):
 # A frozen product's low-rank update (model/lora.py): out += scale * (x A^T) B^T, x possibly after dropout.
 def lora_forward(out, h, x, a, b, scale):
     """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T; out may be a column slice
-    of a wider product (q of q|k|v), or None: h alone."""
-    np.matmul(x, a.T, out=h)
+    of a wider product (q of q|k|v), or None: h alone; x None: h as it is (kept from the forward pass)."""
+    if x is not None:
+        np.matmul(x, a.T, out=h)
     if out is not None:
         out += scale * (h @ b.T)
 
@@ -220,6 +221,32 @@ def lora_backward(dx, da, db, dh, dout, x, h, a, b, scale, accumulate):
         dx += dh @ a
     else:
         np.matmul(dh, a, out=dx)
+
+
+def lora_forward_group(outs, h, x, a, b, scale):
+    """The updates of k targets sharing the input x (q, k, v; gate, up) with one pass over it: h (N, k r) =
+    x (N, I) @ a (k r, I).T, a their A matrices stacked; then outs[j] (N, O_j) += scale * h_j @ b[j] (O_j, r).T,
+    h_j h's columns j r..(j + 1) r (h may be a column slice of a wider buffer); x None: h as it is (kept from
+    the forward pass), a unused."""
+    if x is not None:
+        np.matmul(x, a.T, out=h)
+    r = b[0].shape[1]
+    for j, (out, bj) in enumerate(zip(outs, b)):
+        out += scale * (h[:, j * r:(j + 1) * r] @ bj.T)
+
+
+def lora_backward_group(dx, da, db, dh, douts, x, h, a, b, scale):
+    """lora_forward_group's backward pass, one pass over x and one over dx for the k targets: for each j, db[j]
+    (O_j, r) += scale * douts[j].T @ h_j and dh_j = scale * douts[j] @ b[j] (dh (N, k r)); then da (k r, I) +=
+    dh.T @ x and dx (N, I) += dh @ a."""
+    r = b[0].shape[1]
+    for j, (dout, bj, dbj) in enumerate(zip(douts, b, db)):
+        dbj += scale * (dout.T @ h[:, j * r:(j + 1) * r])
+        dhj = dh[:, j * r:(j + 1) * r]
+        np.matmul(dout, bj, out=dhj)
+        dhj *= scale
+    da += dh.T @ x
+    dx += dh @ a
 
 
 def dropout_threshold(p):
@@ -1035,6 +1062,8 @@ class Layers:
     swiglu_backward = staticmethod(swiglu_backward)
     lora_forward = staticmethod(lora_forward)
     lora_backward = staticmethod(lora_backward)
+    lora_forward_group = staticmethod(lora_forward_group)
+    lora_backward_group = staticmethod(lora_backward_group)
     dropout_forward = staticmethod(dropout_forward)
     bias_add = staticmethod(bias_add)
     crossentropy_forward = staticmethod(crossentropy_forward)

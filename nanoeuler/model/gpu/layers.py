@@ -764,28 +764,64 @@ class Layers:
     # -------------------------------------------------------------------------------------------- LoRA
     def lora_forward(self, out, h, x, a, b, scale):
         """h (N, r) = x (N, I) @ a (r, I).T, then out (N, O) += scale * h @ b (O, r).T, both on cuBLAS (the
-        scale its alpha); out may be a column slice of a wider product (its rows' stride is cuBLAS's ldc), or
-        None: h alone."""
-        _check(h, x, a, b, act=x)
-        (N, I), r, O = x.shape, a.shape[0], b.shape[0]
-        runtime.gemm(True, False, r, N, I, a, I, x, I, h, r, False, self.tf32)
+        scale its alpha); out may be a column slice of a wider product (its rows' stride is cuBLAS's ldc), h a
+        column slice of the kept low-rank products, or out None: h alone; x None: h as it is (kept from the
+        forward pass)."""
+        _check(a, b, *(() if x is None else (x,)), act=h)
+        ldh = _row_stride(h, h.dtype)
+        N, (r, I), O = h.shape[0], a.shape, b.shape[0]
+        if x is not None:
+            runtime.gemm(True, False, r, N, I, a, I, x, I, h, ldh, False, self.tf32)
         if out is None:
             return
-        ldo = _row_stride(out, x.dtype)
-        runtime.gemm(True, False, O, N, r, b, r, h, r, out, ldo, True, self.tf32, alpha=scale)
+        ldo = _row_stride(out, h.dtype)
+        runtime.gemm(True, False, O, N, r, b, r, h, ldh, out, ldo, True, self.tf32, alpha=scale)
 
     def lora_backward(self, dx, da, db, dh, dout, x, h, a, b, scale, accumulate):
         """Given dout (N, O) (a column slice where the forward's out was): db (O, r) += scale * dout.T @ h;
         dh (N, r) = scale * dout @ b; da (r, I) += dh.T @ x; dx (N, I) += dh @ a (= without accumulate). da, db
         float32, the others activations; four cuBLAS products."""
-        _check(dx, dh, x, h, a, b, act=x)
+        _check(dx, dh, x, a, b, act=x)
         _check(da, db)
-        ldd = _row_stride(dout, x.dtype)
+        ldd, ldh = _row_stride(dout, x.dtype), _row_stride(h, x.dtype)
         (N, I), r, O = x.shape, a.shape[0], b.shape[0]
-        runtime.gemm(False, True, r, O, N, h, r, dout, ldd, db, r, True, self.tf32, alpha=scale)
+        runtime.gemm(False, True, r, O, N, h, ldh, dout, ldd, db, r, True, self.tf32, alpha=scale)
         runtime.gemm(False, False, r, N, O, b, r, dout, ldd, dh, r, False, self.tf32, alpha=scale)
         runtime.gemm(False, True, I, r, N, x, I, dh, r, da, I, True, self.tf32)
         runtime.gemm(False, False, I, N, r, a, I, dh, r, dx, I, accumulate, self.tf32)
+
+    def lora_forward_group(self, outs, h, x, a, b, scale):
+        """The updates of k targets sharing the input x (q, k, v; gate, up) with one pass over it: h (N, k r) =
+        x (N, I) @ a (k r, I).T, a their A matrices stacked; then outs[j] (N, O_j) += scale * h_j @ b[j] (O_j,
+        r).T, h_j h's columns j r..(j + 1) r (h a column slice of the kept low-rank products, outs column
+        slices of a wider product); 1 + k cuBLAS products. x None: h as it is (kept from the forward pass), a
+        unused: the k updates alone."""
+        _check(*b, act=h)
+        ldh = _row_stride(h, h.dtype)
+        N, r = h.shape[0], b[0].shape[1]
+        if x is not None:
+            _check(x, a, act=h)
+            (_, I), R = x.shape, a.shape[0]
+            runtime.gemm(True, False, R, N, I, a, I, x, I, h, ldh, False, self.tf32)
+        for j, (out, bj) in enumerate(zip(outs, b)):
+            runtime.gemm(True, False, bj.shape[0], N, r, bj, r, h[:, j * r:], ldh, out, _row_stride(out, h.dtype),
+                         True, self.tf32, alpha=scale)
+
+    def lora_backward_group(self, dx, da, db, dh, douts, x, h, a, b, scale):
+        """lora_forward_group's backward pass, one pass over x and one over dx for the k targets: for each j,
+        db[j] (O_j, r) += scale * douts[j].T @ h_j and dh_j = scale * douts[j] @ b[j] (dh (N, k r)); then da
+        (k r, I) += dh.T @ x and dx (N, I) += dh @ a. da, db float32, the others activations; 2 k + 2 cuBLAS
+        products."""
+        _check(dx, dh, x, a, *b, act=x)
+        _check(da, *db)
+        ldh = _row_stride(h, x.dtype)
+        (N, I), R, r = x.shape, a.shape[0], b[0].shape[1]
+        for j, (dout, bj, dbj) in enumerate(zip(douts, b, db)):
+            ldd, O = _row_stride(dout, x.dtype), bj.shape[0]
+            runtime.gemm(False, True, r, O, N, h[:, j * r:], ldh, dout, ldd, dbj, r, True, self.tf32, alpha=scale)
+            runtime.gemm(False, False, r, N, O, bj, r, dout, ldd, dh[:, j * r:], R, False, self.tf32, alpha=scale)
+        runtime.gemm(False, True, I, R, N, x, I, dh, R, da, I, True, self.tf32)
+        runtime.gemm(False, False, I, N, R, a, I, dh, R, dx, I, True, self.tf32)
 
     def dropout_forward(self, out, x, p, key, accumulate):
         """out (N, I) = x * keep / (1 - p) (+= with accumulate), keep from a hash of (key, the element's flat
