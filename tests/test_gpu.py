@@ -418,7 +418,7 @@ def test_gpu_few_row_products_do_not_depend_on_the_physical_warps(precision, mon
 @needs_gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_gpu_products_of_many_rows_give_the_bits_of_few(precision, monkeypatch):
-    """matmul_rows (9 to 64 rows, x's rows in shared memory, many tiles of w a block) in blocks of 8, 4, 2 and 1
+    """matmul_rows (9 to 64 rows, x's rows in shared memory, many tiles of w a block) in blocks of 16, 8, 4, 2, 1
     warps (and blocks walking several groups of tiles of w in turn), the tile kernels (matmul_small_t*) and the
     split over blocks (matmul_split_t*: 1, 3 and 16 virtual warps a block), give every row the bits matmul_small
     gives it in steps of at most 8 rows: plain with float32 output accumulated onto, plain with a bias, the norm
@@ -466,12 +466,13 @@ def test_gpu_products_of_many_rows_give_the_bits_of_few(precision, monkeypatch):
             few = run(8)
             as_float = few[0] if out_dtype == np.float32 else (few[0].astype(np.uint32) << 16).view(np.float32)
             assert not np.isnan(as_float).any()
-            # matmul_rows in blocks of 8, 4, 2 and 1 warps (a block a group of tiles of w, or 8 warps and 2 blocks
-            # walking all the groups), the tile kernels (matmul_small_t*), then a row's virtual warps split over
-            # blocks of 1, 3 and 16 of them (matmul_split_t*, matmul_split_finish)
-            for min_tiles, warps, split, blocks in ((0, 8, 0, None), (0, 8, 0, 2), (0, 4, 0, None), (0, 2, 0, None),
-                                                    (0, 1, 0, None), (1 << 30, None, 0, None), (1 << 30, None, 1, None),
-                                                    (1 << 30, None, 3, None), (1 << 30, None, 16, None)):
+            # matmul_rows in blocks of 16, 8, 4, 2 and 1 warps (a block a group of tiles of w, or 8 warps and 2
+            # blocks walking all the groups), the tile kernels (matmul_small_t*), then a row's virtual warps split
+            # over blocks of 1, 3 and 16 of them (matmul_split_t*, matmul_split_finish)
+            for min_tiles, warps, split, blocks in ((0, 16, 0, None), (0, 8, 0, None), (0, 8, 0, 2), (0, 4, 0, None),
+                                                    (0, 2, 0, None), (0, 1, 0, None), (1 << 30, None, 0, None),
+                                                    (1 << 30, None, 1, None), (1 << 30, None, 3, None),
+                                                    (1 << 30, None, 16, None)):
                 monkeypatch.setattr(gpu_layers, "MATMUL_ROWS_MIN_TILES", min_tiles)
                 monkeypatch.setattr(gpu_layers, "_rows_warps", lambda tiles_of_w, tiles: warps)
                 monkeypatch.setattr(gpu_layers, "_split_group", lambda *shape: split)

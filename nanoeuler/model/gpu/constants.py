@@ -17,21 +17,27 @@ MATMUL_PAIR = 2          # many rows: tiles of w a warp takes at once (x's fragm
 MATMUL_PAIR_WARPS = 6    # ... in blocks of at most this many warps (rows up to 768), two of which an SM can hold
 # ... 9 to 64 rows of a product of at least MATMUL_ROWS_MIN_TILES tiles of 8 rows of w (matmul_rows_t*: x's rows
 # in shared memory, shared by a block's tiles): the most warps a block, the tiles of w a warp, and the stages of
-# x's rows and w's tiles in shared memory (a round of a virtual warp each), all but one in flight
+# x's rows and w's tiles in shared memory (a round of a virtual warp each), all but one in flight. 16 warps of
+# one tile (at most 128 registers a thread) rather than 8 of two: at 64 rows a warp issues about once in 5-8
+# cycles (Nsight Compute: fixed-latency waits, instruction fetch), so 2 warps a scheduler left most slots empty
 MATMUL_ROWS_MIN_TILES = 1024
-MATMUL_ROWS_WARPS = 8
-MATMUL_ROWS_NT = 2
+MATMUL_ROWS_WARPS = 16
+MATMUL_ROWS_NT = 1
 MATMUL_ROWS_STAGES = 3
-# ... and at 4 tiles of x's rows (49 to 64 rows) a block's warps in this many groups, each taking its share of x's
-# tiles against MATMUL_ROWS_NT x this many tiles of w (the same registers; fewer shared-memory reads a stage)
-MATMUL_ROWS_XSPLIT = 2
+# ... and at 4 tiles of x's rows (49 to 64 rows) a block's warps in this many groups, each warp taking its share
+# of x's tiles (4 groups: one tile) against MATMUL_ROWS_NT x this many tiles of w (fewer shared-memory reads a
+# stage than a warp taking all of x's tiles); matmul_split_t* too
+MATMUL_ROWS_XSPLIT = 4
 # ... a product of at least MATMUL_SPLIT_MIN_WEIGHTS weights whose tiles of w are too few for matmul_rows (9 to 64
 # rows) splits a row's virtual warps over blocks (matmul_split_t*: each group's sums into a scratch of at most
-# MATMUL_SPLIT_BYTES, added in virtual-warp order by matmul_split_finish, MATMUL_FINISH_THREADS a block); a split
-# block's registers allow MATMUL_SPLIT_BLOCKS of them an SM (layers._split_group)
+# MATMUL_SPLIT_BYTES, added in virtual-warp order by matmul_split_finish, MATMUL_FINISH_THREADS a block), in blocks
+# of MATMUL_SPLIT_WARPS warps of MATMUL_SPLIT_NT tiles of w; a split block's registers allow MATMUL_SPLIT_BLOCKS of
+# them an SM (layers._split_group)
 MATMUL_SPLIT_MIN_WEIGHTS = 1 << 22
 MATMUL_SPLIT_BYTES = 1 << 25
 MATMUL_SPLIT_BLOCKS = 2
+MATMUL_SPLIT_WARPS = 8
+MATMUL_SPLIT_NT = 2
 MATMUL_FINISH_THREADS = 256
 # ... up to 8 rows (matmul_small): the physical warps a block, at most, for a product whose blocks would not fill
 # the SMs at the second number, and for one whose blocks do (a row's k-split stays that of its virtual warps,
@@ -146,7 +152,8 @@ def module_defines(name, variant=()):
                    "MATMUL_PAIR": MATMUL_PAIR, "MATMUL_PAIR_WARPS": MATMUL_PAIR_WARPS,
                    "MATMUL_ROWS_WARPS": MATMUL_ROWS_WARPS, "MATMUL_ROWS_NT": MATMUL_ROWS_NT,
                    "MATMUL_ROWS_STAGES": MATMUL_ROWS_STAGES, "MATMUL_ROWS_XSPLIT": MATMUL_ROWS_XSPLIT,
-                   "MATMUL_SPLIT_BLOCKS": MATMUL_SPLIT_BLOCKS,
+                   "MATMUL_SPLIT_BLOCKS": MATMUL_SPLIT_BLOCKS, "MATMUL_SPLIT_WARPS": MATMUL_SPLIT_WARPS,
+                   "MATMUL_SPLIT_NT": MATMUL_SPLIT_NT,
                    "MATMUL_FINISH_THREADS": MATMUL_FINISH_THREADS},
         "rope": {"ROPE_HEADS": ROPE_HEADS},
         "embedding": {"EMB_SEGMENT": EMB_SEGMENT},

@@ -42,6 +42,7 @@ from nanoeuler.model.gpu.constants import (ATT_CACHED_FEW_ROWS, ATT_CACHED_GROUP
                                            MATMUL_ROWS_WARPS, MATMUL_ROWS_XSPLIT, MATMUL_SMALL_LOADS,
                                            MATMUL_SMALL_WARPS,
                                            MATMUL_SPLIT_BLOCKS, MATMUL_SPLIT_BYTES, MATMUL_SPLIT_MIN_WEIGHTS,
+                                           MATMUL_SPLIT_NT, MATMUL_SPLIT_WARPS,
                                            NORM_APART_WEIGHTS,
                                            RMSNORM_ROWS_CHUNKS, RMSNORM_ROWS_THREADS,
                                            ROPE_HEADS, SAMPLE_BUCKETS, SAMPLE_LIST, SAMPLE_LOADS,
@@ -139,11 +140,11 @@ def _matmul_small(out, x, w, accumulate, gain=None, rstd=None, eps=0.0, glu_out=
         physical = max(physical, _rows_x_groups(tiles))
     if split:
         # a row's virtual warps in groups of `split` over grid.y, each one's sums into the scratch
-        physical, groups, width = MATMUL_ROWS_WARPS, split, 8 * tiles_of_w
+        physical, groups, width = MATMUL_SPLIT_WARPS, split, 8 * tiles_of_w
         rounds = -(-I // (warps * MATMUL_SMALL_LOADS * 4 * pack))
-        smem = _rows_smem(tiles, physical, min(MATMUL_ROWS_STAGES, split * rounds))
+        smem = _rows_smem(tiles, physical, min(MATMUL_ROWS_STAGES, split * rounds), MATMUL_SPLIT_NT)
         kern = kernel("matmul", f"matmul_split_t{tiles}", _act_defines(x), dynamic_smem=smem)
-        grid = (_blocks(tiles_of_w, physical * MATMUL_ROWS_NT), _blocks(warps, split))
+        grid = (_blocks(tiles_of_w, physical * MATMUL_SPLIT_NT), _blocks(warps, split))
         parts = quantized.scratch((warps * N * (width + 1),), F32)
     elif physical:
         smem = _rows_smem(tiles, physical)
@@ -234,11 +235,12 @@ def _physical_warps(virtual, blocks, kern):
     return small if blocks >= resident else most(MATMUL_FEW_WARPS[0])
 
 
-def _rows_smem(tiles, warps, stages=MATMUL_ROWS_STAGES):
-    """Bytes of dynamic shared memory of a matmul_rows block of `warps` warps on `tiles` tiles of 16 rows of x:
-    `stages` stages of x's rows, the gain and the block's tiles of w, in 16-byte chunks."""
+def _rows_smem(tiles, warps, stages=MATMUL_ROWS_STAGES, per_warp=MATMUL_ROWS_NT):
+    """Bytes of dynamic shared memory of a matmul_rows (or matmul_split) block of `warps` warps, each taking
+    per_warp tiles of w, on `tiles` tiles of 16 rows of x: `stages` stages of x's rows, the gain and the block's
+    tiles of w, in 16-byte chunks."""
     stage = (tiles * MATMUL_SMALL_LOADS * 64 + MATMUL_SMALL_LOADS * 4
-             + warps * MATMUL_ROWS_NT * MATMUL_SMALL_LOADS * 32)
+             + warps * per_warp * MATMUL_SMALL_LOADS * 32)
     return stages * 16 * stage
 
 
@@ -268,11 +270,12 @@ def _split_group(tiles, tiles_of_w, O, I, vwarps, pack, N):
             or 4 * vwarps * N * (width + 1) > MATMUL_SPLIT_BYTES):
         return 0
     rounds = -(-I // (vwarps * MATMUL_SMALL_LOADS * 4 * pack))
-    tile_blocks = _blocks(tiles_of_w, MATMUL_ROWS_WARPS * MATMUL_ROWS_NT)
+    tile_blocks = _blocks(tiles_of_w, MATMUL_SPLIT_WARPS * MATMUL_SPLIT_NT)
     device = cupy.cuda.Device().id
     per_sm = cupy.cuda.runtime.deviceGetAttribute(81, device)  # cudaDevAttrMaxSharedMemoryPerMultiprocessor
     for group in range(1, vwarps + 1):
-        smem = _rows_smem(tiles, MATMUL_ROWS_WARPS, min(MATMUL_ROWS_STAGES, group * rounds)) + 1024  # + reserved
+        smem = _rows_smem(tiles, MATMUL_SPLIT_WARPS, min(MATMUL_ROWS_STAGES, group * rounds),
+                          MATMUL_SPLIT_NT) + 1024  # + reserved
         if tile_blocks * _blocks(vwarps, group) <= sm_count() * min(MATMUL_SPLIT_BLOCKS, per_sm // smem):
             return group
     return vwarps

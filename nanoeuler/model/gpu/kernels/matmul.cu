@@ -15,7 +15,7 @@
 #if !defined(FEW_ROWS) || !defined(MATMUL_SMALL_WARPS) || !defined(MATMUL_SMALL_LOADS) || !defined(MATMUL_PAIR) || \
     !defined(MATMUL_PAIR_WARPS) || !defined(MATMUL_ROWS_WARPS) || !defined(MATMUL_ROWS_NT) ||                   \
     !defined(MATMUL_ROWS_STAGES) || !defined(MATMUL_ROWS_XSPLIT) || !defined(MATMUL_SPLIT_BLOCKS) ||             \
-    !defined(MATMUL_FINISH_THREADS)
+    !defined(MATMUL_SPLIT_WARPS) || !defined(MATMUL_SPLIT_NT) || !defined(MATMUL_FINISH_THREADS)
 #error "FEW_ROWS, MATMUL_SMALL_*, MATMUL_PAIR*, MATMUL_ROWS_*, MATMUL_SPLIT_*, MATMUL_FINISH_* come from constants.py"
 #endif
 static_assert(FEW_ROWS <= 64, "x's rows are at most 4 tiles of the mma fragments' 16 rows");
@@ -385,12 +385,12 @@ __device__ __forceinline__ void matmul_small_tile(void* __restrict__ out, const 
 // and of w's row g at element r0 + own + p * step). A stage's x, w and gain chunks are copied into shared
 // memory in the fragments' order (cp.async, MATMUL_ROWS_STAGES stages in flight), so x's rows come from L2 once
 // a block, not once a tile of w. A warp takes a group of x's tiles (RowsSplit: at 4 tiles, MATMUL_ROWS_XSPLIT
-// groups of 2, the block's warps in that many groups) and the block's tiles of w a group's share (NT x the
-// groups: x's A operands and w's B operands read from shared memory once for that many products; the fewest
-// bytes read a stage). Each warp sums a virtual warp's products from 0 in registers through the same mma_chunk
-// calls, then adds them to its running total (from 0.f, as matmul_small's `v += partial[j]`); the squares of x's
-// row halves (tile c / 2, rows g or g + 8: chain c) are summed the same way by warp c % warps. No reduction
-// across warps: each thread finishes its own (row, column pair) items (finish_item).
+// groups of 4 / that many, the block's warps in that many groups) and the block's tiles of w a group's share (NT
+// x the groups: x's A operands and w's B operands read from shared memory once for that many products). Each
+// warp sums a virtual warp's products from 0 in registers through the same mma_chunk calls, then adds them to
+// its running total (from 0.f, as matmul_small's `v += partial[j]`); the squares of x's row halves (tile c / 2,
+// rows g or g + 8: chain c) are summed the same way by warp c % warps. No reduction across warps: each thread
+// finishes its own (row, column pair) items (finish_item).
 template <int XT>
 struct RowsSplit {
     static constexpr int groups = XT == 4 ? MATMUL_ROWS_XSPLIT : 1, tiles = XT / groups;
@@ -736,15 +736,16 @@ MATMUL_SMALL_TILES(3, MATMUL_PAIR)
 MATMUL_SMALL_TILES(4, MATMUL_PAIR)
 // matmul_rows_t<XT>: 9 to 64 rows (XT tiles of 16), MATMUL_ROWS_NT x RowsSplit<XT>::groups tiles of w a warp, 1
 // to MATMUL_ROWS_WARPS warps a block (a multiple of those groups); dynamic shared memory: MATMUL_ROWS_STAGES
-// stages (layers._matmul_small). matmul_split_t<XT>: the same blocks, grid.y groups of `groups` consecutive
+// stages (layers._matmul_small). matmul_split_t<XT>: the same code in blocks of MATMUL_SPLIT_WARPS warps of
+// MATMUL_SPLIT_NT x RowsSplit<XT>::groups tiles of w each, grid.y groups of `groups` consecutive
 // virtual warps each (its stages only: fewer than MATMUL_ROWS_STAGES need that many buffers only), their sums
 // into the scratch parts, MATMUL_SPLIT_BLOCKS blocks an SM, rows of whole 16-byte chunks only (packed); then
 // matmul_split_finish.
 #define MATMUL_ROWS_CALL(W, PACKED, XT, NT, SPLIT) \
     matmul_rows<W, PACKED, XT, NT, SPLIT>(f, x, w, N, vwarps, stages, squares, parts, groups)
-#define MATMUL_ROWS_KERNEL(NAME, XT, NT, SPLIT, BLOCKS) MATMUL_ROWS_KERNEL_(NAME, XT, NT, SPLIT, BLOCKS)
-#define MATMUL_ROWS_KERNEL_(NAME, XT, NT, SPLIT, BLOCKS)                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * MATMUL_ROWS_WARPS, BLOCKS) NAME##XT(MATMUL_SMALL_PARAMS) {     \
+#define MATMUL_ROWS_KERNEL(NAME, XT, WARPS, NT, SPLIT, BLOCKS) MATMUL_ROWS_KERNEL_(NAME, XT, WARPS, NT, SPLIT, BLOCKS)
+#define MATMUL_ROWS_KERNEL_(NAME, XT, WARPS, NT, SPLIT, BLOCKS)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, BLOCKS) NAME##XT(MATMUL_SMALL_PARAMS) {                 \
         extern __shared__ uint4 stages[];                                                                           \
         __shared__ float squares[SPLIT ? 1 : 16 * XT]; /* the rows' sums of squares */                              \
         const Finish f{out, O, I, out_f32, accumulate, half, gain, rstd, eps, glu_out, bias,                        \
@@ -757,14 +758,14 @@ MATMUL_SMALL_TILES(4, MATMUL_PAIR)
         else if (packed) MATMUL_ROWS_CALL(1, true, XT, NT, false);                                                  \
         else MATMUL_ROWS_CALL(1, false, XT, NT, false);                                                             \
     }
-MATMUL_ROWS_KERNEL(matmul_rows_t, 1, MATMUL_ROWS_NT, false, 1)
-MATMUL_ROWS_KERNEL(matmul_rows_t, 2, MATMUL_ROWS_NT, false, 1)
-MATMUL_ROWS_KERNEL(matmul_rows_t, 3, MATMUL_ROWS_NT, false, 1)
-MATMUL_ROWS_KERNEL(matmul_rows_t, 4, MATMUL_ROWS_NT, false, 1)
-MATMUL_ROWS_KERNEL(matmul_split_t, 1, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
-MATMUL_ROWS_KERNEL(matmul_split_t, 2, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
-MATMUL_ROWS_KERNEL(matmul_split_t, 3, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
-MATMUL_ROWS_KERNEL(matmul_split_t, 4, MATMUL_ROWS_NT, true, MATMUL_SPLIT_BLOCKS)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 1, MATMUL_ROWS_WARPS, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 2, MATMUL_ROWS_WARPS, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 3, MATMUL_ROWS_WARPS, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_rows_t, 4, MATMUL_ROWS_WARPS, MATMUL_ROWS_NT, false, 1)
+MATMUL_ROWS_KERNEL(matmul_split_t, 1, MATMUL_SPLIT_WARPS, MATMUL_SPLIT_NT, true, MATMUL_SPLIT_BLOCKS)
+MATMUL_ROWS_KERNEL(matmul_split_t, 2, MATMUL_SPLIT_WARPS, MATMUL_SPLIT_NT, true, MATMUL_SPLIT_BLOCKS)
+MATMUL_ROWS_KERNEL(matmul_split_t, 3, MATMUL_SPLIT_WARPS, MATMUL_SPLIT_NT, true, MATMUL_SPLIT_BLOCKS)
+MATMUL_ROWS_KERNEL(matmul_split_t, 4, MATMUL_SPLIT_WARPS, MATMUL_SPLIT_NT, true, MATMUL_SPLIT_BLOCKS)
 
 // The end of a split product: a thread an item (row, two adjacent columns of the scratch: a tile's 2t, 2t + 1),
 // its virtual warps' sums added in their order from 0.f and the row's squares likewise (matmul_rows' totals),
