@@ -18,8 +18,8 @@ MATMUL_PAIR_WARPS = 6    # ... in blocks of at most this many warps (rows up to 
 # ... 9 to 64 rows of a product of at least MATMUL_ROWS_MIN_TILES tiles of 8 rows of w (matmul_rows_t*: x's rows
 # in shared memory, shared by a block's tiles): the most warps a block, the tiles of w a warp, and the stages of
 # x's rows and w's tiles in shared memory (a round of a virtual warp each), all but one in flight. 16 warps of
-# one tile (at most 128 registers a thread) rather than 8 of two: at 64 rows a warp issues about once in 5-8
-# cycles (Nsight Compute: fixed-latency waits, instruction fetch), so 2 warps a scheduler left most slots empty
+# one tile (at most 128 registers a thread) rather than 8 of two: each warp waits on its own latency chains, so
+# more of them fill a scheduler's issue slots (docs/decoding.md has the profile)
 MATMUL_ROWS_MIN_TILES = 1024
 MATMUL_ROWS_WARPS = 16
 MATMUL_ROWS_NT = 1
